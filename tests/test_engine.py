@@ -1,0 +1,142 @@
+"""The engine end to end on the numpy backend with a tiny random model: batching, preemption, sampling, stops."""
+
+import numpy as np
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.backends import sampler
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
+           "émoji 🙂 and 漢字", "Once upon a time, in a land far away, there lived", "x y z", "tinyvllm"]
+
+
+def llm_for(model_dir, **kw):
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(model_dir, backend="numpy", **kw)
+
+
+def texts_and_ids(outputs):
+    return [(o.outputs[0].text, tuple(o.outputs[0].token_ids)) for o in outputs]
+
+
+def assert_no_leaks(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_greedy_identical_alone_static_continuous_and_under_preemption(tiny_model_dir):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [llm_for(tiny_model_dir).generate(p, params)[0] for p in PROMPTS]
+    static_llm = llm_for(tiny_model_dir, batching="static", max_num_seqs=3)
+    static = static_llm.generate(PROMPTS, params)
+    tight = llm_for(tiny_model_dir, batching="continuous", num_kv_blocks=9, block_size=4)
+    continuous = tight.generate(PROMPTS, params)
+    assert texts_and_ids(static) == texts_and_ids(alone)
+    assert texts_and_ids(continuous) == texts_and_ids(alone)
+    assert tight.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert all(len(o.outputs[0].token_ids) == 24 for o in continuous)
+    assert_no_leaks(static_llm)
+    assert_no_leaks(tight)
+
+
+def test_seeded_sampling_independent_of_batch(tiny_model_dir):
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    llm = llm_for(tiny_model_dir)
+    together = llm.generate(PROMPTS, params)
+    alone = [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, params)]
+    reordered = llm_for(tiny_model_dir, max_num_seqs=3, num_kv_blocks=12, block_size=4).generate(
+        PROMPTS[::-1], params[::-1])[::-1]
+    assert texts_and_ids(together) == texts_and_ids(alone) == texts_and_ids(reordered)
+    other_seed = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != together[0].outputs[0].token_ids
+
+
+def test_stop_string_token_and_length(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    base = llm.generate("Hello there", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    full = base.outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    # a stop string taken from the middle of the greedy text: output is cut before it
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = llm.generate("Hello there", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                     stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.find(stop)]
+    # a stop token id: generation ends on it
+    token = full.token_ids[5]
+    by_token = llm.generate("Hello there", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                          stop_token_ids=[token]))[0].outputs[0]
+    first = full.token_ids.index(token)
+    assert by_token.token_ids == full.token_ids[: first + 1] and by_token.stop_reason == token
+
+
+def test_logprobs_and_prompt_logprobs(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0, logprobs=3,
+                                                             prompt_logprobs=2, ignore_eos=True))[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 5
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert entry[token] == pytest.approx(max(entry.values()))  # greedy: the sampled token is the most likely
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    # prompt logprobs agree with the logprob the model gives each next token when generating greedily
+    ids = out.prompt_token_ids
+    prefix = llm.generate([ids[:2]], SamplingParams(max_tokens=1, temperature=0, logprobs=0, ignore_eos=True))[0]
+    first = prefix.outputs[0]
+    if first.token_ids[0] == ids[2]:
+        assert out.prompt_logprobs[2][ids[2]] == pytest.approx(first.logprobs[0][ids[2]], abs=1e-4)
+    assert all(ids[i] in out.prompt_logprobs[i] and len(out.prompt_logprobs[i]) <= 3 for i in range(1, len(ids)))
+    # the prompt logprob of token i equals log_softmax of the logits at position i-1 (checked via a 1-token step)
+    probe = llm.generate([ids[:3]], SamplingParams(max_tokens=1, temperature=0, logprobs=20, ignore_eos=True))[0]
+    probe_entry = probe.outputs[0].logprobs[0]
+    if ids[3] in probe_entry:
+        assert out.prompt_logprobs[3][ids[3]] == pytest.approx(probe_entry[ids[3]], abs=1e-4)
+
+
+def test_over_long_and_empty_prompts_fail_alone(tiny_model_dir):
+    llm = llm_for(tiny_model_dir, max_model_len=32)
+    outs = llm.generate(["ok prompt", "word " * 200, "", [10, 11, 12]], SamplingParams(max_tokens=4, temperature=0))
+    assert outs[0].error is None and outs[0].outputs[0].finish_reason in ("stop", "length")
+    assert outs[1].outputs[0].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert outs[2].outputs[0].finish_reason == "error" and "empty" in outs[2].error
+    assert outs[3].error is None and outs[3].prompt_token_ids == [10, 11, 12]
+    assert_no_leaks(llm)
+
+
+def test_generation_stops_at_max_model_len(tiny_model_dir):
+    llm = llm_for(tiny_model_dir, max_model_len=20)
+    out = llm.generate([list(range(3, 13))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 20
+
+
+def test_metrics_are_ordered(tiny_model_dir):
+    out = llm_for(tiny_model_dir).generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for o in out:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.queue_ms >= 0 and m.ttft_ms >= m.queue_ms and m.e2e_ms >= m.ttft_ms and m.tpot_ms >= 0
+
+
+def test_chat_uses_template(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt == llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "hi" in out.prompt and out.prompt != "hi"
+
+
+def test_invalid_sampling_params_name_the_field():
+    for kwargs, name in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0},
+                                                                                            "max_tokens"),
+                         ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+def test_sampling_noise_depends_on_seed_and_step_only():
+    keys = sampler.step_keys(np.array([sampler.seed_key(42)] * 2, np.uint32), np.array([3, 3]))
+    assert keys[0] == keys[1]

@@ -1,0 +1,80 @@
+"""The numpy sampler: filters against a plain sorted implementation, and seeded draws that ignore the batch."""
+
+import numpy as np
+import pytest
+
+from tinyvllm.backends import sampler
+from tinyvllm.backends.base import SamplingBatch
+
+
+def params(n, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, keys=None):
+    return SamplingBatch(np.full(n, temperature, np.float32), np.full(n, top_p, np.float32),
+                         np.full(n, top_k, np.int32), np.full(n, min_p, np.float32),
+                         np.arange(n, dtype=np.uint32) if keys is None else keys)
+
+
+def reference_keep(logits_row, temperature, top_p, top_k, min_p):
+    """Which tokens survive, by sorting one row (the textbook definitions)."""
+    probs = np.exp(logits_row / temperature - np.max(logits_row / temperature))
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(len(probs), bool)
+    k = top_k if top_k > 0 else len(probs)
+    kept = order[:k]
+    mass = probs[kept] / probs[kept].sum()
+    n = int(np.searchsorted(np.cumsum(mass), top_p - 1e-7) + 1) if top_p < 1 else len(kept)
+    keep[kept[:n]] = True
+    keep &= probs >= min_p * probs.max()
+    return keep
+
+
+@pytest.mark.parametrize("top_p,top_k,min_p", [(1.0, 5, 0.0), (0.7, 0, 0.0), (0.9, 20, 0.0), (1.0, 0, 0.05),
+                                               (0.5, 10, 0.02)])
+def test_filters_match_sorted_reference(top_p, top_k, min_p):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(6, 200)).astype(np.float32) * 3
+    got = np.isfinite(sampler.filtered_logits(logits, params(6, 0.8, top_p, top_k, min_p)))
+    for row in range(6):
+        np.testing.assert_array_equal(got[row], reference_keep(logits[row], 0.8, top_p, top_k, min_p))
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(2).normal(size=(5, 50)).astype(np.float32)
+    np.testing.assert_array_equal(sampler.sample(logits, params(5, temperature=0.0)), logits.argmax(-1))
+
+
+def test_draws_follow_the_distribution():
+    # 4000 rows with the same logits and different keys: frequencies match softmax within sampling error.
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)).repeat(4000, 0)
+    draws = sampler.sample(logits, params(4000, keys=sampler.step_keys(np.full(4000, 7, np.uint32),
+                                                                       np.arange(4000))))
+    freq = np.bincount(draws, minlength=4) / 4000
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_top_k_one_is_greedy_whatever_the_noise():
+    logits = np.random.default_rng(3).normal(size=(8, 64)).astype(np.float32)
+    np.testing.assert_array_equal(sampler.sample(logits, params(8, top_k=1)), logits.argmax(-1))
+
+
+def test_a_row_draws_the_same_token_whatever_its_neighbours():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(6, 100)).astype(np.float32)
+    keys = sampler.step_keys(np.array([sampler.seed_key(s) for s in range(6)], np.uint32), np.full(6, 3))
+    together = sampler.sample(logits, params(6, keys=keys))
+    alone = [sampler.sample(logits[i:i + 1], params(1, keys=keys[i:i + 1]))[0] for i in range(6)]
+    np.testing.assert_array_equal(together, alone)
+    # and a different seed changes some draws
+    other = sampler.step_keys(np.array([sampler.seed_key(s + 100) for s in range(6)], np.uint32), np.full(6, 3))
+    many = np.repeat(logits[:1], 64, 0)
+    assert len(set(sampler.sample(many, params(64, keys=np.arange(64, dtype=np.uint32) * 7919)))) > 1
+    assert not np.array_equal(sampler.step_keys(keys, np.zeros(6)), sampler.step_keys(other, np.zeros(6)))
+
+
+def test_gather_logprobs_top_k_sorted_and_normalised():
+    logits = np.random.default_rng(5).normal(size=(3, 30)).astype(np.float32)
+    lp = sampler.gather_logprobs(logits, np.array([1, 2, 3]), 4)
+    full = sampler.log_softmax(logits)
+    np.testing.assert_allclose(np.exp(full).sum(-1), 1, rtol=1e-5)
+    np.testing.assert_allclose(lp.token_logprobs, full[[0, 1, 2], [1, 2, 3]], rtol=1e-6)
+    np.testing.assert_array_equal(lp.top_ids, np.argsort(-full, -1)[:, :4])

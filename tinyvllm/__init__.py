@@ -1,0 +1,18 @@
+"""tinyvllm: an offline batch-inference job runner for Llama-family LLMs."""
+
+__version__ = "0.1.0"
+
+from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in the engine and model code; import it lazily so `import tinyvllm` stays light.
+    if name == "LLM":
+        from tinyvllm.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "__version__"]

@@ -1,0 +1,37 @@
+"""Backends: the model forward pass and sampling over the paged KV cache, behind one interface."""
+
+from __future__ import annotations
+
+from tinyvllm.backends.base import Backend, Batch, EngineLimits, SamplerOutput, SamplingBatch
+
+
+def cuda_available() -> bool:
+    """True when pycuda imports and sees at least one NVIDIA GPU."""
+    try:
+        import pycuda.driver as cuda
+
+        cuda.init()
+        return cuda.Device.count() > 0
+    except Exception:  # no pycuda, no driver, no device: all mean "no"
+        return False
+
+
+def create_backend(name: str, model, limits: EngineLimits) -> Backend:
+    """Build the backend `name` ("auto" | "numpy" | "cuda") for a LoadedModel."""
+    if name == "auto":
+        name = "cuda" if cuda_available() else "numpy"
+    if name == "numpy":
+        from tinyvllm.backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend(model, limits)
+    if name == "cuda":
+        try:
+            from tinyvllm.backends.cuda.runner import CudaBackend
+        except ImportError as exc:
+            raise RuntimeError(f"the cuda backend needs pycuda and an NVIDIA GPU ({exc}); "
+                               "install with `pip install tinyvllm[cuda]` or use --backend numpy") from exc
+        return CudaBackend(model, limits)
+    raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
+
+
+__all__ = ["Backend", "Batch", "EngineLimits", "SamplerOutput", "SamplingBatch", "create_backend", "cuda_available"]

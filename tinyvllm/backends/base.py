@@ -1,0 +1,100 @@
+"""The interface between the engine and a backend.
+
+The engine prepares a `Batch` (flat numpy arrays: token ids, positions, slot mapping, block tables, sampling
+parameters); a backend runs the model over its paged KV cache and returns a `SamplerOutput` (sampled token ids and
+the logprobs asked for). Backends never see requests or the scheduler.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EngineLimits:
+    """The engine settings a backend needs to size its KV cache and buffers."""
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    num_kv_blocks: int | None = None  # explicit cache size; else from the memory budget
+    gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights + cache + buffers
+    cpu_kv_cache_bytes: int = 2 << 30  # numpy: memory budget of the KV cache
+
+
+@dataclass
+class SamplingBatch:
+    """Per-sequence sampling parameters, one entry per sequence of the batch."""
+
+    temperature: np.ndarray  # float32 [S]; 0 = greedy
+    top_p: np.ndarray  # float32 [S]; 1 = off
+    top_k: np.ndarray  # int32 [S]; 0 = off
+    min_p: np.ndarray  # float32 [S]; 0 = off
+    noise_keys: np.ndarray  # uint32 [S]: hash of (request seed, output index); drives the sampling noise
+    num_logprobs: int = 0  # top logprobs wanted per sampled token (max over the batch); 0 = none
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature == 0))
+
+
+@dataclass
+class Batch:
+    """One engine step: the new tokens of S sequences, packed back to back (T tokens in all)."""
+
+    is_prefill: bool
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]; position of each token in its sequence
+    slot_mapping: np.ndarray  # int32 [T]; cache slot (block * block_size + offset) each token's K/V goes to
+    query_start_loc: np.ndarray  # int32 [S + 1]; sequence i's new tokens are token_ids[qsl[i]:qsl[i+1]]
+    context_lens: np.ndarray  # int32 [S]; tokens in the cache for sequence i once this step has written its own
+    block_tables: np.ndarray  # int32 [S, max_blocks]; padded with 0
+    sampling: SamplingBatch
+    # Sequences (indices into the batch) whose every new position needs logprobs (prompt_logprobs), and how many.
+    prompt_logprob_seqs: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@dataclass
+class Logprobs:
+    """Logprobs at some positions: the chosen token's and the top-k tokens'."""
+
+    token_logprobs: np.ndarray  # float32 [N]
+    top_ids: np.ndarray  # int32 [N, k]
+    top_logprobs: np.ndarray  # float32 [N, k]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: np.ndarray  # int32 [S]
+    logprobs: Logprobs | None = None  # of the sampled tokens, when sampling.num_logprobs > 0
+    # For each index in batch.prompt_logprob_seqs: logprobs of that sequence's new tokens 1..q_len-1 given their prefix.
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    name: str
+
+    @abstractmethod
+    def init_kv_cache(self) -> int:
+        """Allocate the paged KV cache from the limits given at construction; return its number of blocks."""
+
+    @abstractmethod
+    def execute(self, batch: Batch) -> SamplerOutput:
+        """Run the model over the batch (writing its K/V into the cache) and sample one token per sequence."""
+
+    def describe(self) -> dict:
+        """Facts worth logging and storing in job metadata."""
+        return {"backend": self.name}

@@ -1,0 +1,195 @@
+"""The numpy backend: the reference forward pass over the paged KV cache (float32, CPU).
+
+It is written to be read, and it is the specification every CUDA kernel is tested against: each function below
+names its twin in cuda/*.cu. Everything is batched over the tokens of a step; only attention loops, over the
+sequences of a prefill step (their causal masks differ in shape).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.backends import sampler
+from tinyvllm.backends.base import Backend, Batch, EngineLimits, SamplerOutput
+from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+
+
+# ---- the operations (each the twin of a CUDA kernel) -------------------------------------------------------------
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * weight over the last axis.  Twin: cuda/norm.cu rms_norm."""
+    variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return (x / np.sqrt(variance + eps)) * weight
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim/2].  Twin: cuda/rope.cu."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    """SiLU(gate) * up, with gate_up [T, 2 * I] holding gate then up.  Twin: cuda/activation.cu."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def write_kv_cache(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   slot_mapping: np.ndarray) -> None:
+    """Store each token's K/V [T, kv_heads, head_dim] at its slot of the cache [slots, kv_heads, head_dim].
+    Twin: cuda/cache.cu reshape_and_cache."""
+    k_cache[slot_mapping] = k
+    v_cache[slot_mapping] = v
+
+
+def context_slots(block_table: np.ndarray, context_len: int, block_size: int) -> np.ndarray:
+    """The cache slots of positions 0..context_len-1 of a sequence, through its block table."""
+    positions = np.arange(context_len)
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, block_size: int,
+                    scale: float) -> np.ndarray:
+    """Causal attention of each sequence's new queries over its whole context, read from the paged cache.
+
+    q [T, heads, head_dim] -> [T, heads, head_dim]. A query at position p sees keys at positions <= p. Grouped-query
+    attention: query head h reads KV head h // (heads / kv_heads).
+    Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[1]
+    if not batch.is_prefill:
+        return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group)
+    out = np.empty_like(q)
+    for i in range(batch.num_seqs):
+        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        ctx = int(batch.context_lens[i])
+        slots = context_slots(batch.block_tables[i], ctx, block_size)
+        k = np.repeat(k_cache[slots], group, axis=1)  # [ctx, heads, d]
+        v = np.repeat(v_cache[slots], group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q[start:end], k) * scale
+        query_pos = batch.positions[start:end]
+        scores = np.where(np.arange(ctx)[None, None, :] <= query_pos[None, :, None], scores, -np.inf)
+        out[start:end] = np.einsum("hqk,khd->qhd", _softmax(scores), v)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, scale: float, group: int) -> np.ndarray:
+    # One query per sequence: pad every context to the longest and mask, so the whole batch is one einsum.
+    max_ctx = int(batch.context_lens.max())
+    positions = np.arange(max_ctx)
+    blocks = batch.block_tables[:, np.minimum(positions // block_size, batch.block_tables.shape[1] - 1)]
+    slots = blocks * block_size + positions % block_size  # [S, max_ctx]
+    k, v = k_cache[slots], v_cache[slots]  # [S, max_ctx, kv_heads, d]
+    s, kv_heads, d = q.shape[0], k.shape[2], q.shape[2]
+    qg = q.reshape(s, kv_heads, group, d)
+    scores = np.einsum("sgjd,skgd->sgjk", qg, k) * scale  # [S, kv_heads, group, max_ctx]
+    valid = positions[None, :] < batch.context_lens[:, None]
+    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    out = np.einsum("sgjk,skgd->sgjd", _softmax(scores), v)
+    return out.reshape(s, kv_heads * group, d)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# ---- the model -----------------------------------------------------------------------------------------------------
+
+class NumpyBackend(Backend):
+    """Llama forward in float32 over a paged KV cache held in numpy arrays."""
+
+    name = "numpy"
+
+    def __init__(self, model, limits: EngineLimits) -> None:
+        self.config = cfg = model.config
+        self.limits = limits
+        w = model.weights
+        self.embed = np.ascontiguousarray(w["model.embed_tokens.weight"], dtype=np.float32)
+        self.lm_head_t = np.ascontiguousarray(w["lm_head.weight"].T, dtype=np.float32)  # [hidden, vocab]
+        self.final_norm = w["model.norm.weight"].astype(np.float32)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            # Q/K/V and gate/up fused into one [in, out] matrix each: one GEMM instead of three (or two).
+            qkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
+            gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+            self.layers.append({
+                "input_norm": w[p + "input_layernorm.weight"].astype(np.float32),
+                "post_norm": w[p + "post_attention_layernorm.weight"].astype(np.float32),
+                "qkv": np.ascontiguousarray(qkv.T, dtype=np.float32),
+                "o": np.ascontiguousarray(w[p + "self_attn.o_proj.weight"].T, dtype=np.float32),
+                "gate_up": np.ascontiguousarray(gate_up.T, dtype=np.float32),
+                "down": np.ascontiguousarray(w[p + "mlp.down_proj.weight"].T, dtype=np.float32),
+            })
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.k_cache: list[np.ndarray] = []
+        self.v_cache: list[np.ndarray] = []
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.config
+        return 2 * cfg.num_hidden_layers * self.limits.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+
+    def init_kv_cache(self) -> int:
+        limits, cfg = self.limits, self.config
+        num_blocks = limits.num_kv_blocks
+        if num_blocks is None:
+            # Enough for every sequence at full length, within the memory budget.
+            wanted = limits.max_num_seqs * -(-limits.max_model_len // limits.block_size)
+            num_blocks = max(1, min(wanted, limits.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
+        shape = (num_blocks * limits.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
+        return num_blocks
+
+    def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
+        """Run the layers over the batch's tokens; return logits [len(logit_rows), vocab] of the chosen tokens."""
+        cfg = self.config
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
+        scale = 1.0 / np.sqrt(d)
+        x = self.embed[batch.token_ids]  # [T, hidden]
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+            qkv = h @ layer["qkv"]
+            q = qkv[:, : heads * d].reshape(-1, heads, d)
+            k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(-1, kv_heads, d)
+            v = qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, batch, self.limits.block_size, scale)
+            x = x + attn.reshape(len(x), heads * d) @ layer["o"]
+            h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
+            x = x + silu_and_mul(h @ layer["gate_up"]) @ layer["down"]
+        h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
+        return h @ self.lm_head_t
+
+    def execute(self, batch: Batch) -> SamplerOutput:
+        last_rows = batch.query_start_loc[1:] - 1
+        # Sequences asking for prompt logprobs need logits at every new position, not just the last.
+        prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i + 1])
+                       for i in batch.prompt_logprob_seqs]
+        rows = np.concatenate([last_rows, *prompt_rows]) if prompt_rows else last_rows
+        logits = self.forward(batch, rows)
+        return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:])
+
+
+def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None) -> SamplerOutput:
+    """Sample one token per sequence and gather the logprobs the batch asks for (shared by the backends)."""
+    token_ids = sampler.sample(logits, batch.sampling)
+    out = SamplerOutput(token_ids)
+    if batch.sampling.num_logprobs > 0:
+        out.logprobs = sampler.gather_logprobs(logits, token_ids, batch.sampling.num_logprobs)
+    offset = 0
+    for i in batch.prompt_logprob_seqs:
+        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        n = end - start
+        # Position j predicts token j + 1: the last new position's prediction is the sampled token, not a prompt one.
+        seq_logits = prompt_logits[offset: offset + n - 1]
+        out.prompt_logprobs[i] = sampler.gather_logprobs(seq_logits, batch.token_ids[start + 1: end],
+                                                         batch.num_prompt_logprobs)
+        offset += n
+    return out

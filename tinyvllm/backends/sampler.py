@@ -1,0 +1,109 @@
+"""Sampling, the numpy reference (twin of cuda/sampling.cu).
+
+Sampling is Gumbel-max over the filtered, temperature-scaled logits: token = argmax(logits / T + g), where the
+noise g of each (request, output index, token) comes from a counter-based hash. So a seeded request draws the same
+tokens whatever else is in its batch, on either backend, after preemption and recompute too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.backends.base import Logprobs, SamplingBatch
+
+_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+
+
+def mix32(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer: a bijective avalanche mix of uint32 values."""
+    x = np.asarray(x, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * _M1
+        x = x ^ (x >> np.uint32(13))
+        x = x * _M2
+        x = x ^ (x >> np.uint32(16))
+    return x
+
+
+def seed_key(seed: int) -> int:
+    """A request's 32-bit sampling key, from its 64-bit seed (computed once, at arrival)."""
+    lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF)
+    return int(mix32(lo ^ mix32(hi ^ np.uint32(0x9E3779B9))))
+
+
+def step_keys(seed_keys: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
+    """The noise key of each request's next draw: hash of its seed key and the index of the token being drawn."""
+    with np.errstate(over="ignore"):
+        return mix32(seed_keys.astype(np.uint32) ^ mix32(output_indices.astype(np.uint32) + np.uint32(0x632BE5AB)))
+
+
+def gumbel_noise(keys: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Gumbel(0, 1) noise [S, V] from per-row keys: u = 24 high bits of mix32(key ^ mix32(token)), in (0, 1)."""
+    token_hash = mix32(np.arange(vocab_size, dtype=np.uint32))
+    bits = mix32(keys.astype(np.uint32)[:, None] ^ token_hash[None, :]) >> np.uint32(8)
+    u = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
+    return -np.log(-np.log(u))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def filtered_logits(logits: np.ndarray, params: SamplingBatch) -> np.ndarray:
+    """Temperature-scaled logits with the tokens removed by top-k, top-p and min-p set to -inf."""
+    temperature = np.where(params.temperature > 0, params.temperature, 1.0).astype(np.float32)
+    scaled = logits / temperature[:, None]
+    probs = np.exp(log_softmax(scaled))
+    keep = np.ones_like(scaled, dtype=bool)
+
+    # top-k: keep tokens whose probability is at least the k-th largest (ties at the boundary stay in).
+    top_k = params.top_k
+    if np.any(top_k > 0):
+        order = -np.sort(-probs, axis=-1)
+        k_index = np.clip(np.where(top_k > 0, top_k, probs.shape[1]), 1, probs.shape[1]) - 1
+        kth = order[np.arange(len(probs)), k_index]
+        keep &= probs >= kth[:, None]
+    # top-p: the smallest set of most likely tokens whose mass reaches top_p (among the top-k survivors).
+    if np.any(params.top_p < 1):
+        masked = np.where(keep, probs, 0.0)
+        order = -np.sort(-masked, axis=-1)
+        mass_before = np.cumsum(order, axis=-1) - order
+        total = masked.sum(axis=-1, keepdims=True)
+        # the threshold is the probability of the last token needed to reach top_p of the surviving mass
+        needed = mass_before < params.top_p[:, None] * total
+        threshold = np.where(needed, order, np.inf).min(axis=-1)
+        threshold = np.where(params.top_p < 1, threshold, 0.0)  # rounding in cumsum must not trim top_p = 1
+        keep &= masked >= threshold[:, None]
+    # min-p: drop tokens less likely than min_p times the most likely one.
+    if np.any(params.min_p > 0):
+        keep &= probs >= (params.min_p[:, None] * probs.max(axis=-1, keepdims=True))
+    return np.where(keep, scaled, -np.inf)
+
+
+def sample(logits: np.ndarray, params: SamplingBatch) -> np.ndarray:
+    """One token id per row of logits [S, V] (float32)."""
+    greedy_ids = logits.argmax(axis=-1)
+    if params.all_greedy:
+        return greedy_ids.astype(np.int32)
+    random_rows = np.flatnonzero(params.temperature > 0)
+    sub = SamplingBatch(params.temperature[random_rows], params.top_p[random_rows], params.top_k[random_rows],
+                        params.min_p[random_rows], params.noise_keys[random_rows])
+    scores = filtered_logits(logits[random_rows], sub) + gumbel_noise(sub.noise_keys, logits.shape[1])
+    greedy_ids[random_rows] = scores.argmax(axis=-1)
+    return greedy_ids.astype(np.int32)
+
+
+def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> Logprobs:
+    """Logprobs (of the raw model distribution) of `token_ids` [N] and the top-k tokens at each of N rows."""
+    logp = log_softmax(logits)
+    rows = np.arange(len(token_ids))
+    if k > 0:
+        top_ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+        top_lp = np.take_along_axis(logp, top_ids, axis=-1)
+        order = np.argsort(-top_lp, axis=-1, kind="stable")
+        top_ids, top_lp = np.take_along_axis(top_ids, order, -1), np.take_along_axis(top_lp, order, -1)
+    else:
+        top_ids, top_lp = np.zeros((len(rows), 0), np.int32), np.zeros((len(rows), 0), np.float32)
+    return Logprobs(logp[rows, token_ids].astype(np.float32), top_ids.astype(np.int32), top_lp.astype(np.float32))

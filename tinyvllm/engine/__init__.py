@@ -1,0 +1,1 @@
+"""The engine: request state, paged-KV bookkeeping, scheduling and the step loop."""

@@ -1,0 +1,173 @@
+"""The step loop: requests in, scheduled steps through the backend, finished RequestOutputs out."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tinyvllm.backends.base import Backend, Batch, EngineLimits, Logprobs, SamplerOutput
+from tinyvllm.backends.sampler import seed_key
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.model_inputs import build_batch
+from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, model, backend: Backend, limits: EngineLimits, batching: str = "continuous",
+                 seed: int = 0) -> None:
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+        self.backend = backend
+        self.limits = limits
+        self.num_kv_blocks = backend.init_kv_cache()
+        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size)
+        self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, batching)
+        # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
+        self.max_seq_len = min(limits.max_model_len, self.num_kv_blocks * limits.block_size)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+        self.rng = np.random.default_rng(seed)  # seeds for requests that bring none
+        self._arrivals = 0
+        self._rejected: list[RequestOutput] = []
+        self.num_steps = 0
+
+    # ---- requests in -----------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    prompt_is_templated: bool = False) -> None:
+        """Queue a request. Problems of this request alone come back from step() as an error output."""
+        metrics = RequestMetrics(arrival_time=time.time())
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            token_ids = self._prompt_token_ids(prompt, prompt_is_templated)
+        except ValueError as exc:
+            self._reject(request_id, text, [], metrics, str(exc))
+            return
+        seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
+        seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        if params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        self._arrivals += 1
+        self.scheduler.add(seq)
+
+    def _prompt_token_ids(self, prompt: str | list[int], templated: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            token_ids = self.tokenizer.encode_prompt(prompt, templated=templated)
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        if not token_ids:
+            raise ValueError("empty prompt")
+        if len(token_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} "
+                             f"(max_model_len {self.limits.max_model_len}, KV cache "
+                             f"{self.num_kv_blocks * self.limits.block_size} tokens, one token left to generate)")
+        return token_ids
+
+    def _reject(self, request_id: str, prompt: str | None, token_ids: list[int], metrics: RequestMetrics,
+                error: str) -> None:
+        metrics.finished_time = time.time()
+        completion = CompletionOutput(0, "", [], finish_reason="error")
+        self._rejected.append(RequestOutput(request_id, prompt, token_ids, [completion], True, metrics, error=error))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._rejected) + len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- one step --------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the requests that finished in it."""
+        finished, self._rejected = self._rejected, []
+        step = self.scheduler.schedule()
+        if step is None or not step.seqs:
+            return finished
+        now = time.time()
+        for seq in step.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        batch = build_batch(step, self.limits.block_size)
+        result = self.backend.execute(batch)
+        self.num_steps += 1
+        return finished + self._process(step, batch, result)
+
+    def _process(self, step: ScheduledStep, batch: Batch, result: SamplerOutput) -> list[RequestOutput]:
+        now = time.time()
+        finished = []
+        for i, seq in enumerate(step.seqs):
+            seq.num_computed_tokens = len(seq)
+            if i in result.prompt_logprobs:
+                seq.prompt_logprobs = [None] + _logprob_dicts(result.prompt_logprobs[i],
+                                                              batch.token_ids[batch.query_start_loc[i] + 1:
+                                                                              batch.query_start_loc[i + 1]],
+                                                              seq.params.prompt_logprobs)
+            token = int(result.sampled_token_ids[i])
+            seq.token_ids.append(token)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if seq.logprobs is not None:
+                entry = _logprob_dicts(result.logprobs, [token], seq.params.logprobs, row=i)[0]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token]
+            if self._check_stop(seq, token):
+                seq.metrics.finished_time = now
+                seq.metrics.num_generated_tokens = seq.num_output_tokens
+                self.scheduler.finish(seq)
+                finished.append(self._output(seq))
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Append the token's text and decide whether the sequence is done; set finish/stop reasons."""
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return True
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        before = len(seq.text)
+        seq.text += seq.detokenizer.add(token)
+        if params.stop and len(seq.text) > before:
+            longest = max(len(s) for s in params.stop)
+            search_from = max(0, before - longest + 1)
+            hits = [(seq.text.find(s, search_from), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                seq.text = seq.text[:pos]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs,
+                                      seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], True, seq.metrics,
+                             prompt_logprobs=seq.prompt_logprobs,
+                             extra={"num_preemptions": seq.num_preemptions})
+
+
+def _logprob_dicts(logprobs: Logprobs, token_ids, k: int, row: int | None = None) -> list[dict[int, float]]:
+    """{token: logprob} per position: the actual token's and the top-k (k of this request, the batch may have more)."""
+    rows = range(len(token_ids)) if row is None else [row]
+    out = []
+    for r, token in zip(rows, token_ids):
+        entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])}
+        entry[int(token)] = float(logprobs.token_logprobs[r])
+        out.append(entry)
+    return out

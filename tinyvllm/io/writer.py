@@ -1,0 +1,210 @@
+"""Crash-safe output: finished rows are committed in small Parquet pieces under `<output>.parts/` (each written
+to a temp name, fsynced, renamed), then merged in input order into one Parquet file renamed into place, with a
+JSON summary next to it. A kill at any moment loses at most the rows not yet committed."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tinyvllm.io import JobError
+from tinyvllm.outputs import RequestOutput
+
+PIECE_ROWS = 256  # rows per piece at most ...
+PIECE_SECONDS = 2.0  # ... and a finished row waits at most this long to be committed
+FINAL_BATCH_ROWS = 1024
+LATENCIES = ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms")
+_TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())]))
+
+
+def output_schema(token_ids: bool = False, logprobs: bool = False) -> pa.Schema:
+    cols = [("row", pa.int64()), ("id", pa.string()), ("prompt", pa.string()), ("completion", pa.string()),
+            ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
+            ("error", pa.string())]
+    cols += [(name, pa.float64()) for name in LATENCIES]
+    cols += [("finished_at", pa.float64())]  # unix seconds, for throughput over time
+    if token_ids:
+        cols += [("completion_token_ids", pa.list_(pa.int32()))]
+    if logprobs:  # the sampled token's logprob per position, and the top ones (sampled included) at each
+        cols += [("cumulative_logprob", pa.float64()), ("logprobs", pa.list_(pa.float64())),
+                 ("top_logprobs", pa.list_(_TOP))]
+    return pa.schema(cols)
+
+
+def output_record(index: int, row_id: str, prompt: str | list[int] | None,
+                  out: RequestOutput | None = None, error: str | None = None) -> dict:
+    """One output row: from the engine's RequestOutput, or from a row that failed before reaching it."""
+    comp = out.outputs[0] if out is not None and out.outputs else None
+    if error is None and out is not None:
+        error = out.error or (None if comp else "engine returned no completion")
+    ok = error is None
+    metrics = out.metrics if out is not None else None
+    rec = {
+        "row": index, "id": row_id, "prompt": prompt if isinstance(prompt, str) else None,
+        "completion": comp.text if ok else None,
+        "finish_reason": comp.finish_reason if ok else "error",
+        "prompt_tokens": len(out.prompt_token_ids) if out is not None and out.prompt_token_ids else None,
+        "completion_tokens": len(comp.token_ids) if ok else 0,
+        "error": error, "finished_at": time.time(),
+        "completion_token_ids": comp.token_ids if ok else None,
+    }
+    rec.update({name: getattr(metrics, name) if metrics else None for name in LATENCIES})
+    if ok and comp.logprobs is not None:
+        rec["cumulative_logprob"] = comp.cumulative_logprob
+        rec["logprobs"] = [d.get(t) for t, d in zip(comp.token_ids, comp.logprobs)]
+        rec["top_logprobs"] = [[{"token_id": t, "logprob": p} for t, p in sorted(d.items(), key=lambda kv: -kv[1])]
+                               for d in comp.logprobs]
+    return rec
+
+
+def parts_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".parts")
+
+
+def summary_path(output: Path) -> Path:
+    name = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
+    return output.with_name(name + ".summary.json")
+
+
+class PartsWriter:
+    """Buffers finished rows and commits them as pieces; finalize() assembles the output file."""
+
+    def __init__(self, output: Path, schema: pa.Schema, run_started: float,
+                 piece_rows: int = PIECE_ROWS, piece_seconds: float = PIECE_SECONDS):
+        self.output, self.parts = output, parts_dir(output)
+        self.schema = schema.with_metadata({"tinyvllm.run_started": json.dumps(run_started)})
+        self.piece_rows, self.piece_seconds = piece_rows, piece_seconds
+        try:
+            self.parts.mkdir(parents=True, exist_ok=True)
+            for tmp in self.parts.glob("*.tmp"):  # a piece being written when the last run died
+                tmp.unlink()
+        except OSError as e:
+            raise JobError(f"cannot write output pieces in {self.parts}: {e.strerror}") from None
+        pieces = self.pieces()
+        self._seq = int(pieces[-1].name[len("piece-"):-len(".parquet")]) + 1 if pieces else 0
+        self._buffer: list[dict] = []
+        self._oldest = 0.0
+        self.committed = 0  # rows committed by this run
+
+    def pieces(self) -> list[Path]:
+        return sorted(self.parts.glob("piece-*.parquet"))
+
+    def committed_rows(self) -> set[int]:
+        """Row numbers already committed by earlier runs (what a resumed run skips)."""
+        done: set[int] = set()
+        for piece in self.pieces():
+            done.update(pq.read_table(piece, columns=["row"]).column("row").to_pylist())
+        return done
+
+    def add(self, record: dict) -> None:
+        if not self._buffer:
+            self._oldest = time.monotonic()
+        self._buffer.append(record)
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        if self._buffer and (len(self._buffer) >= self.piece_rows
+                             or time.monotonic() - self._oldest >= self.piece_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        self._buffer.sort(key=lambda r: r["row"])  # sorted pieces let finalize() merge instead of sort
+        table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+        path = self.parts / f"piece-{self._seq:08d}.parquet"
+        _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+        self._seq += 1
+        self.committed += len(self._buffer)
+        self._buffer = []
+
+    def finalize(self, metadata: dict) -> dict:
+        """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
+
+        `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added."""
+        self.flush()
+        pieces = self.pieces()
+        summary = _summarize(pieces, self.output)
+        metadata = {**metadata, "counts": {k: summary[k] for k in
+                                           ("rows", "error_rows", "finish_reasons", "prompt_tokens", "output_tokens")}}
+        kv = {f"tinyvllm.{k}": json.dumps(v, default=str) for k, v in metadata.items()}
+        schema = self.schema.with_metadata(kv)
+
+        def write(tmp: Path) -> None:
+            with pq.ParquetWriter(tmp, schema) as w:
+                batch = []
+                for rec in _merged(pieces):
+                    batch.append(rec)
+                    if len(batch) == FINAL_BATCH_ROWS:
+                        w.write_table(pa.Table.from_pylist(batch, schema=schema))
+                        batch = []
+                w.write_table(pa.Table.from_pylist(batch, schema=schema))
+
+        _atomic_write(self.output, write)
+        _atomic_write(summary_path(self.output),
+                      lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
+        shutil.rmtree(self.parts)
+        return summary
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _merged(pieces: list[Path]) -> Iterator[dict]:
+    """All rows of the (each sorted) pieces in row order, holding only pieces that overlap the current row."""
+    starts = sorted((pq.read_table(p, columns=["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
+    heap: list[tuple[int, int, dict, Iterator[dict]]] = []
+    nxt = 0
+    while nxt < len(starts) or heap:
+        while nxt < len(starts) and (not heap or starts[nxt][0] <= heap[0][0]):
+            rows = iter(pq.read_table(pieces[starts[nxt][1]]).to_pylist())
+            first = next(rows)
+            heapq.heappush(heap, (first["row"], starts[nxt][1], first, rows))
+            nxt += 1
+        _, i, rec, rows = heapq.heappop(heap)
+        yield rec
+        following = next(rows, None)
+        if following is not None:
+            heapq.heappush(heap, (following["row"], i, following, rows))
+
+
+def _summarize(pieces: list[Path], output: Path) -> dict:
+    cols = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", *LATENCIES]
+    tables, run_ends = [], {}
+    for piece in pieces:
+        t = pq.read_table(piece, columns=cols)
+        tables.append(t)
+        started = json.loads(t.schema.metadata[b"tinyvllm.run_started"])
+        end = pc.max(t.column("finished_at")).as_py()
+        run_ends[started] = max(run_ends.get(started, end), end)
+    t = pa.concat_tables(tables) if tables else output_schema().empty_table().select(cols)
+    reasons = {c["values"]: c["counts"] for c in pc.value_counts(t.column("finish_reason")).to_pylist()}
+    ok = pc.not_equal(t.column("finish_reason"), "error")
+    wall = sum(end - start for start, end in run_ends.items())  # time spent running, summed over resumed runs
+    out_tokens = int(pc.sum(t.column("completion_tokens")).as_py() or 0)
+    latency = {}
+    for name in LATENCIES:
+        values = t.column(name).filter(ok).drop_null().to_numpy()
+        latency[name[:-3]] = {f"p{q}": (float(np.percentile(values, q)) if len(values) else None) for q in (50, 90, 99)}
+    return {
+        "output": str(output), "rows": t.num_rows, "error_rows": reasons.get("error", 0),
+        "finish_reasons": dict(sorted((str(k), v) for k, v in reasons.items())),
+        "prompt_tokens": int(pc.sum(t.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
+        "wall_time_s": round(wall, 3), "output_tok_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
+        "latency_ms": latency,
+    }

@@ -1,0 +1,6 @@
+"""Llama model description and weights: config, safetensors/GGUF loading, random test models."""
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.loader import LoadedModel, load_model
+
+__all__ = ["ModelConfig", "LoadedModel", "load_model"]

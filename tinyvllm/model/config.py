@@ -1,0 +1,154 @@
+"""ModelConfig: the Llama hyperparameters tinyvllm needs, read from HF config.json in either format."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("bfloat16", "float16", "float32")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or normalized llama3 parameters (see normalize_rope_scaling)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if archs != ["LlamaForCausalLM"]:
+            raise ValueError(f"unsupported architectures {archs}: only LlamaForCausalLM is supported")
+        if d.get("model_type", "llama") != "llama":
+            raise ValueError(f"unsupported model_type {d['model_type']!r}: only 'llama' is supported")
+        # Features HF Llama supports but tinyvllm's kernels do not: refuse rather than compute something else.
+        for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+            if d.get(key, ok) != ok:
+                raise ValueError(f"unsupported {key}={d[key]!r} (tinyvllm requires {ok!r})")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config is missing required fields {missing}")
+
+        # transformers>=5 folds rope_theta and the scaling into `rope_parameters`; hub checkpoints keep them apart.
+        rope = d.get("rope_parameters")
+        if rope is not None:
+            if "rope_theta" not in rope:
+                raise ValueError(f"unsupported rope_parameters {rope!r} (per-layer-type rope is not Llama)")
+            rope_theta, rope_scaling = rope["rope_theta"], rope
+        else:
+            rope_theta, rope_scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
+        if (rope_scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("unsupported partial_rotary_factor: tinyvllm rotates the whole head")
+
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.")
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_as_id_list(eos),
+            torch_dtype=dtype,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        config = cls.from_hf_dict(json.loads(config_file.read_text()))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            gen = json.loads(gen_file.read_text())
+            # generation_config.json is what HF generate() stops on: its eos ids extend config.json's.
+            for i in _as_id_list(gen.get("eos_token_id")):
+                if i not in config.eos_token_ids:
+                    config.eos_token_ids.append(i)
+            if config.bos_token_id is None:
+                config.bos_token_id = gen.get("bos_token_id")
+        return config
+
+    def to_hf_dict(self) -> dict:
+        """config.json as hub checkpoints carry it (rope_theta + rope_scaling)."""
+        eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos if self.eos_token_ids else None,
+            "torch_dtype": self.torch_dtype,
+        }
+
+
+def normalize_rope_scaling(rs: dict | None) -> dict | None:
+    """None for plain RoPE; {"rope_type": "llama3", <LLAMA3_KEYS>} for Llama 3.1+ scaling; ValueError otherwise."""
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope type {kind!r}: only 'default' and 'llama3' are supported")
+    missing = [k for k in LLAMA3_KEYS if k not in rs]
+    if missing:
+        raise ValueError(f"llama3 rope scaling is missing {missing}")
+    out: dict = {"rope_type": "llama3"}
+    out.update({k: float(rs[k]) for k in LLAMA3_KEYS[:3]})
+    out["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
+    return out
+
+
+def _as_id_list(x: int | list[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]

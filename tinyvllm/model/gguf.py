@@ -1,0 +1,255 @@
+"""GGUF (llama.cpp) Llama models: metadata -> ModelConfig, tensors -> float32 HF-named weights, vocab -> Tokenizer."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+import tokenizers
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.loader import bf16_to_f32
+from tinyvllm.model.rope import rope_inv_freq
+from tinyvllm.tokenizer import Tokenizer
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# tokenizer.ggml.pre -> how text is split before byte-level BPE (as in the model's own tokenizer.json).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_SPLITS: dict[str, list[str]] = {
+    **dict.fromkeys(["default", "gpt-2", "gpt2", "mpt", "olmo"], [_GPT2_SPLIT]),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell"], [r"\p{N}", _GPT2_SPLIT]),  # digits one by one
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3"], [_LLAMA3_SPLIT]),
+    **dict.fromkeys(["qwen2", "stablelm2"], [_QWEN2_SPLIT]),
+}
+IGNORE_MERGES_PRES = {"llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3"}  # as llama.cpp does
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    reader = gguf.GGUFReader(os.fspath(path))
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, tensors)
+    weights: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":  # already folded into config.rope_scaling
+            continue
+        w = dequantize(t)
+        # llama.cpp stores Q/K rows interleaved per head (rotate-pairs RoPE); undo it for the rotate-half layout.
+        if name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, config.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, config.num_key_value_heads)
+        weights[hf_name(name)] = w
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return config, weights, tokenizer_from_gguf(meta)
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Every key/value field as plain Python values (lists for arrays)."""
+    meta = {}
+    for name, field in reader.fields.items():
+        if not field.types:
+            continue
+        values = [field.parts[i] for i in field.data]
+        if field.types[-1] == GGUFValueType.STRING:
+            values = [bytes(v).decode("utf-8") for v in values]
+        else:
+            values = np.concatenate(values).tolist() if values else []
+        meta[name] = values if field.types[0] == GGUFValueType.ARRAY else values[0]
+    return meta
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"llama.{key}", default)
+
+    for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
+        if get(key) is None:
+            raise ValueError(f"GGUF metadata is missing llama.{key}")
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    theta = _round32(get("rope.freq_base", 10000.0))
+    if get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"unsupported GGUF rope scaling type {get('rope.scaling.type')!r}")
+    rope_scaling = None
+    if "rope_freqs.weight" in tensors:
+        rope_scaling = _llama3_scaling_from_freqs(dequantize(tensors["rope_freqs.weight"]), head_dim, theta)
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    return ModelConfig(
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=_round32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        torch_dtype=_storage_dtype(tensors),
+    )
+
+
+def hf_name(name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.weight"
+    base = name.removesuffix(".weight")
+    if name.endswith(".weight") and base in GLOBAL_NAMES:
+        return GLOBAL_NAMES[base] + ".weight"
+    raise ValueError(f"unsupported GGUF tensor {name!r} (not a plain Llama model?)")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's permute: per head, rows (d/2, 2) back to (2, d/2)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def dequantize(t: Any) -> np.ndarray:
+    """A gguf ReaderTensor as float32 with the numpy shape (GGUF lists dims fastest-first, so reversed)."""
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    data, kind = t.data, t.tensor_type
+    if kind in (QT.F32, QT.F16):
+        out = data.astype(np.float32)
+    elif kind == QT.BF16:
+        out = bf16_to_f32(data.view(np.uint16))
+    elif kind in DEQUANTIZERS:
+        block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+        out = DEQUANTIZERS[kind](np.ascontiguousarray(data).reshape(-1, block_bytes))
+    else:
+        try:  # rarer formats (K-quants, IQ*): gguf's own numpy reference
+            out = gguf.quants.dequantize(data, kind)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name}: cannot dequantize type {kind.name}") from e
+    return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+
+
+# Block layouts (ggml-common.h): 32 weights per block, a float16 scale d first.
+def _dequant_q8_0(b: np.ndarray) -> np.ndarray:  # d, int8 q[32]: w = d * q
+    return b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    # byte j holds weight j in its low nibble and weight j + 16 in its high nibble
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _dequant_q4_0(b: np.ndarray) -> np.ndarray:  # d, q[16 bytes]: w = d * (q - 8)
+    return b[:, :2].view(np.float16).astype(np.float32) * (_nibbles(b[:, 2:]) - 8)
+
+
+def _dequant_q4_1(b: np.ndarray) -> np.ndarray:  # d, m, q[16 bytes]: w = d * q + m
+    d, m = b[:, :2].view(np.float16).astype(np.float32), b[:, 2:4].view(np.float16).astype(np.float32)
+    return d * _nibbles(b[:, 4:]) + m
+
+
+DEQUANTIZERS = {QT.Q8_0: _dequant_q8_0, QT.Q4_0: _dequant_q4_0, QT.Q4_1: _dequant_q4_1}
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """A byte-level BPE Tokenizer from tokenizer.ggml.* metadata (what llama.cpp calls the 'gpt2' model)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' (byte-level BPE) is implemented, "
+            "not SentencePiece ('llama') or others"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {sorted(PRE_SPLITS)})")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    # A merge is "left right"; split at the first space after position 0 like llama.cpp.
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in meta.get("tokenizer.ggml.merges", [])]
+    bpe = tokenizers.models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES_PRES)
+    backend = tokenizers.Tokenizer(bpe)
+    splits = [tokenizers.pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        splits + [tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) are special: matched whole in text and dropped by skip_special_tokens.
+    # User-defined ones are matched whole too but decode as text, as llama.cpp does.
+    types = meta.get("tokenizer.ggml.token_type", [])
+    added = [
+        tokenizers.AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
+        for tok, kind in zip(tokens, types)
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+    ]
+    backend.add_special_tokens([a for a in added if a.special])
+    backend.add_tokens([a for a in added if not a.special])
+
+    def token(key: str) -> str | None:
+        i = meta.get(key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    eos = [token(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                              "tokenizer.ggml.eom_token_id")]
+    return Tokenizer(
+        backend,
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_tokens=[t for t in dict.fromkeys(eos) if t is not None],
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default when absent
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _llama3_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict:
+    """Recover rope_scaling from the rope_freqs tensor convert_hf_to_gguf writes for Llama 3.1+ (divisors of
+    inv_freq). Only the published Llama 3.x parameters are tried, with the factor read off the tensor."""
+    candidate = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    base = rope_inv_freq(head_dim, theta, None)
+    if np.allclose(base / freqs, rope_inv_freq(head_dim, theta, candidate), rtol=1e-4):
+        return candidate
+    raise ValueError("unsupported GGUF rope_freqs tensor: not Llama 3 rope scaling (factor, 1, 4, 8192)")
+
+
+def _storage_dtype(tensors: dict[str, Any]) -> str:
+    # What the weights were stored as, for a backend choosing its compute dtype: quantized blocks scale in f16.
+    kinds = {t.tensor_type for t in tensors.values() if len(t.shape) == 2}
+    if kinds <= {QT.F32}:
+        return "float32"
+    return "bfloat16" if QT.BF16 in kinds else "float16"
+
+
+def _round32(x: float) -> float:
+    # GGUF stores floats as float32: 1e-5 comes back as 9.99999974e-06; restore the decimal the config had.
+    return float(f"{x:.7g}")

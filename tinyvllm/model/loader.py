@@ -1,0 +1,162 @@
+"""load_model: an HF Llama checkpoint dir (safetensors) or a .gguf file -> float32 numpy weights + tokenizer.
+
+Safetensors are read directly (8-byte little-endian header length, JSON header, raw little-endian data) because
+numpy has no bfloat16 and the safetensors numpy API refuses it; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.tokenizer import Tokenizer
+
+# safetensors dtype -> (numpy storage dtype, config/torch name)
+ST_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16")}
+ST_NAMES = {name: code for code, (_, name) in ST_DTYPES.items()}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from the config
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, np.ndarray]  # float32, HF names and shapes ([out, in] for linears)
+    tokenizer: Tokenizer
+    source: str
+
+
+def load_model(path: str | os.PathLike) -> LoadedModel:
+    """Load an HF model dir (model.safetensors or sharded + index) or a .gguf file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from tinyvllm.model.gguf import load_gguf  # the gguf package is only needed for .gguf files
+
+        config, weights, tokenizer = load_gguf(path)
+    elif path.is_dir():
+        config = ModelConfig.from_dir(path)
+        tokenizer = Tokenizer.from_dir(path)
+        weights = _load_hf_weights(path, config)
+    else:
+        raise FileNotFoundError(f"{path} is neither a model directory nor a .gguf file")
+    check_weights(weights, config, str(path))
+    # One stop list for everyone: the model's eos ids and the tokenizer's agree.
+    eos = config.eos_token_ids + [i for i in tokenizer.eos_token_ids if i not in config.eos_token_ids]
+    config.eos_token_ids, tokenizer.eos_token_ids = eos, list(eos)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama model needs, with its HF shape."""
+    h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    return shapes
+
+
+def check_weights(weights: dict[str, np.ndarray], config: ModelConfig, source: str) -> None:
+    """ValueError naming the first missing, unexpected or misshapen tensor."""
+    shapes = weight_shapes(config)
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise ValueError(f"{source}: tensor {name} is missing")
+        if weights[name].shape != shape:
+            raise ValueError(f"{source}: tensor {name} has shape {weights[name].shape}, expected {shape}")
+        if weights[name].dtype != np.float32:
+            raise ValueError(f"{source}: tensor {name} is {weights[name].dtype}, expected float32")
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        raise ValueError(f"{source}: unexpected tensors {extra[:5]} (unsupported model variant?)")
+
+
+def _load_hf_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    wanted = set(weight_shapes(config))
+    weights: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, array in read_safetensors(path / file).items():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in wanted:
+                raise ValueError(f"{path / file}: unexpected tensor {name} (unsupported model variant?)")
+            weights[name] = array
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+        # Tied: the output projection IS the embedding (some checkpoints also store a copy; HF ignores it too).
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file, converted to float32."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file {path} not found")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        data = raw[start:end].view(ST_DTYPES[info["dtype"]][0]).reshape(info["shape"])
+        out[name] = bf16_to_f32(data) if info["dtype"] == "BF16" else np.array(data, dtype=np.float32)
+    return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
+    """Write float arrays as one safetensors file in `dtype` ("float32", "float16" or "bfloat16")."""
+    code = ST_NAMES[dtype]
+    blobs, header, offset = [], {}, 0
+    for name, array in tensors.items():
+        array = np.asarray(array, dtype=np.float32)
+        data = f32_to_bf16(array) if code == "BF16" else array.astype(ST_DTYPES[code][0])
+        blob = np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header so tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for blob in blobs:
+            f.write(blob)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32: they are the high half of a float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)

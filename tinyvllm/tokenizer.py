@@ -1,0 +1,151 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus BOS policy, chat template and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_tokens: list[str] | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_ids = [i for i in map(backend.token_to_id, eos_tokens or []) if i is not None]
+        # add_bos: prepend BOS on encode unless the backend's post-processor already did (Llama 3's does).
+        self.add_bos = add_bos and self.bos_token_id is not None
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = path / "chat_template.jinja"  # transformers>=4.43 may save it on its own
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        eos = _token_content(cfg.get("eos_token"))
+        return cls(
+            tokenizers.Tokenizer.from_file(str(tok_file)),
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_tokens=[eos] if eos else [],
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_prompt(self, text: str, templated: bool) -> list[int]:
+        """Token ids of a prompt; chat-templated text carries its own BOS (when the model wants one)."""
+        ids = self.encode(text, add_special_tokens=not templated)
+        if self.bos_token_id is not None and ids[:2] == [self.bos_token_id] * 2:
+            ids.pop(0)  # raw text that starts with the BOS string itself
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; pass plain prompts instead of messages")
+        _check_messages(messages)
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception(), or content of the wrong type
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Decodes generated ids one at a time (vLLM's prefix_offset/read_offset scheme).
+
+    Each step decodes a short window twice, with and without the new tokens, and emits the difference once it no
+    longer ends in U+FFFD (an incomplete UTF-8 sequence). The window starts a few tokens back so that tokenizers
+    which drop a leading space at the start of a decode (SentencePiece) still produce it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def _token_content(tok: str | dict | None) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role': {m!r}")
+        if not isinstance(m.get("content"), (str, list)):
+            raise ValueError(f"message {i} must have 'content' (a string or a list of parts): {m!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    # Same environment as transformers' apply_chat_template, so hub templates render identically.
+    if source not in _templates:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _templates[source] = env.from_string(source)
+    return _templates[source]
