@@ -30,7 +30,7 @@ def test_greedy_identical_alone_static_continuous_and_under_preemption(tiny_mode
     alone = [llm_for(tiny_model_dir).generate(p, params)[0] for p in PROMPTS]
     static_llm = llm_for(tiny_model_dir, batching="static", max_num_seqs=3)
     static = static_llm.generate(PROMPTS, params)
-    tight = llm_for(tiny_model_dir, batching="continuous", num_kv_blocks=9, block_size=4)
+    tight = llm_for(tiny_model_dir, batching="continuous", num_kv_blocks=24, block_size=4)
     continuous = tight.generate(PROMPTS, params)
     assert texts_and_ids(static) == texts_and_ids(alone)
     assert texts_and_ids(continuous) == texts_and_ids(alone)
@@ -140,3 +140,34 @@ def test_invalid_sampling_params_name_the_field():
 def test_sampling_noise_depends_on_seed_and_step_only():
     keys = sampler.step_keys(np.array([sampler.seed_key(42)] * 2, np.uint32), np.array([3, 3]))
     assert keys[0] == keys[1]
+
+
+SHARED_PREFIX = "You are a careful assistant. Answer briefly and well. " * 3
+
+
+@pytest.mark.parametrize("block_size,budget", [(4, 7), (5, 13), (16, 64)])
+def test_prefix_caching_and_chunked_prefill_do_not_change_outputs(tiny_model_dir, block_size, budget):
+    prompts = [SHARED_PREFIX + p for p in PROMPTS]
+    params = [SamplingParams(max_tokens=12, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    reference = llm_for(tiny_model_dir, block_size=block_size, enable_prefix_caching=False,
+                        enable_chunked_prefill=False, max_num_batched_tokens=4096).generate(prompts, params)
+    cached = llm_for(tiny_model_dir, block_size=block_size, max_num_batched_tokens=budget)
+    # run twice: the second pass finds every shared prefix (and the first pass's whole prompts) cached
+    first = cached.generate(prompts, params)
+    second = cached.generate(prompts, params)
+    bm = cached.llm_engine.block_manager
+    assert bm.num_hit_tokens > 0 and 0 < bm.prefix_cache_hit_rate < 1
+    assert texts_and_ids(first) == texts_and_ids(reference)
+    assert texts_and_ids(second) == texts_and_ids(reference)
+    assert_no_leaks(cached)
+
+
+def test_chunked_prefill_keeps_prompt_logprobs(tiny_model_dir):
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    whole = llm_for(tiny_model_dir, enable_chunked_prefill=False).generate(SHARED_PREFIX, params)[0]
+    chunked = llm_for(tiny_model_dir, max_num_batched_tokens=5).generate(SHARED_PREFIX, params)[0]
+    assert len(chunked.prompt_logprobs) == len(whole.prompt_logprobs) == len(whole.prompt_token_ids)
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)
+    assert whole.outputs[0].token_ids == chunked.outputs[0].token_ids

@@ -61,15 +61,15 @@ def test_prefill_and_paged_decode_match_hf(name, block_size):
     model = hf_model(config, weights)
     backend = NumpyBackend(LoadedModel(config, weights, None, "dummy"), EngineLimits(block_size=block_size,
                                                                                     num_kv_blocks=64))
-    bm = BlockManager(backend.init_kv_cache(), block_size)
+    bm = BlockManager(backend.init_kv_cache(), block_size, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     seqs = [Sequence(str(i), i, None, rng.integers(0, config.vocab_size, n).tolist(), SamplingParams(), 0, 0,
                      RequestMetrics(0.0)) for i, n in enumerate([7, 13, 5])]
     for seq in seqs:
-        bm.allocate(seq)
+        bm.allocate(seq, len(seq))
 
     # Prefill all three in one packed batch; compare the logits at every position.
-    batch = build_batch(ScheduledStep(seqs, is_prefill=True), block_size)
+    batch = build_batch(ScheduledStep(seqs, [len(s) for s in seqs]), block_size)
     ours = backend.forward(batch, np.arange(len(batch.token_ids)))
     ref = np.concatenate([hf_logits(model, seq.token_ids) for seq in seqs])
     assert rel_err(ours, ref) < 1e-4
@@ -79,8 +79,8 @@ def test_prefill_and_paged_decode_match_hf(name, block_size):
         for seq in seqs:
             seq.num_computed_tokens = len(seq)
             seq.token_ids.append(int(rng.integers(config.vocab_size)))
-            bm.append_slot(seq)
-        batch = build_batch(ScheduledStep(seqs, is_prefill=False), block_size)
+            bm.grow(seq, len(seq))
+        batch = build_batch(ScheduledStep(seqs, [1] * len(seqs)), block_size)
         ours = backend.forward(batch, np.arange(len(seqs)))
         ref = np.stack([hf_logits(model, seq.token_ids)[-1] for seq in seqs])
         assert rel_err(ours, ref) < 1e-4

@@ -11,24 +11,23 @@ from tinyvllm.outputs import RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
 
 
-def make_seq(i, prompt_len, max_tokens):
-    return Sequence(str(i), i, None, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), 0, 0,
+def make_seq(i, prompt, max_tokens, **params):
+    tokens = list(range(prompt)) if isinstance(prompt, int) else list(prompt)
+    return Sequence(str(i), i, None, tokens, SamplingParams(max_tokens=max_tokens, **params), 0, 0,
                     RequestMetrics(0.0))
 
 
-def test_block_manager_allocates_appends_and_frees():
-    bm = BlockManager(num_blocks=4, block_size=4)
+def test_block_manager_allocates_grows_and_frees():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     seq = make_seq(0, 5, 10)
-    assert bm.can_allocate(seq)
-    bm.allocate(seq)
+    assert bm.can_allocate(seq, 5)
+    bm.allocate(seq, 5)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
     assert [bm.slot(seq, p) for p in (0, 3, 4)] == [seq.block_table[0] * 4, seq.block_table[0] * 4 + 3,
                                                     seq.block_table[1] * 4]
-    seq.token_ids += [1, 2, 3]  # 8 tokens: still 2 blocks
-    bm.append_slot(seq)
+    bm.grow(seq, 8)
     assert len(seq.block_table) == 2
-    seq.token_ids.append(4)  # 9 tokens: a third block
-    bm.append_slot(seq)
+    bm.grow(seq, 9)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 1
     bm.free(seq)
     assert bm.num_free_blocks == 4 and seq.block_table == [] and all(c == 0 for c in bm.ref_counts)
@@ -36,31 +35,65 @@ def test_block_manager_allocates_appends_and_frees():
 
 def test_block_manager_refuses_what_does_not_fit():
     bm = BlockManager(num_blocks=2, block_size=4)
-    assert not bm.can_allocate(make_seq(0, 9, 1))
+    assert not bm.can_allocate(make_seq(0, 9, 1), 9)
     with pytest.raises(RuntimeError):
-        bm.allocate(make_seq(0, 9, 1))
+        bm.allocate(make_seq(0, 9, 1), 9)
 
 
-def simulate(policy, num_blocks, block_size, max_num_seqs, budget, seqs, seed=0):
-    """Drive the scheduler as the engine does, with a fake model that appends a token per scheduled sequence."""
+def test_prefix_blocks_are_shared_refcounted_and_evicted_lru():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 5)
+    bm.allocate(a, len(a))
+    a.num_computed_tokens = len(a)
+    bm.commit_full_blocks(a)  # blocks of tokens 1-4 and 5-8 are now cached
+    b = make_seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 42], 5)
+    bm.allocate(b, len(b))
+    assert b.block_table[:2] == a.block_table[:2] and b.num_computed_tokens == 8
+    assert bm.ref_counts[a.block_table[0]] == 2
+    # a prompt that is all cached still computes its last token: only the first full block is reused
+    c = make_seq(2, [1, 2, 3, 4, 5, 6, 7, 8], 5)
+    assert len(bm.match_prefix(c)) == 1
+    shared = a.block_table[0]
+    bm.free(a)
+    assert bm.ref_counts[shared] == 1 and shared not in bm.free_blocks  # still used by b: never evicted
+    bm.free(b)
+    assert bm.num_free_blocks == 6 and not any(bm.ref_counts)
+    # freed blocks stay cached until their space is needed
+    d = make_seq(3, [1, 2, 3, 4, 5, 6, 7, 8, 9], 5)
+    assert len(bm.match_prefix(d)) == 2
+    hog = make_seq(4, 24, 1)  # needs all 6 blocks: every cached block is evicted
+    bm.allocate(hog, 24)
+    assert not bm.cached and len(bm.match_prefix(d)) == 0
+    bm.free(hog)
+    assert bm.num_free_blocks == 6
+
+
+def simulate(policy, num_blocks, block_size, max_num_seqs, budget, seqs, seed=0, chunked=True, caching=True):
+    """Drive the scheduler as the engine does, with a fake model that appends a token per finished prefill."""
     rng = random.Random(seed)
-    bm = BlockManager(num_blocks, block_size)
-    scheduler = Scheduler(bm, max_num_seqs, budget, policy)
+    bm = BlockManager(num_blocks, block_size, caching)
+    scheduler = Scheduler(bm, max_num_seqs, budget, policy, chunked)
     for seq in seqs:
         scheduler.add(seq)
     finished, steps, batches = [], 0, []
     while scheduler.has_unfinished():
         step = scheduler.schedule()
-        assert step is not None and step.seqs, "the scheduler stalled with work left"
+        assert step.seqs, "the scheduler stalled with work left"
         steps += 1
         assert len(scheduler.running) <= max_num_seqs
-        used = sum(len(s.block_table) for s in scheduler.running)
-        assert used + bm.num_free_blocks == num_blocks, "blocks leaked or double-counted"
-        if step.is_prefill and len(step.seqs) > 1:
-            assert sum(len(s) - s.num_computed_tokens for s in step.seqs) <= budget
-        for seq in step.seqs:
-            assert len(seq.block_table) * block_size >= len(seq), "a token has no slot"
-            seq.num_computed_tokens = len(seq)
+        assert len(set(map(id, scheduler.running))) == len(scheduler.running)
+        held = {b for s in scheduler.running for b in s.block_table}
+        assert all(bm.ref_counts[b] == sum(s.block_table.count(b) for s in scheduler.running) for b in held)
+        assert held.isdisjoint(bm.free_blocks) and len(held) + bm.num_free_blocks == num_blocks
+        if len(step.seqs) > 1 or chunked:
+            assert sum(step.num_new_tokens) <= budget
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            assert n >= 1 and seq.num_computed_tokens + n <= len(seq)
+            assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n, "a token has no slot"
+            seq.num_computed_tokens += n
+            bm.commit_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue
             seq.token_ids.append(rng.randrange(100))
             if seq.num_output_tokens >= seq.params.max_tokens:
                 scheduler.finish(seq)
@@ -72,11 +105,15 @@ def simulate(policy, num_blocks, block_size, max_num_seqs, budget, seqs, seed=0)
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_every_request_finishes_under_a_tight_cache(policy):
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("caching", [True, False])
+def test_every_request_finishes_under_a_tight_cache(policy, chunked, caching):
     rng = random.Random(1)
-    # (the engine caps a sequence at the cache's size, 48 tokens here)
-    seqs = [make_seq(i, rng.randint(1, 20), rng.randint(1, 28)) for i in range(40)]
-    finished, scheduler, _ = simulate(policy, num_blocks=12, block_size=4, max_num_seqs=8, budget=32, seqs=seqs)
+    # (the engine caps a sequence at the cache's size, 48 tokens here); shared prefixes exercise the cache
+    seqs = [make_seq(i, [7] * rng.choice([0, 4, 8]) + [rng.randrange(50) for _ in range(rng.randint(1, 12))],
+                     rng.randint(1, 28)) for i in range(40)]
+    finished, scheduler, _ = simulate(policy, num_blocks=12, block_size=4, max_num_seqs=8, budget=16, seqs=seqs,
+                                      chunked=chunked, caching=caching)
     assert sorted(s.request_id for s in finished) == sorted(s.request_id for s in seqs)
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
@@ -85,12 +122,12 @@ def test_every_request_finishes_under_a_tight_cache(policy):
 
 def test_preemption_picks_the_latest_arrival():
     seqs = [make_seq(i, 4, 20) for i in range(3)]
-    bm = BlockManager(num_blocks=3, block_size=4)
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     scheduler = Scheduler(bm, 8, 100, "continuous")
     for s in seqs:
         scheduler.add(s)
     step = scheduler.schedule()
-    assert step.is_prefill and len(step.seqs) == 3
+    assert step.num_new_tokens == [4, 4, 4]
     for s in seqs:
         s.num_computed_tokens = len(s)
         s.token_ids.append(0)  # 5 tokens each: each needs a second block, none is free
@@ -98,6 +135,29 @@ def test_preemption_picks_the_latest_arrival():
     assert [s.request_id for s in step.preempted] == ["2", "1"]
     assert [s.request_id for s in step.seqs] == ["0"]
     assert [s.request_id for s in scheduler.waiting] == ["1", "2"]
+
+
+def test_chunked_prefill_never_starves_decodes():
+    long_prompt = make_seq(1, 40, 2)
+    short = make_seq(0, 3, 10)
+    bm = BlockManager(num_blocks=100, block_size=4)
+    scheduler = Scheduler(bm, 8, 8, "continuous", enable_chunked_prefill=True)
+    scheduler.add(short)
+    step = scheduler.schedule()
+    short.num_computed_tokens = 3
+    short.token_ids.append(1)
+    scheduler.add(long_prompt)
+    chunks = []
+    while long_prompt.num_computed_tokens < len(long_prompt):
+        step = scheduler.schedule()
+        assert step.seqs[0] is short and step.num_new_tokens[0] == 1, "the decode must run every step"
+        assert sum(step.num_new_tokens) <= 8
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq is long_prompt:
+                chunks.append(n)
+        short.token_ids.append(1)
+    assert sum(chunks) == 40 and max(chunks) == 7
 
 
 def test_static_batches_do_not_mix():
@@ -112,4 +172,4 @@ def test_continuous_admits_as_soon_as_room_frees():
     seqs = [make_seq(0, 3, 1), make_seq(1, 3, 10), make_seq(2, 3, 10)]
     _, _, batches = simulate("continuous", num_blocks=100, block_size=4, max_num_seqs=2, budget=100, seqs=seqs)
     # request 0 finishes after its prefill; request 2 is admitted in the very next step
-    assert batches[0] == {"0", "1"} and batches[1] == {"2"}
+    assert batches[0] == {"0", "1"} and batches[1] == {"1", "2"}

@@ -27,7 +27,8 @@ class LLM:
     def __init__(self, model: str | os.PathLike | LoadedModel, *, backend: str = "auto", batching: str = "continuous",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float = 2.0, seed: int = 0) -> None:
+                 gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float = 2.0, seed: int = 0,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
@@ -49,7 +50,9 @@ class LLM:
                                    cpu_kv_cache_bytes=int(cpu_kv_cache_gib * (1 << 30)))
         self.backend = create_backend(backend, self.model, self.limits)
         self.batching = batching
-        self.llm_engine = LLMEngine(self.model, self.backend, self.limits, batching=batching, seed=seed)
+        self.llm_engine = LLMEngine(self.model, self.backend, self.limits, batching=batching, seed=seed,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    enable_chunked_prefill=enable_chunked_prefill)
         self._request_ids = itertools.count()
 
     @property
@@ -65,7 +68,10 @@ class LLM:
         return {"model": str(self.model.source), "tinyvllm_version": __version__, "batching": self.batching,
                 "max_num_seqs": self.limits.max_num_seqs, "max_num_batched_tokens": self.limits.max_num_batched_tokens,
                 "block_size": self.limits.block_size, "max_model_len": self.limits.max_model_len,
-                "num_kv_blocks": self.llm_engine.num_kv_blocks, **self.backend.describe()}
+                "num_kv_blocks": self.llm_engine.num_kv_blocks,
+                "enable_prefix_caching": self.llm_engine.block_manager.enable_prefix_caching,
+                "enable_chunked_prefill": self.llm_engine.scheduler.enable_chunked_prefill,
+                **self.backend.describe()}
 
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,

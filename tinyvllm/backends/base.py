@@ -35,7 +35,7 @@ class SamplingBatch:
     top_k: np.ndarray  # int32 [S]; 0 = off
     min_p: np.ndarray  # float32 [S]; 0 = off
     noise_keys: np.ndarray  # uint32 [S]: hash of (request seed, output index); drives the sampling noise
-    num_logprobs: int = 0  # top logprobs wanted per sampled token (max over the batch); 0 = none
+    num_logprobs: int = -1  # top logprobs wanted per sampled token (max over the batch); -1 = none, 0 = its own only
 
     @property
     def all_greedy(self) -> bool:
@@ -44,9 +44,13 @@ class SamplingBatch:
 
 @dataclass
 class Batch:
-    """One engine step: the new tokens of S sequences, packed back to back (T tokens in all)."""
+    """One engine step: the new tokens of S sequences, packed back to back (T tokens in all).
 
-    is_prefill: bool
+    A sequence's new tokens are the last query_len of its context: a whole prompt, a chunk of one (chunked
+    prefill, or after a prefix-cache hit), or the one token sampled last step (decode).
+    """
+
+    is_prefill: bool  # some sequence has more than one new token; else every sequence decodes one token
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]; position of each token in its sequence
     slot_mapping: np.ndarray  # int32 [T]; cache slot (block * block_size + offset) each token's K/V goes to
@@ -54,9 +58,9 @@ class Batch:
     context_lens: np.ndarray  # int32 [S]; tokens in the cache for sequence i once this step has written its own
     block_tables: np.ndarray  # int32 [S, max_blocks]; padded with 0
     sampling: SamplingBatch
-    # Sequences (indices into the batch) whose every new position needs logprobs (prompt_logprobs), and how many.
-    prompt_logprob_seqs: list[int] = field(default_factory=list)
-    num_prompt_logprobs: int = 0
+    # Prompt logprobs: {sequence index: the prompt tokens that its first len(targets) new positions predict}.
+    prompt_logprob_targets: dict[int, np.ndarray] = field(default_factory=dict)
+    num_prompt_logprobs: int = 0  # top logprobs wanted per prompt position (max over the batch)
 
     @property
     def num_seqs(self) -> int:
@@ -79,8 +83,8 @@ class Logprobs:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: np.ndarray  # int32 [S]
-    logprobs: Logprobs | None = None  # of the sampled tokens, when sampling.num_logprobs > 0
-    # For each index in batch.prompt_logprob_seqs: logprobs of that sequence's new tokens 1..q_len-1 given their prefix.
+    logprobs: Logprobs | None = None  # of the sampled tokens, when sampling.num_logprobs >= 0
+    # For each key of batch.prompt_logprob_targets: the logprobs of those targets (and the top tokens) per position.
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
 

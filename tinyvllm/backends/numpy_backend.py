@@ -169,27 +169,24 @@ class NumpyBackend(Backend):
 
     def execute(self, batch: Batch) -> SamplerOutput:
         last_rows = batch.query_start_loc[1:] - 1
-        # Sequences asking for prompt logprobs need logits at every new position, not just the last.
-        prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i + 1])
-                       for i in batch.prompt_logprob_seqs]
-        rows = np.concatenate([last_rows, *prompt_rows]) if prompt_rows else last_rows
-        logits = self.forward(batch, rows)
+        # Sequences asking for prompt logprobs need logits at their new positions, not just the last.
+        prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i] + len(targets))
+                       for i, targets in batch.prompt_logprob_targets.items()]
+        logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
         return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:])
 
 
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None) -> SamplerOutput:
-    """Sample one token per sequence and gather the logprobs the batch asks for (shared by the backends)."""
+    """Sample one token per sequence and gather the logprobs the batch asks for (shared by the backends).
+
+    prompt_logits holds, for each entry of batch.prompt_logprob_targets in order, the logits of its positions."""
     token_ids = sampler.sample(logits, batch.sampling)
     out = SamplerOutput(token_ids)
-    if batch.sampling.num_logprobs > 0:
+    if batch.sampling.num_logprobs >= 0:
         out.logprobs = sampler.gather_logprobs(logits, token_ids, batch.sampling.num_logprobs)
     offset = 0
-    for i in batch.prompt_logprob_seqs:
-        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-        n = end - start
-        # Position j predicts token j + 1: the last new position's prediction is the sampled token, not a prompt one.
-        seq_logits = prompt_logits[offset: offset + n - 1]
-        out.prompt_logprobs[i] = sampler.gather_logprobs(seq_logits, batch.token_ids[start + 1: end],
-                                                         batch.num_prompt_logprobs)
-        offset += n
+    for i, targets in batch.prompt_logprob_targets.items():
+        rows = prompt_logits[offset: offset + len(targets)]
+        out.prompt_logprobs[i] = sampler.gather_logprobs(rows, targets, batch.num_prompt_logprobs)
+        offset += len(targets)
     return out

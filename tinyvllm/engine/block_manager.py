@@ -1,62 +1,128 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, reference counts.
+"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, reference counts, prefix caching.
 
 Token i of a sequence lives in block block_table[i // block_size] at offset i % block_size; its cache slot is
 block * block_size + offset. The block manager only counts; the backend owns the memory.
+
+Prefix caching: a full block is named by a hash chained over its tokens and its parent block's hash, so equal
+hashes mean equal prefixes. A new sequence reuses every leading full block already cached (shared read-only, its
+reference count raised). A freed block keeps its hash and contents until its space is needed: free blocks are
+handed out least recently freed first, and only then is the cached block forgotten.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from tinyvllm.engine.sequence import Sequence
 
 
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block holding that prefix block
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # ... and found there
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(len(seq)) - len(seq.block_table) <= self.num_free_blocks
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding the sequence's leading full blocks (at least one token is left to compute)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
+        blocks, parent = [], None
+        for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
+            parent = block_hash(parent, seq.token_ids[start: start + self.block_size])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give the sequence blocks for all its current tokens."""
-        needed = self.blocks_needed(len(seq)) - len(seq.block_table)
-        if needed > self.num_free_blocks:
-            raise RuntimeError("allocate() called without can_allocate()")
-        for _ in range(needed):
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the blocks for the sequence's first num_tokens tokens can be had (reusing cached ones)."""
+        hits = self.match_prefix(seq) if not seq.block_table else []
+        in_use = sum(1 for b in hits if self.ref_counts[b] > 0)
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table) - in_use
+        return needed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give a new (or preempted) sequence blocks for its first num_tokens tokens, reusing cached prefix blocks,
+        and mark the reused tokens computed."""
+        if not self.can_allocate(seq, num_tokens):
+            raise RuntimeError("allocate() called without room")
+        if not seq.block_table:
+            hits = self.match_prefix(seq)
+            for block in hits:
+                if self.ref_counts[block] == 0:
+                    del self.free_blocks[block]
+                self.ref_counts[block] += 1
+                seq.block_table.append(block)
+            seq.num_hashed_blocks = len(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                self.num_queried_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.grow(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make sure the sequence's block table covers num_tokens tokens."""
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
             seq.block_table.append(self._take())
 
-    def can_append_slot(self, seq: Sequence) -> bool:
-        """Whether the sequence's last token (sampled by the previous step, written by the next) has a slot."""
-        return self.blocks_needed(len(seq)) <= len(seq.block_table) or self.num_free_blocks > 0
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make room for the sequence's last token (the one the next decode step writes)."""
-        if self.blocks_needed(len(seq)) > len(seq.block_table):
-            seq.block_table.append(self._take())
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of the sequence's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for index in range(seq.num_hashed_blocks, full):
+            parent = self.block_hashes[seq.block_table[index - 1]] if index else None
+            start = index * self.block_size
+            h = block_hash(parent, seq.token_ids[start: start + self.block_size])
+            block = seq.block_table[index]
+            self.block_hashes[block] = h
+            self.cached.setdefault(h, block)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
+        # Freed last block first: the blocks deepest in a prefix are evicted before their parents.
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _take(self) -> int:
-        block = self.free_blocks.popleft()
+        block, _ = self.free_blocks.popitem(last=False)
+        h = self.block_hashes[block]
+        if h is not None:  # evict: this block's cached prefix is forgotten
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hashes[block] = None
         self.ref_counts[block] = 1
         return block

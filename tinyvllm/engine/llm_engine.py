@@ -19,14 +19,15 @@ from tinyvllm.tokenizer import IncrementalDetokenizer
 
 class LLMEngine:
     def __init__(self, model, backend: Backend, limits: EngineLimits, batching: str = "continuous",
-                 seed: int = 0) -> None:
+                 seed: int = 0, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
         self.config = model.config
         self.tokenizer = model.tokenizer
         self.backend = backend
         self.limits = limits
         self.num_kv_blocks = backend.init_kv_cache()
-        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size)
-        self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, batching)
+        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, batching,
+                                   enable_chunked_prefill)
         # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
         self.max_seq_len = min(limits.max_model_len, self.num_kv_blocks * limits.block_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
@@ -52,6 +53,8 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no prefix to be predicted from
         self._arrivals += 1
         self.scheduler.add(seq)
 
@@ -92,7 +95,7 @@ class LLMEngine:
         """Run one scheduled step; return the requests that finished in it."""
         finished, self._rejected = self._rejected, []
         step = self.scheduler.schedule()
-        if step is None or not step.seqs:
+        if not step.seqs:
             return finished
         now = time.time()
         for seq in step.seqs:
@@ -106,13 +109,17 @@ class LLMEngine:
     def _process(self, step: ScheduledStep, batch: Batch, result: SamplerOutput) -> list[RequestOutput]:
         now = time.time()
         finished = []
-        for i, seq in enumerate(step.seqs):
-            seq.num_computed_tokens = len(seq)
+        for i, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit_full_blocks(seq)
             if i in result.prompt_logprobs:
-                seq.prompt_logprobs = [None] + _logprob_dicts(result.prompt_logprobs[i],
-                                                              batch.token_ids[batch.query_start_loc[i] + 1:
-                                                                              batch.query_start_loc[i + 1]],
-                                                              seq.params.prompt_logprobs)
+                entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
+                                         seq.params.prompt_logprobs)
+                # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known.
+                seq.prompt_logprobs.extend(entries[max(0, len(seq.prompt_logprobs) - start - 1):])
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prompt chunk: no token is sampled until the whole prompt is in the cache
             token = int(result.sampled_token_ids[i])
             seq.token_ids.append(token)
             if seq.metrics.first_token_time is None:

@@ -11,18 +11,19 @@ from tinyvllm.engine.scheduler import ScheduledStep
 
 def build_batch(step: ScheduledStep, block_size: int) -> Batch:
     seqs = step.seqs
-    # A prefill computes every token not yet in the cache; a decode computes the last (just sampled) token.
-    starts = [seq.num_computed_tokens if step.is_prefill else len(seq) - 1 for seq in seqs]
-    ends = [len(seq) for seq in seqs]
-    query_lens = np.subtract(ends, starts)
+    starts = np.array([seq.num_computed_tokens for seq in seqs], np.int32)
+    query_lens = np.asarray(step.num_new_tokens, np.int32)
+    ends = starts + query_lens
     query_start_loc = np.zeros(len(seqs) + 1, np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    token_ids = np.fromiter((t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]), np.int32,
-                            count=int(query_start_loc[-1]))
-    if step.is_prefill:
+    is_prefill = bool(query_lens.max() > 1)
+    if is_prefill:
+        token_ids = np.concatenate([np.asarray(seq.token_ids[s:e], np.int32) for seq, s, e in zip(seqs, starts, ends)])
         positions = np.concatenate([np.arange(s, e, dtype=np.int32) for s, e in zip(starts, ends)])
     else:
-        positions = np.asarray(starts, np.int32)
+        # one new token each: mostly the last sampled one, but it can be a 1-token prompt chunk
+        token_ids = np.array([seq.token_ids[s] for seq, s in zip(seqs, starts)], np.int32)
+        positions = starts
     block_tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), np.int32)
     for i, seq in enumerate(seqs):
         block_tables[i, : len(seq.block_table)] = seq.block_table
@@ -38,11 +39,13 @@ def build_batch(step: ScheduledStep, block_size: int) -> Batch:
         min_p=np.array([p.min_p for p in params], np.float32),
         noise_keys=step_keys(np.array([seq.sampling_key for seq in seqs], np.uint32),
                              np.array([seq.num_output_tokens for seq in seqs], np.uint32)),
-        num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        num_logprobs=max((-1 if p.logprobs is None else p.logprobs for p in params), default=-1),
     )
-    # Prompt logprobs are computed once, at a sequence's first prefill (not again after a preemption).
-    prompt_logprob_seqs = [i for i, seq in enumerate(seqs) if step.is_prefill
-                           and seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None]
-    num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in prompt_logprob_seqs), default=0)
-    return Batch(step.is_prefill, token_ids, positions, slot_mapping, query_start_loc, np.asarray(ends, np.int32),
-                 block_tables, sampling, prompt_logprob_seqs, num_prompt_logprobs)
+    # Prompt logprobs: new position p predicts prompt token p + 1, for as long as that is a prompt token.
+    targets = {}
+    for i, (seq, s, e) in enumerate(zip(seqs, starts, ends)):
+        if seq.params.prompt_logprobs is not None and s + 1 < seq.num_prompt_tokens:
+            targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
+    num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
+    return Batch(is_prefill, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
+                 block_tables, sampling, targets, num_prompt_logprobs)

@@ -1,14 +1,16 @@
-"""The scheduler: which sequences run in the next step, and which are preempted when the cache is full.
+"""The scheduler: which sequences run in the next step, how many new tokens each, and who is preempted.
 
-Each step is either a prefill (admit waiting sequences and compute their prompts) or a decode (one new token for
-every running sequence). Prefill goes first whenever a waiting sequence can be admitted.
+A step carries, within the token budget `max_num_batched_tokens`: first every running sequence's next token
+(decodes), then the next chunk of prompts already being prefilled, then newly admitted sequences. With chunked
+prefill a prompt longer than what is left of the budget is split over several steps, so a long prompt never
+stalls the decodes; without it a prompt is admitted only whole (alone if it exceeds the budget).
 
 - continuous: admit waiting sequences whenever `max_num_seqs`, the token budget and free blocks allow; finished
   sequences leave at once, so their room is reused the next step.
 - static: admit a batch of up to `max_num_seqs` and run it until every member has finished; only then the next.
 
-When a decode step finds no free block for a sequence's next token, the most recently arrived running sequence is
-preempted: its blocks are freed and it waits to be recomputed (its prompt and output so far prefilled again).
+When a running sequence finds no free block for its new tokens, the most recently arrived running sequence is
+preempted: its blocks are freed and it waits to be recomputed (prompt and output so far prefilled again).
 """
 
 from __future__ import annotations
@@ -25,19 +27,20 @@ POLICIES = ("continuous", "static")
 @dataclass
 class ScheduledStep:
     seqs: list[Sequence]
-    is_prefill: bool
+    num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens on
     preempted: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous") -> None:
+                 policy: str = "continuous", enable_chunked_prefill: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"invalid batching={policy!r}: choose continuous or static")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.static_batch: set[str] = set()  # static policy: the members of the batch in flight
@@ -49,61 +52,64 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledStep | None:
-        admitted = self._admit()
-        if admitted:
-            return ScheduledStep(admitted, is_prefill=True)
-        if not self.running:
-            return None
-        return self._schedule_decode()
-
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
         self.static_batch.discard(seq.request_id)
         self.block_manager.free(seq)
 
-    def _admit(self) -> list[Sequence]:
-        if self.policy == "static" and not self.static_batch:
-            self.static_batch = {seq.request_id for _, seq in zip(range(self.max_num_seqs), self.waiting)}
-        admitted: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting:
-            seq = self.waiting[0]
-            if self.policy == "static" and seq.request_id not in self.static_batch:
-                break  # members always come first in the queue: the rest wait for the next batch
-            if len(self.running) + len(admitted) >= self.max_num_seqs:
-                break
-            new_tokens = len(seq) - seq.num_computed_tokens
-            # A prompt longer than the whole budget still runs, alone.
-            if admitted and num_tokens + new_tokens > self.max_num_batched_tokens:
-                break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            admitted.append(seq)
-            num_tokens += new_tokens
-        self.running.extend(admitted)
-        return admitted
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep([], [])
+        budget = self._schedule_running(step, self.max_num_batched_tokens)
+        self._admit(step, budget)
+        return step
 
-    def _schedule_decode(self) -> ScheduledStep:
-        queue = deque(sorted(self.running, key=lambda s: s.arrival_index))
-        scheduled: list[Sequence] = []
-        preempted: list[Sequence] = []
-        while queue:
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        # Decodes first (one token each), then prompts part-way through their prefill: a long prompt waits, they don't.
+        queue = deque(sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
+                                                          s.arrival_index)))
+        while queue and budget > 0:
             seq = queue.popleft()
-            while not self.block_manager.can_append_slot(seq):
-                victim = queue.pop() if queue else seq
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = max(queue, key=lambda s: s.arrival_index, default=seq)
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-        return ScheduledStep(scheduled, is_prefill=False, preempted=preempted)
+                self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+                step.seqs.append(seq)
+                step.num_new_tokens.append(num_new)
+                budget -= num_new
+        return budget
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        if self.policy == "static" and not self.static_batch and not self.running:
+            self.static_batch = {seq.request_id for _, seq in zip(range(self.max_num_seqs), self.waiting)}
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.policy == "static" and seq.request_id not in self.static_batch:
+                break  # members always come first in the queue: the rest wait for the next batch
+            cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
+            remaining = len(seq) - cached
+            if self.enable_chunked_prefill:
+                num_new = min(remaining, budget)
+            elif remaining > budget and step.seqs:
+                break  # a whole prompt larger than what is left waits (alone, it may exceed the budget)
+            else:
+                num_new = remaining
+            if not self.block_manager.can_allocate(seq, cached + num_new):
+                break
+            self.block_manager.allocate(seq, cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            step.seqs.append(seq)
+            step.num_new_tokens.append(num_new)
+            budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -111,4 +117,4 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)  # victims go latest first, so the queue keeps arrival order
+        self.waiting.appendleft(seq)  # recomputed before anything new is admitted

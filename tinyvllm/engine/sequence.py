@@ -29,6 +29,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

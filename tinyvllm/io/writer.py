@@ -200,7 +200,8 @@ def _summarize(pieces: list[Path], output: Path) -> dict:
     latency = {}
     for name in LATENCIES:
         values = t.column(name).filter(ok).drop_null().to_numpy()
-        latency[name[:-3]] = {f"p{q}": (float(np.percentile(values, q)) if len(values) else None) for q in (50, 90, 99)}
+        latency[name[:-3]] = {f"p{q}": (round(float(np.percentile(values, q)), 3) if len(values) else None)
+                              for q in (50, 90, 99)}
     return {
         "output": str(output), "rows": t.num_rows, "error_rows": reasons.get("error", 0),
         "finish_reasons": dict(sorted((str(k), v) for k, v in reasons.items())),

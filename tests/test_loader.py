@@ -1,0 +1,164 @@
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
+from tinyvllm.model.loader import (
+    bf16_to_f32, f32_to_bf16, load_model, read_safetensors, weight_shapes, write_safetensors,
+)
+
+
+def test_round_trip_float32_exact(tiny_model_dir):
+    m = load_model(tiny_model_dir)
+    expected = random_weights(tiny_config())
+    assert m.config == tiny_config() and m.source == str(tiny_model_dir)
+    assert set(m.weights) == set(weight_shapes(m.config)) == set(expected)
+    for name, w in expected.items():
+        assert m.weights[name].dtype == np.float32
+        np.testing.assert_array_equal(m.weights[name], w, err_msg=name)
+    assert m.tokenizer.decode(m.tokenizer.encode("hello world")) == "hello world"
+
+
+def test_round_trip_bfloat16(make_model_dir):
+    m = load_model(make_model_dir(dtype="bfloat16"))
+    assert m.config.torch_dtype == "bfloat16"
+    for name, w in random_weights(tiny_config()).items():
+        got = m.weights[name]
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, w, rtol=2**-8, atol=0, err_msg=name)  # bf16 keeps 8 significant bits
+        np.testing.assert_array_equal(got, bf16_to_f32(f32_to_bf16(w)), err_msg=name)
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).standard_normal(10_000, dtype=np.float32) * 100
+    np.testing.assert_array_equal(bf16_to_f32(f32_to_bf16(x)), torch.from_numpy(x).bfloat16().float().numpy())
+
+
+def test_round_trip_float16(make_model_dir):
+    m = load_model(make_model_dir(dtype="float16", seed=3))
+    assert m.config.torch_dtype == "float16"
+    for name, w in random_weights(tiny_config(), seed=3).items():
+        np.testing.assert_array_equal(m.weights[name], w.astype(np.float16).astype(np.float32), err_msg=name)
+
+
+def test_bf16_helpers():
+    x = np.array([1.0, -2.5, 3.140625, 1 + 2**-9, 1 + 3 * 2**-9, 1e-30, 65504.0], dtype=np.float32)
+    back = bf16_to_f32(f32_to_bf16(x))
+    np.testing.assert_array_equal(back, [1.0, -2.5, 3.140625, 1.0, 1 + 2**-7, back[5], 65536.0])
+    assert abs(back[5] - 1e-30) / 1e-30 < 2**-8
+
+
+def test_safetensors_files_are_standard(tmp_path):
+    st_numpy = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((3, 5), dtype=np.float32), "b": rng.standard_normal(7, dtype=np.float32)}
+    for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16)):
+        write_safetensors(tmp_path / f"{dtype}.safetensors", tensors, dtype)
+        theirs = st_numpy.load_file(str(tmp_path / f"{dtype}.safetensors"))
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(theirs[k], v.astype(np_dtype))
+    st_numpy.save_file({k: v.astype(np.float16) for k, v in tensors.items()}, str(tmp_path / "theirs.safetensors"))
+    ours = read_safetensors(tmp_path / "theirs.safetensors")
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(ours[k], v.astype(np.float16).astype(np.float32))
+
+
+def test_bfloat16_files_written_by_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    st_torch = pytest.importorskip("safetensors.torch")
+    t = torch.randn(4, 6).bfloat16()
+    st_torch.save_file({"w": t}, str(tmp_path / "t.safetensors"))
+    np.testing.assert_array_equal(read_safetensors(tmp_path / "t.safetensors")["w"], t.float().numpy())
+    write_safetensors(tmp_path / "ours.safetensors", {"w": t.float().numpy()}, "bfloat16")
+    assert torch.equal(st_torch.load_file(str(tmp_path / "ours.safetensors"))["w"], t)
+
+
+def test_sharded(make_model_dir):
+    path = make_model_dir(shards=3, seed=5)
+    assert not (path / "model.safetensors").exists()
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3
+    m = load_model(path)
+    for name, w in random_weights(tiny_config(), seed=5).items():
+        np.testing.assert_array_equal(m.weights[name], w, err_msg=name)
+
+
+def test_tied_and_untied(make_model_dir):
+    tied = load_model(make_model_dir(tie_word_embeddings=True))
+    assert tied.weights["lm_head.weight"] is tied.weights["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in read_safetensors(tied.source + "/model.safetensors")
+    untied = load_model(make_model_dir(tie_word_embeddings=False))
+    assert not np.array_equal(untied.weights["lm_head.weight"], untied.weights["model.embed_tokens.weight"])
+
+
+def _rewrite(path, edit):
+    tensors = read_safetensors(path / "model.safetensors")
+    edit(tensors)
+    write_safetensors(path / "model.safetensors", tensors)
+
+
+def test_missing_tensor(make_model_dir):
+    path = make_model_dir()
+    _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(path)
+
+
+def test_wrong_shape(make_model_dir):
+    path = make_model_dir()
+    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 64\)"):
+        load_model(path)
+
+
+def test_unexpected_tensor_and_ignored_inv_freq(make_model_dir):
+    path = make_model_dir()
+    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}))
+    load_model(path)  # old checkpoints carry it; ignored
+    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    with pytest.raises(ValueError, match=r"q_proj\.bias"):
+        load_model(path)
+
+
+def test_missing_files(make_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "nope")
+    path = make_model_dir()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(path)
+    sharded = make_model_dir(shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_model(sharded)
+    no_tok = make_model_dir()
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_model(no_tok)
+
+
+def test_config_shape_mismatch_is_reported(make_model_dir, tmp_path):
+    path = make_model_dir()
+    other = shutil.copytree(path, tmp_path / "m")
+    config = json.loads((other / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="gate_proj.*expected"):
+        load_model(other)
+
+
+def test_eos_ids_are_shared(make_model_dir):
+    m = load_model(make_model_dir(eos_token_ids=[0]))
+    # config says <|endoftext|> (0), tokenizer_config says <|im_end|> (2): both stop generation
+    assert m.config.eos_token_ids == m.tokenizer.eos_token_ids == [0, 2]
+
+
+def test_save_random_model_with_real_shapes_in_small_form(tmp_path):
+    config = tiny_config(num_attention_heads=8, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    path = save_hf_model_dir(tmp_path, config, random_weights(config, seed=1), dtype="bfloat16")
+    m = load_model(path)
+    assert m.weights["model.layers.0.self_attn.q_proj.weight"].shape == (256, 64)
+    assert m.weights["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
