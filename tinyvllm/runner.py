@@ -2,32 +2,43 @@
 
 Memory stays bounded whatever the input size: rows are read lazily, at most `max_in_flight` requests live in the
 engine, and finished rows go to disk in small pieces (see io/writer.py). The runner knows nothing of kernels.
+
+A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
+`<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
+results. `<output>.lock` keeps two runs off one output. Rerunning a finished job is a no-op.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import signal
+import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm import __version__
 from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
-from tinyvllm.io.writer import PIECE_ROWS, output_schema
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.io.writer import PIECE_ROWS, output_schema, parts_dir, summarize_output, summary_path
+from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
 
-__all__ = ["JobConfig", "JobError", "run_job"]
+__all__ = ["JobConfig", "JobError", "JobInterrupted", "load_job_file", "run_job"]
 
 
 @dataclass
 class JobConfig:
     input: Path
     output: Path
-    model: Path
+    model: Path | None = None  # None: the fetched default model
     backend: str = "auto"
     batching: str = "continuous"
     max_num_seqs: int = 256
@@ -35,30 +46,52 @@ class JobConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
-    seed: int = 0  # the engine's seed; a row's own `seed` makes a sampled row reproducible on its own
+    # The job's seed: the engine's, and a row without its own seed samples with one derived from this and its row
+    # number, so a resumed or repeated job gives the same text.
+    seed: int = 0
     sampling: dict = field(default_factory=dict)  # SamplingParams fields: the defaults every row starts from
     chat: bool = False  # a `prompt` text is sent as one user message through the chat template
     output_token_ids: bool = False
     logprobs: int | None = None
     max_in_flight: int | None = None  # requests inside the engine at once; default 4 x max_num_seqs
     piece_rows: int = PIECE_ROWS
+    overwrite: bool = False  # start over: drop committed pieces and replace a finished output
     quiet: bool = False
 
 
+class JobInterrupted(JobError):
+    """SIGINT/SIGTERM: finished rows are committed; the same command resumes."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def run_job(cfg: JobConfig) -> dict:
-    """Run the job to the end; return its summary. Raises JobError for problems of the job as a whole."""
+    """Run (or resume) the job to the end and return its summary; `summary["already_complete"]` when there was
+    nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
     try:
         defaults = SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
     except (TypeError, ValueError) as e:
         raise JobError(f"bad sampling defaults: {e}") from None
+    cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
     rows = read_rows(cfg.input)  # checks the input now, before the model loads
     _check_output(cfg.output)
-    llm = _load_llm(cfg)
+    with _OutputLock(cfg.output), _Signals() as signals:
+        job = _job_identity(cfg, defaults)
+        if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
+            return _finished_summary(cfg.output, job)
+        manifest = _open_parts(cfg, job)
+        llm = _load_llm(cfg)
+        return _run(cfg, llm, rows, defaults, manifest, signals)
+
+
+def _run(cfg: JobConfig, llm, rows, defaults: SamplingParams, manifest: dict, signals: _Signals) -> dict:
     started = time.time()
     writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
                          piece_rows=cfg.piece_rows)
     done = writer.committed_rows()
-    engine = llm.llm_engine
+    engine, max_model_len = llm.llm_engine, llm.info()["max_model_len"]
     max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
     in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
     bar = tqdm(total=count_rows(cfg.input), initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet,
@@ -82,39 +115,50 @@ def run_job(cfg: JobConfig) -> dict:
 
     try:
         for row in rows:
+            if signals.received:
+                break
             if row.index in done:
                 continue
             if row.error is not None:
                 finish(output_record(row.index, row.id, None, error=row.error))
                 continue
             try:
-                prompt, templated, params = _prepare(row, llm.tokenizer, defaults, cfg.chat)
+                prompt, templated, params = _prepare(row, llm.tokenizer, defaults, cfg, max_model_len)
             except ValueError as e:
                 finish(output_record(row.index, row.id, None, error=str(e)))
                 continue
             request_id = str(row.index)  # unique even where ids repeat
             engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
             in_flight[request_id] = (row.index, row.id, prompt)
-            while len(in_flight) >= max_in_flight:
+            while len(in_flight) >= max_in_flight and not signals.received:
                 step()
-        while in_flight:
+        while in_flight and not signals.received:
             step()
     finally:
         writer.flush()
         bar.close()
+    if signals.received:
+        name = signal.Signals(signals.received).name
+        raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
+                             f"{writer.parts}; run the same command again to resume", 128 + signals.received)
     info = llm.info()
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.backend),
                 "batching": info.get("batching", cfg.batching), "engine": info, "sampling": asdict(defaults),
-                "chat": cfg.chat, "input": str(cfg.input), "version": __version__,
-                "start_time": _iso(started), "end_time": _iso(time.time())}
+                "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
+                "start_time": manifest["started_at"], "end_time": _iso(time.time())}
     return writer.finalize(metadata)
 
 
-def _prepare(row: Row, tokenizer, defaults: SamplingParams, chat: bool) -> tuple[str | list[int], bool, SamplingParams]:
+def _prepare(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
+             max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
     """What to send for a row: (prompt, already templated?, its SamplingParams). ValueError: the row is bad."""
     params = defaults.with_overrides(row.overrides)
+    if params.max_tokens > max_model_len:
+        raise ValueError(f"invalid max_tokens={params.max_tokens}: more than max_model_len={max_model_len}")
+    if params.seed is None:
+        params = replace(params, seed=_row_seed(cfg.seed, row.index))
     messages = row.messages
-    if messages is None and chat and isinstance(row.prompt, str):
+    if messages is None and cfg.chat and isinstance(row.prompt, str):
         messages = [{"role": "user", "content": row.prompt}]
     if messages is None:
         return row.prompt, False, params
@@ -122,6 +166,204 @@ def _prepare(row: Row, tokenizer, defaults: SamplingParams, chat: bool) -> tuple
         return tokenizer.apply_chat_template(messages), True, params
     except Exception as e:  # a template may raise anything (jinja's raise_exception): it is this row's problem
         raise ValueError(f"chat template failed: {e}") from None
+
+
+def _row_seed(seed: int, index: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()) >> 1
+
+
+def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
+    """What must not change between a run and its resumption: the input's content and what shapes the results.
+    (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
+    digest = hashlib.sha256()
+    with open(cfg.input, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {"input_size": cfg.input.stat().st_size, "input_sha256": digest.hexdigest(),
+            "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.max_model_len, "seed": cfg.seed,
+            "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
+            "logprobs": cfg.logprobs}
+
+
+def _differences(old: dict, new: dict) -> str:
+    old, new = _flat(old), _flat(new)
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return ", ".join(f"{k} {str(old.get(k))[:60]} -> {str(new.get(k))[:60]}" for k in keys)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _finished_summary(output: Path, job: dict) -> dict:
+    """The output exists and no pieces are pending: a no-op if it is this job's, else refuse to clobber it."""
+    try:
+        meta = pq.read_schema(output).metadata or {}
+        previous = json.loads(meta[b"tinyvllm.job"])
+    except Exception:  # not Parquet, or not ours
+        raise JobError(f"{output} exists and is not a tinyvllm output; pass --overwrite to replace it") from None
+    if previous != job:
+        raise JobError(f"{output} exists from a different job ({_differences(previous, job)}); "
+                       "pass --overwrite to replace it")
+    summary_file = summary_path(output)
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else summarize_output(output)
+    return {**summary, "already_complete": True}
+
+
+def _open_parts(cfg: JobConfig, job: dict) -> dict:
+    """Create `<output>.parts/` with its manifest, or check that the one there is this job's (to resume)."""
+    parts = parts_dir(cfg.output)
+    manifest_path = parts / "manifest.json"
+    if cfg.overwrite and parts.exists():
+        shutil.rmtree(parts)
+    if parts.exists():
+        has_pieces = any(parts.glob("piece-*.parquet"))
+        if manifest_path.exists():
+            manifest = json.loads(manifest_path.read_text())
+            if manifest["job"] != job:
+                raise JobError(f"cannot resume: {parts} holds rows of a different job "
+                               f"({_differences(manifest['job'], job)}); rerun with the original input and "
+                               "settings, or pass --overwrite to start over")
+            return manifest
+        if has_pieces:
+            raise JobError(f"cannot resume: {parts} has pieces but no manifest.json; pass --overwrite to start over")
+    manifest = {"job": job, "input": str(cfg.input), "started_at": _iso(time.time()), "version": __version__}
+    try:
+        parts.mkdir(parents=True, exist_ok=True)
+        tmp = manifest_path.with_name("manifest.json.tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, manifest_path)
+    except OSError as e:
+        raise JobError(f"cannot write {manifest_path}: {e.strerror}") from None
+    return manifest
+
+
+class _OutputLock:
+    """`<output>.lock`, created with O_EXCL and holding "pid host"; a lock whose process is dead is stale."""
+
+    def __init__(self, output: Path):
+        self.path = output.with_name(output.name + ".lock")
+        self.mine = f"{os.getpid()} {socket.gethostname()}\n"
+
+    def __enter__(self) -> _OutputLock:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._break_if_stale()
+                continue
+            except OSError as e:
+                raise JobError(f"cannot create lock {self.path}: {e.strerror}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(self.mine)
+            return self
+        raise JobError(f"cannot take the lock {self.path}: another run keeps taking it")
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.path.read_text() == self.mine:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def _break_if_stale(self) -> None:
+        try:
+            holder = self.path.read_text()
+        except FileNotFoundError:
+            return
+        pid, _, host = holder.strip().partition(" ")
+        if pid.isdigit() and (host != socket.gethostname() or _alive(int(pid))):
+            where = "" if host == socket.gethostname() else f" on {host}"
+            raise JobError(f"{self.path.name[:-5]} is being written by pid {pid}{where} (lock {self.path}); "
+                           "wait for it, or delete the lock if that process is gone")
+        # Stale. Move it aside and check that what moved is what was judged stale, not a fresh lock just taken.
+        aside = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if aside.read_text() != holder:
+            os.rename(aside, self.path)
+        else:
+            aside.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Signals:
+    """The first SIGINT/SIGTERM asks the job to stop (the run loop checks `received`); the previous handlers come
+    back at once, so a second signal stops the process the usual way."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            pass
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = signum
+        self.__exit__()
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+
+def load_job_file(path: Path, flags: dict, sampling_flags: dict) -> JobConfig:
+    """A JobConfig from a TOML job file, with the given flags (not None) on top. Relative paths in the file are
+    resolved against the file's own folder; flags' paths against the current directory."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise JobError(f"job file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise JobError(f"cannot read job file {path}: {e}") from None
+    sampling = data.pop("sampling", {})
+    if not isinstance(sampling, dict):
+        raise JobError(f"{path}: [sampling] must be a table")
+    for key, value in [*data.items(), *(("sampling." + k, v) for k, v in sampling.items())]:
+        expected = JOB_FILE_KEYS.get(key)
+        if expected is None:
+            raise JobError(f"{path}: unknown key {key!r} (known: {', '.join(JOB_FILE_KEYS)})")
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            raise JobError(f"{path}: {key} = {value!r} has the wrong type "
+                           f"(expected {getattr(expected, '__name__', 'a number')})")
+    for key in ("input", "output", "model"):
+        if key in data:
+            data[key] = Path(os.path.normpath(path.parent / data[key]))
+    data.update({k: v for k, v in flags.items() if v is not None})
+    sampling.update({k: v for k, v in sampling_flags.items() if v is not None})
+    missing = [k for k in ("input", "output") if k not in data]
+    if missing:
+        raise JobError(f"{path}: no {' or '.join(missing)} (in the file or as a flag)")
+    return JobConfig(**data, sampling=sampling)
+
+
+JOB_FILE_KEYS: dict[str, type] = {
+    "model": str, "input": str, "output": str, "backend": str, "batching": str, "max_num_seqs": int,
+    "max_num_batched_tokens": int, "block_size": int, "num_kv_blocks": int, "max_model_len": int, "seed": int,
+    "chat": bool, "output_token_ids": bool, "logprobs": int, "max_in_flight": int, "piece_rows": int,
+    "sampling.max_tokens": int, "sampling.temperature": (int, float), "sampling.top_p": (int, float),
+    "sampling.top_k": int, "sampling.min_p": (int, float), "sampling.seed": int, "sampling.stop": list,
+}
 
 
 def _check_output(output: Path) -> None:
@@ -133,6 +375,16 @@ def _check_output(output: Path) -> None:
         raise JobError(f"cannot create output directory {output.parent}: {e.strerror}") from None
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise JobError(f"output directory is not writable: {output.parent}")
+
+
+def _default_model() -> Path:
+    from tinyvllm.fetch import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        raise JobError("no model given and the default model is not fetched: "
+                       "run `tinyvllm fetch-default-model` (or `make run`) first")
+    return path
 
 
 def _load_llm(cfg: JobConfig):

@@ -7,6 +7,8 @@ sequences of a prefill step (their causal masks differ in shape).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from tinyvllm.backends import sampler
@@ -145,6 +147,14 @@ class NumpyBackend(Backend):
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
 
+    def measure_limits(self) -> dict:
+        src = np.ones(64 << 20, np.float32)  # 256 MiB: far beyond the caches
+        dst = np.empty_like(src)
+        a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
+        copy_s = _best_time(lambda: np.copyto(dst, src))
+        gemm_s = _best_time(lambda: a @ a)
+        return {"bandwidth_bytes_s": 2 * src.nbytes / copy_s, "gemm_flops": 2 * 2048 ** 3 / gemm_s}
+
     def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
         """Run the layers over the batch's tokens; return logits [len(logit_rows), vocab] of the chosen tokens."""
         cfg = self.config
@@ -174,6 +184,15 @@ class NumpyBackend(Backend):
                        for i, targets in batch.prompt_logprob_targets.items()]
         logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
         return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:])
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None) -> SamplerOutput:

@@ -78,6 +78,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
     index = 0
     with open(path, "rb") as f:  # bytes, so one line of invalid UTF-8 is one bad row, not a crashed job
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
+                raw = raw[3:]
             if not raw.strip():
                 continue
             obj, problem = None, None

@@ -134,9 +134,10 @@ class PartsWriter:
         `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added."""
         self.flush()
         pieces = self.pieces()
-        summary = _summarize(pieces, self.output)
+        summary = _summarize_pieces(pieces, self.output)
         metadata = {**metadata, "counts": {k: summary[k] for k in
-                                           ("rows", "error_rows", "finish_reasons", "prompt_tokens", "output_tokens")}}
+                                           ("rows", "error_rows", "finish_reasons", "prompt_tokens", "output_tokens",
+                                            "wall_time_s")}}
         kv = {f"tinyvllm.{k}": json.dumps(v, default=str) for k, v in metadata.items()}
         schema = self.schema.with_metadata(kv)
 
@@ -183,29 +184,44 @@ def _merged(pieces: list[Path]) -> Iterator[dict]:
             heapq.heappush(heap, (following["row"], i, following, rows))
 
 
-def _summarize(pieces: list[Path], output: Path) -> dict:
-    cols = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", *LATENCIES]
+SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", *LATENCIES]
+
+
+def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
+    """The job's figures: rows, errors, tokens, throughput, latency percentiles of the rows that did not fail."""
+    reasons = {c["values"]: c["counts"] for c in pc.value_counts(table.column("finish_reason")).to_pylist()}
+    ok = pc.not_equal(table.column("finish_reason"), "error")
+    out_tokens = int(pc.sum(table.column("completion_tokens")).as_py() or 0)
+    latency = {}
+    for name in LATENCIES:
+        values = table.column(name).filter(ok).drop_null().to_numpy()
+        latency[name[:-3]] = {f"p{q}": (round(float(np.percentile(values, q)), 3) if len(values) else None)
+                              for q in (50, 90, 99)}
+    return {
+        "output": str(output), "rows": table.num_rows, "error_rows": reasons.get("error", 0),
+        "finish_reasons": dict(sorted((str(k), v) for k, v in reasons.items())),
+        "prompt_tokens": int(pc.sum(table.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
+        "wall_time_s": round(wall_time_s, 3),
+        "output_tok_per_s": round(out_tokens / wall_time_s, 2) if wall_time_s > 0 else None,
+        "latency_ms": latency,
+    }
+
+
+def summarize_output(output: Path) -> dict:
+    """summarize() of a finished output file (its wall time comes from its metadata)."""
+    table = pq.read_table(output, columns=SUMMARY_COLUMNS)
+    counts = json.loads((table.schema.metadata or {}).get(b"tinyvllm.counts", b"{}"))
+    return summarize(table, counts.get("wall_time_s", 0.0), output)
+
+
+def _summarize_pieces(pieces: list[Path], output: Path) -> dict:
     tables, run_ends = [], {}
     for piece in pieces:
-        t = pq.read_table(piece, columns=cols)
+        t = pq.read_table(piece, columns=SUMMARY_COLUMNS)
         tables.append(t)
         started = json.loads(t.schema.metadata[b"tinyvllm.run_started"])
         end = pc.max(t.column("finished_at")).as_py()
         run_ends[started] = max(run_ends.get(started, end), end)
-    t = pa.concat_tables(tables) if tables else output_schema().empty_table().select(cols)
-    reasons = {c["values"]: c["counts"] for c in pc.value_counts(t.column("finish_reason")).to_pylist()}
-    ok = pc.not_equal(t.column("finish_reason"), "error")
+    table = pa.concat_tables(tables) if tables else output_schema().empty_table().select(SUMMARY_COLUMNS)
     wall = sum(end - start for start, end in run_ends.items())  # time spent running, summed over resumed runs
-    out_tokens = int(pc.sum(t.column("completion_tokens")).as_py() or 0)
-    latency = {}
-    for name in LATENCIES:
-        values = t.column(name).filter(ok).drop_null().to_numpy()
-        latency[name[:-3]] = {f"p{q}": (round(float(np.percentile(values, q)), 3) if len(values) else None)
-                              for q in (50, 90, 99)}
-    return {
-        "output": str(output), "rows": t.num_rows, "error_rows": reasons.get("error", 0),
-        "finish_reasons": dict(sorted((str(k), v) for k, v in reasons.items())),
-        "prompt_tokens": int(pc.sum(t.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
-        "wall_time_s": round(wall, 3), "output_tok_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
-        "latency_ms": latency,
-    }
+    return summarize(table, wall, output)

@@ -1,0 +1,205 @@
+// Causal attention for prefill: the new queries of each sequence (packed back to back, variable lengths) over the
+// sequence's whole context read from the paged cache. Twin: numpy_backend.paged_attention (prefill path).
+//
+// FlashAttention-2 on tensor cores: mma.sync m16n8k16 with bf16 operands and float32 accumulators, online softmax
+// in registers. Query i (0-based among the new tokens) of sequence s sits at position context_lens[s] - q_len + i
+// and sees keys 0 .. that position, so the same kernel serves a prompt, a prompt whose prefix is already cached and
+// a chunk of a long prompt. Grouped-query attention: the rows of a tile are (query, head) pairs of the `group`
+// query heads of one KV head, token-major, so each K/V tile loaded into shared memory serves all of them.
+#include "common.cuh"
+
+#define BLOCK_M 64  // rows ((query, head) pairs) per block: 16 per warp
+#define BLOCK_N 64  // keys per step
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const bf16* p) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const bf16* p) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Launch: grid (num_tiles, num_kv_heads), block 128 (4 warps x 16 rows). Tile b covers rows tile_row0[b] ..
+// tile_row0[b] + 63 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs, row = i * group + g;
+// the host lists the tiles. Shared memory: K and V tiles [64][D + 8] (padding keeps ldmatrix conflict-free).
+// qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D].
+template <int D>
+__device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                                  const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                                  const int* __restrict__ block_tables, int bt_stride,
+                                  const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
+                                  const int* __restrict__ tile_seq, const int* __restrict__ tile_row0, float scale,
+                                  int num_heads, int num_kv_heads, int block_size, int row_stride) {
+    constexpr int LD = D + 8;
+    __shared__ __align__(16) bf16 k_s[BLOCK_N * LD];
+    __shared__ __align__(16) bf16 v_s[BLOCK_N * LD];
+
+    const int seq = tile_seq[blockIdx.x], row0 = tile_row0[blockIdx.x], kvh = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const int q_start = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_start;
+    const int past = context_lens[seq] - q_len;  // tokens before the first new query
+    const int num_rows = q_len * group;
+    const int* table = block_tables + (int64_t)seq * bt_stride;
+    const int64_t kv_stride = (int64_t)num_kv_heads * D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    // Stage the Q tile in k_s (rows past the sequence's end repeat its last row and are never stored), then take
+    // each warp's 16 rows as mma A fragments, one per 16 dims.
+    for (int c = threadIdx.x; c < BLOCK_M * D / 8; c += blockDim.x) {
+        const int r = c / (D / 8), part = c % (D / 8);
+        const int row = min(row0 + r, num_rows - 1), i = row / group, g = row % group;
+        *reinterpret_cast<uint4*>(&k_s[r * LD + part * 8]) = *reinterpret_cast<const uint4*>(
+            qkv + (int64_t)(q_start + i) * row_stride + (kvh * group + g) * D + part * 8);
+    }
+    __syncthreads();
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qf[kk], &k_s[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+    __syncthreads();
+
+    // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16) and their query positions.
+    int pos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pos[h] = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
+    const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;  // keys any row of the tile sees
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+        // K and V of keys n0 .. n0 + 63 through the block table; keys past kv_end are zeros (never NaN garbage).
+        for (int c = threadIdx.x; c < BLOCK_N * D / 8; c += blockDim.x) {
+            const int j = c / (D / 8), part = c % (D / 8), tok = n0 + j;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+            if (tok < kv_end) {
+                const int64_t slot = (int64_t)table[tok / block_size] * block_size + tok % block_size;
+                const int64_t off = slot * kv_stride + kvh * D + part * 8;
+                kv = *reinterpret_cast<const uint4*>(k_cache + off);
+                vv = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            *reinterpret_cast<uint4*>(&k_s[j * LD + part * 8]) = kv;
+            *reinterpret_cast<uint4*>(&v_s[j * LD + part * 8]) = vv;
+        }
+        __syncthreads();
+
+        // S = Q K^T: 16 rows x 64 keys per warp, as 8 n-blocks of 8 keys.
+        float sacc[BLOCK_N / 8][4];
+#pragma unroll
+        for (int nb = 0; nb < BLOCK_N / 8; ++nb) sacc[nb][0] = sacc[nb][1] = sacc[nb][2] = sacc[nb][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int nb = 0; nb < BLOCK_N / 8; nb += 2) {
+                // matrices: keys nb*8.. x dims kk*16.., +8 dims, then keys (nb+1)*8.. x the same dims
+                uint32_t b[4];
+                const int mi = lane / 8;
+                ldmatrix_x4(b, &k_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+                mma_bf16(sacc[nb], qf[kk], b[0], b[1]);
+                mma_bf16(sacc[nb + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        // Causal mask and online softmax; a row's values live in the 4 lanes of a quad.
+        float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nb = 0; nb < BLOCK_N / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + nb * 8 + (lane % 4) * 2 + (e & 1);
+                const float v = key <= pos[e / 2] ? sacc[nb][e] * scale_log2 : -INFINITY;
+                sacc[nb][e] = v;
+                row_max[e / 2] = fmaxf(row_max[e / 2], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+            const float m_new = fmaxf(m[h], row_max[h]);  // finite: key 0 is in every row's first tile
+            alpha[h] = exp2f(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= alpha[h];  // this lane's share of the row sum; the quad is summed at the end
+        }
+#pragma unroll
+        for (int nb = 0; nb < BLOCK_N / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                sacc[nb][e] = exp2f(sacc[nb][e] - m[e / 2]);
+                l[e / 2] += sacc[nb][e];
+            }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            o[nd][0] *= alpha[0];
+            o[nd][1] *= alpha[0];
+            o[nd][2] *= alpha[1];
+            o[nd][3] *= alpha[1];
+        }
+
+        // O += P V: P's accumulator layout is the A fragment layout, 16 keys per k-step; V via transposed ldmatrix.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            const uint32_t a[4] = {pack_bf16(sacc[2 * kk][0], sacc[2 * kk][1]),
+                                   pack_bf16(sacc[2 * kk][2], sacc[2 * kk][3]),
+                                   pack_bf16(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
+                                   pack_bf16(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3])};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                // matrices: keys kk*16.. x dims nd*8.., keys +8, then dims (nd+1)*8.. for both key halves
+                uint32_t b[4];
+                const int mi = lane / 8;
+                ldmatrix_x4_trans(b, &v_s[(kk * 16 + (mi % 2) * 8 + lane % 8) * LD + (nd + mi / 2) * 8]);
+                mma_bf16(o[nd], a, b[0], b[1]);
+                mma_bf16(o[nd + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // the next tile overwrites k_s and v_s
+    }
+
+    // Normalize and store this thread's two rows (rows past the sequence's end are dropped).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const int row = row0 + warp * 16 + lane / 4 + 8 * h;
+        if (row >= num_rows) continue;
+        const int i = row / group, head = kvh * group + row % group;
+        bf16* dst = out + ((int64_t)(q_start + i) * num_heads + head) * D + (lane % 4) * 2;
+        const float inv_l = 1.f / l[h];
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd)
+            *reinterpret_cast<__nv_bfloat162*>(dst + nd * 8) =
+                __floats2bfloat162_rn(o[nd][2 * h] * inv_l, o[nd][2 * h + 1] * inv_l);
+    }
+}
+
+#define PREFILL_KERNEL(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attention_prefill_d##D(                                     \
+        bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, const int* block_tables,             \
+        int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
+        const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride) {       \
+        attention_prefill<D>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, \
+                             tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size, row_stride);        \
+    }
+PREFILL_KERNEL(64)
+PREFILL_KERNEL(128)

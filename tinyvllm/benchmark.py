@@ -1,0 +1,207 @@
+"""Benchmark workloads (W1-W5), their measurement, and the physical floor each is compared with.
+
+Workloads use random token ids and ignore EOS, so every run generates exactly the planned tokens. The floors come
+from two rates measured on the same machine (memory bandwidth and dense GEMM FLOP/s): a step cannot be faster than
+reading its bytes (weights + KV) or doing its FLOPs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.sampling_params import SamplingParams
+
+WORKLOADS = {
+    "W1": "throughput: 512 prompts x 256 random tokens in, 256 out, greedy",
+    "W2": "mixed: 256 prompts, input and output lengths uniform in [100, 1024]",
+    "W3": "latency: batch 1, 256 in, 256 out",
+    "W4": "prefill: 64 prompts x 1024 tokens, 1 out",
+    "W5": "shared prefix: 1024 prompts = one 1024-token prefix + 64 unique tokens, 64 out",
+}
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0) -> list[Request]:
+    """The requests of a workload; `scale` shrinks counts and lengths (e.g. 0.05 for a CPU smoke run)."""
+    rng = np.random.default_rng(seed)
+
+    def n(x: int) -> int:
+        return max(1, int(round(x * scale)))
+
+    def prompt(length: int) -> list[int]:
+        return rng.integers(0, vocab_size, length).tolist()
+
+    if name == "W1":
+        return [Request(prompt(n(256)), n(256)) for _ in range(n(512))]
+    if name == "W2":
+        lo, hi = n(100), n(1024)
+        return [Request(prompt(int(rng.integers(lo, hi + 1))), int(rng.integers(lo, hi + 1))) for _ in range(n(256))]
+    if name == "W3":
+        return [Request(prompt(n(256)), n(256))]
+    if name == "W4":
+        return [Request(prompt(n(1024)), 1) for _ in range(n(64))]
+    if name == "W5":
+        shared = prompt(n(1024))
+        return [Request(shared + prompt(n(64)), n(64)) for _ in range(n(1024))]
+    raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
+
+
+def run_workload(llm, requests: list[Request], sequential: bool = False) -> dict:
+    """Generate every request (greedy, EOS ignored); return throughput and latency figures."""
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    prompts = [r.prompt_token_ids for r in requests]
+    start = time.perf_counter()
+    if sequential:  # W3: one request at a time
+        outputs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    else:
+        outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} benchmark requests failed, e.g. {errors[0]}")
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    ttft = [o.metrics.ttft_ms for o in outputs]
+    tpot = [o.metrics.tpot_ms for o in outputs if o.metrics.tpot_ms is not None]
+    return {
+        "requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens, "wall_s": wall,
+        "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
+        "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+        "tpot_p50_ms": _pct(tpot, 50), "tpot_p99_ms": _pct(tpot, 99),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+# ---- the physical floor ------------------------------------------------------------------------------------------
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters used in GEMMs per token (every linear layer and the LM head; not the embedding gather)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    return config.num_hidden_layers * (attn + 3 * h * i) + config.vocab_size * h
+
+
+def weight_bytes(config: ModelConfig, bytes_per_param: int = 2) -> int:
+    embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return (matmul_params(config) + embed) * bytes_per_param
+
+
+def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_value
+
+
+def floor_seconds(config: ModelConfig, requests: list[Request], bandwidth: float, flops: float,
+                  max_num_seqs: int) -> float:
+    """A lower bound on the workload's time: prefill at the GEMM rate, then decode steps each bounded by reading
+    the weights and the batch's KV cache, or by its GEMM FLOPs, whichever is slower. Sequences run in waves of
+    max_num_seqs, longest-first being irrelevant to a bound this coarse."""
+    per_token_flops = 2 * matmul_params(config)
+    attn_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim  # per (query, key)
+    prefill = sum(per_token_flops * len(r.prompt_token_ids) + attn_flops * len(r.prompt_token_ids) ** 2 / 2
+                  for r in requests) / flops
+    decode = 0.0
+    for wave_start in range(0, len(requests), max_num_seqs):
+        wave = requests[wave_start: wave_start + max_num_seqs]
+        for step in range(1, max(r.max_tokens for r in wave)):
+            live = [r for r in wave if r.max_tokens > step]
+            context = sum(len(r.prompt_token_ids) + step for r in live)
+            read = weight_bytes(config) + context * kv_bytes_per_token(config)
+            decode += max(read / bandwidth, (per_token_flops * len(live) + attn_flops * context) / flops)
+    return prefill + decode
+
+
+def dummy_model(preset: str, seed: int = 0):
+    """A LoadedModel with random weights of a known model's shapes (no download), and a small stand-in tokenizer."""
+    from tinyvllm.model import dummy
+    from tinyvllm.model.loader import LoadedModel
+    from tinyvllm.tokenizer import Tokenizer
+
+    presets = {"llama-3.2-1b": dummy.llama_3_2_1b_config, "smollm2-135m": dummy.smollm2_135m_config,
+               "tiny": dummy.tiny_config}
+    if preset not in presets:
+        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(presets)}")
+    config = presets[preset]()
+    tokenizer = Tokenizer(dummy.build_tokenizer(min(config.vocab_size, 1024)), eos_tokens=[])
+    return LoadedModel(config, dummy.random_weights(config, seed), tokenizer, f"dummy:{preset}")
+
+
+def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
+                  limits: dict | None = None) -> dict:
+    """Run each workload on the LLM and set it against the floor from the measured limits.
+
+    W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between)."""
+    config = llm.model_config
+    limits = limits or llm.backend.measure_limits()
+    results = {"limits": limits, "workloads": {}}
+    for name in workloads:
+        requests = make_workload(name, config.vocab_size, scale, seed)
+        if name == "W5":
+            runs = {}
+            for caching in (False, True):
+                _reset_prefix_cache(llm, caching)
+                runs["cache_on" if caching else "cache_off"] = run_workload(llm, requests)
+            result = {**runs["cache_on"], "cache_off": runs["cache_off"],
+                      "speedup_vs_cache_off": runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]}
+        else:
+            _reset_prefix_cache(llm, True)
+            result = run_workload(llm, requests, sequential=name == "W3")
+        floor = floor_seconds(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
+                              llm.limits.max_num_seqs)
+        result["floor_s"] = floor
+        result["fraction_of_limit"] = floor / result["wall_s"]
+        if name == "W4":
+            flops = sum(2 * matmul_params(config) * len(r.prompt_token_ids) for r in requests)
+            result["prefill_tok_s"] = result["input_tokens"] / result["wall_s"]
+            result["achieved_tflops"] = flops / result["wall_s"] / 1e12
+            result["fraction_of_gemm_rate"] = flops / result["wall_s"] / limits["gemm_flops"]
+        if name == "W3":
+            result["ms_per_token"] = result["wall_s"] * 1000 / result["output_tokens"]
+        results["workloads"][name] = result
+    return results
+
+
+def _reset_prefix_cache(llm, enabled: bool) -> None:
+    """Forget every cached block (so one workload cannot warm the next) and switch caching on or off."""
+    bm = llm.llm_engine.block_manager
+    bm.cached.clear()
+    bm.block_hashes = [None] * bm.num_blocks
+    bm.enable_prefix_caching = enabled
+
+
+def format_results(results: dict) -> str:
+    """A plain table: one line per workload."""
+    lim = results["limits"]
+    lines = [f"limits: copy bandwidth {lim['bandwidth_bytes_s'] / 1e9:.0f} GB/s, GEMM {lim['gemm_flops'] / 1e12:.1f} "
+             f"TFLOP/s",
+             f"{'workload':<9}{'out tok/s':>12}{'total tok/s':>13}{'TTFT p50/p99 ms':>18}{'TPOT p50/p99 ms':>18}"
+             f"{'of limit':>10}  notes"]
+    for name, r in results["workloads"].items():
+        notes = []
+        if "ms_per_token" in r:
+            notes.append(f"{r['ms_per_token']:.2f} ms/token")
+        if "achieved_tflops" in r:
+            notes.append(f"{r['achieved_tflops']:.1f} TFLOP/s = {r['fraction_of_gemm_rate']:.0%} of GEMM rate")
+        if "speedup_vs_cache_off" in r:
+            notes.append(f"prefix cache {r['speedup_vs_cache_off']:.2f}x vs off "
+                         f"({r['cache_off']['output_tok_s']:.0f} tok/s)")
+        ttft = f"{_fmt(r['ttft_p50_ms'])}/{_fmt(r['ttft_p99_ms'])}"
+        tpot = f"{_fmt(r['tpot_p50_ms'])}/{_fmt(r['tpot_p99_ms'])}"
+        lines.append(f"{name:<9}{r['output_tok_s']:>12.0f}{r['total_tok_s']:>13.0f}{ttft:>18}{tpot:>18}"
+                     f"{r['fraction_of_limit']:>10.0%}  {'; '.join(notes)}")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
