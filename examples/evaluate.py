@@ -16,7 +16,8 @@ def main(path: str) -> None:
     meta = {k.decode(): json.loads(v) for k, v in (table.schema.metadata or {}).items() if k.startswith(b"tinyvllm.")}
     ok = table.filter(pc.not_equal(table["finish_reason"], "error"))
     print(f"file:          {path}")
-    print(f"model:         {meta.get('tinyvllm.model')} ({meta.get('tinyvllm.backend')}, {meta.get('tinyvllm.batching')})")
+    model, backend, batching = (meta.get(f"tinyvllm.{k}") for k in ("model", "backend", "batching"))
+    print(f"model:         {model} ({backend}, {batching})")
     print(f"rows:          {table.num_rows}")
     print(f"errors:        {table.num_rows - ok.num_rows}")
     if ok.num_rows:

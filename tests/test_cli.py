@@ -261,7 +261,8 @@ def test_signal_stops_then_resume_checks_manifest(tiny_model_dir, reference, tmp
     proc.send_signal(signum)
     _, stderr = proc.communicate()
     assert proc.returncode == code, stderr
-    assert f"interrupted by {signal.Signals(signum).name}" in stderr and "run the same command again to resume" in stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr
+    assert "run the same command again to resume" in stderr
     assert not out.exists() and not Path(str(out) + ".lock").exists()
 
     changed = cli(*job_args(tiny_model_dir, src, out), "--temperature", "0.5")
@@ -422,3 +423,18 @@ def test_bounded_memory(tiny_model_dir, tmp_path):
 
     small, large = peak_rss_mib(4_000), peak_rss_mib(40_000)
     assert large < small * 1.25 + 16, (small, large)
+
+
+def test_prefix_cache_hit_rate_reported_and_switchable(tiny_model_dir, tmp_path):
+    shared = "You are a helpful assistant who answers in one short sentence. " * 2
+    src = tmp_path / "shared.jsonl"
+    src.write_text("".join(json.dumps({"prompt": shared + f"Question {i}?"}) + "\n" for i in range(12)))
+    args = ["--temperature", "0", "--max-tokens", "6", "--max-num-seqs", "2", "--max-num-batched-tokens", "64"]
+    cached = ok_run(tiny_model_dir, src, tmp_path / "on.parquet", *args)
+    plain = ok_run(tiny_model_dir, src, tmp_path / "off.parquet", *args, "--no-prefix-caching",
+                   "--no-chunked-prefill")
+    on, off = metadata(cached)["engine_stats"], metadata(plain)["engine_stats"]
+    assert on["prefix_cache_hit_rate"] > 0.3 and off["prefix_cache_hit_rate"] == 0
+    assert json.loads((tmp_path / "on.summary.json").read_text())["engine_stats"] == on
+    assert metadata(cached)["engine"]["enable_prefix_caching"] and not metadata(plain)["engine"]["enable_prefix_caching"]
+    assert cached.column("completion").to_pylist() == plain.column("completion").to_pylist()

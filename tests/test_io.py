@@ -186,7 +186,8 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
     assert table.column("error").to_pylist()[7] == "boom" and table.column("completion_token_ids")[0].as_py() == [5, 6]
     schema = table.schema
     assert schema.field("id").type == pa.string() and schema.field("prompt_tokens").type == pa.int32()
-    assert schema.field("ttft_ms").type == pa.float64() and schema.field("completion_token_ids").type == pa.list_(pa.int32())
+    assert schema.field("ttft_ms").type == pa.float64()
+    assert schema.field("completion_token_ids").type == pa.list_(pa.int32())
     assert "logprobs" not in schema.names
     meta = {k.decode(): json.loads(v) for k, v in schema.metadata.items() if k.startswith(b"tinyvllm.")}
     assert meta["tinyvllm.model"] == "m" and meta["tinyvllm.sampling"] == {"x": 1}
@@ -210,3 +211,9 @@ def test_writer_empty_job(tmp_path):
     assert table.num_rows == 0 and "top_logprobs" in table.schema.names
     assert summary["rows"] == 0 and summary["output_tok_per_s"] is None
     assert summary["latency_ms"]["e2e"] == {"p50": None, "p90": None, "p99": None}
+
+
+def test_jsonl_byte_order_mark_and_crlf(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert [(r.prompt, r.error) for r in read_rows(path)] == [("a", None), ("b", None)]

@@ -11,14 +11,15 @@ import click
 import pyarrow.compute as pc
 
 from tinyvllm import __version__
-from tinyvllm.io.writer import LATENCIES, PIECE_ROWS, summarize_output
+from tinyvllm.io.writer import LATENCIES, PIECE_ROWS, sibling, summarize_output
 from tinyvllm.runner import JobConfig, JobError, JobInterrupted, load_job_file, run_job
 
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop")
 
-# Every option defaults to None (flags to False) so that a job file's value is overridden only by a flag given.
+# Options default to None (flags: unset) so that a job file's value is overridden only by a flag given.
 JOB_OPTIONS = [
-    click.option("--model", type=click.Path(path_type=Path), help="HF model dir or .gguf [default: the fetched default model]"),
+    click.option("--model", type=click.Path(path_type=Path),
+                 help="HF model dir or .gguf [default: the fetched default model]"),
     click.option("--backend", type=click.Choice(["auto", "numpy", "cuda"]), help="[default: auto]"),
     click.option("--batching", type=click.Choice(["continuous", "static"]), help="[default: continuous]"),
     click.option("--max-num-seqs", type=click.IntRange(min=1), help="sequences per batch [default: 256]"),
@@ -26,20 +27,28 @@ JOB_OPTIONS = [
     click.option("--block-size", type=click.IntRange(min=1), help="KV cache block size in tokens [default: 16]"),
     click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size [default: from memory]"),
     click.option("--max-model-len", type=click.IntRange(min=2), help="[default: the model's]"),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+                 help="cuda: share of GPU memory for weights + KV cache [default: 0.9]"),
+    click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
+                 help="reuse KV blocks of shared prompt prefixes [default: on]"),
+    click.option("--chunked-prefill/--no-chunked-prefill", "enable_chunked_prefill", default=None,
+                 help="split long prompts over steps so decodes keep running [default: on]"),
     click.option("--max-tokens", type=int, help="default per row [default: 16]"),
     click.option("--temperature", type=float, help="default per row; 0 = greedy [default: 1.0]"),
     click.option("--top-p", type=float, help="default per row [default: 1.0]"),
     click.option("--top-k", type=int, help="default per row; 0 = off [default: 0]"),
     click.option("--min-p", type=float, help="default per row [default: 0.0]"),
     click.option("--stop", multiple=True, help="stop string, repeatable (a row's `stop` replaces these)"),
-    click.option("--seed", type=int, help="engine seed [default: 0]"),
+    click.option("--seed", type=int, help="job seed: the engine's, and rows without a seed get one from it and "
+                 "their row number [default: 0]"),
     click.option("--chat", is_flag=True, default=None, help="send each `prompt` text as one user chat message"),
     click.option("--output-token-ids", is_flag=True, default=None, help="add a completion_token_ids column"),
     click.option("--logprobs", type=click.IntRange(min=0), help="add logprob columns with the top N per token"),
-    click.option("--max-in-flight", type=click.IntRange(min=1), help="requests in the engine at once [default: 4 x max-num-seqs]"),
+    click.option("--max-in-flight", type=click.IntRange(min=1),
+                 help="requests in the engine at once [default: 4 x max-num-seqs]"),
     click.option("--piece-rows", type=click.IntRange(min=1), help=f"rows per committed piece [default: {PIECE_ROWS}]"),
-    click.option("--overwrite", is_flag=True, help="start over: drop committed rows, replace a finished output"),
-    click.option("--quiet", is_flag=True, help="no progress bar or final line"),
+    click.option("--overwrite", is_flag=True, default=None, help="start over: drop committed rows, replace a finished output"),
+    click.option("--quiet", is_flag=True, default=None, help="no progress bar or final line"),
 ]
 
 
@@ -103,6 +112,35 @@ def report(output: Path) -> None:
         click.echo(f"wrote {path}", err=True)
 
 
+@main.command()
+@click.option("--model", type=click.Path(exists=True, path_type=Path), help="a real model instead of dummy weights")
+@click.option("--dummy-weights", default="llama-3.2-1b", show_default=True,
+              help="random weights of a known shape: llama-3.2-1b, smollm2-135m or tiny")
+@click.option("--backend", type=click.Choice(["auto", "numpy", "cuda"]), default="auto", show_default=True)
+@click.option("--workloads", default="W1,W2,W3,W4,W5", show_default=True, help="comma-separated subset")
+@click.option("--scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="shrink the workloads' counts and lengths (e.g. 0.05 on a CPU)")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
+def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, scale: float, max_num_seqs: int,
+          max_num_batched_tokens: int, json_path: Path | None) -> None:
+    """Throughput and latency workloads (W1-W5) against the machine's measured limits.
+
+    HF transformers peers in the same run: `make bench` (bench/run.py)."""
+    from tinyvllm.benchmark import dummy_model, format_results, run_benchmark
+    from tinyvllm.llm import LLM
+    from tinyvllm.model.loader import load_model
+
+    loaded = load_model(model) if model else dummy_model(dummy_weights)
+    llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              max_model_len=min(4096, loaded.config.max_position_embeddings))
+    results = run_benchmark(llm, workloads.split(","), scale)
+    click.echo(format_results(results))
+    if json_path:
+        json_path.write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
+
+
 @main.command("fetch-default-model")
 def fetch_default_model_cmd() -> None:
     """Download the default model (once) and print its path."""
@@ -115,7 +153,7 @@ def _split(options: dict) -> tuple[dict, dict]:
     """CLI options -> (JobConfig fields given, sampling defaults given)."""
     sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS}
     sampling["stop"] = list(sampling["stop"]) or None
-    flags = {k: v for k, v in options.items() if v is not None and v is not False}
+    flags = {k: v for k, v in options.items() if v is not None}
     return flags, {k: v for k, v in sampling.items() if v is not None}
 
 
@@ -142,12 +180,11 @@ def _plots(output: Path) -> list[Path]:
 
     table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
     ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))
-    stem = output.with_name(output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     for ax, name in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
         ax.hist(ok.column(name).drop_null().to_numpy(), bins=40)
         ax.set(title=name[:-3].upper(), xlabel="ms", ylabel="requests")
-    latency = stem.with_name(stem.name + ".latency.png")
+    latency = sibling(output, ".latency.png")
     fig.tight_layout()
     fig.savefig(latency, dpi=100)
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -155,7 +192,7 @@ def _plots(output: Path) -> list[Path]:
     times = done.column("finished_at").to_numpy()
     ax.plot(times - times[0] if len(times) else times, done.column("completion_tokens").to_numpy().cumsum())
     ax.set(title="output tokens over time", xlabel="s since first row", ylabel="tokens (cumulative)")
-    tokens = stem.with_name(stem.name + ".tokens.png")
+    tokens = sibling(output, ".tokens.png")
     fig.tight_layout()
     fig.savefig(tokens, dpi=100)
     plt.close("all")

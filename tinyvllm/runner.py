@@ -29,7 +29,7 @@ from tqdm import tqdm
 from tinyvllm import __version__
 from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
 from tinyvllm.io.writer import PIECE_ROWS, output_schema, parts_dir, summarize_output, summary_path
-from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
+from tinyvllm.sampling_params import SamplingParams
 
 __all__ = ["JobConfig", "JobError", "JobInterrupted", "load_job_file", "run_job"]
 
@@ -46,6 +46,9 @@ class JobConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     # The job's seed: the engine's, and a row without its own seed samples with one derived from this and its row
     # number, so a resumed or repeated job gives the same text.
     seed: int = 0
@@ -146,7 +149,7 @@ def _run(cfg: JobConfig, llm, rows, defaults: SamplingParams, manifest: dict, si
                 "batching": info.get("batching", cfg.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
                 "start_time": manifest["started_at"], "end_time": _iso(time.time())}
-    return writer.finalize(metadata)
+    return writer.finalize(metadata, llm.stats())
 
 
 def _prepare(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
@@ -360,6 +363,7 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict) -> JobConfig:
 JOB_FILE_KEYS: dict[str, type] = {
     "model": str, "input": str, "output": str, "backend": str, "batching": str, "max_num_seqs": int,
     "max_num_batched_tokens": int, "block_size": int, "num_kv_blocks": int, "max_model_len": int, "seed": int,
+    "gpu_memory_utilization": (int, float), "enable_prefix_caching": bool, "enable_chunked_prefill": bool,
     "chat": bool, "output_token_ids": bool, "logprobs": int, "max_in_flight": int, "piece_rows": int,
     "sampling.max_tokens": int, "sampling.temperature": (int, float), "sampling.top_p": (int, float),
     "sampling.top_k": int, "sampling.min_p": (int, float), "sampling.seed": int, "sampling.stop": list,
@@ -395,7 +399,10 @@ def _load_llm(cfg: JobConfig):
     try:
         return LLM(cfg.model, backend=cfg.backend, batching=cfg.batching, max_num_seqs=cfg.max_num_seqs,
                    max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-                   max_model_len=cfg.max_model_len, num_kv_blocks=cfg.num_kv_blocks, seed=cfg.seed)
+                   max_model_len=cfg.max_model_len, num_kv_blocks=cfg.num_kv_blocks, seed=cfg.seed,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization,
+                   enable_prefix_caching=cfg.enable_prefix_caching,
+                   enable_chunked_prefill=cfg.enable_chunked_prefill)
     except Exception as e:  # a bad config, missing weights, no GPU for backend=cuda, ...: the job cannot run
         raise JobError(f"cannot load model {cfg.model}: {e}".splitlines()[0]) from None
 

@@ -71,9 +71,14 @@ def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 
 
-def summary_path(output: Path) -> Path:
+def sibling(output: Path, suffix: str) -> Path:
+    """A file next to the output: out.parquet -> out<suffix>."""
     name = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
-    return output.with_name(name + ".summary.json")
+    return output.with_name(name + suffix)
+
+
+def summary_path(output: Path) -> Path:
+    return sibling(output, ".summary.json")
 
 
 class PartsWriter:
@@ -128,13 +133,16 @@ class PartsWriter:
         self.committed += len(self._buffer)
         self._buffer = []
 
-    def finalize(self, metadata: dict) -> dict:
+    def finalize(self, metadata: dict, engine_stats: dict | None = None) -> dict:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
 
-        `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added."""
+        `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added;
+        `engine_stats` (prefix-cache hit rate, preemptions) goes into both."""
         self.flush()
         pieces = self.pieces()
         summary = _summarize_pieces(pieces, self.output)
+        if engine_stats:
+            summary["engine_stats"] = metadata["engine_stats"] = engine_stats
         metadata = {**metadata, "counts": {k: summary[k] for k in
                                            ("rows", "error_rows", "finish_reasons", "prompt_tokens", "output_tokens",
                                             "wall_time_s")}}
@@ -189,6 +197,7 @@ SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finis
 
 def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
     """The job's figures: rows, errors, tokens, throughput, latency percentiles of the rows that did not fail."""
+    wall_time_s = round(wall_time_s, 3)  # as stored, so a summary recomputed from the file is the same
     reasons = {c["values"]: c["counts"] for c in pc.value_counts(table.column("finish_reason")).to_pylist()}
     ok = pc.not_equal(table.column("finish_reason"), "error")
     out_tokens = int(pc.sum(table.column("completion_tokens")).as_py() or 0)
@@ -201,7 +210,7 @@ def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
         "output": str(output), "rows": table.num_rows, "error_rows": reasons.get("error", 0),
         "finish_reasons": dict(sorted((str(k), v) for k, v in reasons.items())),
         "prompt_tokens": int(pc.sum(table.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
-        "wall_time_s": round(wall_time_s, 3),
+        "wall_time_s": wall_time_s,
         "output_tok_per_s": round(out_tokens / wall_time_s, 2) if wall_time_s > 0 else None,
         "latency_ms": latency,
     }
@@ -210,8 +219,12 @@ def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
 def summarize_output(output: Path) -> dict:
     """summarize() of a finished output file (its wall time comes from its metadata)."""
     table = pq.read_table(output, columns=SUMMARY_COLUMNS)
-    counts = json.loads((table.schema.metadata or {}).get(b"tinyvllm.counts", b"{}"))
-    return summarize(table, counts.get("wall_time_s", 0.0), output)
+    metadata = table.schema.metadata or {}
+    counts = json.loads(metadata.get(b"tinyvllm.counts", b"{}"))
+    summary = summarize(table, counts.get("wall_time_s", 0.0), output)
+    if b"tinyvllm.engine_stats" in metadata:
+        summary["engine_stats"] = json.loads(metadata[b"tinyvllm.engine_stats"])
+    return summary
 
 
 def _summarize_pieces(pieces: list[Path], output: Path) -> dict:

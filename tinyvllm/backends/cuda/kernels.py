@@ -16,7 +16,6 @@ from pycuda.compiler import SourceModule
 CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
 
 # file -> {kernel name: argument format (P pointer, i int32, f float32)}
-_P_OUT_PARTS = "PPPPPPPPPf" + "iiiii"
 SIGNATURES: dict[str, dict[str, str]] = {
     "embedding": {"embedding": "PPPi"},
     "norm": {"rms_norm": "PPPPif"},
@@ -24,7 +23,7 @@ SIGNATURES: dict[str, dict[str, str]] = {
     "activation": {"silu_and_mul": "PPi"},
     "cache": {"reshape_and_cache": "PPPPiii"},
     "attention_decode": {"attention_combine": "PPPi",
-                         **{f"attention_decode_d{d}_g{g}": _P_OUT_PARTS for d in (64, 128) for g in (1, 2, 4, 8)}},
+                         **{f"attention_decode_d{d}_g{g}": "PPPPPPPPPfiiiii" for d in (64, 128) for g in (1, 2, 4, 8)}},
     "attention_prefill": {f"attention_prefill_d{d}": "PPPPPiPPPPfiiii" for d in (64, 128)},
     "sampling": {"sample": "PPiPPPPP", "logprobs": "PPPPPii"},
 }

@@ -1,0 +1,246 @@
+"""The whole model on the GPU: against the numpy backend, against HF transformers, and through the engine.
+
+Random weights with real shapes (Llama-3.2-1B, SmolLM2-135M), rounded to bf16 so that every side computes with the
+same weights. Lines starting with REPORT carry the measured numbers (run pytest with -s to see them).
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.backends.base import EngineLimits
+from tinyvllm.backends.numpy_backend import NumpyBackend, sample_from_logits
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.model_inputs import build_batch
+from tinyvllm.engine.scheduler import ScheduledStep
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.model.dummy import llama_3_2_1b_config, random_weights, save_hf_model_dir, smollm2_135m_config
+from tinyvllm.model.loader import LoadedModel, bf16_to_f32, f32_to_bf16
+from tinyvllm.outputs import RequestMetrics
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {"llama-3.2-1b": llama_3_2_1b_config, "smollm2-135m": smollm2_135m_config}
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def bf16_model(config, seed=0) -> LoadedModel:
+    weights = {name: bf16_to_f32(f32_to_bf16(w)) for name, w in random_weights(config, seed).items()
+               if name != "lm_head.weight" or not config.tie_word_embeddings}
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return LoadedModel(config, weights, None, "random")
+
+
+def make_seqs(prompts, params=None):
+    params = params or [SamplingParams(temperature=0, max_tokens=64)] * len(prompts)
+    return [Sequence(str(i), i, None, list(map(int, p)), sp, 0, 0, RequestMetrics(0.0))
+            for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def prefill_batch(seqs, bm, block_size):
+    for seq in seqs:
+        bm.allocate(seq)
+    return build_batch(ScheduledStep(seqs, is_prefill=True), block_size)
+
+
+def decode_batch(seqs, tokens, bm, block_size):
+    for seq, token in zip(seqs, tokens):
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(int(token))
+        bm.append_slot(seq)
+    return build_batch(ScheduledStep(seqs, is_prefill=False), block_size)
+
+
+def gpu_logits(cuda, backend, n):
+    """The float32 logits of the last step's n sampled rows, still on the GPU after execute()."""
+    out = np.empty((n, backend.config.vocab_size), np.float32)
+    cuda.memcpy_dtoh(out, backend.buf["logits"])
+    return out
+
+
+@pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 2), ("smollm2-135m", 4)])
+def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
+    config = replace(CONFIGS[name](), num_hidden_layers=layers)
+    model = bf16_model(config)
+    # 64-token prefill chunks: the 100-token prompt is computed in two chunks.
+    limits = EngineLimits(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                          num_kv_blocks=64)
+    ours, ref = cuda_backend(model, limits), NumpyBackend(model, limits)
+    ours.init_kv_cache()
+    ref.init_kv_cache()
+    rng = np.random.default_rng(0)
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, prompt_logprobs=5, logprobs=5),
+              SamplingParams(temperature=0)]
+    seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (7, 100, 33)], params)
+    bm = BlockManager(64, 16)
+    batch = prefill_batch(seqs, bm, 16)
+
+    got = ours.execute(batch)
+    rows = np.concatenate([batch.query_start_loc[1:] - 1, np.arange(batch.query_start_loc[1], batch.query_start_loc[2])])
+    ref_logits = ref.forward(batch, rows)
+    want = sample_from_logits(ref_logits[:3], batch, ref_logits[3:])
+    errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits[:3])]
+    lp_diff = np.abs(got.prompt_logprobs[1].token_logprobs - want.prompt_logprobs[1].token_logprobs).max()
+    top_agree = np.mean(got.prompt_logprobs[1].top_ids[:, 0] == want.prompt_logprobs[1].top_ids[:, 0])
+    assert got.prompt_logprobs[1].top_ids.shape == want.prompt_logprobs[1].top_ids.shape == (99, 5)
+    assert lp_diff < 0.1 and top_agree > 0.9
+    assert np.abs(got.logprobs.token_logprobs - want.logprobs.token_logprobs).max() < 0.1
+
+    agree = [np.mean(got.sampled_token_ids == want.sampled_token_ids)]
+    tokens = want.sampled_token_ids
+    for _ in range(6):  # decode, fed the numpy backend's tokens so both caches hold the same sequences
+        batch = decode_batch(seqs, tokens, bm, 16)
+        got = ours.execute(batch)
+        ref_logits = ref.forward(batch, np.arange(3))
+        errors.append(rel_err(gpu_logits(cuda, ours, 3), ref_logits))
+        tokens = ref_logits.argmax(-1)
+        agree.append(np.mean(got.sampled_token_ids == tokens))
+    print(f"REPORT numpy {name} ({layers} layers): logits rel err prefill {errors[0]:.2e}, decode max "
+          f"{max(errors[1:]):.2e}; prompt logprob max |diff| {lp_diff:.3f}, top-1 agree {top_agree:.3f}; "
+          f"greedy agree {np.mean(agree):.3f}")
+    assert max(errors) < 2e-2
+    ours.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_hf_transformers(cuda, cuda_backend, name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = CONFIGS[name]()
+    model = bf16_model(config)
+    hf_config = transformers.LlamaConfig(**config.to_hf_dict())
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(hf_config).eval()
+    state = {k: torch.from_numpy(w) for k, w in model.weights.items()}
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+
+    steps, block_size = 32, 16
+    limits = EngineLimits(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024,
+                          num_kv_blocks=128)
+    ours = cuda_backend(model, limits)
+    ours.init_kv_cache()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 17, 64, 129)]
+    seqs = make_seqs(prompts)
+    bm = BlockManager(128, block_size)
+    out = ours.execute(prefill_batch(seqs, bm, block_size))
+    logits = [gpu_logits(cuda, ours, 4)]
+    generated = [out.sampled_token_ids]
+    for _ in range(steps - 1):
+        out = ours.execute(decode_batch(seqs, generated[-1], bm, block_size))
+        logits.append(gpu_logits(cuda, ours, 4))
+        generated.append(out.sampled_token_ids)
+    logits, generated = np.stack(logits, 1), np.stack(generated, 1)  # [4, steps, vocab], [4, steps]
+    ours.close()
+
+    # HF over prompt + our tokens (teacher forcing): float32 logits at every generated position, and bf16 argmaxes.
+    prefill_err, decode_err, agree, prefix = [], [], [], []
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt + generated[i, :-1].tolist()], device="cuda")
+            ref = hf(ids).logits[0, len(prompt) - 1:].float().cpu().numpy()
+            prefill_err.append(rel_err(logits[i, 0], ref[0]))
+            decode_err.append(max(rel_err(logits[i, t], ref[t]) for t in range(1, steps)))
+    hf = hf.to(torch.bfloat16)
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt + generated[i, :-1].tolist()], device="cuda")
+            hf_tokens = hf(ids).logits[0, len(prompt) - 1:].argmax(-1).cpu().numpy()
+            agree.append(np.mean(hf_tokens == generated[i]))
+            free = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, do_sample=False,
+                               min_new_tokens=steps)[0, len(prompt):].cpu().numpy()
+            prefix.append(next((t for t in range(steps) if free[t] != generated[i, t]), steps))
+    del hf
+    torch.cuda.empty_cache()
+    print(f"REPORT hf {name}: logits rel err vs HF fp32 prefill max {max(prefill_err):.2e}, decode max "
+          f"{max(decode_err):.2e}; greedy agreement with HF bf16 over {steps} steps (teacher-forced) "
+          f"{np.mean(agree):.3f}; free-running identical prefix {prefix} of {steps}")
+    assert max(prefill_err) < 3e-2 and max(decode_err) < 5e-2
+    assert np.mean(agree) >= 0.75
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """SmolLM2 shapes with 4 layers, saved as an HF dir (bf16 safetensors) for LLM(...)."""
+    config = replace(smollm2_135m_config(), num_hidden_layers=4)
+    return save_hf_model_dir(tmp_path_factory.mktemp("smollm2_4l"), config, random_weights(config, 3),
+                             dtype="bfloat16")
+
+
+def token_ids(outputs):
+    return [tuple(o.outputs[0].token_ids) for o in outputs]
+
+
+def random_prompts(rng, n, vocab, lo, hi):
+    return [rng.integers(3, vocab, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def test_graph_replay_matches_eager(model_dir):
+    rng = np.random.default_rng(2)
+    prompts = random_prompts(rng, 20, 49152, 3, 80)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **({"temperature": 0} if i % 3 else
+                                                                 {"temperature": 0.8, "top_p": 0.9, "seed": i}))
+              for i in range(len(prompts))]
+    runs = []
+    for graphs in (True, False):
+        llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024)
+        llm.backend.use_graphs = graphs
+        runs.append(token_ids(llm.generate(prompts, params)))
+        assert bool(llm.backend.graphs) == graphs
+        llm.backend.close()
+    assert runs[0] == runs[1]
+
+
+def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 12, 49152, 3, 60)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024)
+    alone = [token_ids(llm.generate(p, params))[0] for p in prompts]
+    continuous = token_ids(llm.generate(prompts, params))
+    llm.backend.close()
+    static_llm = LLM(model_dir, backend="cuda", batching="static", max_num_seqs=5, num_kv_blocks=256,
+                     max_model_len=1024)
+    static = token_ids(static_llm.generate(prompts, params))
+    static_llm.backend.close()
+    same_c = np.mean([a == c for a, c in zip(alone, continuous)])
+    same_s = np.mean([a == s for a, s in zip(alone, static)])
+    print(f"REPORT batching: requests identical to alone: continuous {same_c:.3f}, static {same_s:.3f}")
+    assert same_c >= 0.9 and same_s >= 0.9
+
+
+def test_long_job_under_a_tight_kv_budget(model_dir):
+    import time
+
+    rng = np.random.default_rng(5)
+    n = 300
+    prompts = random_prompts(rng, n, 49152, 4, 150)
+    params = []
+    for i in range(n):
+        extra = [{"temperature": 0}, {"temperature": 1.0, "top_k": 40, "seed": i}, {"temperature": 0.7, "min_p": 0.1},
+                 {"temperature": 0, "logprobs": 3}, {"temperature": 0, "prompt_logprobs": 2}][i % 5]
+        params.append(SamplingParams(max_tokens=int(rng.integers(1, 64)), ignore_eos=True, **extra))
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=48,
+              max_model_len=512)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    engine = llm.llm_engine
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"REPORT long job: {n} requests, {generated} tokens in {seconds:.1f} s, {engine.num_steps} steps, "
+          f"{engine.scheduler.num_preemptions} preemptions, graphs for buckets {sorted(llm.backend.graphs)}")
+    assert all(o.error is None and o.finished for o in outputs)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert all(len(o.outputs[0].logprobs) == p.max_tokens for o, p in zip(outputs, params) if p.logprobs)
+    assert all(len(o.prompt_logprobs) == len(pr) for o, p, pr in zip(outputs, params, prompts) if p.prompt_logprobs)
+    assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    llm.backend.close()

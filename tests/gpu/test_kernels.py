@@ -1,0 +1,282 @@
+"""Each CUDA kernel against its numpy twin, on fresh random inputs with NaN-poisoned outputs.
+
+Inputs are rounded to bf16 first and the numpy reference computes on those same values in float32, so the errors
+measure the kernels alone: ||out - ref|| / ||ref|| within bf16 output rounding (~4e-3), below 1e-2.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from tinyvllm.backends import sampler
+from tinyvllm.backends.base import Batch, SamplingBatch
+from tinyvllm.backends.numpy_backend import apply_rope, paged_attention, rms_norm, silu_and_mul
+from tinyvllm.model.loader import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+
+pytestmark = pytest.mark.gpu
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+BF16_TOL = 1e-2
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def bf16_round(x):
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+class Gpu:
+    """Allocations and transfers for one test; outputs start as NaN so that unwritten elements show."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.keep = []
+
+    def put(self, array) -> int:
+        allocation = self.cuda.to_device(np.ascontiguousarray(array))
+        self.keep.append(allocation)
+        return int(allocation)
+
+    def bf16(self, x) -> int:
+        return self.put(f32_to_bf16(x))
+
+    def poisoned(self, shape, dtype) -> int:
+        fill = {np.float32: np.float32(np.nan), np.uint16: np.uint16(0x7FC0), np.int32: np.int32(-7)}[dtype]
+        return self.put(np.full(shape, fill, dtype))
+
+    def get(self, ptr, shape, dtype):
+        out = np.empty(shape, dtype)
+        self.cuda.Context.synchronize()
+        self.cuda.memcpy_dtoh(out, ptr)
+        return out
+
+    def get_bf16(self, ptr, shape):
+        return bf16_to_f32(self.get(ptr, shape, np.uint16))
+
+
+def launch(kernels, name, grid, block, *args):
+    kernels[name](grid, (block, 1, 1), None, *args)
+
+
+@pytest.mark.parametrize("tokens", [1, 257])
+def test_embedding(cuda, kernels, tokens):
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
+    table = bf16_round(rng.standard_normal((1000, 576), dtype=np.float32))
+    ids = rng.integers(0, 1000, tokens).astype(np.int32)
+    out = gpu.poisoned((tokens, 576), np.float32)
+    launch(kernels, "embedding", (tokens,), 256, out, gpu.bf16(table), gpu.put(ids), 576)
+    np.testing.assert_array_equal(gpu.get(out, (tokens, 576), np.float32), table[ids])
+
+
+@pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True)])
+def test_rms_norm(cuda, kernels, tokens, hidden, gather):
+    gpu, rng = Gpu(cuda), np.random.default_rng(hidden + tokens)
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32) * 3
+    w = bf16_round(1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
+    rows = rng.permutation(tokens)[: max(1, tokens // 2)].astype(np.int32) if gather else np.arange(tokens)
+    out = gpu.poisoned((len(rows), hidden), np.uint16)
+    launch(kernels, "rms_norm", (len(rows),), 256, out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0,
+           hidden, 1e-5)
+    got = gpu.get_bf16(out, (len(rows), hidden))
+    assert rel_err(got, rms_norm(x[rows], w, 1e-5)) < BF16_TOL
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 8), (40, 64, 9, 3)])
+def test_rope(cuda, kernels, tokens, head_dim, heads, kv_heads):
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
+    positions = rng.integers(0, 20000, tokens).astype(np.int32)
+    cos, sin = rope_cos_sin(np.arange(20000), rope_inv_freq(head_dim, 500000.0, LLAMA3_SCALING))
+    buf = gpu.bf16(qkv)
+    launch(kernels, "rope", (tokens,), 128, buf, gpu.put(positions), gpu.put(np.stack([cos, sin], -1)),
+           heads + kv_heads, head_dim, width)
+    got = gpu.get_bf16(buf, (tokens, width))
+    c, s = cos[positions], sin[positions]
+    qk = (heads + kv_heads) * head_dim
+    ref = apply_rope(qkv[:, :qk].reshape(tokens, heads + kv_heads, head_dim), c, s).reshape(tokens, qk)
+    assert rel_err(got[:, :qk], ref) < BF16_TOL
+    np.testing.assert_array_equal(got[:, qk:], qkv[:, qk:])  # V untouched
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (257, 8192), (3, 520)])
+def test_silu_and_mul(cuda, kernels, tokens, inter):
+    gpu, rng = Gpu(cuda), np.random.default_rng(inter)
+    gate_up = bf16_round(rng.standard_normal((tokens, 2 * inter), dtype=np.float32) * 2)
+    out = gpu.poisoned((tokens, inter), np.uint16)
+    launch(kernels, "silu_and_mul", (tokens, -(-inter // 2048)), 256, out, gpu.bf16(gate_up), inter)
+    assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 2)])
+def test_reshape_and_cache(cuda, kernels, tokens, head_dim, heads, kv_heads):
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
+    num_slots, kv_width = 1000, kv_heads * head_dim
+    width = heads * head_dim + 2 * kv_width
+    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
+    slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
+    slots[::5] = -1  # padded rows write nothing
+    k_cache, v_cache = gpu.poisoned((num_slots, kv_width), np.uint16), gpu.poisoned((num_slots, kv_width), np.uint16)
+    launch(kernels, "reshape_and_cache", (tokens,), 128, k_cache, v_cache, gpu.bf16(qkv), gpu.put(slots),
+           heads * head_dim, kv_width, width)
+    k, v = gpu.get_bf16(k_cache, (num_slots, kv_width)), gpu.get_bf16(v_cache, (num_slots, kv_width))
+    real = slots >= 0
+    np.testing.assert_array_equal(k[slots[real]], qkv[real, heads * head_dim: heads * head_dim + kv_width])
+    np.testing.assert_array_equal(v[slots[real]], qkv[real, heads * head_dim + kv_width:])
+    untouched = np.setdiff1d(np.arange(num_slots), slots[real])
+    assert np.isnan(k[untouched]).all() and np.isnan(v[untouched]).all()
+
+
+def cache_setup(rng, context_lens, kv_heads, head_dim, block_size):
+    """Random bf16 K/V caches and shuffled block tables covering each context (plus unused padding columns)."""
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = rng.permutation(num_blocks)
+    width = max(blocks_per_seq) + 2
+    tables = np.zeros((len(context_lens), width), np.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used: used + n]
+        used += n
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k = bf16_round(rng.standard_normal(shape, dtype=np.float32))
+    v = bf16_round(rng.standard_normal(shape, dtype=np.float32))
+    return k, v, tables
+
+
+ATTN_SHAPES = {"d64-gqa1": (64, 8, 8), "d128-gqa4": (128, 32, 8), "d64-gqa8": (64, 16, 2),
+               "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2)}
+
+
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3)])
+def test_attention_decode(cuda, kernels, shape, num_seqs, splits):
+    head_dim, heads, kv_heads = ATTN_SHAPES[shape]
+    gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits)
+    block_size = 16
+    context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, 200, num_seqs)).astype(np.int32)
+    k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
+    group = heads // kv_heads
+    per_block = min(8, 1 << (group - 1).bit_length())
+    chunks = -(-group // per_block)
+    scale = 1 / math.sqrt(head_dim)
+    out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
+    partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
+    partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
+    launch(kernels, f"attention_decode_d{head_dim}_g{per_block}", (kv_heads * chunks, num_seqs, splits), 128, out,
+           partial_o, partial_ml, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables),
+           gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), scale, heads, kv_heads, block_size,
+           width, splits)
+    if splits > 1:
+        launch(kernels, "attention_combine", (heads, num_seqs), head_dim, out, partial_o, partial_ml, splits)
+    got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
+    batch = Batch(False, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
+                  np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
+    q = qkv[:, : heads * head_dim].reshape(num_seqs, heads, head_dim)
+    ref = paged_attention(q, k, v, batch, block_size, scale).reshape(num_seqs, -1)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("case", ["mixed", "many"])
+def test_attention_prefill(cuda, kernels, shape, case):
+    head_dim, heads, kv_heads = ATTN_SHAPES[shape]
+    gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
+    block_size = 16
+    if case == "mixed":  # a lone token, a prompt, prompts after a cached prefix, a context ending mid-block
+        q_lens, past = np.array([1, 37, 64, 130, 5]), np.array([0, 0, 16, 203, 60])
+    else:  # 257 short sequences
+        q_lens, past = rng.integers(1, 20, 257), rng.integers(0, 40, 257)
+    context_lens = (q_lens + past).astype(np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(qsl[-1])
+    positions = np.concatenate([np.arange(p, c) for p, c in zip(past, context_lens)]).astype(np.int32)
+    k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
+    group = heads // kv_heads
+    tiles = -(-(q_lens * group) // 64)
+    tile_seq = np.repeat(np.arange(len(q_lens)), tiles).astype(np.int32)
+    tile_row0 = np.concatenate([np.arange(t) * 64 for t in tiles]).astype(np.int32)
+    scale = 1 / math.sqrt(head_dim)
+    out = gpu.poisoned((tokens, heads * head_dim), np.uint16)
+    launch(kernels, f"attention_prefill_d{head_dim}", (len(tile_seq), kv_heads), 128, out, gpu.bf16(qkv),
+           gpu.bf16(k), gpu.bf16(v), gpu.put(tables), tables.shape[1], gpu.put(qsl), gpu.put(context_lens),
+           gpu.put(tile_seq), gpu.put(tile_row0), scale, heads, kv_heads, block_size, width)
+    got = gpu.get_bf16(out, (tokens, heads * head_dim))
+    batch = Batch(True, np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
+                  None)
+    q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    ref = paged_attention(q, k, v, batch, block_size, scale).reshape(tokens, -1)
+    assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("m,n,k,out_fp32,accumulate", [(1, 3072, 2048, False, False), (257, 576, 1536, True, True)])
+def test_cublas_gemm(cuda, m, n, k, out_fp32, accumulate):
+    from tinyvllm.backends.cuda.cublas import Cublas
+
+    gpu, rng = Gpu(cuda), np.random.default_rng(m)
+    x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
+    c = rng.standard_normal((m, n), dtype=np.float32)
+    out = gpu.put(c) if accumulate else gpu.poisoned((m, n), np.float32 if out_fp32 else np.uint16)
+    blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24)
+    blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=out_fp32, accumulate=accumulate)
+    got = gpu.get(out, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out, (m, n))
+    ref = x @ w.T + (c if accumulate else 0)
+    assert rel_err(got, ref) < (1e-4 if out_fp32 else BF16_TOL)
+    blas.close()
+
+
+def sampling_rows(rng, num_rows, first_mode=0):
+    """A mix of every sampling mode, cycling over the rows from first_mode."""
+    modes = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
+             dict(temperature=1.3, top_p=0.9), dict(temperature=0.8, min_p=0.05),
+             dict(temperature=1.0, top_k=200, top_p=0.8, min_p=0.01), dict(temperature=0.5, top_k=1),
+             dict(temperature=2.0, top_p=0.3)]
+    rows = [modes[(first_mode + i) % len(modes)] for i in range(num_rows)]
+    return SamplingBatch(
+        temperature=np.array([r["temperature"] for r in rows], np.float32),
+        top_p=np.array([r.get("top_p", 1.0) for r in rows], np.float32),
+        top_k=np.array([r.get("top_k", 0) for r in rows], np.int32),
+        min_p=np.array([r.get("min_p", 0.0) for r in rows], np.float32),
+        noise_keys=rng.integers(0, 2**32, num_rows, dtype=np.uint64).astype(np.uint32))
+
+
+@pytest.mark.parametrize("num_rows,vocab", [(1, 128256), (64, 128256), (257, 49152)])
+def test_sample_matches_numpy_sampler(cuda, kernels, num_rows, vocab):
+    gpu, rng = Gpu(cuda), np.random.default_rng(num_rows)
+    logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 3
+    params = sampling_rows(rng, num_rows, first_mode=5 if num_rows == 1 else 0)  # alone: every filter at once
+    out = gpu.poisoned(num_rows, np.int32)
+    launch(kernels, "sample", (num_rows,), 1024, out, gpu.put(logits), vocab, gpu.put(params.temperature),
+           gpu.put(params.top_p), gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
+    got = gpu.get(out, num_rows, np.int32)
+    ref = sampler.sample(logits, params)
+    mismatches = int((got != ref).sum())
+    print(f"REPORT sampler rows={num_rows} vocab={vocab}: {num_rows - mismatches}/{num_rows} tokens equal to numpy")
+    assert mismatches <= num_rows // 64  # only float ties at a filter boundary may differ
+
+
+@pytest.mark.parametrize("num_rows,k", [(1, 0), (37, 5), (257, 20)])
+def test_logprobs_match_numpy(cuda, kernels, num_rows, k):
+    gpu, rng = Gpu(cuda), np.random.default_rng(k)
+    vocab = 128256
+    logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 4
+    tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
+    token_lp = gpu.poisoned(num_rows, np.float32)
+    top_ids, top_lp = gpu.poisoned((num_rows, max(k, 1)), np.int32), gpu.poisoned((num_rows, max(k, 1)), np.float32)
+    launch(kernels, "logprobs", (num_rows,), 1024, token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens),
+           vocab, k)
+    ref = sampler.gather_logprobs(logits, tokens, k)
+    np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32), ref.token_logprobs, atol=1e-4)
+    if k:
+        np.testing.assert_array_equal(gpu.get(top_ids, (num_rows, k), np.int32), ref.top_ids)
+        np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-4)
