@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INPUT ?= examples/prompts.jsonl
 OUTPUT ?= out/prompts.parquet
-RUN_ARGS ?=
+RUN_ARGS ?= --max-tokens 64
 
 .PHONY: setup setup-test run test test-gpu bench fetch clean
 

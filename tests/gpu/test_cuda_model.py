@@ -4,6 +4,7 @@ Random weights with real shapes (Llama-3.2-1B, SmolLM2-135M), rounded to bf16 so
 same weights. Lines starting with REPORT carry the measured numbers (run pytest with -s to see them).
 """
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -45,16 +46,16 @@ def make_seqs(prompts, params=None):
 
 def prefill_batch(seqs, bm, block_size):
     for seq in seqs:
-        bm.allocate(seq)
-    return build_batch(ScheduledStep(seqs, is_prefill=True), block_size)
+        bm.allocate(seq, len(seq))
+    return build_batch(ScheduledStep(seqs, [len(s) for s in seqs]), block_size)
 
 
 def decode_batch(seqs, tokens, bm, block_size):
     for seq, token in zip(seqs, tokens):
         seq.num_computed_tokens = len(seq)
         seq.token_ids.append(int(token))
-        bm.append_slot(seq)
-    return build_batch(ScheduledStep(seqs, is_prefill=False), block_size)
+        bm.grow(seq, len(seq))
+    return build_batch(ScheduledStep(seqs, [1] * len(seqs)), block_size)
 
 
 def gpu_logits(cuda, backend, n):
@@ -78,7 +79,7 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, prompt_logprobs=5, logprobs=5),
               SamplingParams(temperature=0)]
     seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (7, 100, 33)], params)
-    bm = BlockManager(64, 16)
+    bm = BlockManager(64, 16, enable_prefix_caching=False)
     batch = prefill_batch(seqs, bm, 16)
 
     got = ours.execute(batch)
@@ -129,12 +130,16 @@ def test_matches_hf_transformers(cuda, cuda_backend, name):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 17, 64, 129)]
     seqs = make_seqs(prompts)
-    bm = BlockManager(128, block_size)
+    bm = BlockManager(128, block_size, enable_prefix_caching=False)
     out = ours.execute(prefill_batch(seqs, bm, block_size))
     logits = [gpu_logits(cuda, ours, 4)]
     generated = [out.sampled_token_ids]
+    step_seconds = []
     for _ in range(steps - 1):
-        out = ours.execute(decode_batch(seqs, generated[-1], bm, block_size))
+        batch = decode_batch(seqs, generated[-1], bm, block_size)
+        start = time.perf_counter()
+        out = ours.execute(batch)
+        step_seconds.append(time.perf_counter() - start)
         logits.append(gpu_logits(cuda, ours, 4))
         generated.append(out.sampled_token_ids)
     logits, generated = np.stack(logits, 1), np.stack(generated, 1)  # [4, steps, vocab], [4, steps]
@@ -161,7 +166,8 @@ def test_matches_hf_transformers(cuda, cuda_backend, name):
     torch.cuda.empty_cache()
     print(f"REPORT hf {name}: logits rel err vs HF fp32 prefill max {max(prefill_err):.2e}, decode max "
           f"{max(decode_err):.2e}; greedy agreement with HF bf16 over {steps} steps (teacher-forced) "
-          f"{np.mean(agree):.3f}; free-running identical prefix {prefix} of {steps}")
+          f"{np.mean(agree):.3f}; free-running identical prefix {prefix} of {steps}; decode step of 4 sequences "
+          f"{1e3 * np.median(step_seconds):.2f} ms (median, graph replay)")
     assert max(prefill_err) < 3e-2 and max(decode_err) < 5e-2
     assert np.mean(agree) >= 0.75
 
@@ -216,9 +222,39 @@ def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):
     assert same_c >= 0.9 and same_s >= 0.9
 
 
-def test_long_job_under_a_tight_kv_budget(model_dir):
-    import time
+def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
+    rng = np.random.default_rng(6)
+    shared = rng.integers(3, 49152, 48).tolist()  # three full blocks of 16 shared by every prompt
+    prompts = [shared + p for p in random_prompts(rng, 10, 49152, 5, 30)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    reference = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
+                    enable_prefix_caching=False)
+    want = token_ids(reference.generate(prompts, params))
+    reference.backend.close()
+    # 24-token budget: prompts are prefilled in chunks; the second pass finds whole prompts cached.
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
+              max_num_batched_tokens=24)
+    runs = [token_ids(llm.generate(prompts, params)) for _ in range(2)]
+    bm = llm.llm_engine.block_manager
+    same = [np.mean([a == b for a, b in zip(want, run)]) for run in runs]
+    print(f"REPORT prefix caching + chunked prefill: requests identical to the plain run {same}, "
+          f"prefix cache hit rate {bm.prefix_cache_hit_rate:.2f}")
+    assert bm.prefix_cache_hit_rate > 0 and min(same) >= 0.9
+    llm.backend.close()
 
+
+def test_measure_limits_and_describe(model_dir):
+    # the KV cache sized from the memory budget: half the GPU for weights, buffers and cache
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.5)
+    limits, info = llm.backend.measure_limits(), llm.info()
+    print(f"REPORT measure_limits: copy {limits['bandwidth_bytes_s'] / 1e12:.2f} TB/s, bf16 GEMM "
+          f"{limits['gemm_flops'] / 1e12:.0f} TFLOP/s; describe {llm.backend.describe()}")
+    assert limits["bandwidth_bytes_s"] > 1e11 and limits["gemm_flops"] > 1e13
+    assert 0.3 < info["kv_cache_gib"] / 139 < 0.5 and info["dtype"] == "bfloat16" and info["device"]
+    llm.backend.close()
+
+
+def test_long_job_under_a_tight_kv_budget(model_dir):
     rng = np.random.default_rng(5)
     n = 300
     prompts = random_prompts(rng, n, 49152, 4, 150)

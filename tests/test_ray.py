@@ -1,0 +1,212 @@
+"""--ray on a local Ray instance (2 CPUs, numpy backend, tiny model): the output equals a single-process run row for
+row, a replica killed mid-job loses and repeats no row, a failed job resumes, and LLMProcessor adds completions to
+a Ray Dataset. Without Ray installed only the checks that need no cluster run."""
+
+import json
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tinyvllm import ray_runner
+from tinyvllm.io import JobError
+from tinyvllm.io.writer import parts_dir
+from tinyvllm.ray_runner import ENGINE_COLUMN, LLMProcessor, RayConfig, _collect, run_ray_job
+from tinyvllm.runner import JobConfig, run_job
+from tinyvllm.sampling_params import SamplingParams
+
+try:
+    import ray
+    import ray.data
+except ImportError:
+    ray = None
+needs_ray = pytest.mark.skipif(ray is None, reason="ray is not installed (pip install 'tinyvllm[ray]')")
+
+# Everything but the timings (latencies, finished_at), which differ between any two runs.
+SAME = ["row", "id", "prompt", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+        "completion_token_ids"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def job_input(tmp_path):
+    """Greedy and sampled rows (seeded by row number), chat, token ids, and rows bad for the reader or the engine."""
+    rows = [{"id": f"p{i}", "prompt": f"Row {i} says", "max_tokens": 2 + i % 5,
+             **({"temperature": 0} if i % 2 else {})} for i in range(12)]
+    rows += [{"id": "chat", "messages": [{"role": "user", "content": "hi there"}]},
+             {"id": "ids", "prompt": [5, 6, 7, 8], "max_tokens": 3},
+             {"id": "seeded", "prompt": "Once upon", "seed": 7, "temperature": 0.9},
+             {"id": "too-long", "prompt": "x", "max_tokens": 500},  # > max_model_len: fails in the replica
+             {"id": "p3", "prompt": "a duplicate id"},
+             {"id": "cold", "prompt": "x", "temperature": -1}]
+    lines = [json.dumps(r) for r in rows] + ["{not json"]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def config(model, input_path, output, **kw) -> JobConfig:
+    return JobConfig(input=input_path, output=output, model=model, backend="numpy", max_model_len=128,
+                     sampling={"max_tokens": 6}, output_token_ids=True, quiet=True, **kw)
+
+
+def meta(table: pa.Table) -> dict:
+    return {k.decode(): json.loads(v) for k, v in table.schema.metadata.items() if k.startswith(b"tinyvllm.")}
+
+
+def assert_same_output(ray_out, local_out):
+    got, want = pq.read_table(ray_out), pq.read_table(local_out)
+    assert got.schema.remove_metadata() == want.schema.remove_metadata()
+    assert got.select(SAME).to_pylist() == want.select(SAME).to_pylist()
+    got_meta, want_meta = meta(got), meta(want)
+    assert got_meta.keys() == want_meta.keys()
+    for key in ("tinyvllm.job", "tinyvllm.sampling", "tinyvllm.model", "tinyvllm.backend", "tinyvllm.chat"):
+        assert got_meta[key] == want_meta[key], key
+    counts = {k: v for k, v in got_meta["tinyvllm.counts"].items() if k != "wall_time_s"}
+    assert counts == {k: v for k, v in want_meta["tinyvllm.counts"].items() if k != "wall_time_s"}
+    assert not parts_dir(ray_out).exists() and ray_out.with_suffix(".summary.json").exists()
+    return got_meta
+
+
+@pytest.fixture
+def local_output(tiny_model_dir, job_input, tmp_path):
+    out = tmp_path / "local.parquet"
+    run_job(config(tiny_model_dir, job_input, out))
+    return out
+
+
+@needs_ray
+def test_ray_job_equals_single_process(ray_local, tiny_model_dir, job_input, local_output, tmp_path):
+    out = tmp_path / "ray.parquet"
+    summary = run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=2, batch_size=3))
+    assert summary["rows"] == 19 and summary["error_rows"] == 4
+    got_meta = assert_same_output(out, local_output)
+    assert got_meta["tinyvllm.engine"]["ray"]["num_replicas"] == 2
+    assert got_meta["tinyvllm.engine"]["max_model_len"] == 128
+    errors = {r["id"]: r["error"] for r in pq.read_table(out).to_pylist() if r["error"]}
+    assert "max_model_len" in errors["too-long"] and "duplicate id" in errors["p3"]
+    # Finished: running it again does nothing.
+    assert run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=1))["already_complete"]
+
+
+def use_replica(monkeypatch, replica: type) -> None:
+    """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
+    real_map = ray_runner._map
+    monkeypatch.setattr(ray_runner, "_map", lambda ds, _, *args: real_map(ds, replica, *args))
+
+
+@needs_ray
+def test_replica_killed_mid_job_loses_and_repeats_nothing(ray_local, tiny_model_dir, job_input, local_output,
+                                                          tmp_path, monkeypatch):
+    died = tmp_path / "died"
+
+    class DiesOnce(ray_runner._JobReplica):
+        """Kills its process (no exception, no cleanup) on its second batch, the first time any replica gets there."""
+
+        calls = 0
+
+        def __call__(self, batch):
+            self.calls += 1
+            if self.calls == 2:
+                try:
+                    os.close(os.open(died, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    pass
+                else:
+                    os._exit(1)
+            return super().__call__(batch)
+
+    use_replica(monkeypatch, DiesOnce)
+    out = tmp_path / "ray.parquet"
+    run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=2, batch_size=2))
+    assert died.exists()
+    assert pq.read_table(out).column("row").to_pylist() == list(range(19))
+    assert_same_output(out, local_output)
+
+
+@needs_ray
+def test_failed_job_keeps_committed_batches_and_resumes(ray_local, tiny_model_dir, job_input, local_output, tmp_path,
+                                                        monkeypatch):
+    class Raises(ray_runner._JobReplica):
+        """Fails the job (a Python error is not retried) once it has finished a few batches."""
+
+        calls = 0
+
+        def __call__(self, batch):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("boom")
+            return super().__call__(batch)
+
+    use_replica(monkeypatch, Raises)
+    out = tmp_path / "ray.parquet"
+    with pytest.raises(JobError, match="Ray job failed.*boom"):
+        run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=1, batch_size=2))
+    committed = pq.read_table(parts_dir(out)).column("row").to_pylist()
+    assert len(committed) >= 4 + 4  # two batches, and the rows the reader already refused
+    monkeypatch.undo()
+    run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=2, batch_size=2))
+    assert_same_output(out, local_output)
+
+
+@needs_ray
+def test_processor_adds_completions_to_a_dataset(ray_local, tiny_model_dir):
+    from tinyvllm.llm import LLM
+
+    items = [{"prompt": "The sky is", "messages": None, "max_tokens": 4, "note": "a"},
+             {"prompt": None, "messages": [{"role": "user", "content": "hello"}], "max_tokens": None, "note": "b"},
+             {"prompt": "", "messages": None, "max_tokens": None, "note": "c"}]
+    processor = LLMProcessor(tiny_model_dir, num_replicas=1, backend="numpy", max_model_len=128,
+                             sampling={"max_tokens": 5, "temperature": 0})
+    rows = processor(ray.data.from_items(items)).take_all()
+    assert [r["note"] for r in rows] == ["a", "b", "c"]  # the dataset's own columns stay
+    llm = LLM(tiny_model_dir, backend="numpy", max_model_len=128)
+    want = [llm.generate("The sky is", SamplingParams(max_tokens=4, temperature=0))[0],
+            llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=5, temperature=0))[0]]
+    for row, out in zip(rows, want):
+        assert row["error"] is None and row["completion"] == out.outputs[0].text
+        assert row["completion_tokens"] == len(out.outputs[0].token_ids) and row["e2e_ms"] > 0
+    assert rows[2]["finish_reason"] == "error" and "empty" in rows[2]["error"] and rows[2]["completion"] is None
+    with pytest.raises(TypeError, match="unknown option"):
+        LLMProcessor(tiny_model_dir, output="x.parquet")
+
+
+def table(rows: list[int], report: dict | None = None) -> pa.Table:
+    reports = [json.dumps(report) if report else None] + [None] * (len(rows) - 1)
+    return pa.table({"row": rows, "completion_tokens": [1] * len(rows), ENGINE_COLUMN: pa.array(reports, pa.string())})
+
+
+def test_collect_keeps_the_first_record_of_each_row_and_detects_missing_rows():
+    emitted, commits = [], []
+    report = {"replica": "a", "info": {"backend": "numpy"}, "stats": {}}
+    replicas = _collect([table([0, 1], report), table([1, 2]), table([0])], 3, emitted.append,
+                        lambda: commits.append(len(emitted)), lambda: False)
+    assert [r["row"] for r in emitted] == [0, 1, 2] and commits == [2, 3, 3]
+    assert replicas == {"a": {"info": {"backend": "numpy"}, "stats": {}}}
+    with pytest.raises(JobError, match="1 of 3 rows never came back"):
+        _collect([table([0, 2])], 3, lambda r: None, lambda: None, lambda: False)
+
+
+def test_without_ray_says_how_to_install(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(JobError, match=r"pip install 'tinyvllm\[ray\]'"):
+        run_ray_job(JobConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", model=tiny_model_dir))
+
+
+def test_ray_table_of_a_job_file():
+    assert RayConfig.from_table({"address": "auto", "num_replicas": 4}, "job.toml") == \
+        RayConfig(address="auto", num_replicas=4)
+    with pytest.raises(JobError, match="unknown key 'ray.gpus'"):
+        RayConfig.from_table({"gpus": 2}, "job.toml")
+    with pytest.raises(JobError, match="wrong type"):
+        RayConfig.from_table({"num_replicas": "4"}, "job.toml")
+    with pytest.raises(JobError, match=">= 1"):
+        RayConfig.from_table({"batch_size": 0}, "job.toml")

@@ -1,0 +1,373 @@
+"""A job on a Ray cluster (Ray Data, one LLM per replica), and LLMProcessor for a Ray Dataset you already have.
+
+A job (`tinyvllm run --ray`): the driver reads and checks the input exactly as a single-machine run does (bad rows
+become error rows right there), puts the good rows into Ray's object store in blocks of `batch_size` rows, and Ray
+Data streams the blocks through a pool of actors that each hold one LLM (one GPU each on cuda). Finished batches
+stream back to the driver, which commits them with the single-machine writer: same output file, schema, metadata,
+summary, lock and resume.
+
+Exactly once, per input row: a replica returns a batch's records only when the whole batch is done, so a replica
+that dies mid-batch has emitted none of it; Ray Data restarts the actor and runs the batch again. Rows sample with
+seeds derived from the job seed and the row number, so a rerun row gives the text the lost attempt would have. The
+driver keeps the first record of each row number (any repeat is dropped) and will not finish the job while a row
+is missing. A driver that dies keeps its committed rows: the same command resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from tinyvllm import __version__
+from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
+from tinyvllm.io.readers import BadRow, _parse_openai, _parse_plain
+from tinyvllm.io.writer import output_schema, parts_dir
+from tinyvllm.runner import (JobConfig, JobInterrupted, _check_output, _default_model, _finished_summary, _iso,
+                             _job_identity, _load_llm, _open_parts, _OutputLock, _prepare, _Signals)
+from tinyvllm.sampling_params import SamplingParams
+
+__all__ = ["RayConfig", "LLMProcessor", "run_ray_job"]
+
+INSTALL_HINT = "pip install 'tinyvllm[ray]'"
+STAGED_SCHEMA = pa.schema([("row", pa.int64()), ("id", pa.string()), ("request", pa.string())])
+# A job replica's {"replica", "info": LLM.info(), "stats": LLM.stats()} on the first row of each batch: the driver
+# keeps the latest per replica (a restarted actor counts as a new one) for the output's metadata.
+ENGINE_COLUMN = "__tinyvllm_engine"
+# What LLMProcessor adds to a dataset: the job output's columns but the row's own number, id and prompt.
+PROCESSOR_OPTIONS = ("backend", "batching", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "max_model_len", "seed", "sampling", "chat", "output_token_ids", "logprobs")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: $RAY_ADDRESS if set, else a new local Ray instance
+    num_replicas: int | None = None  # None: one per GPU in the cluster (cuda), one per CPU (numpy)
+    batch_size: int | None = None  # rows per batch (the unit retried); None: min(4 x max_num_seqs, an even share)
+    cpus_per_replica: float = 1.0
+
+    @classmethod
+    def from_table(cls, table: dict, where: str) -> RayConfig:
+        """A job file's `[ray]` table, checked."""
+        types = {"address": str, "num_replicas": int, "batch_size": int, "cpus_per_replica": (int, float)}
+        for key, value in table.items():
+            if key not in types:
+                raise JobError(f"{where}: unknown key 'ray.{key}' (known: {', '.join(types)})")
+            if not isinstance(value, types[key]) or isinstance(value, bool):
+                raise JobError(f"{where}: ray.{key} = {value!r} has the wrong type")
+        cfg = cls(**table)
+        if (cfg.num_replicas is not None and cfg.num_replicas < 1) or (cfg.batch_size is not None and cfg.batch_size < 1) \
+                or cfg.cpus_per_replica < 0:
+            raise JobError(f"{where}: ray.num_replicas and ray.batch_size must be >= 1, ray.cpus_per_replica >= 0")
+        return cfg
+
+
+def run_ray_job(cfg: JobConfig, ray_cfg: RayConfig | None = None) -> dict:
+    """`run_job` with the engine work spread over Ray replicas: same checks, lock, resume, output and summary."""
+    ray_cfg = ray_cfg or RayConfig()
+    ray = _import_ray()
+    try:
+        defaults = SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
+    except (TypeError, ValueError) as e:
+        raise JobError(f"bad sampling defaults: {e}") from None
+    cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
+    if not cfg.model.exists():  # replicas load it from the same path: check here, before starting any
+        raise JobError(f"model not found: {cfg.model}")
+    rows = read_rows(cfg.input)
+    _check_output(cfg.output)
+    started_ray = _connect(ray, ray_cfg.address)  # before _Signals: ray.init installs its own SIGTERM handler
+    try:
+        with _OutputLock(cfg.output), _Signals() as signals:
+            job = _job_identity(cfg, defaults)
+            if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
+                return _finished_summary(cfg.output, job)
+            manifest = _open_parts(cfg, job)
+            return _run(cfg, ray_cfg, rows, defaults, manifest, signals)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run(cfg: JobConfig, ray_cfg: RayConfig, rows: Iterable[Row], defaults: SamplingParams, manifest: dict,
+         signals: _Signals) -> dict:
+    import ray
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # ours shows rows and tok/s, as without Ray
+    started = time.time()
+    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
+                         piece_rows=cfg.piece_rows)
+    done = writer.committed_rows()
+    total = count_rows(cfg.input)
+    bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
+    tokens = 0
+
+    def emit(record: dict) -> None:
+        nonlocal tokens
+        writer.add(record)
+        tokens += record["completion_tokens"]
+        bar.update(1)
+        bar.set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
+
+    def stopped() -> bool:
+        return signals.received is not None
+
+    gpus = _gpus_per_replica(cfg.backend)
+    replicas = ray_cfg.num_replicas or _default_replicas(gpus, ray_cfg.cpus_per_replica)
+    batch_size = ray_cfg.batch_size or max(1, min(4 * cfg.max_num_seqs, -(-(total - len(done)) // replicas)))
+    try:
+        blocks, staged = _stage(rows, done, batch_size, emit, stopped)
+        replica_reports: dict[str, dict] = {}
+        if blocks and not stopped():
+            ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
+                      batch_size, ray_cfg.cpus_per_replica, gpus)
+            replica_reports = _collect(ds.iter_batches(batch_format="pyarrow", batch_size=None), staged, emit, writer.flush,
+                            stopped)
+    except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, committed rows stay
+        raise JobError(f"Ray job failed: {str(e).strip().splitlines()[-1][:300]}") from None
+    finally:
+        writer.flush()
+        bar.close()
+    if signals.received:
+        name = signal.Signals(signals.received).name
+        raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in {writer.parts}; "
+                             "run the same command again to resume", 128 + signals.received)
+    reports = list(replica_reports.values())
+    info = reports[0]["info"] if reports else {}
+    ray_info = {"address": ray_cfg.address, "num_replicas": replicas, "batch_size": batch_size,
+                "cpus_per_replica": ray_cfg.cpus_per_replica, "gpus_per_replica": gpus}
+    metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.backend),
+                "batching": info.get("batching", cfg.batching), "engine": {**info, "ray": ray_info},
+                "sampling": asdict(defaults), "chat": cfg.chat, "input": str(cfg.input), "version": __version__,
+                "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
+    return writer.finalize(metadata, _merged_stats([r["stats"] for r in reports]) if reports else None)
+
+
+def _stage(rows: Iterable[Row], done: set[int], batch_size: int, emit: Callable[[dict], None],
+           stopped: Callable[[], bool]) -> tuple[list, int]:
+    """Put the rows still to do into the object store, `batch_size` a block; bad rows are emitted as error rows.
+
+    The blocks stay referenced (by the driver) until the job ends: a batch whose replica dies is read again."""
+    import ray
+
+    blocks, chunk, staged = [], [], 0
+    for row in rows:
+        if stopped():
+            break
+        if row.index in done:
+            continue
+        if row.error is not None:
+            emit(output_record(row.index, row.id, None, error=row.error))
+            continue
+        request = {"prompt": row.prompt, "messages": row.messages, "overrides": row.overrides}
+        chunk.append({"row": row.index, "id": row.id, "request": json.dumps(request)})
+        staged += 1
+        if len(chunk) == batch_size:
+            blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=STAGED_SCHEMA)))
+            chunk = []
+    if chunk:
+        blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=STAGED_SCHEMA)))
+    return blocks, staged
+
+
+def _collect(batches: Iterable[pa.Table], expected: int, emit: Callable[[dict], None], commit: Callable[[], None],
+             stopped: Callable[[], bool]) -> dict[str, dict]:
+    """Emit the first record of each row (a batch run twice may repeat rows), commit each batch as it comes, and
+    check that all `expected` rows came. Returns each replica's latest {"info", "stats"}."""
+    seen: set[int] = set()
+    replicas: dict[str, dict] = {}
+    for table in batches:
+        for report in table.column(ENGINE_COLUMN).drop_null().to_pylist():
+            report = json.loads(report)
+            replicas[report.pop("replica")] = report
+        now = time.time()  # the driver's clock, not each node's: the summary's wall time compares it with the start
+        for record in table.drop_columns([ENGINE_COLUMN]).to_pylist():
+            if record["row"] in seen:
+                continue
+            seen.add(record["row"])
+            emit({**record, "finished_at": now})
+        commit()
+        if stopped():
+            return replicas
+    if len(seen) != expected:
+        raise JobError(f"{expected - len(seen)} of {expected} rows never came back from the Ray replicas; "
+                       "run the same command again to finish them")
+    return replicas
+
+
+def _merged_stats(stats: list[dict]) -> dict:
+    """The replicas' LLM.stats() as one: counters summed, the prefix-cache hit rate averaged over engine steps."""
+    steps = sum(s["num_steps"] for s in stats)
+    rate = sum(s["prefix_cache_hit_rate"] * s["num_steps"] for s in stats) / steps if steps else 0.0
+    return {"prefix_cache_hit_rate": round(rate, 4), "num_preemptions": sum(s["num_preemptions"] for s in stats),
+            "num_steps": steps, "replicas": len(stats)}
+
+
+class LLMProcessor:
+    """Completions for a Ray Dataset you already have: `ds = LLMProcessor("model-dir", num_replicas=4)(ds)`.
+
+    Rows are read like a job's input rows (`prompt` or `messages`, optional sampling columns such as `max_tokens`,
+    or OpenAI batch `custom_id`/`body`); the dataset comes back, lazily, with its columns kept and the job output's
+    result columns added (completion, finish_reason, prompt_tokens, completion_tokens, error, latencies, ...); a bad
+    row gets finish_reason "error". Options: JobConfig's engine and sampling fields (backend, max_num_seqs,
+    sampling={...}, chat, seed, ...). A row without a seed of its own (nor in `sampling`) samples freshly.
+    """
+
+    def __init__(self, model: str | Path, *, num_replicas: int | None = None, batch_size: int | None = None,
+                 cpus_per_replica: float = 1.0, **options) -> None:
+        unknown = sorted(set(options) - set(PROCESSOR_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(unknown)} (known: {', '.join(PROCESSOR_OPTIONS)})")
+        # JobConfig carries the engine and sampling settings; a processor has no input or output file of its own.
+        self.cfg = JobConfig(input=Path(), output=Path(), model=Path(model), **options)
+        self.defaults = SamplingParams(**self.cfg.sampling, logprobs=self.cfg.logprobs)  # ValueError now, not later
+        self.num_replicas, self.cpus_per_replica = num_replicas, cpus_per_replica
+        self.batch_size = batch_size or 4 * self.cfg.max_num_seqs
+
+    def __call__(self, ds):
+        ray = _import_ray()
+        _connect(ray, None)  # as Ray Data would on first use: the GPU count below needs the cluster
+        gpus = _gpus_per_replica(self.cfg.backend)
+        replicas = self.num_replicas or _default_replicas(gpus, self.cpus_per_replica)
+        return _map(ds, _DatasetReplica, self.cfg, self.defaults, replicas, self.batch_size, self.cpus_per_replica,
+                    gpus)
+
+
+class _Replica:
+    """One LLM in one Ray actor; Ray Data makes one per replica and calls it once per batch."""
+
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
+        self.cfg, self.defaults = cfg, defaults
+        self.llm = _load_llm(cfg)
+        self.info = self.llm.info()
+        self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
+        self._request_ids = itertools.count()
+
+    def complete(self, rows: list[Row]) -> list[dict]:
+        """One output record per row, in order: the engine's completion, or an error record."""
+        engine = self.llm.llm_engine
+        records: list[dict | None] = [None] * len(rows)
+        pending: dict[str, tuple[int, str | list[int]]] = {}  # request id -> (position in rows, prompt sent)
+        for i, row in enumerate(rows):
+            if row.error is not None:
+                records[i] = output_record(row.index, row.id, None, error=row.error)
+                continue
+            try:
+                prompt, templated, params = _prepare(row, self.llm.tokenizer, self.defaults, self.cfg,
+                                                     self.info["max_model_len"])
+            except ValueError as e:
+                records[i] = output_record(row.index, row.id, None, error=str(e))
+                continue
+            request_id = str(next(self._request_ids))
+            engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+            pending[request_id] = (i, prompt)
+        while pending:
+            for out in engine.step():
+                i, prompt = pending.pop(out.request_id)
+                records[i] = output_record(rows[i].index, rows[i].id, prompt, out)
+            if pending and not engine.has_unfinished_requests():
+                raise RuntimeError(f"engine lost {len(pending)} request(s)")
+        return records
+
+
+class _JobReplica(_Replica):
+    """A block of staged rows in, their output records out (plus this replica's report on the first row)."""
+
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
+        super().__init__(cfg, defaults)
+        self.replica = uuid.uuid4().hex  # per incarnation: a restarted actor's counters start again from zero
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = [Row(r["row"], r["id"], **json.loads(r["request"])) for r in batch.to_pylist()]
+        table = pa.Table.from_pylist(self.complete(rows), schema=self.schema)
+        report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
+        engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
+        return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
+
+
+class _DatasetReplica(_Replica):
+    """A user's batch in, the same batch out with the result columns added."""
+
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
+        super().__init__(cfg, defaults)
+        self.results = [f for f in self.schema if f.name not in ("row", "id", "prompt")]
+        self.rng = np.random.default_rng()  # fresh entropy: replicas must not all draw the same seeds
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        clash = [f.name for f in self.results if f.name in batch.column_names]
+        if clash:
+            raise ValueError(f"the dataset already has column(s) {', '.join(clash)}: rename or drop them first")
+        rows = [self._row(i, obj) for i, obj in enumerate(batch.to_pylist())]
+        records = self.complete(rows)
+        for f in self.results:
+            batch = batch.append_column(f, pa.array([r.get(f.name) for r in records], f.type))
+        return batch
+
+    def _row(self, i: int, obj: dict) -> Row:
+        # As the Parquet reader does: pandas writes a missing number as NaN.
+        obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
+        try:
+            prompt, messages, overrides = _parse_openai(obj) if "custom_id" in obj else _parse_plain(obj)
+        except BadRow as e:
+            return Row(i, str(i), error=str(e))
+        if self.defaults.seed is None and "seed" not in overrides:
+            overrides["seed"] = int(self.rng.integers(1 << 62))
+        return Row(i, str(i), prompt, messages, overrides)
+
+
+def _map(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: int, batch_size: int, cpus: float,
+         gpus: int):
+    """ds through a fixed pool of `replicas` actors of class `replica`. Ray Data restarts an actor that dies and
+    retries the batch it held (its defaults for actor pools: max_restarts=-1, max_task_retries=-1)."""
+    import ray.data
+
+    return ds.map_batches(replica, batch_size=batch_size, batch_format="pyarrow",
+                          compute=ray.data.ActorPoolStrategy(size=replicas), num_cpus=cpus, num_gpus=gpus,
+                          fn_constructor_kwargs={"cfg": cfg, "defaults": defaults})
+
+
+def _gpus_per_replica(backend: str) -> int:
+    import ray
+
+    return 1 if backend == "cuda" or (backend == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
+
+
+def _default_replicas(gpus: int, cpus_per_replica: float) -> int:
+    import ray
+
+    resources = ray.cluster_resources()
+    if gpus:
+        return max(1, int(resources.get("GPU", 0)))
+    return max(1, int(resources.get("CPU", 1) // cpus_per_replica)) if cpus_per_replica else 1
+
+
+def _import_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise JobError(f"--ray needs Ray Data, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS, or start a local one) unless already connected;
+    True when this call connected, so the caller disconnects."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address)
+    except Exception as e:  # ConnectionError, ValueError, ...: the cluster is the job's problem
+        raise JobError(f"cannot connect to Ray{f' at {address}' if address else ''}: {e}".splitlines()[0]) from None
+    return True
