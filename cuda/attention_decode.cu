@@ -169,7 +169,8 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
         num += w * partial_o[(base + z) * D + threadIdx.x];
         den += w;
     }
-    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(den > 0.f ? num / den : 0.f);
+    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] =
+        __float2bfloat16(den > 0.f ? num / den : 0.f);
 }
 
 #define DECODE_KERNEL(D, G)                                                                                       \

@@ -78,3 +78,12 @@ def test_gather_logprobs_top_k_sorted_and_normalised():
     np.testing.assert_allclose(np.exp(full).sum(-1), 1, rtol=1e-5)
     np.testing.assert_allclose(lp.token_logprobs, full[[0, 1, 2], [1, 2, 3]], rtol=1e-6)
     np.testing.assert_array_equal(lp.top_ids, np.argsort(-full, -1)[:, :4])
+
+
+def test_gumbel_noise_is_finite_for_every_hash():
+    # the extreme hash values map to u strictly inside (0, 1)
+    keys = np.array([0, 0xFFFFFFFF, 12345], np.uint32)
+    noise = sampler.gumbel_noise(keys, 1 << 16)
+    assert np.all(np.isfinite(noise))
+    top = (np.float32((1 << 23) - 1) + np.float32(0.5)) * np.float32(1.0 / (1 << 23))
+    assert top < 1 and np.isfinite(-np.log(-np.log(top)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -135,7 +136,7 @@ def _run(cfg: JobConfig, ray_cfg: RayConfig, rows: Iterable[Row], defaults: Samp
             replica_reports = _collect(ds.iter_batches(batch_format="pyarrow", batch_size=None), staged, emit, writer.flush,
                             stopped)
     except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, committed rows stay
-        raise JobError(f"Ray job failed: {str(e).strip().splitlines()[-1][:300]}") from None
+        raise JobError(f"Ray job failed: {_first_error(str(e))[:300]}") from None
     finally:
         writer.flush()
         bar.close()
@@ -204,6 +205,12 @@ def _collect(batches: Iterable[pa.Table], expected: int, emit: Callable[[dict], 
         raise JobError(f"{expected - len(seen)} of {expected} rows never came back from the Ray replicas; "
                        "run the same command again to finish them")
     return replicas
+
+
+def _first_error(traceback: str) -> str:
+    """The root error of a Ray traceback (printed first, as "SomeError: why"), else its last line."""
+    lines = [line.strip() for line in traceback.strip().splitlines()]
+    return next((line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)), lines[-1])
 
 
 def _merged_stats(stats: list[dict]) -> dict:

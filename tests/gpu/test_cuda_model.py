@@ -83,7 +83,8 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     batch = prefill_batch(seqs, bm, 16)
 
     got = ours.execute(batch)
-    rows = np.concatenate([batch.query_start_loc[1:] - 1, np.arange(batch.query_start_loc[1], batch.query_start_loc[2])])
+    qsl = batch.query_start_loc
+    rows = np.concatenate([qsl[1:] - 1, np.arange(qsl[1], qsl[2])])  # last positions, then sequence 1's prompt
     ref_logits = ref.forward(batch, rows)
     want = sample_from_logits(ref_logits[:3], batch, ref_logits[3:])
     errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits[:3])]
@@ -184,6 +185,19 @@ def token_ids(outputs):
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
+def divergence_margins(want, got) -> list[float]:
+    """For each request whose greedy tokens differ: at the first differing step, the reference's logprob margin
+    between its token and the other run's (inf if that is not among its top logprobs). A margin near 0 is a near-tie
+    that float rounding flipped (different GEMM shapes, chunk boundaries); a bug shows as a large margin."""
+    margins = []
+    for w, g in zip(want, got):
+        a, b = w.outputs[0], g.outputs[0]
+        t = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if t is not None:
+            margins.append(a.logprobs[t][a.token_ids[t]] - a.logprobs[t].get(b.token_ids[t], -np.inf))
+    return margins
+
+
 def random_prompts(rng, n, vocab, lo, hi):
     return [rng.integers(3, vocab, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
@@ -207,39 +221,42 @@ def test_graph_replay_matches_eager(model_dir):
 def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):
     rng = np.random.default_rng(4)
     prompts = random_prompts(rng, 12, 49152, 3, 60)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024)
-    alone = [token_ids(llm.generate(p, params))[0] for p in prompts]
-    continuous = token_ids(llm.generate(prompts, params))
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    continuous = llm.generate(prompts, params)
     llm.backend.close()
     static_llm = LLM(model_dir, backend="cuda", batching="static", max_num_seqs=5, num_kv_blocks=256,
                      max_model_len=1024)
-    static = token_ids(static_llm.generate(prompts, params))
+    static = static_llm.generate(prompts, params)
     static_llm.backend.close()
-    same_c = np.mean([a == c for a, c in zip(alone, continuous)])
-    same_s = np.mean([a == s for a, s in zip(alone, static)])
-    print(f"REPORT batching: requests identical to alone: continuous {same_c:.3f}, static {same_s:.3f}")
-    assert same_c >= 0.9 and same_s >= 0.9
+    same_c = np.mean([a == c for a, c in zip(token_ids(alone), token_ids(continuous))])
+    same_s = np.mean([a == s for a, s in zip(token_ids(alone), token_ids(static))])
+    margins = divergence_margins(alone, continuous) + divergence_margins(alone, static)
+    print(f"REPORT batching: requests identical to alone: continuous {same_c:.3f}, static {same_s:.3f}; "
+          f"logprob margins where they diverge {np.round(margins, 4).tolist()}")
+    assert all(m < 0.05 for m in margins)
 
 
 def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
     rng = np.random.default_rng(6)
     shared = rng.integers(3, 49152, 48).tolist()  # three full blocks of 16 shared by every prompt
     prompts = [shared + p for p in random_prompts(rng, 10, 49152, 5, 30)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     reference = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
                     enable_prefix_caching=False)
-    want = token_ids(reference.generate(prompts, params))
+    want = reference.generate(prompts, params)
     reference.backend.close()
     # 24-token budget: prompts are prefilled in chunks; the second pass finds whole prompts cached.
     llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
               max_num_batched_tokens=24)
-    runs = [token_ids(llm.generate(prompts, params)) for _ in range(2)]
+    runs = [llm.generate(prompts, params) for _ in range(2)]
     bm = llm.llm_engine.block_manager
-    same = [np.mean([a == b for a, b in zip(want, run)]) for run in runs]
-    print(f"REPORT prefix caching + chunked prefill: requests identical to the plain run {same}, "
-          f"prefix cache hit rate {bm.prefix_cache_hit_rate:.2f}")
-    assert bm.prefix_cache_hit_rate > 0 and min(same) >= 0.9
+    same = [float(np.mean([a == b for a, b in zip(token_ids(want), token_ids(run))])) for run in runs]
+    margins = [m for run in runs for m in divergence_margins(want, run)]
+    print(f"REPORT prefix caching + chunked prefill: requests identical to the plain run {same}, logprob margins "
+          f"where they diverge {np.round(margins, 4).tolist()}, prefix cache hit rate {bm.prefix_cache_hit_rate:.2f}")
+    assert bm.prefix_cache_hit_rate > 0 and all(m < 0.05 for m in margins)
     llm.backend.close()
 
 

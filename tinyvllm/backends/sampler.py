@@ -39,10 +39,13 @@ def step_keys(seed_keys: np.ndarray, output_indices: np.ndarray) -> np.ndarray:
 
 
 def gumbel_noise(keys: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Gumbel(0, 1) noise [S, V] from per-row keys: u = 24 high bits of mix32(key ^ mix32(token)), in (0, 1)."""
+    """Gumbel(0, 1) noise [S, V] from per-row keys: u from the 23 high bits of mix32(key ^ mix32(token)).
+
+    (bits + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1): with 24 bits the top value would round to
+    1.0 and give infinite noise."""
     token_hash = mix32(np.arange(vocab_size, dtype=np.uint32))
-    bits = mix32(keys.astype(np.uint32)[:, None] ^ token_hash[None, :]) >> np.uint32(8)
-    u = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
+    bits = mix32(keys.astype(np.uint32)[:, None] ^ token_hash[None, :]) >> np.uint32(9)
+    u = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 23))
     return -np.log(-np.log(u))
 
 

@@ -448,9 +448,9 @@ class CudaBackend(Backend):
 
         self._layers(n, inp, attention)
         cfg, buf = self.config, self.buf
-        if len(done):
-            self._launch("rms_norm", (len(done),), 256, buf["sample_hidden"] + (s0 + int(done[0])) * cfg.hidden_size * 2,
-                         buf["x"], self.final_norm, inp.ptr("sample_rows"), cfg.hidden_size, cfg.rms_norm_eps)
+        if len(done):  # their rows of sample_hidden start at sequence s0
+            self._launch("rms_norm", (len(done),), 256, buf["sample_hidden"] + s0 * cfg.hidden_size * 2, buf["x"],
+                         self.final_norm, inp.ptr("sample_rows"), cfg.hidden_size, cfg.rms_norm_eps)
         k = batch.num_prompt_logprobs
         for g in range(0, len(lp_rows), self.max_seqs):
             m = min(self.max_seqs, len(lp_rows) - g)
@@ -462,6 +462,7 @@ class CudaBackend(Backend):
             for name, count in (("token_lp", m), ("top_ids", m * k), ("top_lp", m * k)):
                 self.out.download(self.stream, name, count)
             self._sync(f"prompt logprobs of prefill tokens {a}..{b - 1}")
-            prompt_lps.append(Logprobs(self.out["token_lp"][:m].copy(), self.out["top_ids"][: m * k].reshape(m, k).copy(),
+            prompt_lps.append(Logprobs(self.out["token_lp"][:m].copy(),
+                                       self.out["top_ids"][: m * k].reshape(m, k).copy(),
                                        self.out["top_lp"][: m * k].reshape(m, k).copy()))
         self._sync(f"prefill of tokens {a}..{b - 1}")
