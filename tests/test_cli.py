@@ -438,3 +438,14 @@ def test_prefix_cache_hit_rate_reported_and_switchable(tiny_model_dir, tmp_path)
     assert json.loads((tmp_path / "on.summary.json").read_text())["engine_stats"] == on
     assert metadata(cached)["engine"]["enable_prefix_caching"] and not metadata(plain)["engine"]["enable_prefix_caching"]
     assert cached.column("completion").to_pylist() == plain.column("completion").to_pylist()
+
+
+def test_memory_pressure_completes_through_preemption(tiny_model_dir, tmp_path):
+    args = ["--temperature", "0", "--max-tokens", "24", "--max-num-seqs", "16"]
+    roomy = ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", tmp_path / "roomy.parquet", *args)
+    tight = ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", tmp_path / "tight.parquet", *args,
+                   "--num-kv-blocks", "40", "--block-size", "4")
+    assert metadata(tight)["engine_stats"]["num_preemptions"] > 0, "the cache was meant to be far too small"
+    assert metadata(roomy)["engine_stats"]["num_preemptions"] == 0
+    assert tight.column("error").null_count == tight.num_rows
+    assert tight.column("completion").to_pylist() == roomy.column("completion").to_pylist()
