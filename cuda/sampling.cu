@@ -24,8 +24,9 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
 
 // Gumbel(0, 1) noise of (row key, token), bit for bit the float32 arithmetic of sampler.gumbel_noise.
 __device__ __forceinline__ float gumbel(uint32_t key, int token) {
-    const uint32_t bits = mix32(key ^ mix32((uint32_t)token)) >> 8;
-    const float u = ((float)bits + 0.5f) * (1.f / 16777216.f);
+    // 23 bits: (bits + 0.5) / 2^23 is exact in float32 and stays below 1 (24 bits would round up to 1.0).
+    const uint32_t bits = mix32(key ^ mix32((uint32_t)token)) >> 9;
+    const float u = ((float)bits + 0.5f) * (1.f / 8388608.f);
     return -logf(-logf(u));
 }
 

@@ -4,6 +4,7 @@ a Ray Dataset. Without Ray installed only the checks that need no cluster run.""
 
 import json
 import os
+import signal
 import sys
 
 import pyarrow as pa
@@ -31,9 +32,11 @@ SAME = ["row", "id", "prompt", "completion", "finish_reason", "prompt_tokens", "
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    sigterm = signal.getsignal(signal.SIGTERM)
+    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False, logging_level="warning")
     yield
     ray.shutdown()
+    signal.signal(signal.SIGTERM, sigterm)  # ray.init installed its own
 
 
 @pytest.fixture
@@ -212,3 +215,30 @@ def test_ray_table_of_a_job_file():
         RayConfig.from_table({"num_replicas": "4"}, "job.toml")
     with pytest.raises(JobError, match=">= 1"):
         RayConfig.from_table({"batch_size": 0}, "job.toml")
+
+
+@needs_ray
+def test_cli_ray_flag_and_job_file_table(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from tinyvllm.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(6)))
+    common = ["--model", str(tiny_model_dir), "--backend", "numpy", "--temperature", "0", "--max-tokens", "4",
+              "--quiet"]
+    local = CliRunner().invoke(main, ["run", "--input", str(src), "--output", str(tmp_path / "local.parquet"),
+                                      *common])
+    on_ray = CliRunner().invoke(main, ["run", "--input", str(src), "--output", str(tmp_path / "ray.parquet"),
+                                       "--ray", "--num-replicas", "2", *common])
+    assert local.exit_code == 0 and on_ray.exit_code == 0, on_ray.output
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "in.jsonl"\noutput = "job.parquet"\nmodel = "{tiny_model_dir}"\nbackend = "numpy"\n'
+                   '[sampling]\ntemperature = 0.0\nmax_tokens = 4\n[ray]\nnum_replicas = 2\n')
+    from_file = CliRunner().invoke(main, ["job", str(job), "--quiet"])
+    assert from_file.exit_code == 0, from_file.output
+    expected = pq.read_table(tmp_path / "local.parquet").column("completion").to_pylist()
+    for name in ("ray.parquet", "job.parquet"):
+        table = pq.read_table(tmp_path / name)
+        assert table.column("completion").to_pylist() == expected
+        assert b"tinyvllm.engine" in table.schema.metadata

@@ -49,6 +49,9 @@ JOB_OPTIONS = [
     click.option("--piece-rows", type=click.IntRange(min=1), help=f"rows per committed piece [default: {PIECE_ROWS}]"),
     click.option("--overwrite", is_flag=True, default=None, help="start over: drop committed rows, replace a finished output"),
     click.option("--quiet", is_flag=True, default=None, help="no progress bar or final line"),
+    click.option("--ray", is_flag=True, default=None, help="run on a Ray cluster (pip install 'tinyvllm[ray]')"),
+    click.option("--ray-address", help="Ray cluster address [default: $RAY_ADDRESS, else a local Ray]"),
+    click.option("--num-replicas", type=click.IntRange(min=1), help="Ray: LLM replicas [default: one per GPU]"),
 ]
 
 
@@ -151,6 +154,11 @@ def fetch_default_model_cmd() -> None:
 
 def _split(options: dict) -> tuple[dict, dict]:
     """CLI options -> (JobConfig fields given, sampling defaults given)."""
+    ray, address, replicas = options.pop("ray"), options.pop("ray_address"), options.pop("num_replicas")
+    if ray or address or replicas:
+        from tinyvllm.ray_runner import RayConfig
+
+        options["ray"] = RayConfig(address=address, num_replicas=replicas)
     sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS}
     sampling["stop"] = list(sampling["stop"]) or None
     flags = {k: v for k, v in options.items() if v is not None}
@@ -159,7 +167,12 @@ def _split(options: dict) -> tuple[dict, dict]:
 
 def _run(cfg: JobConfig) -> None:
     try:
-        summary = run_job(cfg)
+        if cfg.ray is not None:
+            from tinyvllm.ray_runner import run_ray_job
+
+            summary = run_ray_job(cfg, cfg.ray)
+        else:
+            summary = run_job(cfg)
     except JobInterrupted as e:
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)

@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +46,9 @@ STAGED_SCHEMA = pa.schema([("row", pa.int64()), ("id", pa.string()), ("request",
 # A job replica's {"replica", "info": LLM.info(), "stats": LLM.stats()} on the first row of each batch: the driver
 # keeps the latest per replica (a restarted actor counts as a new one) for the output's metadata.
 ENGINE_COLUMN = "__tinyvllm_engine"
-# What LLMProcessor adds to a dataset: the job output's columns but the row's own number, id and prompt.
-PROCESSOR_OPTIONS = ("backend", "batching", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "max_model_len", "seed", "sampling", "chat", "output_token_ids", "logprobs")
+# JobConfig's fields that LLMProcessor takes: all but those of files and of the in-process run loop.
+PROCESSOR_OPTIONS = tuple(f.name for f in fields(JobConfig) if f.name not in
+                          ("input", "output", "model", "max_in_flight", "piece_rows", "overwrite", "quiet"))
 
 
 @dataclass
@@ -68,8 +68,7 @@ class RayConfig:
             if not isinstance(value, types[key]) or isinstance(value, bool):
                 raise JobError(f"{where}: ray.{key} = {value!r} has the wrong type")
         cfg = cls(**table)
-        if (cfg.num_replicas is not None and cfg.num_replicas < 1) or (cfg.batch_size is not None and cfg.batch_size < 1) \
-                or cfg.cpus_per_replica < 0:
+        if any(v is not None and v < 1 for v in (cfg.num_replicas, cfg.batch_size)) or cfg.cpus_per_replica < 0:
             raise JobError(f"{where}: ray.num_replicas and ray.batch_size must be >= 1, ray.cpus_per_replica >= 0")
         return cfg
 
@@ -133,8 +132,8 @@ def _run(cfg: JobConfig, ray_cfg: RayConfig, rows: Iterable[Row], defaults: Samp
         if blocks and not stopped():
             ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
                       batch_size, ray_cfg.cpus_per_replica, gpus)
-            replica_reports = _collect(ds.iter_batches(batch_format="pyarrow", batch_size=None), staged, emit, writer.flush,
-                            stopped)
+            batches = ds.iter_batches(batch_format="pyarrow", batch_size=None)
+            replica_reports = _collect(batches, staged, emit, writer.flush, stopped)
     except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, committed rows stay
         raise JobError(f"Ray job failed: {_first_error(str(e))[:300]}") from None
     finally:
@@ -308,6 +307,7 @@ class _DatasetReplica(_Replica):
 
     def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
         super().__init__(cfg, defaults)
+        # The job output's columns but the row's number, id and prompt: the dataset has its own.
         self.results = [f for f in self.schema if f.name not in ("row", "id", "prompt")]
         self.rng = np.random.default_rng()  # fresh entropy: replicas must not all draw the same seeds
 

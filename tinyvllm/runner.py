@@ -60,6 +60,7 @@ class JobConfig:
     piece_rows: int = PIECE_ROWS
     overwrite: bool = False  # start over: drop committed pieces and replace a finished output
     quiet: bool = False
+    ray: object | None = None  # a ray_runner.RayConfig: run the engine work on Ray replicas
 
 
 class JobInterrupted(JobError):
@@ -342,6 +343,13 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict) -> JobConfig:
     sampling = data.pop("sampling", {})
     if not isinstance(sampling, dict):
         raise JobError(f"{path}: [sampling] must be a table")
+    ray_table = data.pop("ray", None)
+    if ray_table is not None:
+        from tinyvllm.ray_runner import RayConfig  # imports no ray: only the settings
+
+        if not isinstance(ray_table, dict):
+            raise JobError(f"{path}: [ray] must be a table")
+        ray_table = RayConfig.from_table(ray_table, str(path))
     for key, value in [*data.items(), *(("sampling." + k, v) for k, v in sampling.items())]:
         expected = JOB_FILE_KEYS.get(key)
         if expected is None:
@@ -352,6 +360,8 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict) -> JobConfig:
     for key in ("input", "output", "model"):
         if key in data:
             data[key] = Path(os.path.normpath(path.parent / data[key]))
+    if ray_table is not None:
+        data["ray"] = ray_table
     data.update({k: v for k, v in flags.items() if v is not None})
     sampling.update({k: v for k, v in sampling_flags.items() if v is not None})
     missing = [k for k in ("input", "output") if k not in data]

@@ -114,6 +114,14 @@ class IncrementalDetokenizer:
         return delta
 
 
+def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    """The text of output_ids as a continuation of the prompt, in one decode: what IncrementalDetokenizer would
+    have built token by token (same window), minus an incomplete UTF-8 sequence at the very end."""
+    window = list(prompt_ids[-5:])
+    prefix_text = tokenizer.decode(window)
+    return tokenizer.decode(window + list(output_ids))[len(prefix_text):].rstrip("\ufffd")
+
+
 def _token_content(tok: str | dict | None) -> str | None:
     # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
     return tok.get("content") if isinstance(tok, dict) else tok

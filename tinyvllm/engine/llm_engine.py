@@ -14,7 +14,7 @@ from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.tokenizer import IncrementalDetokenizer
+from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
 
 
 class LLMEngine:
@@ -50,7 +50,9 @@ class LLMEngine:
             return
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
@@ -136,7 +138,7 @@ class LLMEngine:
         return finished
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
-        """Append the token's text and decide whether the sequence is done; set finish/stop reasons."""
+        """Decide whether the sequence is done after this token; set its finish and stop reasons."""
         params = seq.params
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
@@ -144,24 +146,35 @@ class LLMEngine:
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
             return True
-        before = len(seq.text)
-        seq.text += seq.detokenizer.add(token)
-        if params.stop and len(seq.text) > before:
-            longest = max(len(s) for s in params.stop)
-            search_from = max(0, before - longest + 1)
-            hits = [(seq.text.find(s, search_from), s) for s in params.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, stop = min(hits)
-                seq.text = seq.text[:pos]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
+        if seq.detokenizer is not None and self._stop_string_hit(seq, token):
+            return True
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
             seq.finish_reason = "length"
             return True
         return False
 
+    @staticmethod
+    def _stop_string_hit(seq: Sequence, token: int) -> bool:
+        """Append the token's text; if a stop string now appears, cut the text before it and finish."""
+        before = len(seq.text)
+        seq.text += seq.detokenizer.add(token)
+        if len(seq.text) == before:
+            return False
+        search_from = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+        hits = [(pos, s) for s in seq.params.stop if (pos := seq.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.text = seq.text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
     def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.detokenizer is None:
+            # the EOS or stop token that ended it is not text
+            ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
+            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids)
         completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs,
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], True, seq.metrics,
