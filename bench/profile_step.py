@@ -1,0 +1,115 @@
+"""Where a decode step's time goes, on the cuda backend: host vs GPU, and GPU time per kernel.
+
+    python bench/profile_step.py [--dummy-weights llama-3.2-1b] [--batch 256,512] [--prompt-len 256]
+
+Host time is everything the engine does outside Backend.execute (scheduling, batch preparation, output
+processing) plus the execute call's own Python. Per-kernel times come from CUDA events around each launch of one
+eager (not graph-replayed) step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import numpy as np
+import pycuda.driver as cuda
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.benchmark import dummy_model
+
+
+def fill(llm: LLM, batch: int, prompt_len: int) -> None:
+    """Admit `batch` requests and step until every one of them is decoding."""
+    rng = np.random.default_rng(0)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", rng.integers(0, llm.model_config.vocab_size, prompt_len).tolist(),
+                           SamplingParams(max_tokens=4000 - prompt_len, temperature=0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+
+
+def host_vs_gpu(llm: LLM, steps: int) -> dict:
+    engine, backend = llm.llm_engine, llm.backend
+    execute = backend.execute
+    in_execute = 0.0
+
+    def timed(batch):
+        nonlocal in_execute
+        start = time.perf_counter()
+        out = execute(batch)  # returns after the step's results are on the host
+        in_execute += time.perf_counter() - start
+        return out
+
+    backend.execute = timed
+    engine.step()  # capture the graph for this bucket, if not yet
+    in_execute = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    backend.execute = execute
+    return {"step_ms": wall / steps * 1e3, "execute_ms": in_execute / steps * 1e3,
+            "host_outside_execute_ms": (wall - in_execute) / steps * 1e3}
+
+
+def per_kernel(llm: LLM) -> dict[str, float]:
+    """GPU ms per kernel name (GEMMs by shape) over one eager decode step."""
+    backend, engine = llm.backend, llm.llm_engine
+    events: list[tuple[str, cuda.Event, cuda.Event]] = []
+    launch, gemm = backend._launch, backend.blas.gemm
+
+    def timed_launch(name, *args):
+        a, b = cuda.Event(), cuda.Event()
+        a.record(backend.stream)
+        launch(name, *args)
+        b.record(backend.stream)
+        events.append((name, a, b))
+
+    def timed_gemm(out, x, w, m, n, k, **kw):
+        a, b = cuda.Event(), cuda.Event()
+        a.record(backend.stream)
+        gemm(out, x, w, m, n, k, **kw)
+        b.record(backend.stream)
+        events.append((f"gemm n={n} k={k}", a, b))
+
+    backend._launch, backend.blas.gemm = timed_launch, timed_gemm
+    backend.use_graphs, graphs, backend.graphs = False, backend.graphs, {}
+    engine.step()
+    backend._launch, backend.blas.gemm = launch, gemm
+    backend.use_graphs, backend.graphs = True, graphs
+    totals: dict[str, float] = defaultdict(float)
+    for name, a, b in events:
+        b.synchronize()
+        totals[name] += b.time_since(a)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dummy-weights", default="llama-3.2-1b")
+    parser.add_argument("--batch", default="256,512")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    model = dummy_model(args.dummy_weights)
+    for batch in map(int, args.batch.split(",")):
+        llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096)
+        fill(llm, batch, args.prompt_len)
+        split = host_vs_gpu(llm, args.steps)
+        kernels = per_kernel(llm)
+        total = sum(kernels.values())
+        print(f"batch {batch}, context ~{args.prompt_len}: step {split['step_ms']:.2f} ms, execute "
+              f"{split['execute_ms']:.2f} ms, host outside execute {split['host_outside_execute_ms']:.2f} ms "
+              f"({split['host_outside_execute_ms'] / split['step_ms']:.0%} of the step)")
+        print(f"  eager step, GPU time by kernel (sum {total:.2f} ms):")
+        for name, ms in kernels.items():
+            print(f"    {name:<40}{ms:8.3f} ms  {ms / total:5.1%}")
+        llm.backend.close()
+
+
+if __name__ == "__main__":
+    main()
