@@ -3,13 +3,17 @@
 //
 // Grouped-query attention: a block serves G query heads that share one KV head, so each K/V row it loads from the
 // cache feeds G dot products. Long contexts are split along the sequence into num_splits parts (grid.z) so that
-// small batches still fill the GPU; each part keeps an online softmax (running max m and sum l, in the log2
-// domain) and writes its normalized partial output, and attention_combine merges the parts. With num_splits == 1
-// the block writes the final output itself.
+// small batches still fill the GPU; with num_splits == 1 the block writes the final output itself, otherwise its
+// normalized partial output and (m, l), merged by attention_combine.
+//
+// Why it is shaped so: decode attention only streams K/V from memory, so the kernel is about keeping many loads in
+// flight. The block's threads form "token groups" of D/8 lanes (8 dims, one 16-byte load each per token row). Each
+// group walks its own tokens U at a time, issuing the loads of U K rows and U V rows before using any, and keeps
+// its own online softmax (running max m and sum l, log2 domain) and output accumulator: no barrier inside the
+// loop. The groups' states are merged once at the end through shared memory.
 #include "common.cuh"
 
 #define NTHREADS 128  // 4 warps
-#define TILE 64       // context tokens per step: scores in shared memory, then softmax update, then P.V
 
 // Launch: grid (num_kv_heads * head_chunks, S, num_splits), block 128, where head_chunks = ceil(group / G): chunk c
 // of KV head kvh serves query heads kvh * group + c * G ... (at most G of them).
@@ -23,25 +27,26 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                  const int* __restrict__ block_tables, const int* __restrict__ bt_stride,
                                  const int* __restrict__ context_lens, float scale, int num_heads, int num_kv_heads,
                                  int block_size, int row_stride, int num_splits) {
-    constexpr int LANES = D / 8;             // lanes that share one token: 8 dims (16 bytes) each
-    constexpr int TOKENS = 32 / LANES;       // tokens a warp scores at once
-    constexpr int SLOTS = NTHREADS / LANES;  // token slots of the P.V step
-    __shared__ float p_s[G][TILE];           // scores, then probabilities, of the current tile
-    __shared__ float m_s[G], l_s[G], alpha_s[G];
-    __shared__ float red_s[SLOTS][G * D];    // per-slot partial outputs, summed at the end
+    constexpr int LANES = D / 8;                      // lanes of one token group: 8 dims each
+    constexpr int GROUPS = NTHREADS / LANES;          // token groups in the block
+    constexpr int U = G <= 4 ? 4 : 2;                 // tokens a group has in flight (K and V rows each)
+    constexpr int WARP_TOKENS = 32 / LANES * U;       // tokens a warp covers per iteration
+    constexpr int STRIDE = NTHREADS / 32 * WARP_TOKENS;
+    __shared__ float2 ml_s[GROUPS][G];                // each group's (m, l)
+    __shared__ float red_s[GROUPS][G * D];            // each group's rescaled accumulator
 
     const int group = num_heads / num_kv_heads, head_chunks = (group + G - 1) / G;
     const int kvh = blockIdx.x / head_chunks, chunk = blockIdx.x % head_chunks;
     const int h0 = kvh * group + chunk * G, num_g = min(G, group - chunk * G);
     const int s = blockIdx.y, split = blockIdx.z;
     const int ctx = context_lens[s];
-    const int per_split = ((ctx + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+    const int per_split = (ctx + num_splits - 1) / num_splits;
     const int start = split * per_split, end = min(ctx, start + per_split);
     const int* table = block_tables + (int64_t)s * bt_stride[0];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int part = lane % LANES;  // score step: this lane's 8 dims of q and k
-    const int slot_id = threadIdx.x / LANES, dpart = threadIdx.x % LANES;  // P.V step: token slot, 8 dims of v
+    const int warp = threadIdx.x >> 5, group_id = threadIdx.x / LANES, part = threadIdx.x % LANES;
+    const int group_in_warp = (threadIdx.x & 31) / LANES;
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
+    const int64_t dim0 = (int64_t)kvh * D + part * 8;
 
     // This lane's 8 dims of each served query, pre-scaled so that exp2 gives the softmax.
     float qr[G][8];
@@ -56,100 +61,110 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             for (int e = 0; e < 8; ++e) qr[g][e] = 0.f;
         }
     }
-    if (threadIdx.x < G) {
-        m_s[threadIdx.x] = -INFINITY;
-        l_s[threadIdx.x] = 0.f;
-        alpha_s[threadIdx.x] = 1.f;
-    }
-    float acc[G][8];
+    float m[G], l[G], acc[G][8];
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    __syncthreads();
-
-    for (int t0 = start; t0 < end; t0 += TILE) {
-        // 1. Scores: warp w scores tokens t0 + 16w ... t0 + 16w + 15, TOKENS at a time; LANES lanes per token.
-#pragma unroll
-        for (int it = 0; it < TILE / 4 / TOKENS; ++it) {
-            const int j = warp * (TILE / 4) + it * TOKENS + lane / LANES, tok = t0 + j;
-            float sc[G];
-#pragma unroll
-            for (int g = 0; g < G; ++g) sc[g] = 0.f;
-            if (tok < end) {
-                const int64_t slot = (int64_t)table[tok / block_size] * block_size + tok % block_size;
-                float k[8];
-                load8(k_cache + slot * kv_stride + kvh * D + part * 8, k);
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) sc[g] += qr[g][e] * k[e];
-            }
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-#pragma unroll
-                for (int o = LANES / 2; o > 0; o >>= 1) sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], o);
-                if (part == 0) p_s[g][j] = tok < end ? sc[g] : -INFINITY;
-            }
-        }
-        __syncthreads();
-        // 2. Online softmax update, one warp per query head: the tile's max, p = exp2(s - m), rescale factor.
-        for (int g = warp; g < num_g; g += NTHREADS / 32) {
-            const float s0 = p_s[g][lane], s1 = p_s[g][lane + 32];
-            const float m_new = fmaxf(m_s[g], warp_max(fmaxf(s0, s1)));  // finite: the tile has a valid token
-            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
-            p_s[g][lane] = p0;
-            p_s[g][lane + 32] = p1;
-            const float tile_sum = warp_sum(p0 + p1);
-            if (lane == 0) {
-                const float alpha = exp2f(m_s[g] - m_new);
-                alpha_s[g] = alpha;
-                l_s[g] = l_s[g] * alpha + tile_sum;
-                m_s[g] = m_new;
-            }
-        }
-        __syncthreads();
-        // 3. acc = acc * alpha + P.V: each thread owns 8 dims of v for the tokens of its slot.
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float alpha = alpha_s[g];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-        }
-        for (int j = slot_id; j < TILE && t0 + j < end; j += SLOTS) {
-            const int tok = t0 + j;
-            const int64_t slot = (int64_t)table[tok / block_size] * block_size + tok % block_size;
-            float v[8];
-            load8(v_cache + slot * kv_stride + kvh * D + dpart * 8, v);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float p = p_s[g][j];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
-            }
-        }
-        __syncthreads();  // p_s is overwritten by the next tile
     }
 
-    // Sum the slots' partial outputs, normalize by l, write the output (or this split's part of it).
+    // The loop bound is the same for all lanes of a warp (the shuffles need the whole warp); tokens past `end`
+    // are masked instead.
+    for (int base = start + warp * WARP_TOKENS; base < end; base += STRIDE) {
+        const int t0 = base + group_in_warp * U;
+        uint4 k_raw[U], v_raw[U];
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+        for (int u = 0; u < U; ++u) {
+            const int tok = t0 + u;
+            if (tok < end) {
+                const int64_t row = ((int64_t)table[tok / block_size] * block_size + tok % block_size) * kv_stride;
+                k_raw[u] = *reinterpret_cast<const uint4*>(k_cache + row + dim0);
+                v_raw[u] = *reinterpret_cast<const uint4*>(v_cache + row + dim0);
+            } else {
+                k_raw[u] = make_uint4(0, 0, 0, 0);
+                v_raw[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        float sc[U][G];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) red_s[slot_id][g * D + dpart * 8 + e] = acc[g][e];
+        for (int u = 0; u < U; ++u) {
+            const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&k_raw[u]);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 k = __bfloat1622float2(k2[i]);
+                    dot += qr[g][2 * i] * k.x + qr[g][2 * i + 1] * k.y;
+                }
+#pragma unroll
+                for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                sc[u][g] = t0 + u < end ? dot : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float m_new = m[g];
+#pragma unroll
+            for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, sc[u][g]);
+            if (m_new == -INFINITY) continue;  // this group has seen no token yet
+            const float alpha = exp2f(m[g] - m_new);
+            l[g] *= alpha;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const float p = exp2f(sc[u][g] - m_new);  // 0 for masked tokens
+                const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v_raw[u]);
+                l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 v = __bfloat1622float2(v2[i]);
+                    acc[g][2 * i] += p * v.x;
+                    acc[g][2 * i + 1] += p * v.y;
+                }
+            }
+            m[g] = m_new;
+        }
+    }
+
+    // Merge the groups: rescale each to the block's max, sum the accumulators and the sums, normalize.
+    if (part == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) ml_s[group_id][g] = make_float2(m[g], l[g]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float block_m = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < GROUPS; ++i) block_m = fmaxf(block_m, ml_s[i][g].x);
+        const float w = m[g] == -INFINITY ? 0.f : exp2f(m[g] - block_m);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) red_s[group_id][g * D + part * 8 + e] = acc[g][e] * w;
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < num_g * D; i += NTHREADS) {
-        float sum = 0.f;
-#pragma unroll
-        for (int sl = 0; sl < SLOTS; ++sl) sum += red_s[sl][i];
         const int g = i / D, d = i % D, h = h0 + g;
-        const float l = l_s[g];
-        const float o = l > 0.f ? sum / l : 0.f;
+        float block_m = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < GROUPS; ++j) block_m = fmaxf(block_m, ml_s[j][g].x);
+        float sum = 0.f, l_total = 0.f;
+#pragma unroll
+        for (int j = 0; j < GROUPS; ++j) {
+            sum += red_s[j][i];
+            const float2 ml = ml_s[j][g];
+            l_total += ml.x == -INFINITY ? 0.f : ml.y * exp2f(ml.x - block_m);
+        }
+        const float o = l_total > 0.f ? sum / l_total : 0.f;
         if (num_splits == 1) {
             out[((int64_t)s * num_heads + h) * D + d] = __float2bfloat16(o);
         } else {
             const int64_t idx = ((int64_t)s * num_heads + h) * num_splits + split;
             partial_o[idx * D + d] = o;
-            if (d == 0) partial_ml[idx] = make_float2(m_s[g], l);
+            if (d == 0) partial_ml[idx] = make_float2(block_m, l_total);
         }
     }
 }
