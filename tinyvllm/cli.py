@@ -168,9 +168,9 @@ def _split(options: dict) -> tuple[dict, dict]:
 def _run(cfg: JobConfig) -> None:
     try:
         if cfg.ray is not None:
-            from tinyvllm.ray_runner import run_ray_job
+            from tinyvllm.ray_runner import RayExecutor
 
-            summary = run_ray_job(cfg, cfg.ray)
+            summary = run_job(cfg, RayExecutor(cfg.ray))
         else:
             summary = run_job(cfg)
     except JobInterrupted as e:

@@ -19,27 +19,22 @@ import itertools
 import json
 import math
 import re
-import signal
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from tqdm import tqdm
 
-from tinyvllm import __version__
-from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
-from tinyvllm.io.readers import BadRow, _parse_openai, _parse_plain
-from tinyvllm.io.writer import output_schema, parts_dir
-from tinyvllm.runner import (JobConfig, JobInterrupted, _check_output, _default_model, _finished_summary, _iso,
-                             _job_identity, _load_llm, _open_parts, _OutputLock, _prepare, _Signals)
+from tinyvllm.io import JobError, Row, output_record
+from tinyvllm.io.readers import BadRow, parse_request
+from tinyvllm.io.writer import output_schema
+from tinyvllm.runner import JobConfig, load_llm, prepare_request, run_job
 from tinyvllm.sampling_params import SamplingParams
 
-__all__ = ["RayConfig", "LLMProcessor", "run_ray_job"]
+__all__ = ["RayConfig", "RayExecutor", "LLMProcessor", "run_ray_job"]
 
 INSTALL_HINT = "pip install 'tinyvllm[ray]'"
 STAGED_SCHEMA = pa.schema([("row", pa.int64()), ("id", pa.string()), ("request", pa.string())])
@@ -75,101 +70,61 @@ class RayConfig:
 
 def run_ray_job(cfg: JobConfig, ray_cfg: RayConfig | None = None) -> dict:
     """`run_job` with the engine work spread over Ray replicas: same checks, lock, resume, output and summary."""
-    ray_cfg = ray_cfg or RayConfig()
-    ray = _import_ray()
-    try:
-        defaults = SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
-    except (TypeError, ValueError) as e:
-        raise JobError(f"bad sampling defaults: {e}") from None
-    cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
-    if not cfg.model.exists():  # replicas load it from the same path: check here, before starting any
-        raise JobError(f"model not found: {cfg.model}")
-    rows = read_rows(cfg.input)
-    _check_output(cfg.output)
-    started_ray = _connect(ray, ray_cfg.address)  # before _Signals: ray.init installs its own SIGTERM handler
-    try:
-        with _OutputLock(cfg.output), _Signals() as signals:
-            job = _job_identity(cfg, defaults)
-            if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
-                return _finished_summary(cfg.output, job)
-            manifest = _open_parts(cfg, job)
-            return _run(cfg, ray_cfg, rows, defaults, manifest, signals)
-    finally:
-        if started_ray:
-            ray.shutdown()
+    return run_job(cfg, RayExecutor(ray_cfg or RayConfig()))
 
 
-def _run(cfg: JobConfig, ray_cfg: RayConfig, rows: Iterable[Row], defaults: SamplingParams, manifest: dict,
-         signals: _Signals) -> dict:
-    import ray
-    import ray.data
+class RayExecutor:
+    """runner.LocalExecutor's counterpart: rows through a pool of Ray actors holding one LLM each."""
 
-    ray.data.DataContext.get_current().enable_progress_bars = False  # ours shows rows and tok/s, as without Ray
-    started = time.time()
-    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
-                         piece_rows=cfg.piece_rows)
-    done = writer.committed_rows()
-    total = count_rows(cfg.input)
-    bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
-    tokens = 0
+    def __init__(self, ray_cfg: RayConfig) -> None:
+        self.ray = _import_ray()  # no Ray: say how to install it before anything else
+        self.ray_cfg = ray_cfg
+        self.started_ray = False
 
-    def emit(record: dict) -> None:
-        nonlocal tokens
-        writer.add(record)
-        tokens += record["completion_tokens"]
-        bar.update(1)
-        bar.set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
+    def __enter__(self) -> RayExecutor:
+        # Entered before the job's signal handlers: ray.init installs its own SIGTERM handler.
+        self.started_ray = _connect(self.ray, self.ray_cfg.address)
+        return self
 
-    def stopped() -> bool:
-        return signals.received is not None
+    def __exit__(self, *exc) -> None:
+        if self.started_ray:
+            self.ray.shutdown()
 
-    gpus = _gpus_per_replica(cfg.backend)
-    replicas = ray_cfg.num_replicas or _default_replicas(gpus, ray_cfg.cpus_per_replica)
-    batch_size = ray_cfg.batch_size or max(1, min(4 * cfg.max_num_seqs, -(-(total - len(done)) // replicas)))
-    try:
-        blocks, staged = _stage(rows, done, batch_size, emit, stopped)
-        replica_reports: dict[str, dict] = {}
-        if blocks and not stopped():
-            ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
-                      batch_size, ray_cfg.cpus_per_replica, gpus)
-            batches = ds.iter_batches(batch_format="pyarrow", batch_size=None)
-            replica_reports = _collect(batches, staged, emit, writer.flush, stopped)
-    except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, committed rows stay
-        raise JobError(f"Ray job failed: {_first_error(str(e))[:300]}") from None
-    finally:
-        writer.flush()
-        bar.close()
-    if signals.received:
-        name = signal.Signals(signals.received).name
-        raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in {writer.parts}; "
-                             "run the same command again to resume", 128 + signals.received)
-    reports = list(replica_reports.values())
-    info = reports[0]["info"] if reports else {}
-    ray_info = {"address": ray_cfg.address, "num_replicas": replicas, "batch_size": batch_size,
-                "cpus_per_replica": ray_cfg.cpus_per_replica, "gpus_per_replica": gpus}
-    metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.backend),
-                "batching": info.get("batching", cfg.batching), "engine": {**info, "ray": ray_info},
-                "sampling": asdict(defaults), "chat": cfg.chat, "input": str(cfg.input), "version": __version__,
-                "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
-    return writer.finalize(metadata, _merged_stats([r["stats"] for r in reports]) if reports else None)
+    def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterable[Row], num_rows: int,
+            emit: Callable[[dict], None], commit: Callable[..., None],
+            stopped: Callable[[], bool]) -> tuple[dict, dict]:
+        import ray
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False  # the job's bar shows rows and tok/s
+        ray_cfg = self.ray_cfg
+        gpus = _gpus_per_replica(cfg.backend)
+        replicas = ray_cfg.num_replicas or _default_replicas(gpus, ray_cfg.cpus_per_replica)
+        batch_size = ray_cfg.batch_size or max(1, min(4 * cfg.max_num_seqs, -(-num_rows // replicas)))
+        reports: dict[str, dict] = {}
+        try:
+            blocks, staged = _stage(rows, batch_size)
+            if blocks and not stopped():
+                ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
+                          batch_size, ray_cfg.cpus_per_replica, gpus)
+                batches = ds.iter_batches(batch_format="pyarrow", batch_size=None)
+                reports = _collect(batches, staged, emit, lambda: commit(force=True), stopped)
+        except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, rows stay
+            raise JobError(f"Ray job failed: {_first_error(str(e))[:300]}") from None
+        ray_info = {"address": ray_cfg.address, "num_replicas": replicas, "batch_size": batch_size,
+                    "cpus_per_replica": ray_cfg.cpus_per_replica, "gpus_per_replica": gpus}
+        reports = list(reports.values())
+        info = {**(reports[0]["info"] if reports else {}), "ray": ray_info}
+        return info, _merged_stats([r["stats"] for r in reports]) if reports else None
 
 
-def _stage(rows: Iterable[Row], done: set[int], batch_size: int, emit: Callable[[dict], None],
-           stopped: Callable[[], bool]) -> tuple[list, int]:
-    """Put the rows still to do into the object store, `batch_size` a block; bad rows are emitted as error rows.
-
-    The blocks stay referenced (by the driver) until the job ends: a batch whose replica dies is read again."""
+def _stage(rows: Iterable[Row], batch_size: int) -> tuple[list, int]:
+    """Put the rows into the object store, `batch_size` a block. The blocks stay referenced (by the driver) until
+    the job ends: a batch whose replica dies is read again."""
     import ray
 
     blocks, chunk, staged = [], [], 0
     for row in rows:
-        if stopped():
-            break
-        if row.index in done:
-            continue
-        if row.error is not None:
-            emit(output_record(row.index, row.id, None, error=row.error))
-            continue
         request = {"prompt": row.prompt, "messages": row.messages, "overrides": row.overrides}
         chunk.append({"row": row.index, "id": row.id, "request": json.dumps(request)})
         staged += 1
@@ -255,7 +210,7 @@ class _Replica:
 
     def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
         self.cfg, self.defaults = cfg, defaults
-        self.llm = _load_llm(cfg)
+        self.llm = load_llm(cfg)
         self.info = self.llm.info()
         self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
         self._request_ids = itertools.count()
@@ -270,7 +225,7 @@ class _Replica:
                 records[i] = output_record(row.index, row.id, None, error=row.error)
                 continue
             try:
-                prompt, templated, params = _prepare(row, self.llm.tokenizer, self.defaults, self.cfg,
+                prompt, templated, params = prepare_request(row, self.llm.tokenizer, self.defaults, self.cfg,
                                                      self.info["max_model_len"])
             except ValueError as e:
                 records[i] = output_record(row.index, row.id, None, error=str(e))
@@ -325,7 +280,7 @@ class _DatasetReplica(_Replica):
         # As the Parquet reader does: pandas writes a missing number as NaN.
         obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
         try:
-            prompt, messages, overrides = _parse_openai(obj) if "custom_id" in obj else _parse_plain(obj)
+            prompt, messages, overrides = parse_request(obj)
         except BadRow as e:
             return Row(i, str(i), error=str(e))
         if self.defaults.seed is None and "seed" not in overrides:

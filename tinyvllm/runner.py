@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import tomllib
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +32,8 @@ from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, r
 from tinyvllm.io.writer import PIECE_ROWS, output_schema, parts_dir, summarize_output, summary_path
 from tinyvllm.sampling_params import SamplingParams
 
-__all__ = ["JobConfig", "JobError", "JobInterrupted", "load_job_file", "run_job"]
+__all__ = ["JobConfig", "JobError", "JobInterrupted", "LocalExecutor", "load_job_file", "load_llm",
+           "prepare_request", "run_job"]
 
 
 @dataclass
@@ -71,7 +73,54 @@ class JobInterrupted(JobError):
         self.exit_code = exit_code
 
 
-def run_job(cfg: JobConfig) -> dict:
+class LocalExecutor:
+    """Runs a job's rows through one LLM in this process. (ray_runner.RayExecutor spreads them over a cluster.)
+
+    An executor is a context (what it holds, e.g. a cluster connection, lives from before the job's lock and signal
+    handlers until after) with one method, run()."""
+
+    def __enter__(self) -> LocalExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterator[Row], num_rows: int,
+            emit: Callable[[dict], None], commit: Callable[..., None],
+            stopped: Callable[[], bool]) -> tuple[dict, dict]:
+        """Complete `rows` (about num_rows good rows not done yet), emit() one output record each as it finishes;
+        call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
+        admitting once stopped(). Returns (engine info, engine stats)."""
+        llm = load_llm(cfg)
+        engine, max_model_len = llm.llm_engine, llm.info()["max_model_len"]
+        max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
+        in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
+
+        def step() -> None:
+            for out in engine.step():
+                index, row_id, prompt = in_flight.pop(out.request_id)
+                emit(output_record(index, row_id, prompt, out))
+            commit()
+            if in_flight and not engine.has_unfinished_requests():
+                raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
+
+        for row in rows:
+            try:
+                prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
+            except ValueError as e:
+                emit(output_record(row.index, row.id, None, error=str(e)))
+                continue
+            request_id = str(row.index)  # unique even where ids repeat
+            engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+            in_flight[request_id] = (row.index, row.id, prompt)
+            while len(in_flight) >= max_in_flight and not stopped():
+                step()
+        while in_flight and not stopped():
+            step()
+        return llm.info(), llm.stats()
+
+
+def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     """Run (or resume) the job to the end and return its summary; `summary["already_complete"]` when there was
     nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
     try:
@@ -79,65 +128,55 @@ def run_job(cfg: JobConfig) -> dict:
     except (TypeError, ValueError) as e:
         raise JobError(f"bad sampling defaults: {e}") from None
     cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
+    if not cfg.model.exists():
+        raise JobError(f"model not found: {cfg.model}")
     rows = read_rows(cfg.input)  # checks the input now, before the model loads
     _check_output(cfg.output)
-    with _OutputLock(cfg.output), _Signals() as signals:
+    with executor or LocalExecutor() as executor, _OutputLock(cfg.output), _Signals() as signals:
         job = _job_identity(cfg, defaults)
         if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
             return _finished_summary(cfg.output, job)
         manifest = _open_parts(cfg, job)
-        llm = _load_llm(cfg)
-        return _run(cfg, llm, rows, defaults, manifest, signals)
+        return _run(cfg, executor, rows, defaults, manifest, signals)
 
 
-def _run(cfg: JobConfig, llm, rows, defaults: SamplingParams, manifest: dict, signals: _Signals) -> dict:
+def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams, manifest: dict,
+         signals: _Signals) -> dict:
     started = time.time()
     writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
                          piece_rows=cfg.piece_rows)
     done = writer.committed_rows()
-    engine, max_model_len = llm.llm_engine, llm.info()["max_model_len"]
-    max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
-    in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
-    bar = tqdm(total=count_rows(cfg.input), initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet,
-               dynamic_ncols=True)
+    total = count_rows(cfg.input)
+    bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
     tokens = 0
 
-    def finish(record: dict) -> None:
+    def emit(record: dict) -> None:
         nonlocal tokens
         writer.add(record)
         tokens += record["completion_tokens"]
         bar.update(1)
-
-    def step() -> None:
-        for out in engine.step():
-            index, row_id, prompt = in_flight.pop(out.request_id)
-            finish(output_record(index, row_id, prompt, out))
-        writer.maybe_flush()
         bar.set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
-        if in_flight and not engine.has_unfinished_requests():
-            raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
 
-    try:
+    def stopped() -> bool:
+        return signals.received is not None
+
+    def pending() -> Iterator[Row]:
+        """The rows still to do; rows that failed to parse become error rows right here."""
         for row in rows:
-            if signals.received:
-                break
+            if stopped():
+                return
             if row.index in done:
                 continue
             if row.error is not None:
-                finish(output_record(row.index, row.id, None, error=row.error))
+                emit(output_record(row.index, row.id, None, error=row.error))
                 continue
-            try:
-                prompt, templated, params = _prepare(row, llm.tokenizer, defaults, cfg, max_model_len)
-            except ValueError as e:
-                finish(output_record(row.index, row.id, None, error=str(e)))
-                continue
-            request_id = str(row.index)  # unique even where ids repeat
-            engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
-            in_flight[request_id] = (row.index, row.id, prompt)
-            while len(in_flight) >= max_in_flight and not signals.received:
-                step()
-        while in_flight and not signals.received:
-            step()
+            yield row
+
+    try:
+        def commit(force: bool = False) -> None:
+            writer.flush() if force else writer.maybe_flush()
+
+        info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped)
     finally:
         writer.flush()
         bar.close()
@@ -145,16 +184,15 @@ def _run(cfg: JobConfig, llm, rows, defaults: SamplingParams, manifest: dict, si
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
                              f"{writer.parts}; run the same command again to resume", 128 + signals.received)
-    info = llm.info()
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.backend),
                 "batching": info.get("batching", cfg.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
                 "start_time": manifest["started_at"], "end_time": _iso(time.time())}
-    return writer.finalize(metadata, llm.stats())
+    return writer.finalize(metadata, stats)
 
 
-def _prepare(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
-             max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
+def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
+                    max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
     """What to send for a row: (prompt, already templated?, its SamplingParams). ValueError: the row is bad."""
     params = defaults.with_overrides(row.overrides)
     if params.max_tokens > max_model_len:
@@ -401,9 +439,8 @@ def _default_model() -> Path:
     return path
 
 
-def _load_llm(cfg: JobConfig):
-    if not Path(cfg.model).exists():
-        raise JobError(f"model not found: {cfg.model}")
+def load_llm(cfg: JobConfig):
+    """The job's LLM; JobError (one line) if it cannot be built."""
     from tinyvllm.llm import LLM  # heavy: only once the job is known to be runnable
 
     try:

@@ -60,8 +60,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
     attention: query head h reads KV head h // (heads / kv_heads).
     Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many).
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[1]
     if not batch.is_prefill:
         return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group)
     out = np.empty_like(q)

@@ -149,6 +149,12 @@ def _row_id(obj: dict, index: int, openai: bool) -> str:
     return str(value)
 
 
+def parse_request(obj: dict) -> tuple[str | list[int] | None, list[dict] | None, dict]:
+    """(prompt, messages, sampling overrides) of one row object, plain or OpenAI batch (it has `custom_id`).
+    BadRow says what is wrong with it."""
+    return _parse_openai(obj) if "custom_id" in obj else _parse_plain(obj)
+
+
 def _parse_plain(obj: dict) -> tuple[str | list[int] | None, list[dict] | None, dict]:
     overrides = {k: obj[k] for k in OVERRIDABLE_FIELDS if obj.get(k) is not None}
     return (*_prompt_or_messages(obj.get("prompt"), obj.get("messages")), _checked_overrides(overrides))

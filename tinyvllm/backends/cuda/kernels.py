@@ -7,13 +7,23 @@ both see the same allocations and streams. Compiled modules are cached on disk b
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
 import pycuda.driver as cuda
 from pycuda.compiler import SourceModule
 
-CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
+
+def _cuda_dir() -> Path:
+    """cuda/ of the source tree (an editable install), else where a wheel installs it (setup.cfg data_files)."""
+    for candidate in (Path(__file__).resolve().parents[3] / "cuda", Path(sys.prefix) / "share" / "tinyvllm" / "cuda"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise RuntimeError("cannot find the CUDA kernel sources (cuda/*.cu); reinstall tinyvllm")
+
+
+CUDA_DIR = _cuda_dir()
 
 # file -> {kernel name: argument format (P pointer, i int32, f float32)}
 SIGNATURES: dict[str, dict[str, str]] = {
