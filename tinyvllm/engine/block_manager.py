@@ -84,17 +84,18 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make sure the sequence's block table covers num_tokens tokens."""
-        while len(seq.block_table) < self.blocks_needed(num_tokens):
+        while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take())
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+        missing = num_tokens - len(seq.block_table) * self.block_size
+        return missing <= 0 or -(-missing // self.block_size) <= len(self.free_blocks)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of the sequence's blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
         full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
+            return
         for index in range(seq.num_hashed_blocks, full):
             parent = self.block_hashes[seq.block_table[index - 1]] if index else None
             start = index * self.block_size

@@ -39,17 +39,15 @@ class Sequence:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: object = None
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
