@@ -141,7 +141,8 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
                   limits: dict | None = None) -> dict:
     """Run each workload on the LLM and set it against the floor from the measured limits.
 
-    W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between)."""
+    W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between);
+    W2 runs twice, with chunked prefill on and off (issue: decodes must not stall behind long prompts)."""
     config = llm.model_config
     limits = limits or llm.backend.measure_limits()
     results = {"limits": limits, "workloads": {}}
@@ -154,6 +155,16 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
                 runs["cache_on" if caching else "cache_off"] = run_workload(llm, requests)
             result = {**runs["cache_on"], "cache_off": runs["cache_off"],
                       "speedup_vs_cache_off": runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]}
+        elif name == "W2":
+            _reset_prefix_cache(llm, True)
+            scheduler = llm.llm_engine.scheduler
+            chunked = scheduler.enable_chunked_prefill
+            scheduler.enable_chunked_prefill = not chunked
+            other = run_workload(llm, requests)
+            scheduler.enable_chunked_prefill = chunked
+            _reset_prefix_cache(llm, True)
+            result = run_workload(llm, requests)
+            result["chunked_prefill" if not chunked else "unchunked"] = other
         else:
             _reset_prefix_cache(llm, True)
             result = run_workload(llm, requests, sequential=name == "W3")
@@ -193,6 +204,10 @@ def format_results(results: dict) -> str:
             notes.append(f"{r['ms_per_token']:.2f} ms/token")
         if "achieved_tflops" in r:
             notes.append(f"{r['achieved_tflops']:.1f} TFLOP/s = {r['fraction_of_gemm_rate']:.0%} of GEMM rate")
+        if "unchunked" in r:
+            u = r["unchunked"]
+            notes.append(f"without chunked prefill: TPOT p99 {_fmt(u['tpot_p99_ms'])} ms, total tok/s "
+                         f"{u['total_tok_s']:.0f} ({r['total_tok_s'] / u['total_tok_s']:.2f}x with)")
         if "speedup_vs_cache_off" in r:
             notes.append(f"prefix cache {r['speedup_vs_cache_off']:.2f}x vs off "
                          f"({r['cache_off']['output_tok_s']:.0f} tok/s)")

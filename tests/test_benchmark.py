@@ -1,0 +1,41 @@
+"""The benchmark's workloads and floors on the numpy backend (speed itself is measured by `make bench`, not here)."""
+
+from tinyvllm import LLM
+from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, make_workload, matmul_params,
+                                run_benchmark, weight_bytes)
+from tinyvllm.model.dummy import llama_3_2_1b_config
+
+
+def test_workload_shapes():
+    w1 = make_workload("W1", 1000)
+    assert len(w1) == 512 and {len(r.prompt_token_ids) for r in w1} == {256} and {r.max_tokens for r in w1} == {256}
+    w2 = make_workload("W2", 1000)
+    assert len(w2) == 256 and all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in w2)
+    w5 = make_workload("W5", 1000)
+    assert len(w5) == 1024 and all(r.prompt_token_ids[:1024] == w5[0].prompt_token_ids[:1024] for r in w5)
+    assert len({tuple(r.prompt_token_ids[1024:]) for r in w5}) > 1000
+
+
+def test_llama_1b_floor_matches_the_known_limits():
+    config = llama_3_2_1b_config()
+    assert abs(weight_bytes(config) / 1e9 - 2.47) < 0.01  # 1.24 B parameters in bf16
+    # batch-1 decode is bound by reading the weights: ~0.58 ms per token at 4.27 TB/s
+    w3 = make_workload("W3", config.vocab_size)
+    per_token = floor_seconds(config, w3, 4.27e12, 7.4e14, 512) / 256
+    assert 0.55e-3 < per_token < 0.65e-3
+    assert matmul_params(config) * 2 * 512 * 256 / 7.4e14 < floor_seconds(config, make_workload("W1", 100), 4.27e12,
+                                                                         7.4e14, 512)
+
+
+def test_run_benchmark_on_the_cpu():
+    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=32)
+    results = run_benchmark(llm, ["W1", "W2", "W3", "W4", "W5"], scale=0.02)
+    work = results["workloads"]
+    assert work["W1"]["output_tokens"] == sum(r.max_tokens for r in make_workload("W1", 1, 0.02))
+    assert work["W3"]["ms_per_token"] > 0 and work["W4"]["achieved_tflops"] > 0
+    assert work["W5"]["speedup_vs_cache_off"] > 0 and work["W5"]["cache_off"]["output_tokens"] == \
+        work["W5"]["output_tokens"]
+    assert work["W2"]["unchunked"]["output_tokens"] == work["W2"]["output_tokens"]
+    assert all(0 < r["fraction_of_limit"] for r in work.values())
+    assert llm.llm_engine.block_manager.enable_prefix_caching and llm.llm_engine.scheduler.enable_chunked_prefill
+    assert "W5" in format_results(results)
