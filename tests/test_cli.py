@@ -380,7 +380,7 @@ def test_bad_job_files(tmp_path, text, message):
 
 
 def test_example_job_file_parses():
-    from tinyvllm.runner import load_job_file
+    from tinyvllm.job_file import load_job_file
 
     cfg = load_job_file(EXAMPLES.parent / "jobs" / "example.toml", {}, {})
     assert cfg.input == EXAMPLES / "prompts.jsonl" and cfg.output == EXAMPLES.parent / "out" / "example.parquet"

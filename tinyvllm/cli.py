@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 
 from tinyvllm import __version__
 from tinyvllm.io.writer import LATENCIES, PIECE_ROWS, sibling, summarize_output
-from tinyvllm.runner import JobConfig, JobError, JobInterrupted, load_job_file, run_job
+from tinyvllm.job_file import load_job_file
+from tinyvllm.runner import JobConfig, JobError, JobInterrupted, run_job
 
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop")
 

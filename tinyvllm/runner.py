@@ -5,7 +5,8 @@ engine, and finished rows go to disk in small pieces (see io/writer.py). The run
 
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
 `<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
-results. `<output>.lock` keeps two runs off one output. Rerunning a finished job is a no-op.
+results. `<output>.lock` keeps two runs off one output (job_guard.py). Rerunning a finished job is a no-op.
+Job files (jobs/*.toml) are read by job_file.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -30,10 +29,10 @@ from tqdm import tqdm
 from tinyvllm import __version__
 from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
 from tinyvllm.io.writer import PIECE_ROWS, output_schema, parts_dir, summarize_output, summary_path
+from tinyvllm.job_guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
 
-__all__ = ["JobConfig", "JobError", "JobInterrupted", "LocalExecutor", "load_job_file", "load_llm",
-           "prepare_request", "run_job"]
+__all__ = ["JobConfig", "JobError", "JobInterrupted", "LocalExecutor", "load_llm", "prepare_request", "run_job"]
 
 
 @dataclass
@@ -132,7 +131,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         raise JobError(f"model not found: {cfg.model}")
     rows = read_rows(cfg.input)  # checks the input now, before the model loads
     _check_output(cfg.output)
-    with executor or LocalExecutor() as executor, _OutputLock(cfg.output), _Signals() as signals:
+    with executor or LocalExecutor() as executor, OutputLock(cfg.output), StopSignals() as signals:
         job = _job_identity(cfg, defaults)
         if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
             return _finished_summary(cfg.output, job)
@@ -141,7 +140,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
 
 
 def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams, manifest: dict,
-         signals: _Signals) -> dict:
+         signals: StopSignals) -> dict:
     started = time.time()
     writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
                          piece_rows=cfg.piece_rows)
@@ -281,141 +280,6 @@ def _open_parts(cfg: JobConfig, job: dict) -> dict:
     except OSError as e:
         raise JobError(f"cannot write {manifest_path}: {e.strerror}") from None
     return manifest
-
-
-class _OutputLock:
-    """`<output>.lock`, created with O_EXCL and holding "pid host"; a lock whose process is dead is stale."""
-
-    def __init__(self, output: Path):
-        self.path = output.with_name(output.name + ".lock")
-        self.mine = f"{os.getpid()} {socket.gethostname()}\n"
-
-    def __enter__(self) -> _OutputLock:
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._break_if_stale()
-                continue
-            except OSError as e:
-                raise JobError(f"cannot create lock {self.path}: {e.strerror}") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(self.mine)
-            return self
-        raise JobError(f"cannot take the lock {self.path}: another run keeps taking it")
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self.path.read_text() == self.mine:
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-
-    def _break_if_stale(self) -> None:
-        try:
-            holder = self.path.read_text()
-        except FileNotFoundError:
-            return
-        pid, _, host = holder.strip().partition(" ")
-        if pid.isdigit() and (host != socket.gethostname() or _alive(int(pid))):
-            where = "" if host == socket.gethostname() else f" on {host}"
-            raise JobError(f"{self.path.name[:-5]} is being written by pid {pid}{where} (lock {self.path}); "
-                           "wait for it, or delete the lock if that process is gone")
-        # Stale. Move it aside and check that what moved is what was judged stale, not a fresh lock just taken.
-        aside = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return
-        if aside.read_text() != holder:
-            os.rename(aside, self.path)
-        else:
-            aside.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class _Signals:
-    """The first SIGINT/SIGTERM asks the job to stop (the run loop checks `received`); the previous handlers come
-    back at once, so a second signal stops the process the usual way."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _Signals:
-        try:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        except ValueError:  # not the main thread: no signal handling
-            pass
-        return self
-
-    def _handle(self, signum: int, frame) -> None:
-        self.received = signum
-        self.__exit__()
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-
-def load_job_file(path: Path, flags: dict, sampling_flags: dict) -> JobConfig:
-    """A JobConfig from a TOML job file, with the given flags (not None) on top. Relative paths in the file are
-    resolved against the file's own folder; flags' paths against the current directory."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise JobError(f"job file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise JobError(f"cannot read job file {path}: {e}") from None
-    sampling = data.pop("sampling", {})
-    if not isinstance(sampling, dict):
-        raise JobError(f"{path}: [sampling] must be a table")
-    ray_table = data.pop("ray", None)
-    if ray_table is not None:
-        from tinyvllm.ray_runner import RayConfig  # imports no ray: only the settings
-
-        if not isinstance(ray_table, dict):
-            raise JobError(f"{path}: [ray] must be a table")
-        ray_table = RayConfig.from_table(ray_table, str(path))
-    for key, value in [*data.items(), *(("sampling." + k, v) for k, v in sampling.items())]:
-        expected = JOB_FILE_KEYS.get(key)
-        if expected is None:
-            raise JobError(f"{path}: unknown key {key!r} (known: {', '.join(JOB_FILE_KEYS)})")
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise JobError(f"{path}: {key} = {value!r} has the wrong type "
-                           f"(expected {getattr(expected, '__name__', 'a number')})")
-    for key in ("input", "output", "model"):
-        if key in data:
-            data[key] = Path(os.path.normpath(path.parent / data[key]))
-    if ray_table is not None:
-        data["ray"] = ray_table
-    data.update({k: v for k, v in flags.items() if v is not None})
-    sampling.update({k: v for k, v in sampling_flags.items() if v is not None})
-    missing = [k for k in ("input", "output") if k not in data]
-    if missing:
-        raise JobError(f"{path}: no {' or '.join(missing)} (in the file or as a flag)")
-    return JobConfig(**data, sampling=sampling)
-
-
-JOB_FILE_KEYS: dict[str, type] = {
-    "model": str, "input": str, "output": str, "backend": str, "batching": str, "max_num_seqs": int,
-    "max_num_batched_tokens": int, "block_size": int, "num_kv_blocks": int, "max_model_len": int, "seed": int,
-    "gpu_memory_utilization": (int, float), "enable_prefix_caching": bool, "enable_chunked_prefill": bool,
-    "chat": bool, "output_token_ids": bool, "logprobs": int, "max_in_flight": int, "piece_rows": int,
-    "sampling.max_tokens": int, "sampling.temperature": (int, float), "sampling.top_p": (int, float),
-    "sampling.top_k": int, "sampling.min_p": (int, float), "sampling.seed": int, "sampling.stop": list,
-}
 
 
 def _check_output(output: Path) -> None:
