@@ -159,7 +159,7 @@ class NumpyBackend(Backend):
         cfg = self.config
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
-        scale = 1.0 / np.sqrt(d)
+        scale = 1.0 / float(np.sqrt(d))  # a Python float: a numpy float64 scalar would upcast float32 to float64
         x = self.embed[batch.token_ids]  # [T, hidden]
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
