@@ -113,6 +113,7 @@ def test_overlong_prompt_is_an_error_row(tiny_model_dir, tmp_path):
     rows = ok_run(tiny_model_dir, src, tmp_path / "out.parquet", "--max-model-len", "64").to_pylist()
     assert rows[0]["finish_reason"] == "error" and "tokens; the limit is" in rows[0]["error"]
     assert rows[0]["completion"] is None and rows[0]["prompt"] == "word " * 200
+    assert rows[0]["prompt_tokens"] > 64  # counted, though not run
     assert rows[1]["finish_reason"] in ("stop", "length")
 
 

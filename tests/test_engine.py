@@ -103,6 +103,7 @@ def test_over_long_and_empty_prompts_fail_alone(tiny_model_dir):
     outs = llm.generate(["ok prompt", "word " * 200, "", [10, 11, 12]], SamplingParams(max_tokens=4, temperature=0))
     assert outs[0].error is None and outs[0].outputs[0].finish_reason in ("stop", "length")
     assert outs[1].outputs[0].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert len(outs[1].prompt_token_ids) > 32  # the rejected prompt's tokens are still reported
     assert outs[2].outputs[0].finish_reason == "error" and "empty" in outs[2].error
     assert outs[3].error is None and outs[3].prompt_token_ids == [10, 11, 12]
     assert_no_leaks(llm)

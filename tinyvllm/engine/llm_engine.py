@@ -48,6 +48,12 @@ class LLMEngine:
         except ValueError as exc:
             self._reject(request_id, text, [], metrics, str(exc))
             return
+        if len(token_ids) >= self.max_seq_len:
+            self._reject(request_id, text, token_ids, metrics,
+                         f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} (max_model_len "
+                         f"{self.limits.max_model_len}, KV cache {self.num_kv_blocks * self.limits.block_size} "
+                         "tokens, one token left to generate)")
+            return
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
@@ -72,10 +78,6 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
         if not token_ids:
             raise ValueError("empty prompt")
-        if len(token_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} "
-                             f"(max_model_len {self.limits.max_model_len}, KV cache "
-                             f"{self.num_kv_blocks * self.limits.block_size} tokens, one token left to generate)")
         return token_ids
 
     def _reject(self, request_id: str, prompt: str | None, token_ids: list[int], metrics: RequestMetrics,
