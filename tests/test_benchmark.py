@@ -23,6 +23,9 @@ def test_llama_1b_floor_matches_the_known_limits():
     w3 = make_workload("W3", config.vocab_size)
     per_token = floor_seconds(config, w3, 4.27e12, 7.4e14, 512) / 256
     assert 0.55e-3 < per_token < 0.65e-3
+    w5 = make_workload("W5", config.vocab_size)
+    assert floor_seconds(config, w5, 4.27e12, 7.4e14, 512, cached_prefix=1024) < \
+        floor_seconds(config, w5, 4.27e12, 7.4e14, 512) / 3
     assert matmul_params(config) * 2 * 512 * 256 / 7.4e14 < floor_seconds(config, make_workload("W1", 100), 4.27e12,
                                                                          7.4e14, 512)
 
@@ -37,5 +40,6 @@ def test_run_benchmark_on_the_cpu():
         work["W5"]["output_tokens"]
     assert work["W2"]["unchunked"]["output_tokens"] == work["W2"]["output_tokens"]
     assert all(0 < r["fraction_of_limit"] for r in work.values())
+    assert work["W5"]["fraction_of_limit"] < 1, "the floor must count the prefix cache's savings"
     assert llm.llm_engine.block_manager.enable_prefix_caching and llm.llm_engine.scheduler.enable_chunked_prefill
     assert "W5" in format_results(results)
