@@ -1,169 +1,222 @@
 // Paged attention for decode: one new query per sequence over its whole cached context (FlashDecoding-style).
 // Twin: numpy_backend.paged_attention (its _decode_attention path).
 //
-// Grouped-query attention: a block serves G query heads that share one KV head, so each K/V row it loads from the
-// cache feeds G dot products. Long contexts are split along the sequence into num_splits parts (grid.z) so that
-// small batches still fill the GPU; with num_splits == 1 the block writes the final output itself, otherwise its
-// normalized partial output and (m, l), merged by attention_combine.
+// Grouped-query attention on tensor cores: the query heads that share one KV head are the rows of an mma.sync
+// m16n8k16 tile (up to 16; Llama's groups of 4 or 8 leave rows empty, which costs nothing that matters), so
+// S = Q K^T and O += P V are each one mma per 8 keys x 16 dims. A CUDA-core version spent ~28 instructions per
+// key and head group on dot products, shuffles and conversions and was issue-bound at ~1.6 TB/s; here a key
+// costs ~10 warp instructions and the kernel is left to stream K/V.
 //
-// Why it is shaped so: decode attention only streams K/V from memory, so the kernel is about keeping many loads in
-// flight. The block's threads form "token groups" of D/8 lanes (8 dims, one 16-byte load each per token row). Each
-// group walks its own tokens U at a time, issuing the loads of U K rows and U V rows before using any, and keeps
-// its own online softmax (running max m and sum l, log2 domain) and output accumulator: no barrier inside the
-// loop. The groups' states are merged once at the end through shared memory.
+// Shape: a block of 4 warps serves one (sequence, KV head, split). Each warp walks its own tiles of TILE keys
+// (every 4th tile), copying K and V straight to its shared memory with cp.async (K first, so that Q K^T and the
+// softmax run while V is still arriving), and keeps its own online softmax: no block barrier inside the loop.
+// The four warps' states are merged once at the end. Long contexts are split along the sequence into
+// num_splits parts (grid.z) so that small batches still fill the GPU; with num_splits == 1 the block writes the
+// final output itself, otherwise its normalized partial output and (m, l), merged by attention_combine.
 #include "common.cuh"
+#include "mma.cuh"
 
-#define NTHREADS 128  // 4 warps
+#define NWARPS 4
 
-// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block 128, where head_chunks = ceil(group / G): chunk c
-// of KV head kvh serves query heads kvh * group + c * G ... (at most G of them).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    // 16 bytes global -> shared without passing through registers; zero-filled where !valid
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block 128, where head_chunks = ceil(group / ROWS): chunk
+// c of KV head kvh serves query heads kvh * group + c * ROWS ... (at most ROWS of them). ROWS is 8 or 16: with 8,
+// the tile's upper 8 rows are known empty and their softmax is skipped.
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
 // out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
-template <int D, int G>
+template <int D, int ROWS>
 __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ partial_o,
                                  float2* __restrict__ partial_ml, const bf16* __restrict__ q,
                                  const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                                  const int* __restrict__ block_tables, const int* __restrict__ bt_stride,
                                  const int* __restrict__ context_lens, float scale, int num_heads, int num_kv_heads,
                                  int block_size, int row_stride, int num_splits) {
-    constexpr int LANES = D / 8;                      // lanes of one token group: 8 dims each
-    constexpr int GROUPS = NTHREADS / LANES;          // token groups in the block
-    constexpr int U = G <= 4 ? 4 : 2;                 // tokens a group has in flight (K and V rows each)
-    constexpr int WARP_TOKENS = 32 / LANES * U;       // tokens a warp covers per iteration
-    constexpr int STRIDE = NTHREADS / 32 * WARP_TOKENS;
-    __shared__ float2 ml_s[GROUPS][G];                // each group's (m, l)
-    __shared__ float red_s[GROUPS][G * D];            // each group's rescaled accumulator
+    constexpr int TILE = 2048 / D;                 // keys per warp step: 4 KB of K and 4 KB of V
+    constexpr int LD = D + 8;                      // padded smem row: ldmatrix without bank conflicts
+    constexpr int PIECES = TILE * D / 8 / 32;      // 16-byte pieces of a K (or V) tile per lane
+    constexpr int HALVES = ROWS / 8;               // row halves of the mma tile in use
+    __shared__ __align__(16) bf16 kv_s[NWARPS][2][TILE * LD];
+    __shared__ float2 ml_s[NWARPS][ROWS];
+    static_assert(NWARPS * ROWS * D * sizeof(float) <= sizeof(kv_s), "the merge reuses kv_s");
 
-    const int group = num_heads / num_kv_heads, head_chunks = (group + G - 1) / G;
+    const int group = num_heads / num_kv_heads, head_chunks = (group + ROWS - 1) / ROWS;
     const int kvh = blockIdx.x / head_chunks, chunk = blockIdx.x % head_chunks;
-    const int h0 = kvh * group + chunk * G, num_g = min(G, group - chunk * G);
+    const int h0 = kvh * group + chunk * ROWS, num_g = min(ROWS, group - chunk * ROWS);
     const int s = blockIdx.y, split = blockIdx.z;
     const int ctx = context_lens[s];
     const int per_split = (ctx + num_splits - 1) / num_splits;
     const int start = split * per_split, end = min(ctx, start + per_split);
     const int* table = block_tables + (int64_t)s * bt_stride[0];
-    const int warp = threadIdx.x >> 5, group_id = threadIdx.x / LANES, part = threadIdx.x % LANES;
-    const int group_in_warp = (threadIdx.x & 31) / LANES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
-    const int64_t dim0 = (int64_t)kvh * D + part * 8;
+    bf16* k_s = kv_s[warp][0];
+    bf16* v_s = kv_s[warp][1];
 
-    // This lane's 8 dims of each served query, pre-scaled so that exp2 gives the softmax.
-    float qr[G][8];
+    // Q tile (rows past num_g are zero) staged in this warp's K buffer, then held as mma A fragments.
+    for (int c = lane; c < 16 * D / 8; c += 32) {
+        const int r = c / (D / 8), part = c % (D / 8);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < num_g) v = *reinterpret_cast<const uint4*>(q + (int64_t)s * row_stride + (h0 + r) * D + part * 8);
+        *reinterpret_cast<uint4*>(&k_s[r * LD + part * 8]) = v;
+    }
+    __syncwarp();
+    uint32_t qf[D / 16][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (g < num_g) {
-            load8(q + (int64_t)s * row_stride + (h0 + g) * D + part * 8, qr[g]);
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &k_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+    __syncwarp();
+
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float m[HALVES], l[HALVES], o[D / 8][4];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) qr[g][e] *= scale * 1.4426950408889634f;
-        } else {
+    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) qr[g][e] = 0.f;
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+    for (int base = start + warp * TILE; base < end; base += NWARPS * TILE) {
+        // K then V of keys base .. base + TILE - 1 through the block table; keys past `end` read as zeros.
+        // This lane always moves the same 8 dims (part) of keys lane / (D / 8) + i * (32 / (D / 8)).
+        const int part = lane % (D / 8), row0 = lane / (D / 8);
+        int slot[PIECES];
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i) {
+            const int tok = base + row0 + i * (32 / (D / 8));
+            slot[i] = tok < end ? table[tok / block_size] * block_size + tok % block_size : -1;
         }
-    }
-    float m[G], l[G], acc[G][8];
+        const int64_t dim0 = (int64_t)kvh * D + part * 8;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
+        for (int i = 0; i < PIECES; ++i)
+            cp_async16(&k_s[(row0 + i * (32 / (D / 8))) * LD + part * 8],
+                       k_cache + max(slot[i], 0) * kv_stride + dim0, slot[i] >= 0);
+        cp_async_commit();
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    }
+        for (int i = 0; i < PIECES; ++i)
+            cp_async16(&v_s[(row0 + i * (32 / (D / 8))) * LD + part * 8],
+                       v_cache + max(slot[i], 0) * kv_stride + dim0, slot[i] >= 0);
+        cp_async_commit();
+        cp_async_wait<1>();  // K has landed (V may still be in flight)
+        __syncwarp();
 
-    // The loop bound is the same for all lanes of a warp (the shuffles need the whole warp); tokens past `end`
-    // are masked instead.
-    for (int base = start + warp * WARP_TOKENS; base < end; base += STRIDE) {
-        const int t0 = base + group_in_warp * U;
-        uint4 k_raw[U], v_raw[U];
+        // S = Q K^T: 16 rows x TILE keys, as n-blocks of 8 keys.
+        float sacc[TILE / 8][4];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int tok = t0 + u;
-            if (tok < end) {
-                const int64_t row = ((int64_t)table[tok / block_size] * block_size + tok % block_size) * kv_stride;
-                k_raw[u] = *reinterpret_cast<const uint4*>(k_cache + row + dim0);
-                v_raw[u] = *reinterpret_cast<const uint4*>(v_cache + row + dim0);
-            } else {
-                k_raw[u] = make_uint4(0, 0, 0, 0);
-                v_raw[u] = make_uint4(0, 0, 0, 0);
+        for (int nb = 0; nb < TILE / 8; ++nb) sacc[nb][0] = sacc[nb][1] = sacc[nb][2] = sacc[nb][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int nb = 0; nb < TILE / 8; nb += 2) {
+                // matrices: keys nb*8.. x dims kk*16.., +8 dims, then keys (nb+1)*8.. x the same dims
+                uint32_t b[4];
+                const int mi = lane / 8;
+                ldmatrix_x4(b, &k_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+                mma_bf16(sacc[nb], qf[kk], b[0], b[1]);
+                mma_bf16(sacc[nb + 1], qf[kk], b[2], b[3]);
             }
         }
-        float sc[U][G];
+
+        // Online softmax (log2 domain) of this thread's rows lane/4 (+ 8): a row's keys live in a quad's 4 lanes.
+        float alpha[HALVES];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&k_raw[u]);
+        for (int h = 0; h < HALVES; ++h) {
+            float row_max = -INFINITY;
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float dot = 0.f;
+            for (int nb = 0; nb < TILE / 8; ++nb)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 k = __bfloat1622float2(k2[i]);
-                    dot += qr[g][2 * i] * k.x + qr[g][2 * i + 1] * k.y;
+                for (int e = 0; e < 2; ++e) {
+                    const int key = base + nb * 8 + (lane % 4) * 2 + e;
+                    const float v = key < end ? sacc[nb][2 * h + e] * scale_log2 : -INFINITY;
+                    sacc[nb][2 * h + e] = v;
+                    row_max = fmaxf(row_max, v);
                 }
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+            const float m_new = fmaxf(m[h], row_max);  // finite: key `base` < end is in this tile
+            alpha[h] = exp2f(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= alpha[h];  // this lane's share of the row sum; the quad is summed at the end
 #pragma unroll
-                for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                sc[u][g] = t0 + u < end ? dot : -INFINITY;
-            }
-        }
+            for (int nb = 0; nb < TILE / 8; ++nb)
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float m_new = m[g];
-#pragma unroll
-            for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, sc[u][g]);
-            if (m_new == -INFINITY) continue;  // this group has seen no token yet
-            const float alpha = exp2f(m[g] - m_new);
-            l[g] *= alpha;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const float p = exp2f(sc[u][g] - m_new);  // 0 for masked tokens
-                const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v_raw[u]);
-                l[g] += p;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 v = __bfloat1622float2(v2[i]);
-                    acc[g][2 * i] += p * v.x;
-                    acc[g][2 * i + 1] += p * v.y;
+                for (int e = 0; e < 2; ++e) {
+                    sacc[nb][2 * h + e] = exp2f(sacc[nb][2 * h + e] - m_new);
+                    l[h] += sacc[nb][2 * h + e];
                 }
-            }
-            m[g] = m_new;
         }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            o[nd][0] *= alpha[0];
+            o[nd][1] *= alpha[0];
+            if (HALVES == 2) {
+                o[nd][2] *= alpha[HALVES - 1];
+                o[nd][3] *= alpha[HALVES - 1];
+            }
+        }
+
+        cp_async_wait<0>();  // V has landed
+        __syncwarp();
+        // O += P V: P's accumulator layout is the A fragment layout, 16 keys per k-step; V via transposed ldmatrix.
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+            const uint32_t a[4] = {pack_bf16(sacc[2 * kk][0], sacc[2 * kk][1]),
+                                   HALVES == 2 ? pack_bf16(sacc[2 * kk][2], sacc[2 * kk][3]) : 0u,
+                                   pack_bf16(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
+                                   HALVES == 2 ? pack_bf16(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]) : 0u};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd += 2) {
+                // matrices: keys kk*16.. x dims nd*8.., keys +8, then dims (nd+1)*8.. for both key halves
+                uint32_t b[4];
+                const int mi = lane / 8;
+                ldmatrix_x4_trans(b, &v_s[(kk * 16 + (mi % 2) * 8 + lane % 8) * LD + (nd + mi / 2) * 8]);
+                mma_bf16(o[nd], a, b[0], b[1]);
+                mma_bf16(o[nd + 1], a, b[2], b[3]);
+            }
+        }
+        __syncwarp();  // the next tile's copies overwrite k_s and v_s
     }
 
-    // Merge the groups: rescale each to the block's max, sum the accumulators and the sums, normalize.
-    if (part == 0) {
+    // Merge the warps: each one's (m, l) and unnormalized output rows through shared memory.
+    __syncthreads();  // every warp is done with kv_s
+    float* o_s = reinterpret_cast<float*>(&kv_s[0][0][0]);  // [NWARPS][ROWS][D]
 #pragma unroll
-        for (int g = 0; g < G; ++g) ml_s[group_id][g] = make_float2(m[g], l[g]);
+    for (int h = 0; h < HALVES; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const int row = lane / 4 + 8 * h;
+        if (lane % 4 == 0) ml_s[warp][row] = make_float2(m[h], l[h]);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd)
+            *reinterpret_cast<float2*>(&o_s[(warp * ROWS + row) * D + nd * 8 + (lane % 4) * 2]) =
+                make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
     }
     __syncthreads();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float block_m = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < GROUPS; ++i) block_m = fmaxf(block_m, ml_s[i][g].x);
-        const float w = m[g] == -INFINITY ? 0.f : exp2f(m[g] - block_m);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) red_s[group_id][g * D + part * 8 + e] = acc[g][e] * w;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < num_g * D; i += NTHREADS) {
+    for (int i = threadIdx.x; i < num_g * D; i += blockDim.x) {
         const int g = i / D, d = i % D, h = h0 + g;
         float block_m = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < GROUPS; ++j) block_m = fmaxf(block_m, ml_s[j][g].x);
+        for (int w = 0; w < NWARPS; ++w) block_m = fmaxf(block_m, ml_s[w][g].x);
         float sum = 0.f, l_total = 0.f;
 #pragma unroll
-        for (int j = 0; j < GROUPS; ++j) {
-            sum += red_s[j][i];
-            const float2 ml = ml_s[j][g];
-            l_total += ml.x == -INFINITY ? 0.f : ml.y * exp2f(ml.x - block_m);
+        for (int w = 0; w < NWARPS; ++w) {
+            const float2 ml = ml_s[w][g];
+            if (ml.x == -INFINITY) continue;  // this warp saw no key
+            const float weight = exp2f(ml.x - block_m);
+            sum += o_s[(w * ROWS + g) * D + d] * weight;
+            l_total += ml.y * weight;
         }
-        const float o = l_total > 0.f ? sum / l_total : 0.f;
+        const float o_final = l_total > 0.f ? sum / l_total : 0.f;
         if (num_splits == 1) {
-            out[((int64_t)s * num_heads + h) * D + d] = __float2bfloat16(o);
+            out[((int64_t)s * num_heads + h) * D + d] = __float2bfloat16(o_final);
         } else {
             const int64_t idx = ((int64_t)s * num_heads + h) * num_splits + split;
-            partial_o[idx * D + d] = o;
+            partial_o[idx * D + d] = o_final;
             if (d == 0) partial_ml[idx] = make_float2(block_m, l_total);
         }
     }
@@ -188,19 +241,16 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
         __float2bfloat16(den > 0.f ? num / den : 0.f);
 }
 
-#define DECODE_KERNEL(D, G)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(NTHREADS) attention_decode_d##D##_g##G(                         \
+#define DECODE_KERNEL(D, ROWS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_d##D##_r##ROWS(                    \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits) {                                       \
-        attention_decode<D, G>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,         \
-                               context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits); \
+        attention_decode<D, ROWS>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,      \
+                                  context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,          \
+                                  num_splits);                                                                    \
     }
-DECODE_KERNEL(64, 1)
-DECODE_KERNEL(64, 2)
-DECODE_KERNEL(64, 4)
 DECODE_KERNEL(64, 8)
-DECODE_KERNEL(128, 1)
-DECODE_KERNEL(128, 2)
-DECODE_KERNEL(128, 4)
+DECODE_KERNEL(64, 16)
 DECODE_KERNEL(128, 8)
+DECODE_KERNEL(128, 16)

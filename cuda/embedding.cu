@@ -14,3 +14,13 @@ extern "C" __global__ void embedding(float* __restrict__ out, const bf16* __rest
         *reinterpret_cast<float4*>(o + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
     }
 }
+
+// Tokens that the previous step is still sampling when this one is queued (the engine runs one step ahead):
+// ids[t] = sampled[src[t]] where src[t] >= 0, else ids[t] stays. Twin: backends.base.Backend.submit.
+// Launch: grid (ceil(n / 256)), block 256; it runs before the embedding, on the same stream as the step that
+// wrote `sampled`, so it reads that step's finished output.
+extern "C" __global__ void resolve_tokens(int* __restrict__ ids, const int* __restrict__ src,
+                                          const int* __restrict__ sampled, int n) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n && src[t] >= 0) ids[t] = sampled[src[t]];
+}

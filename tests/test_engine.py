@@ -172,3 +172,24 @@ def test_chunked_prefill_keeps_prompt_logprobs(tiny_model_dir):
     for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
         assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)
     assert whole.outputs[0].token_ids == chunked.outputs[0].token_ids
+
+
+def test_one_step_ahead_drops_the_extra_token_and_wastes_no_step_at_the_length_limit(tiny_model_dir):
+    """The engine queues step N+1 before reading step N's tokens: a sequence stopped by a sampled token must end
+    exactly there, mixed in a batch with others, with its blocks all returned; a length limit costs no extra step."""
+    llm = llm_for(tiny_model_dir)
+    free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = [o.outputs[0] for o in llm.generate(PROMPTS, free)]
+    # every other prompt stops on the 4th token it generates, while the rest run on in the same batches
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[c.token_ids[3]])
+              if i % 2 == 0 else free for i, c in enumerate(full)]
+    mixed = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    for i, (c, m) in enumerate(zip(full, mixed)):
+        if i % 2 == 0:
+            assert m.token_ids == c.token_ids[: c.token_ids.index(c.token_ids[3]) + 1] and m.finish_reason == "stop"
+        else:
+            assert m.token_ids == c.token_ids and m.finish_reason == "length"
+    assert_no_leaks(llm)
+    alone = llm_for(tiny_model_dir)
+    alone.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert alone.llm_engine.num_steps == 5  # one prefill + 4 decodes: no step for a token past max_tokens

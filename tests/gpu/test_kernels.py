@@ -73,6 +73,20 @@ def test_embedding(cuda, kernels, tokens):
     np.testing.assert_array_equal(gpu.get(out, (tokens, 576), np.float32), table[ids])
 
 
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_resolve_tokens(cuda, kernels, tokens):
+    """Placeholders take the previous step's sampled ids, as Backend.submit's numpy twin does; the rest stay."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
+    sampled = rng.integers(0, 50_000, 64).astype(np.int32)
+    ids = rng.integers(0, 50_000, tokens).astype(np.int32)
+    src = np.where(rng.random(tokens) < 0.5, rng.integers(0, 64, tokens), -1).astype(np.int32)
+    want = ids.copy()
+    want[src >= 0] = sampled[src[src >= 0]]
+    ids_dev = gpu.put(ids)
+    launch(kernels, "resolve_tokens", (-(-tokens // 256),), 256, ids_dev, gpu.put(src), gpu.put(sampled), tokens)
+    np.testing.assert_array_equal(gpu.get(ids_dev, tokens, np.int32), want)
+
+
 @pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True)])
 def test_rms_norm(cuda, kernels, tokens, hidden, gather):
     gpu, rng = Gpu(cuda), np.random.default_rng(hidden + tokens)
@@ -150,7 +164,7 @@ def cache_setup(rng, context_lens, kv_heads, head_dim, block_size):
 
 
 ATTN_SHAPES = {"d64-gqa1": (64, 8, 8), "d128-gqa4": (128, 32, 8), "d64-gqa8": (64, 16, 2),
-               "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2)}
+               "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2), "d64-gqa32": (64, 32, 1)}
 
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
@@ -164,13 +178,13 @@ def test_attention_decode(cuda, kernels, shape, num_seqs, splits):
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
     group = heads // kv_heads
-    per_block = min(8, 1 << (group - 1).bit_length())
+    per_block = 8 if group <= 8 else 16
     chunks = -(-group // per_block)
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
     partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
     partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
-    launch(kernels, f"attention_decode_d{head_dim}_g{per_block}", (kv_heads * chunks, num_seqs, splits), 128, out,
+    launch(kernels, f"attention_decode_d{head_dim}_r{per_block}", (kv_heads * chunks, num_seqs, splits), 128, out,
            partial_o, partial_ml, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables),
            gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), scale, heads, kv_heads, block_size,
            width, splits)

@@ -8,6 +8,7 @@ the logprobs asked for). Backends never see requests or the scheduler.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,9 @@ class Batch:
     # Prompt logprobs: {sequence index: the prompt tokens that its first len(targets) new positions predict}.
     prompt_logprob_targets: dict[int, np.ndarray] = field(default_factory=dict)
     num_prompt_logprobs: int = 0  # top logprobs wanted per prompt position (max over the batch)
+    # int32 [T] or None: where >= 0, token i is the id sampled in that row by the step submitted just before this
+    # one (token_ids[i] is then a placeholder): the engine queues a step before it has read the previous one's.
+    token_sources: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +94,7 @@ class SamplerOutput:
 
 class Backend(ABC):
     name: str
+    _last_sampled = np.zeros(0, np.int32)  # the default submit(): the previous step's sampled ids
 
     @abstractmethod
     def init_kv_cache(self) -> int:
@@ -98,6 +103,16 @@ class Backend(ABC):
     @abstractmethod
     def execute(self, batch: Batch) -> SamplerOutput:
         """Run the model over the batch (writing its K/V into the cache) and sample one token per sequence."""
+
+    def submit(self, batch: Batch) -> Callable[[], SamplerOutput]:
+        """Start a step and return a function that waits for its output. Steps run in submission order, so the
+        host can prepare the next one while this one runs. This default runs the step at once."""
+        if batch.token_sources is not None:
+            rows = batch.token_sources >= 0
+            batch.token_ids[rows] = self._last_sampled[batch.token_sources[rows]]
+        output = self.execute(batch)
+        self._last_sampled = output.sampled_token_ids
+        return lambda: output
 
     def describe(self) -> dict:
         """Facts worth logging and storing in job metadata."""

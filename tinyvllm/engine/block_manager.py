@@ -92,8 +92,9 @@ class BlockManager:
         return missing <= 0 or -(-missing // self.block_size) <= len(self.free_blocks)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the hashes of the sequence's blocks that are now full of computed tokens."""
-        full = seq.num_computed_tokens // self.block_size
+        """Register the hashes of the sequence's blocks that are now full of computed tokens (whose ids are known:
+        a pending token's is not yet)."""
+        full = min(seq.num_computed_tokens, len(seq) - seq.num_pending) // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         for index in range(seq.num_hashed_blocks, full):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,10 +13,21 @@ from tinyvllm.backends.sampler import seed_key
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
-from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+
+
+@dataclass
+class InFlightStep:
+    """A step submitted to the backend, with what is needed to read its output."""
+
+    step: ScheduledStep
+    batch: Batch
+    starts: list[int]  # per row: the sequence's computed tokens before this step
+    sample_index: list[int]  # per row: where in token_ids the sampled token goes (-1: a prompt chunk, none)
+    wait: Callable[[], SamplerOutput]
 
 
 class LLMEngine:
@@ -34,6 +47,7 @@ class LLMEngine:
         self.rng = np.random.default_rng(seed)  # seeds for requests that bring none
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
+        self._in_flight: InFlightStep | None = None  # the step queued on the backend whose tokens are not read yet
         self.num_steps = 0
 
     # ---- requests in -----------------------------------------------------------------------------------------------
@@ -56,6 +70,7 @@ class LLMEngine:
             return
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
+        seq.max_len = min(self.max_seq_len, len(token_ids) + params.max_tokens)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -87,7 +102,7 @@ class LLMEngine:
         self._rejected.append(RequestOutput(request_id, prompt, token_ids, [completion], True, metrics, error=error))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -96,51 +111,79 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that finished in it."""
+        """Queue the next step on the backend, then read the previous step's tokens while this one runs; return
+        the requests that finished.
+
+        Running one step ahead hides the host's work (scheduling, input preparation, output processing) behind the
+        GPU's. Its cost: a sequence that stops on a sampled token (EOS, stop string) has already been given one more
+        step, whose token is dropped; one that reaches its length limit is not (the scheduler knows that limit).
+        """
         finished, self._rejected = self._rejected, []
         step = self.scheduler.schedule()
-        if not step.seqs:
-            return finished
+        previous, self._in_flight = self._in_flight, self._launch(step) if step.seqs else None
+        if previous is not None:
+            finished += self._process(previous)
+        return finished
+
+    def _launch(self, step: ScheduledStep) -> InFlightStep:
         now = time.time()
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         batch = build_batch(step, self.limits.block_size)
-        result = self.backend.execute(batch)
+        starts, sample_index = [], []
+        for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
+            starts.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < len(seq):
+                sample_index.append(-1)  # a prompt chunk: no token is sampled until the whole prompt is cached
+                continue
+            sample_index.append(len(seq))
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            seq.sample_row = row
+        wait = self.backend.submit(batch)
         self.num_steps += 1
-        return finished + self._process(step, batch, result)
+        return InFlightStep(step, batch, starts, sample_index, wait)
 
-    def _process(self, step: ScheduledStep, batch: Batch, result: SamplerOutput) -> list[RequestOutput]:
+    def _process(self, launched: InFlightStep) -> list[RequestOutput]:
+        result = launched.wait()
         now = time.time()
         finished = []
-        for i, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += num_new
-            self.block_manager.commit_full_blocks(seq)
+        step, batch = launched.step, launched.batch
+        for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
+            if seq.is_finished:
+                continue  # it stopped at the previous step: this step's work for it is dropped
             if i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
                                          seq.params.prompt_logprobs)
                 # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known.
                 seq.prompt_logprobs.extend(entries[max(0, len(seq.prompt_logprobs) - start - 1):])
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prompt chunk: no token is sampled until the whole prompt is in the cache
+            if index < 0:
+                self.block_manager.commit_full_blocks(seq)
+                continue
             token = int(result.sampled_token_ids[i])
-            seq.token_ids.append(token)
+            seq.token_ids[index] = token
+            seq.num_pending -= 1
+            self.block_manager.commit_full_blocks(seq)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             if seq.logprobs is not None:
                 entry = _logprob_dicts(result.logprobs, [token], seq.params.logprobs, row=i)[0]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
-            if self._check_stop(seq, token):
+            if self._check_stop(seq, token, index + 1):
+                del seq.token_ids[index + 1:]  # the next step's pending token, if it was queued
+                seq.num_pending = 0
                 seq.metrics.finished_time = now
                 seq.metrics.num_generated_tokens = seq.num_output_tokens
                 self.scheduler.finish(seq)
                 finished.append(self._output(seq))
         return finished
 
-    def _check_stop(self, seq: Sequence, token: int) -> bool:
-        """Decide whether the sequence is done after this token; set its finish and stop reasons."""
+    def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
+        """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
+        reasons."""
         params = seq.params
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
@@ -150,7 +193,7 @@ class LLMEngine:
             return True
         if seq.detokenizer is not None and self._stop_string_hit(seq, token):
             return True
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_seq_len:
+        if length >= seq.max_len:
             seq.finish_reason = "length"
             return True
         return False

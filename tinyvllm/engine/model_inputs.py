@@ -24,6 +24,13 @@ def build_batch(step: ScheduledStep, block_size: int) -> Batch:
         # one new token each: mostly the last sampled one, but it can be a 1-token prompt chunk
         token_ids = np.array([seq.token_ids[s] for seq, s in zip(seqs, starts)], np.int32)
         positions = starts
+    # A token still being sampled by the previous step (the engine runs one step ahead) is read on the backend
+    # from that step's sampled ids: token_sources gives the row there, -1 where token_ids holds the token.
+    pending = [i for i, (seq, e) in enumerate(zip(seqs, ends)) if seq.num_pending and e == len(seq)]
+    token_sources = None
+    if pending:
+        token_sources = np.full(len(token_ids), -1, np.int32)
+        token_sources[query_start_loc[1:][pending] - 1] = [seqs[i].sample_row for i in pending]
     block_tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), np.int32)
     for i, seq in enumerate(seqs):
         block_tables[i, : len(seq.block_table)] = seq.block_table
@@ -48,4 +55,4 @@ def build_batch(step: ScheduledStep, block_size: int) -> Batch:
             targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
     return Batch(is_prefill, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
-                 block_tables, sampling, targets, num_prompt_logprobs)
+                 block_tables, sampling, targets, num_prompt_logprobs, token_sources)

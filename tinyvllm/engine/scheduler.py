@@ -11,6 +11,11 @@ stalls the decodes; without it a prompt is admitted only whole (alone if it exce
 
 When a running sequence finds no free block for its new tokens, the most recently arrived running sequence is
 preempted: its blocks are freed and it waits to be recomputed (prompt and output so far prefilled again).
+
+The engine schedules a step while the previous one still runs (see llm_engine), so a sequence may end in a token
+not known yet (Sequence.num_pending). Such a sequence decodes that token next like any other; one whose pending
+token reaches its length limit is not scheduled again (it is certain to finish), and a preempted one is not
+readmitted until its token is known.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:  # preempted while its last token was being sampled
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
         self.static_batch.discard(seq.request_id)
         self.block_manager.free(seq)
 
@@ -66,8 +74,8 @@ class Scheduler:
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         # Decodes first (one token each), then prompts part-way through their prefill: a long prompt waits, they don't.
-        queue = deque(sorted(self.running, key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens,
-                                                          s.arrival_index)))
+        queue = deque(sorted((s for s in self.running if len(s) < s.max_len),
+                             key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens, s.arrival_index)))
         while queue and budget > 0:
             seq = queue.popleft()
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
@@ -93,6 +101,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.policy == "static" and seq.request_id not in self.static_batch:
                 break  # members always come first in the queue: the rest wait for the next batch
+            if seq.num_pending:
+                break  # preempted while its last token was in flight: readmitted once that token is known
             cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
             remaining = len(seq) - cached
             if self.enable_chunked_prefill:

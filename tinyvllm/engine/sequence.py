@@ -9,6 +9,9 @@ from tinyvllm.outputs import RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # stands in for a token that a step still in flight on the backend is sampling
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -31,6 +34,11 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     num_preemptions: int = 0
+    # The engine queues step N+1 before it reads step N's tokens: the token a step in flight is sampling sits at
+    # the end of token_ids as PENDING_TOKEN, and sample_row says which row of that step's batch samples it.
+    num_pending: int = 0
+    sample_row: int = -1
+    max_len: int = 1 << 62  # prompt + max_tokens, capped by the model and cache: reaching it finishes the sequence
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -27,15 +27,16 @@ CUDA_DIR = _cuda_dir()
 
 # file -> {kernel name: argument format (P pointer, i int32, f float32)}
 SIGNATURES: dict[str, dict[str, str]] = {
-    "embedding": {"embedding": "PPPi"},
+    "embedding": {"embedding": "PPPi", "resolve_tokens": "PPPi"},
     "norm": {"rms_norm": "PPPPif"},
     "rope": {"rope": "PPPiii"},
     "activation": {"silu_and_mul": "PPi"},
     "cache": {"reshape_and_cache": "PPPPiii"},
     "attention_decode": {"attention_combine": "PPPi",
-                         **{f"attention_decode_d{d}_g{g}": "PPPPPPPPPfiiiii" for d in (64, 128) for g in (1, 2, 4, 8)}},
+                         **{f"attention_decode_d{d}_r{r}": "PPPPPPPPPfiiiii" for d in (64, 128) for r in (8, 16)}},
     "attention_prefill": {f"attention_prefill_d{d}": "PPPPPiPPPPfiiii" for d in (64, 128)},
     "sampling": {"sample": "PPiPPPPP", "logprobs": "PPPPPii"},
+    "gemv": {"gemv_bf16": "PPPiiiii", "gemv_f32": "PPPiiiii"},
 }
 
 

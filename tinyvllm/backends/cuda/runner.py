@@ -1,14 +1,19 @@
 """CudaBackend: the Llama forward in bf16 on one NVIDIA GPU, over a paged KV cache in device memory.
 
 Per layer: rms_norm -> QKV GEMM -> rope -> reshape_and_cache -> attention -> O GEMM (+= residual) -> rms_norm ->
-gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs (bf16 in, float32 compute);
-the residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32
-logits that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
+gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up
+to 8 rows (linear.py), bf16 in and float32 compute; the residual stream stays float32 and the O and down GEMMs add
+into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
+ids (and logprobs when asked).
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
 batch-size bucket, captured at a bucket's first use; each step copies its inputs into fixed device buffers with one
 host-to-device copy and replays the graph.
+
+submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
+sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
+outputs come back through one of two host copies, so they stay readable after step N+1 is queued.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tinyvllm.backends.base import Backend, Batch, EngineLimits, Logprobs, Sampl
 from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.graphs import Graph
+from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.model.loader import f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -37,19 +43,22 @@ HEAD_DIMS = (64, 128)
 
 
 class Staging:
-    """Named 4-byte arrays packed in one pinned host buffer and one device buffer: a step's inputs travel in one
-    copy (the last field is copied only as far as it is used), its outputs come back from fixed places."""
+    """Named 4-byte arrays packed in one device buffer and pinned host buffers: a step's inputs travel in one
+    copy (the last field is copied only as far as it is used), its outputs come back from fixed places. Outputs
+    have two host copies used in turn: step N's stay readable while step N+1's are already queued."""
 
-    def __init__(self, fields: dict[str, tuple[int, type]]) -> None:
+    def __init__(self, fields: dict[str, tuple[int, type]], host_copies: int = 1) -> None:
         self.offsets: dict[str, int] = {}
         total = 0
         for name, (size, _) in fields.items():
             self.offsets[name] = total
             total += size
-        self.host = cuda.pagelocked_empty(total, np.int32)
+        self.hosts = [cuda.pagelocked_empty(total, np.int32) for _ in range(host_copies)]
+        self.host = self.hosts[0]
         self.dev = cuda.mem_alloc(total * 4)
-        self.views = {name: self.host[self.offsets[name]: self.offsets[name] + size].view(dtype)
-                      for name, (size, dtype) in fields.items()}
+        self.copies = [{name: host[self.offsets[name]: self.offsets[name] + size].view(dtype)
+                        for name, (size, dtype) in fields.items()} for host in self.hosts]
+        self.views = self.copies[0]
         self.copied = cuda.Event()
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -66,8 +75,8 @@ class Staging:
         cuda.memcpy_htod_async(self.dev, self.host[: self.offsets[last_field] + used], stream)
         self.copied.record(stream)
 
-    def download(self, stream: cuda.Stream, name: str, count: int) -> None:
-        cuda.memcpy_dtoh_async(self.views[name][:count], self.ptr(name), stream)
+    def download(self, stream: cuda.Stream, name: str, count: int, copy: int = 0) -> None:
+        cuda.memcpy_dtoh_async(self.copies[copy][name][:count], self.ptr(name), stream)
 
 
 class CudaBackend(Backend):
@@ -89,8 +98,8 @@ class CudaBackend(Backend):
 
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.group = self.heads // self.kv_heads
-        # decode attention: query heads per block, a power of two >= the group (<= 8), and blocks per KV head
-        self.heads_per_block = min(8, 1 << (self.group - 1).bit_length())
+        # decode attention: query heads per block (the rows of its mma tile in use: 8 or 16), blocks per KV head
+        self.heads_per_block = 8 if self.group <= 8 else 16
         self.head_chunks = -(-self.group // self.heads_per_block)
         self.q_width = self.heads * self.head_dim
         self.kv_width = self.kv_heads * self.head_dim
@@ -106,6 +115,7 @@ class CudaBackend(Backend):
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES)
+        self.linear = Linear(self.blas, self.kernels, self.stream)  # our GEMV for a few rows, else cuBLAS
         self.graphs: dict[int, Graph] = {}
         self.num_blocks = 0
         self.k_cache: list[int] = []
@@ -182,18 +192,22 @@ class CudaBackend(Backend):
         sampling = {"temperature": (s, np.float32), "top_p": (s, np.float32), "top_k": (s, np.int32),
                     "min_p": (s, np.float32), "noise_keys": (s, np.uint32)}
         self.decode_in = Staging({
-            "token_ids": (s, np.int32), "positions": (s, np.int32), "slot_mapping": (s, np.int32),
+            "token_ids": (s, np.int32), "token_src": (s, np.int32), "positions": (s, np.int32),
+            "slot_mapping": (s, np.int32),
             "context_lens": (s, np.int32), **sampling, "bt_stride": (1, np.int32),
             "block_tables": (s * self.max_blocks, np.int32)})
         max_tiles = t * self.group // 64 + s + 1
         self.prefill_in = Staging({
-            "token_ids": (t, np.int32), "positions": (t, np.int32), "slot_mapping": (t, np.int32),
+            "token_ids": (t, np.int32), "token_src": (t, np.int32), "positions": (t, np.int32),
+            "slot_mapping": (t, np.int32),
             "query_start_loc": (s + 1, np.int32), "context_lens": (s, np.int32), "tile_seq": (max_tiles, np.int32),
             "tile_row0": (max_tiles, np.int32), "sample_rows": (s, np.int32), "lp_rows": (t, np.int32),
             "lp_targets": (t, np.int32), **sampling, "block_tables": (s * self.max_blocks, np.int32)})
         self.out = Staging({"ids": (s, np.int32), "token_lp": (t, np.float32),
                             "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
-                            "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)})
+                            "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
+        self.out_copy = 0  # the host copy of `out` the next step downloads into
+        self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
     def kv_bytes_per_block(self) -> int:
         return 2 * self.config.num_hidden_layers * self.limits.block_size * self.kv_width * 2
@@ -276,25 +290,28 @@ class CudaBackend(Backend):
         """Embed n tokens and run every layer on them, the residual stream ending in buf["x"]."""
         cfg, b = self.config, self.buf
         hidden, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        # tokens sampled by the previous step, which is queued before this one but not read back yet
+        self._launch("resolve_tokens", (-(-n // 256),), 256, inp.ptr("token_ids"), inp.ptr("token_src"),
+                     self.out.ptr("ids"), n)
         self._launch("embedding", (n,), 256, b["x"], self.embed, inp.ptr("token_ids"), hidden)
         for i, layer in enumerate(self.layers):
             self._launch("rms_norm", (n,), 256, b["h"], b["x"], layer["input_norm"], 0, hidden, eps)
-            self.blas.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
+            self.linear.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
             self._launch("rope", (n,), 128, b["qkv"], inp.ptr("positions"), self.cos_sin,
                          self.heads + self.kv_heads, self.head_dim, self.qkv_width)
             self._launch("reshape_and_cache", (n,), 128, self.k_cache[i], self.v_cache[i], b["qkv"],
                          inp.ptr("slot_mapping"), self.q_width, self.kv_width, self.qkv_width)
             attention(i)
-            self.blas.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
+            self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
             self._launch("rms_norm", (n,), 256, b["h"], b["x"], layer["post_norm"], 0, hidden, eps)
-            self.blas.gemm(b["gate_up"], b["h"], layer["gate_up"], n, 2 * inter, hidden)
+            self.linear.gemm(b["gate_up"], b["h"], layer["gate_up"], n, 2 * inter, hidden)
             self._launch("silu_and_mul", (n, -(-inter // 2048)), 256, b["act"], b["gate_up"], inter)
-            self.blas.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
+            self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
 
     def _sample(self, n: int, hidden_rows: int, inp: Staging) -> None:
         """LM head on n final-normed rows, then one sampled token per row into out["ids"]."""
         cfg = self.config
-        self.blas.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, cfg.vocab_size, cfg.hidden_size,
+        self.linear.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, cfg.vocab_size, cfg.hidden_size,
                        out_fp32=True)
         self._launch("sample", (n,), 1024, self.out.ptr("ids"), self.buf["logits"], cfg.vocab_size,
                      inp.ptr("temperature"), inp.ptr("top_p"), inp.ptr("top_k"), inp.ptr("min_p"),
@@ -304,7 +321,7 @@ class CudaBackend(Backend):
         """One decode step of n (bucket-padded) sequences, inputs in decode_in: what a graph captures."""
         inp, b, d = self.decode_in, self.buf, self.head_dim
         splits = self._num_splits(n)
-        name = f"attention_decode_d{d}_g{self.heads_per_block}"
+        name = f"attention_decode_d{d}_r{self.heads_per_block}"
 
         def attention(i: int) -> None:
             self._launch(name, (self.kv_heads * self.head_chunks, n, splits), 128, b["attn"], b["partial_o"],
@@ -323,13 +340,49 @@ class CudaBackend(Backend):
     # ---- steps -----------------------------------------------------------------------------------------------------
 
     def execute(self, batch: Batch) -> SamplerOutput:
+        return self.submit(batch)()
+
+    def submit(self, batch: Batch) -> Callable[[], SamplerOutput]:
+        """Queue the step on the stream and return at once (unless prompt logprobs are asked: they are read back
+        chunk by chunk); the returned function waits for this step alone and reads its output."""
         if batch.num_seqs > self.max_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_seqs}")
         if batch.block_tables.shape[1] > self.max_blocks:
             raise ValueError(f"block table of {batch.block_tables.shape[1]} blocks exceeds max_model_len")
         if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
             raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
-        return self._prefill(batch) if batch.is_prefill else self._decode(batch)
+        n, k = batch.num_seqs, batch.sampling.num_logprobs
+        out, copy = self.out, self.out_copy
+        self.out_copy ^= 1
+        if batch.is_prefill:
+            prompt_lps = self._prefill(batch, copy)
+            what = f"prefill step ({n} sequences, {len(batch.token_ids)} tokens)"
+        else:
+            prompt_lps = {}
+            what = f"decode step ({n} sequences)"
+            self._decode(batch)
+        if k >= 0:
+            self._launch("logprobs", (n,), 1024, out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"),
+                         self.buf["logits"], out.ptr("ids"), self.config.vocab_size, k)
+            for name, count in (("token_lp", n), ("top_ids", n * k), ("top_lp", n * k)):
+                out.download(self.stream, name, count, copy)
+        out.download(self.stream, "ids", n, copy)
+        ready = self.out_ready[copy]
+        ready.record(self.stream)
+
+        def wait() -> SamplerOutput:
+            try:
+                ready.synchronize()
+            except cuda.Error as exc:
+                raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
+            views = out.copies[copy]
+            result = SamplerOutput(views["ids"][:n].copy(), prompt_logprobs=prompt_lps)
+            if k >= 0:
+                result.logprobs = Logprobs(views["token_lp"][:n].copy(), views["top_ids"][: n * k].reshape(n, k).copy(),
+                                           views["top_lp"][: n * k].reshape(n, k).copy())
+            return result
+
+        return wait
 
     def _sync(self, what: str) -> None:
         try:
@@ -344,15 +397,17 @@ class CudaBackend(Backend):
             inp[name][:n] = getattr(sampling, name)
             inp[name][n:total] = pad
 
-    def _decode(self, batch: Batch) -> SamplerOutput:
+    def _decode(self, batch: Batch) -> None:
         n = batch.num_seqs
         bucket = next(b for b in self.buckets if b >= n)  # eager pads too: graph and eager run the same shapes
         inp = self.decode_in
         width = batch.block_tables.shape[1]
         inp.wait()
         # Padded rows: token 0 at position 0 with a one-token context, writing nowhere (slot -1), greedy.
-        for name, values, pad in (("token_ids", batch.token_ids, 0), ("positions", batch.positions, 0),
-                                  ("slot_mapping", batch.slot_mapping, -1), ("context_lens", batch.context_lens, 1)):
+        sources = batch.token_sources if batch.token_sources is not None else -1
+        for name, values, pad in (("token_ids", batch.token_ids, 0), ("token_src", sources, -1),
+                                  ("positions", batch.positions, 0), ("slot_mapping", batch.slot_mapping, -1),
+                                  ("context_lens", batch.context_lens, 1)):
             inp[name][:n] = values
             inp[name][n:bucket] = pad
         self._fill_sampling(inp, batch.sampling, n, bucket)
@@ -368,26 +423,9 @@ class CudaBackend(Backend):
             self._decode_forward(bucket)
             if self.use_graphs:  # the eager run warmed cuBLAS up for this shape; capture it for the next steps
                 self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
-        return self._finish(batch, f"decode step ({n} sequences, bucket {bucket})")
 
-    def _finish(self, batch: Batch, what: str) -> SamplerOutput:
-        """Logprobs of the sampled tokens if asked (num_logprobs >= 0), then bring the results home."""
-        n, k = batch.num_seqs, batch.sampling.num_logprobs
-        out = self.out
-        if k >= 0:
-            self._launch("logprobs", (n,), 1024, out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"),
-                         self.buf["logits"], out.ptr("ids"), self.config.vocab_size, k)
-            for name, count in (("token_lp", n), ("top_ids", n * k), ("top_lp", n * k)):
-                out.download(self.stream, name, count)
-        out.download(self.stream, "ids", n)
-        self._sync(what)
-        result = SamplerOutput(out["ids"][:n].copy())
-        if k >= 0:
-            result.logprobs = Logprobs(out["token_lp"][:n].copy(), out["top_ids"][: n * k].reshape(n, k).copy(),
-                                       out["top_lp"][: n * k].reshape(n, k).copy())
-        return result
-
-    def _prefill(self, batch: Batch) -> SamplerOutput:
+    def _prefill(self, batch: Batch, copy: int) -> dict[int, Logprobs]:
+        """Queue the prefill (chunk by chunk) and its sampling; return the prompt logprobs, if asked."""
         total = int(batch.query_start_loc[-1])
         # Prompt logprobs: the first len(targets) new positions of sequence s predict `targets`.
         qsl, targets = batch.query_start_loc, sorted(batch.prompt_logprob_targets.items())  # rows ascending
@@ -397,23 +435,23 @@ class CudaBackend(Backend):
         for start in range(0, total, self.max_tokens):
             end = min(total, start + self.max_tokens)
             in_chunk = (lp_rows >= start) & (lp_rows < end)
-            self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps)
-        n = batch.num_seqs
-        self._sample(n, self.buf["sample_hidden"], self.prefill_in)
-        result = self._finish(batch, f"prefill sampling ({n} sequences)")
+            self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps, copy)
+        self._sample(batch.num_seqs, self.buf["sample_hidden"], self.prefill_in)
+        result = {}
         if prompt_lps:  # rows came out in lp_rows order; cut them back into sequences
             merged = [np.concatenate([getattr(p, f) for p in prompt_lps])
                       for f in ("token_logprobs", "top_ids", "top_logprobs")]
             offset = 0
             for s, t in targets:
-                result.prompt_logprobs[s] = Logprobs(*(m[offset: offset + len(t)] for m in merged))
+                result[s] = Logprobs(*(m[offset: offset + len(t)] for m in merged))
                 offset += len(t)
         return result
 
     def _prefill_chunk(self, batch: Batch, a: int, b: int, lp_rows: np.ndarray, lp_targets: np.ndarray,
-                       prompt_lps: list[Logprobs]) -> None:
+                       prompt_lps: list[Logprobs], copy: int) -> None:
         """Tokens a..b-1 of the batch through every layer; final-norm the rows that sample into sample_hidden and
-        append the prompt logprobs of rows lp_rows (batch token indices in a..b-1; targets lp_targets)."""
+        append the prompt logprobs of rows lp_rows (batch token indices in a..b-1; targets lp_targets), read back
+        through host copy `copy` of the outputs."""
         qsl = batch.query_start_loc.astype(np.int64)
         s0 = int(np.searchsorted(qsl, a, side="right")) - 1
         s1 = int(np.searchsorted(qsl, b, side="left"))  # sequences s0..s1-1 have tokens in this chunk
@@ -427,6 +465,7 @@ class CudaBackend(Backend):
         inp.wait()
         for name in ("token_ids", "positions", "slot_mapping"):
             inp[name][:n] = getattr(batch, name)[a:b]
+        inp["token_src"][:n] = batch.token_sources[a:b] if batch.token_sources is not None else -1
         inp["query_start_loc"][: s1 - s0 + 1] = np.append(starts, ends[-1]) - a
         # a chunk that ends inside a sequence sees that sequence's context only up to the chunk's end
         inp["context_lens"][: s1 - s0] = batch.context_lens[s0:s1] - (qsl[s0 + 1: s1 + 1] - ends)
@@ -456,13 +495,12 @@ class CudaBackend(Backend):
             m = min(self.max_seqs, len(lp_rows) - g)
             self._launch("rms_norm", (m,), 256, buf["h"], buf["x"], self.final_norm, inp.ptr("lp_rows", g),
                          cfg.hidden_size, cfg.rms_norm_eps)
-            self.blas.gemm(buf["logits"], buf["h"], self.lm_head, m, cfg.vocab_size, cfg.hidden_size, out_fp32=True)
+            self.linear.gemm(buf["logits"], buf["h"], self.lm_head, m, cfg.vocab_size, cfg.hidden_size, out_fp32=True)
             self._launch("logprobs", (m,), 1024, self.out.ptr("token_lp"), self.out.ptr("top_ids"),
                          self.out.ptr("top_lp"), buf["logits"], inp.ptr("lp_targets", g), cfg.vocab_size, k)
             for name, count in (("token_lp", m), ("top_ids", m * k), ("top_lp", m * k)):
-                self.out.download(self.stream, name, count)
+                self.out.download(self.stream, name, count, copy)
             self._sync(f"prompt logprobs of prefill tokens {a}..{b - 1}")
-            prompt_lps.append(Logprobs(self.out["token_lp"][:m].copy(),
-                                       self.out["top_ids"][: m * k].reshape(m, k).copy(),
-                                       self.out["top_lp"][: m * k].reshape(m, k).copy()))
-        self._sync(f"prefill of tokens {a}..{b - 1}")
+            views = self.out.copies[copy]
+            prompt_lps.append(Logprobs(views["token_lp"][:m].copy(), views["top_ids"][: m * k].reshape(m, k).copy(),
+                                       views["top_lp"][: m * k].reshape(m, k).copy()))

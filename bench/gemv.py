@@ -1,0 +1,139 @@
+"""Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on Llama-3.2-1B's decode GEMMs, m = 1, 2, 4, 8.
+
+    python bench/gemv.py [--runs 100]
+
+Each time is the median over --runs single launches timed by CUDA events. Every launch is queued behind a spin
+kernel, so the GPU is still busy when the host enqueues it and the host's launch latency is not timed, and the
+launches rotate among enough copies of the weights (>= 256 MiB) that the weights come from HBM, not from the 50 MB
+L2. Bandwidth is weight bytes / time, set against the device copy rate measured the same way (memcpy_dtod_async of
+256 MiB, bytes read + written).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import numpy as np
+import pycuda.driver as cuda
+from pycuda.compiler import SourceModule
+
+from tinyvllm.backends.cuda import kernels
+from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.linear import Linear
+
+WORKSPACE_BYTES = 32 << 20  # as CudaBackend
+WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
+SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
+LAYERS = 16
+# name: (n, k, out_fp32, accumulate) as CudaBackend runs them; O and down add into the float32 residual stream
+SHAPES = {"qkv": (3072, 2048, False, False), "o": (2048, 2048, True, True), "gate_up": (16384, 2048, False, False),
+          "down": (2048, 8192, True, True), "lm_head": (128256, 2048, True, False)}
+SPIN_SOURCE = """
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+class Timer:
+    """Median CUDA-event time of single launches, each queued behind a spin kernel."""
+
+    def __init__(self, stream: cuda.Stream, runs: int) -> None:
+        self.stream, self.runs = stream, runs
+        self.spin = SourceModule(SPIN_SOURCE, no_extern_c=True).get_function("spin")
+        self.spin.prepare("q")
+        clock_khz = cuda.Context.get_device().get_attribute(cuda.device_attribute.CLOCK_RATE)
+        self.spin_cycles = int(SPIN_S * clock_khz * 1e3)
+        self.start, self.end = cuda.Event(), cuda.Event()
+
+    def median_us(self, op: Callable[[int], None]) -> float:
+        """op(i) launches run i; the first few runs are warm-up."""
+        for i in range(3):
+            op(i)
+        times = []
+        for i in range(self.runs):
+            self.spin.prepared_async_call((1,), (1, 1, 1), self.stream, self.spin_cycles)
+            self.start.record(self.stream)
+            op(i)
+            self.end.record(self.stream)
+            self.end.synchronize()
+            times.append(self.start.time_till(self.end) * 1e3)
+        return float(np.median(times))
+
+
+def copy_rate(timer: Timer) -> float:
+    """Device-to-device copy rate, bytes read + written per second."""
+    nbytes = 256 << 20
+    src, dst = cuda.mem_alloc(nbytes), cuda.mem_alloc(nbytes)
+    us = timer.median_us(lambda i: cuda.memcpy_dtod_async(dst, src, nbytes, timer.stream))
+    src.free()
+    dst.free()
+    return 2 * nbytes / us * 1e6
+
+
+def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_fp32: bool, accumulate: bool,
+               ms: list[int]) -> dict[int, tuple[float, float]]:
+    """m -> (GEMV µs, cuBLAS µs) for one weight shape."""
+    rng = np.random.default_rng(n + k)
+    bits = (rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    copies = [cuda.to_device(bits)]
+    while len(copies) * bits.nbytes < WORKING_SET:
+        copies.append(cuda.mem_alloc(bits.nbytes))
+        cuda.memcpy_dtod(copies[-1], copies[0], bits.nbytes)
+    m_max = max(ms)
+    x = cuda.to_device((rng.standard_normal((m_max, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    out = cuda.to_device(np.zeros((m_max, n), np.float32))  # zeros: accumulating runs stay finite
+
+    def launches(gemm: Callable[..., None], m: int) -> Callable[[int], None]:
+        return lambda i: gemm(int(out), int(x), int(copies[i % len(copies)]), m, n, k, out_fp32=out_fp32,
+                              accumulate=accumulate)
+
+    results = {m: (timer.median_us(launches(linear.gemm, m)), timer.median_us(launches(blas.gemm, m))) for m in ms}
+    for allocation in (*copies, x, out):
+        allocation.free()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--m", default="1,2,4,8")
+    args = parser.parse_args()
+    ms = [int(m) for m in args.m.split(",")]
+    stream = cuda.Stream()
+    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
+    linear = Linear(blas, kernels.load(), stream)
+    timer = Timer(stream, args.runs)
+    copy = copy_rate(timer)
+    print(f"{cuda.Context.get_device().name()}: copy rate {copy / 1e9:.0f} GB/s (memcpy_dtod_async of 256 MiB, "
+          f"bytes read + written); median of {args.runs} runs")
+    print(f"{'shape':<9}{'n':>7}{'k':>6}{'m':>3}{'GEMV µs':>10}{'cuBLAS µs':>11}{'GEMV GB/s':>11}{'cuBLAS GB/s':>13}"
+          f"{'GEMV/copy':>11}{'cuBLAS/copy':>13}{'speedup':>9}")
+    times = {}
+    for name, (n, k, out_fp32, accumulate) in SHAPES.items():
+        times[name] = time_shape(timer, linear, blas, n, k, out_fp32, accumulate, ms)
+        weight_bytes = 2 * n * k
+        for m, (ours, theirs) in times[name].items():
+            ours_bw, theirs_bw = weight_bytes / ours * 1e6, weight_bytes / theirs * 1e6
+            print(f"{name:<9}{n:>7}{k:>6}{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}"
+                  f"{theirs_bw / 1e9:>13.0f}{ours_bw / copy:>11.0%}{theirs_bw / copy:>13.0%}{theirs / ours:>9.2f}")
+    step_bytes = sum(2 * n * k * (1 if name == "lm_head" else LAYERS) for name, (n, k, _, _) in SHAPES.items())
+    print(f"\none Llama-3.2-1B decode step: {LAYERS} layers x (qkv + o + gate_up + down) + lm_head, "
+          f"{step_bytes / 1e9:.2f} GB of weights")
+    print(f"{'m':>3}{'GEMV µs':>10}{'cuBLAS µs':>11}{'GEMV GB/s':>11}{'cuBLAS GB/s':>13}{'GEMV/copy':>11}"
+          f"{'cuBLAS/copy':>13}{'speedup':>9}")
+    for m in ms:
+        ours, theirs = (sum(times[name][m][i] * (1 if name == "lm_head" else LAYERS) for name in SHAPES)
+                        for i in (0, 1))
+        ours_bw, theirs_bw = step_bytes / ours * 1e6, step_bytes / theirs * 1e6
+        print(f"{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}{theirs_bw / 1e9:>13.0f}"
+              f"{ours_bw / copy:>11.0%}{theirs_bw / copy:>13.0%}{theirs / ours:>9.2f}")
+    blas.close()
+    workspace.free()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+// GEMV for small batches (decode): out[m, n] = x[m, k] . w[n, k]^T for m <= 8, the meaning of Cublas.gemm: bf16
+// inputs, float32 accumulation, bf16 or float32 out, optionally out += x . w^T (the fused residual add).
+//
+// Why it is shaped so: at m <= 8 the product is a single pass over w (n * k bf16), so the kernel is about keeping
+// enough 16-byte loads of w in flight; everything else must stay off the critical path. The arithmetic goes to
+// the tensor cores, one mma.m16n8k16 per 16 rows x 16 k: w is the A operand (16 rows), x^T the B operand, whose 8
+// columns are the m <= 8 rows of x (padded by repeating the last one; their outputs are dropped). So there are no
+// per-element bf16 -> float conversions and no shuffle reductions, and every m <= 8 costs the same.
+//
+// The fragment layout gives lane (g = lane / 4, t = lane % 4) k-columns {2t, 2t+1, 2t+8, 2t+9} of rows g and g+8,
+// i.e. 4-byte pieces. A dot product does not care about the order of k, so instead each lane loads 8 consecutive
+// k (one 16-byte load) of rows g and g+8 and of x row g, and feeds elements 0-3 to one mma and 4-7 to the next:
+// w and x are permuted alike, so the sum is unchanged.
+//
+// Work split: a 16-row tile is shared by `split` warps (1, 2, 4 or 8, chosen by the host so that each warp has at
+// least one full iteration of k); a block of GEMV_WARPS warps holds GEMV_WARPS / split tiles. Per iteration a warp
+// issues GEMV_UNROLL loads of each of its two rows (512 contiguous bytes per row across the warp) and of x before
+// the first mma; at k = 2048 and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
+// The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
+// L1 keeps x, which every block re-reads.
+#include "common.cuh"
+
+#define GEMV_WARPS 8   // warps per block
+#define GEMV_UNROLL 8  // 16-byte loads per row (two rows) and of x that a lane has in flight
+// Asking for 2 blocks per SM (so 128 registers) is what makes ptxas keep all 3 * GEMV_UNROLL loads of an iteration
+// in flight: left to itself it picks ~50 registers and issues each load just before its mma, one memory latency
+// per load.
+#define GEMV_MIN_BLOCKS 2
+
+__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// c += A . B with A 16x16 and B 16x8 bf16, c 16x8 float32. Each register holds two bf16 of k-columns {2t, 2t+1}
+// (a0, a1, b0) or {2t+8, 2t+9} (a2, a3, b1): a0, a2 of row g, a1, a3 of row g+8, b0, b1 of column g. c holds
+// (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+__device__ __forceinline__ void mma_16x8x16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
+
+__device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
+    *p = __float2bfloat16(accumulate ? __bfloat162float(*p) + v : v);
+}
+
+// Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, k % 8 == 0,
+// x and w 16-byte aligned; split in {1, 2, 4, 8}.
+template <typename T>
+__device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, int m, int n,
+                     int k, int split, int accumulate) {
+    __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = GEMV_WARPS / split, tile0 = blockIdx.x * tiles;
+    const int row0 = (tile0 + warp / split) * 16;
+    const int chunks = row0 < n ? k / 8 : 0;  // 16-byte chunks per row; a tile wholly past n loads nothing
+    // Rows past n (last tile) repeat row n-1 and columns past m repeat x row m-1: loads stay in bounds, and the
+    // outputs they feed are not stored.
+    const bf16* w_lo = w + (int64_t)min(row0 + g, n - 1) * k;
+    const bf16* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
+    const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
+    float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
+    for (int base = (warp % split) * GEMV_UNROLL * 4; base < chunks; base += split * GEMV_UNROLL * 4) {
+        uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL], xv[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int chunk = base + u * 4 + t;  // the 4 lanes of a row read 64 contiguous bytes per u
+            if (chunk < chunks) {
+                lo[u] = load_streaming(w_lo + chunk * 8);
+                hi[u] = load_streaming(w_hi + chunk * 8);
+                xv[u] = __ldg(reinterpret_cast<const uint4*>(x_row + chunk * 8));
+            } else {
+                lo[u] = hi[u] = xv[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            mma_16x8x16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+            mma_16x8x16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+        }
+    }
+    *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
+        make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
+    __syncthreads();
+    // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
+    // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
+    for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
+        const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3;
+        float sum = 0.f;
+        for (int i = 0; i < split; ++i) sum += partial[tile * split + i][f];
+        const int row = (tile0 + tile) * 16 + (l >> 2) + (j >> 1) * 8, col = (l & 3) * 2 + (j & 1);
+        if (row < n && col < m) store_out(out + (int64_t)col * n + row, sum, accumulate);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
+gemv_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {
+    gemv(out, x, w, m, n, k, split, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
+gemv_f32(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {
+    gemv(out, x, w, m, n, k, split, accumulate);
+}

@@ -1,0 +1,125 @@
+"""Linear.gemm (cuda/gemv.cu for m <= GEMV_MAX_ROWS, cuBLAS above) against numpy, on fresh random inputs.
+
+As in test_kernels.py, inputs are bf16 values and the float32 numpy reference computes on those same values, so
+the error is the GEMM's alone: ||out - ref|| / ||ref|| within bf16 output rounding, below 1e-2. Outputs start as
+NaN so that unwritten elements show; accumulating outputs start as random values of the product's size, so that a
+wrong or missing product shows too.
+"""
+
+import numpy as np
+import pytest
+
+from tinyvllm.model.loader import bf16_to_f32, f32_to_bf16
+
+pytestmark = pytest.mark.gpu
+
+WORKSPACE_BYTES = 32 << 20
+MAX_ROWS = 8  # tinyvllm.backends.cuda.linear.GEMV_MAX_ROWS (not importable without pycuda); m runs one past it
+MODES = [(False, False), (True, False), (True, True), (False, True)]  # (out_fp32, accumulate)
+# n = 1, odd n with a partial last tile and tiles past n; k < 256 (one warp per tile), k with a tail past the last
+# full iteration at each split (2, 8, and 8 over several iterations).
+ODD_SHAPES = [(1, 8), (37, 520), (1000, 2056), (77, 4104), (130, 64)]
+# Llama-3.2-1B, each with the output the model uses: QKV and gate_up bf16; O and down float32 += (the residual)
+LLAMA_1B = [(3072, 2048, False, False), (2048, 2048, True, True), (16384, 2048, False, False),
+            (2048, 8192, True, True)]
+LM_HEAD = (128256, 2048)
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def random_bf16(rng, shape):
+    """(bf16 bit patterns, their float32 values): normal values truncated to bf16 (fast for the LM head)."""
+    bits = (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits, bf16_to_f32(bits)
+
+
+class CountingBlas:
+    """Cublas, counting its calls: shows which path Linear took."""
+
+    def __init__(self, blas):
+        self.blas = blas
+        self.calls = 0
+
+    def gemm(self, *args, **kwargs):
+        self.calls += 1
+        self.blas.gemm(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def linear(cuda, kernels):
+    from tinyvllm.backends.cuda.cublas import Cublas
+    from tinyvllm.backends.cuda.linear import GEMV_MAX_ROWS, Linear
+
+    assert GEMV_MAX_ROWS == MAX_ROWS
+    stream = cuda.Stream()
+    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
+    # every m <= MAX_ROWS through the kernel, whatever the weights' size (the default sends big ones to cuBLAS)
+    yield Linear(CountingBlas(blas), kernels, stream, max_gemv_weights=1 << 62)
+    blas.close()
+    workspace.free()
+
+
+@pytest.fixture(scope="module")
+def weights(cuda):
+    """(n, k) -> (device bf16 weights, their float32 values), made once per module."""
+    made = {}
+
+    def get(n, k):
+        if (n, k) not in made:
+            bits, values = random_bf16(np.random.default_rng(n * 7919 + k), (n, k))
+            made[n, k] = (cuda.to_device(bits), values)
+        return made[n, k]
+
+    return get
+
+
+def check(cuda, linear, weights, m, n, k, out_fp32, accumulate):
+    w_dev, w = weights(n, k)
+    rng = np.random.default_rng(1000 * m + n + k)
+    x_bits, x = random_bf16(rng, (m, k))
+    ref = x @ w.T
+    if accumulate:  # old values the product's size (rms), exact in bf16 too
+        old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * np.sqrt(np.mean(ref ** 2))))
+        start = old if out_fp32 else f32_to_bf16(old)
+        ref = ref + old
+    else:
+        start = np.full((m, n), np.nan, np.float32) if out_fp32 else np.full((m, n), 0x7FC0, np.uint16)
+    out, x_dev = cuda.to_device(start), cuda.to_device(x_bits)
+    calls = linear.blas.calls
+    linear.gemm(int(out), int(x_dev), int(w_dev), m, n, k, out_fp32=out_fp32, accumulate=accumulate)
+    linear.stream.synchronize()
+    assert linear.blas.calls - calls == (m > MAX_ROWS)  # the GEMV kernel for m <= MAX_ROWS, cuBLAS above
+    result = np.empty_like(start)
+    cuda.memcpy_dtoh(result, out)
+    assert rel_err(result if out_fp32 else bf16_to_f32(result), ref) < 1e-2
+
+
+@pytest.mark.parametrize("out_fp32,accumulate", MODES)
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))
+def test_gemm_odd_shapes(cuda, linear, weights, m, n, k, out_fp32, accumulate):
+    check(cuda, linear, weights, m, n, k, out_fp32, accumulate)
+
+
+@pytest.mark.parametrize("n,k,out_fp32,accumulate", LLAMA_1B)
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))
+def test_gemm_llama_1b(cuda, linear, weights, m, n, k, out_fp32, accumulate):
+    check(cuda, linear, weights, m, n, k, out_fp32, accumulate)
+
+
+@pytest.mark.parametrize("m", [1, MAX_ROWS])
+def test_gemm_lm_head(cuda, linear, weights, m):
+    check(cuda, linear, weights, m, *LM_HEAD, out_fp32=True, accumulate=False)
+
+
+def test_default_routing(linear):
+    """The backend's Linear sends small weights at small m to the kernel, the rest to cuBLAS."""
+    from tinyvllm.backends.cuda.linear import Linear
+
+    default = Linear(linear.blas, linear.kernels, linear.stream)
+    assert default.uses_gemv(1, 3072, 2048) and default.uses_gemv(MAX_ROWS, 2048, 2048)
+    assert not default.uses_gemv(MAX_ROWS + 1, 2048, 2048) and not default.uses_gemv(1, 16384, 2048)
+    assert not default.uses_gemv(1, *LM_HEAD) and not default.uses_gemv(1, 2048, 2044)
