@@ -107,20 +107,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
         // S = Q K^T: 16 rows x TILE keys, as n-blocks of 8 keys.
         float sacc[TILE / 8][4];
-#pragma unroll
-        for (int nb = 0; nb < TILE / 8; ++nb) sacc[nb][0] = sacc[nb][1] = sacc[nb][2] = sacc[nb][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-            for (int nb = 0; nb < TILE / 8; nb += 2) {
-                // matrices: keys nb*8.. x dims kk*16.., +8 dims, then keys (nb+1)*8.. x the same dims
-                uint32_t b[4];
-                const int mi = lane / 8;
-                ldmatrix_x4(b, &k_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
-                mma_bf16(sacc[nb], qf[kk], b[0], b[1]);
-                mma_bf16(sacc[nb + 1], qf[kk], b[2], b[3]);
-            }
-        }
+        mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
 
         // Online softmax (log2 domain) of this thread's rows lane/4 (+ 8): a row's keys live in a quad's 4 lanes.
         float alpha[HALVES];
@@ -162,22 +149,14 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
         cp_async_wait<0>();  // V has landed
         __syncwarp();
-        // O += P V: P's accumulator layout is the A fragment layout, 16 keys per k-step; V via transposed ldmatrix.
+        // O += P V, 16 keys per k-step (rows 8-15 of P are zero when only 8 are in use).
 #pragma unroll
         for (int kk = 0; kk < TILE / 16; ++kk) {
-            const uint32_t a[4] = {pack_bf16(sacc[2 * kk][0], sacc[2 * kk][1]),
+            const uint32_t p[4] = {pack_bf16(sacc[2 * kk][0], sacc[2 * kk][1]),
                                    HALVES == 2 ? pack_bf16(sacc[2 * kk][2], sacc[2 * kk][3]) : 0u,
                                    pack_bf16(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]),
                                    HALVES == 2 ? pack_bf16(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]) : 0u};
-#pragma unroll
-            for (int nd = 0; nd < D / 8; nd += 2) {
-                // matrices: keys kk*16.. x dims nd*8.., keys +8, then dims (nd+1)*8.. for both key halves
-                uint32_t b[4];
-                const int mi = lane / 8;
-                ldmatrix_x4_trans(b, &v_s[(kk * 16 + (mi % 2) * 8 + lane % 8) * LD + (nd + mi / 2) * 8]);
-                mma_bf16(o[nd], a, b[0], b[1]);
-                mma_bf16(o[nd + 1], a, b[2], b[3]);
-            }
+            mma_pv<D, LD>(o, p, &v_s[kk * 16 * LD], lane);
         }
         __syncwarp();  // the next tile's copies overwrite k_s and v_s
     }

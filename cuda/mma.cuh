@@ -28,3 +28,39 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
 }
+
+// S = Q K^T for a warp's 16 query rows and N keys: qf holds Q as A fragments (one per 16 dims), k_s the keys as rows
+// [N][LD] of shared memory; s gets one m16n8 accumulator per 8 keys (row lane / 4 (+ 8), keys 2 * (lane % 4) (+ 1)).
+template <int D, int N, int LD>
+__device__ __forceinline__ void mma_qk(float (&s)[N / 8][4], const uint32_t (&qf)[D / 16][4], const bf16* k_s,
+                                       int lane) {
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+    const int mi = lane / 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int nb = 0; nb < N / 8; nb += 2) {
+            // matrices: keys nb*8.. x dims kk*16.., +8 dims, then keys (nb+1)*8.. x the same dims
+            uint32_t b[4];
+            ldmatrix_x4(b, &k_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+            mma_bf16(s[nb], qf[kk], b[0], b[1]);
+            mma_bf16(s[nb + 1], qf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// O += P V over 16 keys: p is P as an A fragment (mma_qk's accumulator layout packed to bf16 is exactly that), v_s the
+// 16 value rows [16][LD] in shared memory, read transposed by ldmatrix.
+template <int D, int LD>
+__device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const uint32_t (&p)[4], const bf16* v_s, int lane) {
+    const int mi = lane / 8;
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd += 2) {
+        // matrices: keys 0.. x dims nd*8.., keys 8.., then dims (nd+1)*8.. for both key halves
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, &v_s[((mi % 2) * 8 + lane % 8) * LD + (nd + mi / 2) * 8]);
+        mma_bf16(o[nd], p, b[0], b[1]);
+        mma_bf16(o[nd + 1], p, b[2], b[3]);
+    }
+}
