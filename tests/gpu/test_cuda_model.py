@@ -228,7 +228,11 @@ def test_graph_replay_matches_eager(model_dir):
     runs = []
     for graphs in (True, False):
         llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024)
-        llm.backend.use_graphs = graphs
+        assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
+        if not graphs:
+            for graph in llm.backend.graphs.values():
+                graph.close()
+            llm.backend.use_graphs, llm.backend.graphs = False, {}
         runs.append(token_ids(llm.generate(prompts, params)))
         assert bool(llm.backend.graphs) == graphs
         llm.backend.close()

@@ -8,8 +8,8 @@ ids (and logprobs when asked).
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, captured at a bucket's first use; each step copies its inputs into fixed device buffers with one
-host-to-device copy and replays the graph.
+batch-size bucket, all captured when the KV cache is made; each step copies its inputs into fixed device buffers with
+one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -238,6 +239,8 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, limits.block_size,
                  num_blocks * limits.block_size, num_blocks * block_bytes / GIB)
+        if self.use_graphs:
+            self.capture_graphs()
         return num_blocks
 
     def describe(self) -> dict:
@@ -398,8 +401,35 @@ class CudaBackend(Backend):
             inp[name][n:total] = pad
 
     def _decode(self, batch: Batch) -> None:
+        bucket = next(b for b in self.buckets if b >= batch.num_seqs)  # eager pads too: graph and eager agree
+        self._stage_decode(batch, bucket)
+        graph = self.graphs.get(bucket) if self.use_graphs else None
+        if graph is not None:
+            graph.launch(self.stream.handle)
+        else:
+            self._decode_forward(bucket)
+            if self.use_graphs:  # the eager run warmed cuBLAS up for this shape; capture it for the next steps
+                self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
+
+    def capture_graphs(self) -> None:
+        """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
+        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets): for each, an eager
+        warm-up step on padding rows only, then the capture."""
+        start = time.perf_counter()
+        none, no_floats = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        idle = Batch(False, none, none, none, np.zeros(1, np.int32), none, np.zeros((0, 1), np.int32),
+                     SamplingBatch(no_floats, no_floats, none, no_floats, np.zeros(0, np.uint32)))
+        for bucket in self.buckets:
+            if bucket not in self.graphs:
+                self._stage_decode(idle, bucket)
+                self._decode_forward(bucket)
+                self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
+        self._sync("capturing the decode graphs")
+        log.info("cuda: captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
+
+    def _stage_decode(self, batch: Batch, bucket: int) -> None:
+        """Copy a decode batch's inputs to the device, padded to `bucket` rows."""
         n = batch.num_seqs
-        bucket = next(b for b in self.buckets if b >= n)  # eager pads too: graph and eager run the same shapes
         inp = self.decode_in
         width = batch.block_tables.shape[1]
         inp.wait()
@@ -416,13 +446,6 @@ class CudaBackend(Backend):
         tables[:n] = batch.block_tables
         tables[n:] = 0
         inp.upload(self.stream, "block_tables", bucket * width)
-        graph = self.graphs.get(bucket) if self.use_graphs else None
-        if graph is not None:
-            graph.launch(self.stream.handle)
-        else:
-            self._decode_forward(bucket)
-            if self.use_graphs:  # the eager run warmed cuBLAS up for this shape; capture it for the next steps
-                self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
 
     def _prefill(self, batch: Batch, copy: int) -> dict[int, Logprobs]:
         """Queue the prefill (chunk by chunk) and its sampling; return the prompt logprobs, if asked."""
