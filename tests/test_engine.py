@@ -193,3 +193,20 @@ def test_one_step_ahead_drops_the_extra_token_and_wastes_no_step_at_the_length_l
     alone = llm_for(tiny_model_dir)
     alone.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert alone.llm_engine.num_steps == 5  # one prefill + 4 decodes: no step for a token past max_tokens
+
+
+def test_stops_and_preemption_while_a_step_is_in_flight(tiny_model_dir):
+    """Under a cache so tight that sequences are preempted while their next token is still being sampled, with
+    stop tokens ending many of them on such a token: outputs equal each request run alone, and nothing leaks."""
+    llm = llm_for(tiny_model_dir)
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free)]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[ids[10 + i]])
+              for i, ids in enumerate(full)]
+    alone = [llm.generate(p, sp)[0] for p, sp in zip(PROMPTS, params)]
+    tight = llm_for(tiny_model_dir, num_kv_blocks=24, block_size=4)
+    together = tight.generate(PROMPTS, params)
+    assert texts_and_ids(together) == texts_and_ids(alone)
+    assert [o.outputs[0].finish_reason for o in together] == ["stop"] * len(PROMPTS)
+    assert tight.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert_no_leaks(tight)

@@ -173,3 +173,48 @@ def test_continuous_admits_as_soon_as_room_frees():
     _, _, batches = simulate("continuous", num_blocks=100, block_size=4, max_num_seqs=2, budget=100, seqs=seqs)
     # request 0 finishes after its prefill; request 2 is admitted in the very next step
     assert batches[0] == {"0", "1"} and batches[1] == {"1", "2"}
+
+
+def test_a_sequence_preempted_with_a_token_in_flight_waits_for_it_and_can_finish_while_waiting():
+    """The engine schedules step N+1 before reading step N: a sequence preempted then keeps its unknown token, is
+    not readmitted until that token is known, and if the token stops it, it finishes from the waiting queue."""
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    old, new = make_seq(0, 4, 10), make_seq(1, 4, 10)
+    for seq in (old, new):
+        scheduler.add(seq)
+    assert scheduler.schedule().seqs == [old, new]
+    for seq in (old, new):  # as the engine launches step N: prompts computed, a token each in flight
+        seq.num_computed_tokens = len(seq)
+        seq.token_ids.append(-1)
+        seq.num_pending = 1
+    step = scheduler.schedule()  # step N+1: 3 blocks cannot hold both at 5 tokens; the later arrival goes
+    assert step.seqs == [old] and step.preempted == [new] and list(scheduler.waiting) == [new]
+    assert new.block_table == [] and new.num_pending == 1 and new.token_ids[-1] == -1
+    scheduler.finish(new)  # reading step N: its token is a stop token
+    assert not scheduler.waiting and new.status is SequenceStatus.FINISHED
+    scheduler.finish(old)
+    assert bm.num_free_blocks == 3 and not any(bm.ref_counts)
+
+
+def test_a_waiting_sequence_is_not_admitted_while_its_token_is_in_flight():
+    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=16)
+    seq = make_seq(0, 4, 10)
+    seq.token_ids.append(-1)  # preempted while step N samples its 5th token
+    seq.num_pending = 1
+    scheduler.add(seq)
+    assert scheduler.schedule().seqs == []
+    seq.token_ids[-1], seq.num_pending = 7, 0  # step N read
+    assert scheduler.schedule().seqs == [seq]
+
+
+def test_a_sequence_whose_token_in_flight_reaches_its_limit_is_not_scheduled_again():
+    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=16)
+    seq = make_seq(0, 4, 1)
+    seq.max_len = 5  # the prompt and one output token
+    scheduler.add(seq)
+    assert scheduler.schedule().seqs == [seq]
+    seq.num_computed_tokens = 4
+    seq.token_ids.append(-1)
+    seq.num_pending = 1
+    assert scheduler.schedule().seqs == []  # its last token is in flight: it is certain to finish
