@@ -1,3 +1,4 @@
+import io
 import json
 from dataclasses import replace
 
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tinyvllm.model.dummy import CHATML_TEMPLATE, build_tokenizer, random_weights, tiny_config
-from tinyvllm.model.gguf import DEQUANTIZERS, unpermute_qk
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.model.dummy import CHATML_TEMPLATE, CORPUS, build_tokenizer, random_weights, tiny_config
+from tinyvllm.model.gguf import DEQUANTIZERS, tokenizer_from_gguf, unpermute_qk
 from tinyvllm.model.loader import load_model, weight_shapes
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.tokenizer import Tokenizer
@@ -21,8 +23,9 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, config, weights, qtype=QT.F32, *, arch="llama", tokenizer_model="gpt2", pre="gpt-2",
-               add_bos=False, rope_freqs=None):
-    """A llama GGUF as convert_hf_to_gguf writes it, with the dummy byte-level tokenizer."""
+               add_bos=False, rope_freqs=None, spm=None):
+    """A llama GGUF as convert_hf_to_gguf writes it, with the dummy byte-level tokenizer, or with the SentencePiece
+    vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -34,15 +37,21 @@ def write_gguf(path, config, weights, qtype=QT.F32, *, arch="llama", tokenizer_m
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
 
-    tok = json.loads(build_tokenizer(config.vocab_size).to_str())
-    vocab = tok["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(spm["tokenizer.ggml.tokens"])
+        w.add_token_scores(spm["tokenizer.ggml.scores"])
+        w.add_token_types(spm["tokenizer.ggml.token_type"])
+    else:
+        tok = json.loads(build_tokenizer(config.vocab_size).to_str())
+        vocab = tok["model"]["vocab"]
+        tokens = sorted(vocab, key=vocab.get)
+        special = {t["content"] for t in tok["added_tokens"]}
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_ids[0])
     w.add_add_bos_token(add_bos)
@@ -170,8 +179,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_tokenizer_model(tmp_path):
     config = tiny_config()
-    with pytest.raises(ValueError, match="'llama'"):
-        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer_model="llama"))
+    with pytest.raises(ValueError, match="'bert'"):
+        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer_model="bert"))
     with pytest.raises(ValueError, match="mystery"):
         load_model(write_gguf(tmp_path / "p.gguf", config, random_weights(config), pre="mystery"))
 
@@ -227,3 +236,66 @@ def test_fetch_cache_and_errors(tmp_path, monkeypatch):
         fetch.fetch_default_model(quiet=True)
     (tmp_path / fetch.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
     assert fetch.fetch_default_model(quiet=True) == fetch.default_model_path() == tmp_path / fetch.DEFAULT_MODEL_FILE
+
+
+SPM_TEXTS = ["What is the capital of France?", "café 東京 😀 2024-06-01", "  two  spaces and\nnewline\t tab",
+             "Über Straße größe", "ζ and ☃ are not in the vocabulary", " leading", "trailing ", "x"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    """A SentencePiece BPE trained here as Llama 2's was configured (byte fallback, dummy prefix, no normalization),
+    and its pieces as GGUF tokenizer metadata (convert_hf_to_gguf's token types)."""
+    import sentencepiece
+
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20), model_writer=proto, model_type="bpe", vocab_size=420,
+        byte_fallback=True, character_coverage=0.98, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True, user_defined_symbols=["<|im_start|>"],
+        unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue())
+
+    def kind(i):
+        if sp.is_unknown(i):
+            return gguf.TokenType.UNKNOWN
+        if sp.is_control(i):
+            return gguf.TokenType.CONTROL
+        if sp.is_byte(i):
+            return gguf.TokenType.BYTE
+        return gguf.TokenType.USER_DEFINED if sp.id_to_piece(i) == "<|im_start|>" else gguf.TokenType.NORMAL
+
+    n = sp.get_piece_size()
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+            "tokenizer.ggml.token_type": [int(kind(i)) for i in range(n)],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    return sp, meta
+
+
+def test_sentencepiece_tokenizer_matches_sentencepiece(sentencepiece_model):
+    sp, meta = sentencepiece_model
+    tok = tokenizer_from_gguf(meta)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == sp.decode(ids) == text
+    assert any(meta["tokenizer.ggml.token_type"][i] == gguf.TokenType.BYTE for i in tok.encode(SPM_TEXTS[4])), \
+        "characters outside the vocabulary were meant to fall back to bytes"
+    assert tok.encode("x") == [1] + sp.encode("x")  # add_bos_token defaults to true
+    # As llama.cpp does (not sentencepiece): text after a special or user-defined token gets its own space prefix.
+    assert tok.encode("<|im_start|>user hi", add_special_tokens=False) == [sp.piece_to_id("<|im_start|>")] + \
+        sp.encode("user hi")
+    assert tok.decode(tok.encode("</s>hi", add_special_tokens=False)) == "hi"  # control: special, skipped
+
+
+def test_sentencepiece_gguf_model_runs(tmp_path, sentencepiece_model):
+    sp, meta = sentencepiece_model
+    config = tiny_config(vocab_size=len(meta["tokenizer.ggml.tokens"]), bos_token_id=1, eos_token_ids=[2])
+    path = write_gguf(tmp_path / "spm.gguf", config, random_weights(config), add_bos=True, spm=meta)
+    llm = LLM(str(path), backend="numpy")
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [1] + sp.encode("The capital of France is")
+    # (random weights pick byte pieces too: an incomplete UTF-8 sequence at the end is left out of the text)
+    text = sp.decode(out.outputs[0].token_ids).rstrip("\ufffd")
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text == text

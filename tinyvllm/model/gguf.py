@@ -45,7 +45,8 @@ PRE_SPLITS: dict[str, list[str]] = {
     **dict.fromkeys(["qwen2", "stablelm2"], [_QWEN2_SPLIT]),
 }
 IGNORE_MERGES_PRES = {"llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3"}  # as llama.cpp does
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4  # tokenizer.ggml.token_type
+SPM_SPACE = "\u2581"  # SentencePiece writes a space as this visible character
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
@@ -182,32 +183,20 @@ DEQUANTIZERS = {QT.Q8_0: _dequant_q8_0, QT.Q4_0: _dequant_q4_0, QT.Q4_1: _dequan
 
 
 def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """A byte-level BPE Tokenizer from tokenizer.ggml.* metadata (what llama.cpp calls the 'gpt2' model)."""
+    """The Tokenizer described by tokenizer.ggml.* metadata: byte-level BPE ('gpt2': Llama 3, SmolLM2, ...) or
+    SentencePiece BPE ('llama': Llama 2, Mistral, TinyLlama, ...)."""
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(
-            f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' (byte-level BPE) is implemented, "
-            "not SentencePiece ('llama') or others"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_SPLITS:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {sorted(PRE_SPLITS)})")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
-    # A merge is "left right"; split at the first space after position 0 like llama.cpp.
-    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in meta.get("tokenizer.ggml.merges", [])]
-    bpe = tokenizers.models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES_PRES)
-    backend = tokenizers.Tokenizer(bpe)
-    splits = [tokenizers.pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
-        splits + [tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    backend.decoder = tokenizers.decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", [])
+    if model == "gpt2":
+        backend = _byte_level_bpe(meta, tokens)
+    elif model == "llama":
+        backend = _sentencepiece_bpe(meta, tokens, types)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {model!r}: 'gpt2' (byte-level BPE) and 'llama' "
+                         "(SentencePiece BPE) are implemented")
     # Control tokens (<|im_start|>, ...) are special: matched whole in text and dropped by skip_special_tokens.
     # User-defined ones are matched whole too but decode as text, as llama.cpp does.
-    types = meta.get("tokenizer.ggml.token_type", [])
     added = [
         tokenizers.AddedToken(tok, special=kind == TOKEN_CONTROL, normalized=False)
         for tok, kind in zip(tokens, types)
@@ -229,6 +218,57 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default when absent
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    return vocab
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {sorted(PRE_SPLITS)})")
+    # A merge is "left right"; split at the first space after position 0 like llama.cpp.
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(_vocab(tokens), merges,
+                                                         ignore_merges=pre in IGNORE_MERGES_PRES))
+    splits = [tokenizers.pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        splits + [tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces become U+2581 (and one is put in front of the text), then the
+    adjacent pair whose union is the best-scored normal piece is merged until none is left; a character outside the
+    vocabulary falls back to its UTF-8 bytes as <0xXX> pieces. As an HF BPE (what transformers' LlamaConverter
+    builds): the merges are every split of a normal piece into two normal pieces, ranked by the piece's score."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError("a SentencePiece GGUF needs tokenizer.ggml.scores, one per token")
+    vocab = _vocab(tokens)
+    normal = {tok for i, tok in enumerate(tokens) if (types[i] if types else TOKEN_NORMAL) == TOKEN_NORMAL}
+    ranked = sorted((-scores[vocab[piece]], vocab[piece], piece[:cut], piece[cut:])
+                    for piece in normal for cut in range(1, len(piece))
+                    if piece[:cut] in normal and piece[cut:] in normal)
+    unknown = next((tok for tok, kind in zip(tokens, types) if kind == TOKEN_UNKNOWN), None)
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(
+        vocab, [(left, right) for _, _, left, right in ranked], unk_token=unknown, fuse_unk=True,
+        byte_fallback=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    normalizers = [tokenizers.normalizers.Prepend(SPM_SPACE)] if space_prefix else []
+    backend.normalizer = tokenizers.normalizers.Sequence(
+        normalizers + [tokenizers.normalizers.Replace(" ", SPM_SPACE)])
+    decoders = [tokenizers.decoders.Replace(SPM_SPACE, " "), tokenizers.decoders.ByteFallback(),
+                tokenizers.decoders.Fuse()]
+    backend.decoder = tokenizers.decoders.Sequence(
+        decoders + ([tokenizers.decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return backend
 
 
 def _llama3_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict:
