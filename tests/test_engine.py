@@ -98,6 +98,16 @@ def test_logprobs_and_prompt_logprobs(tiny_model_dir):
         assert out.prompt_logprobs[3][ids[3]] == pytest.approx(probe_entry[ids[3]], abs=1e-4)
 
 
+def test_more_logprobs_than_the_backend_returns_fail_alone(tiny_model_dir):
+    llm = llm_for(tiny_model_dir)
+    llm.llm_engine.backend.max_logprobs = 4  # as the cuda backend has (64)
+    outs = llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=3, logprobs=4), SamplingParams(max_tokens=3,
+                        logprobs=5), SamplingParams(max_tokens=3, prompt_logprobs=9)])
+    assert outs[0].error is None and len(outs[0].outputs[0].logprobs) == 3
+    assert [o.outputs[0].finish_reason for o in outs[1:]] == ["error", "error"]
+    assert "at most 4" in outs[1].error and "9 logprobs" in outs[2].error
+
+
 def test_over_long_and_empty_prompts_fail_alone(tiny_model_dir):
     llm = llm_for(tiny_model_dir, max_model_len=32)
     outs = llm.generate(["ok prompt", "word " * 200, "", [10, 11, 12]], SamplingParams(max_tokens=4, temperature=0))

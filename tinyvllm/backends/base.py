@@ -94,6 +94,7 @@ class SamplerOutput:
 
 class Backend(ABC):
     name: str
+    max_logprobs: int | None = None  # most top logprobs per token it can return (None: no limit)
     _last_sampled = np.zeros(0, np.int32)  # the default submit(): the previous step's sampled ids
 
     @abstractmethod

@@ -62,6 +62,12 @@ class LLMEngine:
         except ValueError as exc:
             self._reject(request_id, text, [], metrics, str(exc))
             return
+        most = self.backend.max_logprobs
+        wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if most is not None and wanted > most:
+            self._reject(request_id, text, token_ids, metrics,
+                         f"{wanted} logprobs asked; the {self.backend.name} backend returns at most {most} per token")
+            return
         if len(token_ids) >= self.max_seq_len:
             self._reject(request_id, text, token_ids, metrics,
                          f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} (max_model_len "

@@ -82,6 +82,7 @@ class Staging:
 
 class CudaBackend(Backend):
     name = "cuda"
+    max_logprobs = MAX_TOP_LOGPROBS
 
     def __init__(self, model, limits: EngineLimits, use_graphs: bool = True) -> None:
         cfg = self.config = model.config
