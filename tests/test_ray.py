@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -103,7 +104,7 @@ def test_ray_job_equals_single_process(ray_local, tiny_model_dir, job_input, loc
 def use_replica(monkeypatch, replica: type) -> None:
     """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
     real_map = ray_runner._map
-    monkeypatch.setattr(ray_runner, "_map", lambda ds, _, *args: real_map(ds, replica, *args))
+    monkeypatch.setattr(ray_runner, "_map", lambda ds, _, *args, **kw: real_map(ds, replica, *args, **kw))
 
 
 @needs_ray
@@ -133,6 +134,35 @@ def test_replica_killed_mid_job_loses_and_repeats_nothing(ray_local, tiny_model_
     assert died.exists()
     assert pq.read_table(out).column("row").to_pylist() == list(range(19))
     assert_same_output(out, local_output)
+
+
+@needs_ray
+def test_a_row_that_kills_its_replica_every_time_becomes_an_error_row(ray_local, tiny_model_dir, job_input,
+                                                                      local_output, tmp_path, monkeypatch):
+    deaths = tmp_path / "deaths"
+    deaths.mkdir()
+
+    class DiesOnRow5(ray_runner._JobReplica):
+        """Kills its process whenever it is asked to complete row 5 (as the OOM killer would, every time); past
+        6 deaths it raises instead, failing the job rather than letting a broken isolation retry forever."""
+
+        def complete(self, rows):
+            if any(row.index == 5 for row in rows):
+                if len(list(deaths.iterdir())) >= 6:
+                    raise RuntimeError("row 5 was retried without end")
+                (deaths / str(uuid.uuid4())).touch()
+                os._exit(1)
+            return super().complete(rows)
+
+    use_replica(monkeypatch, DiesOnRow5)
+    out = tmp_path / "ray.parquet"
+    summary = run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=1, batch_size=4))
+    got, want = pq.read_table(out).select(SAME).to_pylist(), pq.read_table(local_output).select(SAME).to_pylist()
+    assert [r["row"] for r in got] == list(range(19))
+    assert got[5]["finish_reason"] == "error" and "died 3 times" in got[5]["error"] and got[5]["completion"] is None
+    assert got[:5] + got[6:] == want[:5] + want[6:]  # the rest of its batch, and every other row, as on one machine
+    assert summary["error_rows"] == sum(r["error"] is not None for r in want) + 1
+    assert len(list(deaths.iterdir())) == 3  # its batch of 4, then halves, then row 5 alone
 
 
 @needs_ray

@@ -11,6 +11,11 @@ that dies mid-batch has emitted none of it; Ray Data restarts the actor and runs
 seeds derived from the job seed and the row number, so a rerun row gives the text the lost attempt would have. The
 driver keeps the first record of each row number (any repeat is dropped) and will not finish the job while a row
 is missing. A driver that dies keeps its committed rows: the same command resumes.
+
+A row that kills its replica every time (the OOM killer, a crash in the backend) would have its batch retried
+forever; instead a batch that killed a replica is run again in ever smaller chunks (halved each attempt), the
+finished chunks' records kept in a small actor beside the driver (_BatchLog), until the row is run alone: if it
+kills the replica again, it becomes an error row and the job goes on.
 """
 
 from __future__ import annotations
@@ -105,8 +110,9 @@ class RayExecutor:
         try:
             blocks, staged = _stage(rows, batch_size)
             if blocks and not stopped():
+                log = ray.remote(num_cpus=0)(_BatchLog).remote()
                 ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
-                          batch_size, ray_cfg.cpus_per_replica, gpus)
+                          batch_size, ray_cfg.cpus_per_replica, gpus, log=log)
                 batches = ds.iter_batches(batch_format="pyarrow", batch_size=None)
                 reports = _collect(batches, staged, emit, lambda: commit(force=True), stopped)
         except ray.exceptions.RayError as e:  # a replica that cannot start or raises: the job stops, rows stay
@@ -205,6 +211,29 @@ class LLMProcessor:
                     gpus)
 
 
+class _BatchLog:
+    """What survives a replica's death, per batch (keyed by its first row number): how many times it was started,
+    the records of the rows already done on a retry, and the row being run alone when the replica died. A Ray actor
+    living with the driver (ray.remote(_BatchLog) in RayExecutor.run)."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, dict] = {}
+
+    def begin(self, key: int) -> tuple[int, dict[int, dict], int | None]:
+        batch = self.batches.setdefault(key, {"attempts": 0, "done": {}, "alone": None})
+        batch["attempts"] += 1
+        return batch["attempts"], batch["done"], batch["alone"]
+
+    def done(self, key: int, records: list[dict]) -> None:
+        self.batches[key]["done"].update((r["row"], r) for r in records)
+
+    def alone(self, key: int, row: int) -> None:
+        self.batches[key]["alone"] = row
+
+    def end(self, key: int) -> None:
+        self.batches.pop(key, None)
+
+
 class _Replica:
     """One LLM in one Ray actor; Ray Data makes one per replica and calls it once per batch."""
 
@@ -245,16 +274,46 @@ class _Replica:
 class _JobReplica(_Replica):
     """A block of staged rows in, their output records out (plus this replica's report on the first row)."""
 
-    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
         super().__init__(cfg, defaults)
         self.replica = uuid.uuid4().hex  # per incarnation: a restarted actor's counters start again from zero
+        self.log = log  # a _BatchLog actor
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        import ray
+
         rows = [Row(r["row"], r["id"], **json.loads(r["request"])) for r in batch.to_pylist()]
-        table = pa.Table.from_pylist(self.complete(rows), schema=self.schema)
+        key = rows[0].index
+        attempt, done, alone = ray.get(self.log.begin.remote(key))
+        records = self.complete(rows) if attempt == 1 else self._isolate(rows, key, attempt, done, alone)
+        self.log.end.remote(key)
+        table = pa.Table.from_pylist(records, schema=self.schema)
         report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
         engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
         return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
+
+    def _isolate(self, rows: list[Row], key: int, attempt: int, done: dict[int, dict], alone: int | None) -> list[dict]:
+        """This batch killed a replica attempt - 1 times: run the rows not done yet in chunks of len / 2^(attempt-1),
+        keeping each chunk's records in the log; a row that killed the replica while run alone becomes an error."""
+        import ray
+
+        size = max(1, len(rows) >> (attempt - 1))
+        todo = [row for row in rows if row.index not in done]
+        records = dict(done)
+        for start in range(0, len(todo), size):
+            chunk = todo[start: start + size]
+            if size == 1 and chunk[0].index == alone:
+                row = chunk[0]
+                got = [output_record(row.index, row.id, None, error=(
+                    f"the replica running this row died {attempt - 1} times (out of memory? a crash in the "
+                    "backend?); the row was run alone the last time"))]
+            else:
+                if size == 1:
+                    ray.get(self.log.alone.remote(key, chunk[0].index))
+                got = self.complete(chunk)
+            ray.get(self.log.done.remote(key, got))
+            records.update((r["row"], r) for r in got)
+        return [records[row.index] for row in rows]
 
 
 class _DatasetReplica(_Replica):
@@ -289,14 +348,14 @@ class _DatasetReplica(_Replica):
 
 
 def _map(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: int, batch_size: int, cpus: float,
-         gpus: int):
+         gpus: int, **replica_kwargs):
     """ds through a fixed pool of `replicas` actors of class `replica`. Ray Data restarts an actor that dies and
     retries the batch it held (its defaults for actor pools: max_restarts=-1, max_task_retries=-1)."""
     import ray.data
 
     return ds.map_batches(replica, batch_size=batch_size, batch_format="pyarrow",
                           compute=ray.data.ActorPoolStrategy(size=replicas), num_cpus=cpus, num_gpus=gpus,
-                          fn_constructor_kwargs={"cfg": cfg, "defaults": defaults})
+                          fn_constructor_kwargs={"cfg": cfg, "defaults": defaults, **replica_kwargs})
 
 
 def _gpus_per_replica(backend: str) -> int:
