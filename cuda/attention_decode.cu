@@ -8,8 +8,9 @@
 // costs ~10 warp instructions and the kernel is left to stream K/V.
 //
 // Shape: a block of 4 warps serves one (sequence, KV head, split). Each warp walks its own tiles of TILE keys
-// (every 4th tile), copying K and V straight to its shared memory with cp.async (K first, so that Q K^T and the
-// softmax run while V is still arriving), and keeps its own online softmax: no block barrier inside the loop.
+// (every 4th tile), copying K and V straight to its shared memory with cp.async, one tile ahead (the next K
+// arrives during this tile's softmax and P V, the next V during the next Q K^T), and keeps its own online
+// softmax: no block barrier inside the loop.
 // The four warps' states are merged once at the end. Long contexts are split along the sequence into
 // num_splits parts (grid.z) so that small batches still fill the GPU; with num_splits == 1 the block writes the
 // final output itself, otherwise its normalized partial output and (m, l), merged by attention_combine.
@@ -61,18 +62,48 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     bf16* k_s = kv_s[warp][0];
     bf16* v_s = kv_s[warp][1];
 
-    // Q tile (rows past num_g are zero) staged in this warp's K buffer, then held as mma A fragments.
-    for (int c = lane; c < 16 * D / 8; c += 32) {
-        const int r = c / (D / 8), part = c % (D / 8);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < num_g) v = *reinterpret_cast<const uint4*>(q + (int64_t)s * row_stride + (h0 + r) * D + part * 8);
-        *reinterpret_cast<uint4*>(&k_s[r * LD + part * 8]) = v;
+    // The K/V copies are pipelined: a tile's K is requested as soon as Q K^T of the previous tile is done (it
+    // arrives during that tile's softmax and P V) and its V once P V is done; the block-table lookups of a tile are
+    // issued before the wait for the previous one. This lane always moves the same 8 dims (`part`) of keys
+    // row0 + i * ROW_STEP of a tile; slot[] holds their cache slots (-1 past `end`: zero-filled).
+    constexpr int ROW_STEP = 32 / (D / 8);
+    const int part = lane % (D / 8), row0 = lane / (D / 8);
+    const int64_t dim0 = (int64_t)kvh * D + part * 8;
+    int slot[PIECES];
+    auto find_slots = [&](int tile0) {
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i) {
+            const int tok = tile0 + row0 + i * ROW_STEP;
+            slot[i] = tok < end ? table[tok / block_size] * block_size + tok % block_size : -1;
+        }
+    };
+    auto fetch = [&](bf16* dst, const bf16* cache) {
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i)
+            cp_async16(&dst[(row0 + i * ROW_STEP) * LD + part * 8], cache + max(slot[i], 0) * kv_stride + dim0,
+                       slot[i] >= 0);
+        cp_async_commit();
+    };
+    int base = start + warp * TILE;
+    if (base < end) {
+        find_slots(base);
+        fetch(k_s, k_cache);
+        fetch(v_s, v_cache);
     }
-    __syncwarp();
+
+    // Q tile (rows past num_g are zero), staged once per block while the first K/V tiles are on their way, then
+    // held by each warp as mma A fragments.
+    __shared__ __align__(16) bf16 q_s[16 * LD];
+    for (int c = threadIdx.x; c < 16 * D / 8; c += blockDim.x) {
+        const int r = c / (D / 8), p = c % (D / 8);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < num_g) v = *reinterpret_cast<const uint4*>(q + (int64_t)s * row_stride + (h0 + r) * D + p * 8);
+        *reinterpret_cast<uint4*>(&q_s[r * LD + p * 8]) = v;
+    }
+    __syncthreads();
     uint32_t qf[D / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &k_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
-    __syncwarp();
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
 
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[HALVES], l[HALVES], o[D / 8][4];
@@ -81,33 +112,17 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
-    for (int base = start + warp * TILE; base < end; base += NWARPS * TILE) {
-        // K then V of keys base .. base + TILE - 1 through the block table; keys past `end` read as zeros.
-        // This lane always moves the same 8 dims (part) of keys lane / (D / 8) + i * (32 / (D / 8)).
-        const int part = lane % (D / 8), row0 = lane / (D / 8);
-        int slot[PIECES];
-#pragma unroll
-        for (int i = 0; i < PIECES; ++i) {
-            const int tok = base + row0 + i * (32 / (D / 8));
-            slot[i] = tok < end ? table[tok / block_size] * block_size + tok % block_size : -1;
-        }
-        const int64_t dim0 = (int64_t)kvh * D + part * 8;
-#pragma unroll
-        for (int i = 0; i < PIECES; ++i)
-            cp_async16(&k_s[(row0 + i * (32 / (D / 8))) * LD + part * 8],
-                       k_cache + max(slot[i], 0) * kv_stride + dim0, slot[i] >= 0);
-        cp_async_commit();
-#pragma unroll
-        for (int i = 0; i < PIECES; ++i)
-            cp_async16(&v_s[(row0 + i * (32 / (D / 8))) * LD + part * 8],
-                       v_cache + max(slot[i], 0) * kv_stride + dim0, slot[i] >= 0);
-        cp_async_commit();
-        cp_async_wait<1>();  // K has landed (V may still be in flight)
+    for (; base < end; base += NWARPS * TILE) {
+        const int next = base + NWARPS * TILE;
+        if (next < end) find_slots(next);  // the table loads overlap the wait below
+        cp_async_wait<1>();  // this tile's K has landed (its V may still be in flight)
         __syncwarp();
 
         // S = Q K^T: 16 rows x TILE keys, as n-blocks of 8 keys.
         float sacc[TILE / 8][4];
         mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
+        __syncwarp();  // every lane is done with k_s
+        if (next < end) fetch(k_s, k_cache);
 
         // Online softmax (log2 domain) of this thread's rows lane/4 (+ 8): a row's keys live in a quad's 4 lanes.
         float alpha[HALVES];
@@ -147,7 +162,11 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             }
         }
 
-        cp_async_wait<0>();  // V has landed
+        if (next < end) {
+            cp_async_wait<1>();  // this tile's V has landed (the next K may not have)
+        } else {
+            cp_async_wait<0>();
+        }
         __syncwarp();
         // O += P V, 16 keys per k-step (rows 8-15 of P are zero when only 8 are in use).
 #pragma unroll
@@ -158,7 +177,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                    HALVES == 2 ? pack_bf16(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]) : 0u};
             mma_pv<D, LD>(o, p, &v_s[kk * 16 * LD], lane);
         }
-        __syncwarp();  // the next tile's copies overwrite k_s and v_s
+        __syncwarp();  // every lane is done with v_s
+        if (next < end) fetch(v_s, v_cache);
     }
 
     // Merge the warps: each one's (m, l) and unnormalized output rows through shared memory.
