@@ -3,12 +3,13 @@
 import json
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tinyvllm.io import JobError, PartsWriter, count_rows, output_record, read_rows
-from tinyvllm.io.writer import output_schema, parts_dir, summary_path
+from tinyvllm.io.writer import RowSet, output_schema, parts_dir, summary_path
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -168,10 +169,10 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
         tokens, finish = ((1, 2, 3, 4), "length") if i == 6 else ((5, 6), "stop")
         writer.add(output_record(i, f"id{i}", f"p{i}", fake_output(str(i), f"t{i}", tokens, finish)) |
                    {"finished_at": first_run})
-    assert len(writer.pieces()) == 2 and writer.committed_rows() == {0, 1, 2, 3, 5, 6}
+    assert len(writer.pieces()) == 2 and set(writer.committed_rows()) == {0, 1, 2, 3, 5, 6}
     (parts_dir(out) / "piece-00000099.parquet.tmp").write_bytes(b"half a piece")  # a crash mid-write
     writer = PartsWriter(out, output_schema(token_ids=True), run_started=time.time() - 1, piece_rows=3)  # resumed
-    assert not list(parts_dir(out).glob("*.tmp")) and writer.committed_rows() == {0, 1, 2, 3, 5, 6}
+    assert not list(parts_dir(out).glob("*.tmp")) and set(writer.committed_rows()) == {0, 1, 2, 3, 5, 6}
     writer.add(output_record(7, "id7", "p7", fake_output("7", error="boom")))
     writer.add(output_record(4, "id4", None, error="line 5: prompt is empty"))
     assert len(writer.pieces()) == 2  # not yet committed: below piece_rows and piece_seconds
@@ -217,3 +218,13 @@ def test_jsonl_byte_order_mark_and_crlf(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
     assert [(r.prompt, r.error) for r in read_rows(path)] == [("a", None), ("b", None)]
+
+
+def test_row_set_of_committed_rows():
+    rows = RowSet()
+    assert len(rows) == 0 and 0 not in rows and -1 not in rows
+    rows.update(np.array([3, 1, 3, 7]))
+    rows.update(np.array([], np.int64))
+    rows.update(np.array([7, 1000]))
+    assert len(rows) == 4 and [r for r in range(1002) if r in rows] == list(rows) == [1, 3, 7, 1000]
+    assert 1001 not in rows and 10**9 not in rows
