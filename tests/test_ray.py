@@ -214,6 +214,30 @@ def test_processor_adds_completions_to_a_dataset(ray_local, tiny_model_dir):
         LLMProcessor(tiny_model_dir, output="x.parquet")
 
 
+@needs_ray
+def test_processor_turns_a_row_that_kills_its_replica_into_an_error(ray_local, tiny_model_dir, tmp_path, monkeypatch):
+    deaths = tmp_path / "deaths"
+    deaths.mkdir()
+
+    class DiesOnPoison(ray_runner._DatasetReplica):
+        def complete(self, rows):
+            if any(row.prompt == "poison" for row in rows):
+                if len(list(deaths.iterdir())) >= 6:
+                    raise RuntimeError("the poison row was retried without end")
+                (deaths / str(uuid.uuid4())).touch()
+                os._exit(1)
+            return super().complete(rows)
+
+    use_replica(monkeypatch, DiesOnPoison)
+    items = [{"prompt": p} for p in ("one", "two", "poison", "four")]
+    processor = LLMProcessor(tiny_model_dir, num_replicas=1, batch_size=4, backend="numpy", max_model_len=128,
+                             sampling={"max_tokens": 3, "temperature": 0})
+    rows = processor(ray.data.from_items(items)).take_all()
+    assert [r["prompt"] for r in rows] == ["one", "two", "poison", "four"]
+    assert [r["error"] is None for r in rows] == [True, True, False, True] and "died 3 times" in rows[2]["error"]
+    assert all(r["completion_tokens"] == 3 for i, r in enumerate(rows) if i != 2)
+
+
 def table(rows: list[int], report: dict | None = None) -> pa.Table:
     reports = [json.dumps(report) if report else None] + [None] * (len(rows) - 1)
     return pa.table({"row": rows, "completion_tokens": [1] * len(rows), ENGINE_COLUMN: pa.array(reports, pa.string())})

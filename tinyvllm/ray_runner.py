@@ -15,11 +15,12 @@ is missing. A driver that dies keeps its committed rows: the same command resume
 A row that kills its replica every time (the OOM killer, a crash in the backend) would have its batch retried
 forever; instead a batch that killed a replica is run again in ever smaller chunks (halved each attempt), the
 finished chunks' records kept in a small actor beside the driver (_BatchLog), until the row is run alone: if it
-kills the replica again, it becomes an error row and the job goes on.
+kills the replica again, it becomes an error row and the job goes on. LLMProcessor does the same for a dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -207,38 +208,43 @@ class LLMProcessor:
         _connect(ray, None)  # as Ray Data would on first use: the GPU count below needs the cluster
         gpus = _gpus_per_replica(self.cfg.backend)
         replicas = self.num_replicas or _default_replicas(gpus, self.cpus_per_replica)
+        log = ray.remote(num_cpus=0)(_BatchLog).remote()
         return _map(ds, _DatasetReplica, self.cfg, self.defaults, replicas, self.batch_size, self.cpus_per_replica,
-                    gpus)
+                    gpus, log=log)
 
 
 class _BatchLog:
-    """What survives a replica's death, per batch (keyed by its first row number): how many times it was started,
-    the records of the rows already done on a retry, and the row being run alone when the replica died. A Ray actor
-    living with the driver (ray.remote(_BatchLog) in RayExecutor.run)."""
+    """What survives a replica's death, per batch (a job's: its first row number; a dataset's: a digest of its
+    content): how many times it was started, the records of the rows already done on a retry, and the row being run
+    alone when the replica died. A Ray actor living with the driver (ray.remote(_BatchLog))."""
 
     def __init__(self) -> None:
-        self.batches: dict[int, dict] = {}
+        self.batches: dict[int | str, dict] = {}
 
-    def begin(self, key: int) -> tuple[int, dict[int, dict], int | None]:
-        batch = self.batches.setdefault(key, {"attempts": 0, "done": {}, "alone": None})
+    def _batch(self, key: int | str) -> dict:
+        return self.batches.setdefault(key, {"attempts": 0, "done": {}, "alone": None})
+
+    def begin(self, key: int | str) -> tuple[int, dict[int, dict], int | None]:
+        batch = self._batch(key)
         batch["attempts"] += 1
         return batch["attempts"], batch["done"], batch["alone"]
 
-    def done(self, key: int, records: list[dict]) -> None:
-        self.batches[key]["done"].update((r["row"], r) for r in records)
+    def done(self, key: int | str, records: list[dict]) -> None:
+        self._batch(key)["done"].update((r["row"], r) for r in records)
 
-    def alone(self, key: int, row: int) -> None:
-        self.batches[key]["alone"] = row
+    def alone(self, key: int | str, row: int) -> None:
+        self._batch(key)["alone"] = row
 
-    def end(self, key: int) -> None:
+    def end(self, key: int | str) -> None:
         self.batches.pop(key, None)
 
 
 class _Replica:
     """One LLM in one Ray actor; Ray Data makes one per replica and calls it once per batch."""
 
-    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
         self.cfg, self.defaults = cfg, defaults
+        self.log = log  # a _BatchLog actor
         self.llm = load_llm(cfg)
         self.info = self.llm.info()
         self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
@@ -271,28 +277,17 @@ class _Replica:
         return records
 
 
-class _JobReplica(_Replica):
-    """A block of staged rows in, their output records out (plus this replica's report on the first row)."""
-
-    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
-        super().__init__(cfg, defaults)
-        self.replica = uuid.uuid4().hex  # per incarnation: a restarted actor's counters start again from zero
-        self.log = log  # a _BatchLog actor
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def complete_logged(self, rows: list[Row], key: int | str) -> list[dict]:
+        """complete(), but a batch that killed a replica before is run in ever smaller chunks (see _isolate)."""
         import ray
 
-        rows = [Row(r["row"], r["id"], **json.loads(r["request"])) for r in batch.to_pylist()]
-        key = rows[0].index
         attempt, done, alone = ray.get(self.log.begin.remote(key))
         records = self.complete(rows) if attempt == 1 else self._isolate(rows, key, attempt, done, alone)
         self.log.end.remote(key)
-        table = pa.Table.from_pylist(records, schema=self.schema)
-        report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
-        engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
-        return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
+        return records
 
-    def _isolate(self, rows: list[Row], key: int, attempt: int, done: dict[int, dict], alone: int | None) -> list[dict]:
+    def _isolate(self, rows: list[Row], key: int | str, attempt: int, done: dict[int, dict],
+                 alone: int | None) -> list[dict]:
         """This batch killed a replica attempt - 1 times: run the rows not done yet in chunks of len / 2^(attempt-1),
         keeping each chunk's records in the log; a row that killed the replica while run alone becomes an error."""
         import ray
@@ -316,11 +311,26 @@ class _JobReplica(_Replica):
         return [records[row.index] for row in rows]
 
 
+class _JobReplica(_Replica):
+    """A block of staged rows in, their output records out (plus this replica's report on the first row)."""
+
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
+        super().__init__(cfg, defaults, log)
+        self.replica = uuid.uuid4().hex  # per incarnation: a restarted actor's counters start again from zero
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = [Row(r["row"], r["id"], **json.loads(r["request"])) for r in batch.to_pylist()]
+        table = pa.Table.from_pylist(self.complete_logged(rows, rows[0].index), schema=self.schema)
+        report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
+        engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
+        return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
+
+
 class _DatasetReplica(_Replica):
     """A user's batch in, the same batch out with the result columns added."""
 
-    def __init__(self, cfg: JobConfig, defaults: SamplingParams) -> None:
-        super().__init__(cfg, defaults)
+    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
+        super().__init__(cfg, defaults, log)
         # The job output's columns but the row's number, id and prompt: the dataset has its own.
         self.results = [f for f in self.schema if f.name not in ("row", "id", "prompt")]
         self.rng = np.random.default_rng()  # fresh entropy: replicas must not all draw the same seeds
@@ -329,8 +339,11 @@ class _DatasetReplica(_Replica):
         clash = [f.name for f in self.results if f.name in batch.column_names]
         if clash:
             raise ValueError(f"the dataset already has column(s) {', '.join(clash)}: rename or drop them first")
-        rows = [self._row(i, obj) for i, obj in enumerate(batch.to_pylist())]
-        records = self.complete(rows)
+        objs = batch.to_pylist()
+        rows = [self._row(i, obj) for i, obj in enumerate(objs)]
+        # A retried batch has the same content: its digest names it in the log.
+        key = hashlib.blake2b(json.dumps(objs, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+        records = self.complete_logged(rows, key)
         for f in self.results:
             batch = batch.append_column(f, pa.array([r.get(f.name) for r in records], f.type))
         return batch
