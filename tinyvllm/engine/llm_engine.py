@@ -165,13 +165,13 @@ class LLMEngine:
                                          seq.params.prompt_logprobs)
                 # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known.
                 seq.prompt_logprobs.extend(entries[max(0, len(seq.prompt_logprobs) - start - 1):])
-            if index < 0:
-                self.block_manager.commit_full_blocks(seq)
-                continue
-            token = int(result.sampled_token_ids[i])
-            seq.token_ids[index] = token
-            seq.num_pending -= 1
+            if index >= 0:
+                token = int(result.sampled_token_ids[i])
+                seq.token_ids[index] = token
+                seq.num_pending -= 1
             self.block_manager.commit_full_blocks(seq)
+            if index < 0:
+                continue  # a prompt chunk: nothing sampled
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             if seq.logprobs is not None:
