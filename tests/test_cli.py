@@ -381,7 +381,7 @@ def test_bad_job_files(tmp_path, text, message):
 
 
 def test_example_job_file_parses():
-    from tinyvllm.job_file import load_job_file
+    from tinyvllm.jobs.file import load_job_file
 
     cfg = load_job_file(EXAMPLES.parent / "jobs" / "example.toml", {}, {})
     assert cfg.input == EXAMPLES / "prompts.jsonl" and cfg.output == EXAMPLES.parent / "out" / "example.parquet"
@@ -450,3 +450,43 @@ def test_memory_pressure_completes_through_preemption(tiny_model_dir, tmp_path):
     assert metadata(roomy)["engine_stats"]["num_preemptions"] == 0
     assert tight.column("error").null_count == tight.num_rows
     assert tight.column("completion").to_pylist() == roomy.column("completion").to_pylist()
+
+
+def test_every_setting_has_a_flag_and_a_job_file_key():
+    """A setting is added in one place (EngineConfig / JobConfig / RayConfig) and reaches the CLI and job files."""
+    import dataclasses
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.jobs.config import JobConfig, RayConfig
+    from tinyvllm.jobs.file import JOB_FILE_KEYS
+
+    params = {p.name for p in main.commands["run"].params} & {p.name for p in main.commands["job"].params}
+    for cls, prefix in ((EngineConfig, ""), (JobConfig, ""), (RayConfig, "ray.")):
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                assert f.name in params, f"no flag for {f.name}"
+                assert prefix + f.name in JOB_FILE_KEYS, f"no job-file key for {f.name}"
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= params
+
+
+@pytest.mark.parametrize("text,message", [
+    ("max_in_flight = -1", "invalid max_in_flight=-1: must be >= 1"),
+    ("num_kv_blocks = 1000000000000", "invalid num_kv_blocks=1000000000000: must be <="),
+    ("seed = -1", "invalid seed=-1: must be >= 0"),
+    ('backend = "tpu"', "invalid backend='tpu': choose auto, numpy, cuda"),
+    ("cpu_kv_cache_gib = 0", "invalid cpu_kv_cache_gib=0.0: must be > 0.0"),
+])
+def test_job_files_are_checked_like_flags(tmp_path, text, message):
+    job = write_job(tmp_path / "j.toml", f'input = "a.jsonl"\noutput = "o.parquet"\n{text}\n')
+    result = CliRunner().invoke(main, ["job", str(job)])
+    assert result.exit_code != 0 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cpu_kv_cache_gib_reaches_the_engine(tiny_model_dir, tmp_path):
+    out = tmp_path / "o.parquet"
+    result = CliRunner().invoke(main, ["run", "--input", str(EXAMPLES / "prompts.jsonl"), "--output", str(out),
+                                       "--model", str(tiny_model_dir), "--backend", "numpy", "--max-tokens", "2",
+                                       "--cpu-kv-cache-gib", "0.001", "--quiet"])
+    assert result.exit_code == 0, result.output
+    engine = json.loads(pq.read_schema(out).metadata[b"tinyvllm.engine"])
+    assert engine["cpu_kv_cache_gib"] == 0.001 and engine["num_kv_blocks"] < 1000

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tinyvllm.backends.base import EngineLimits
+from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_inputs import build_batch
@@ -59,9 +59,9 @@ def test_prefill_and_paged_decode_match_hf(name, block_size):
     config = tiny_config(**CONFIGS[name])
     weights = random_weights(config, seed=hash(name) % 1000)
     model = hf_model(config, weights)
-    backend = NumpyBackend(LoadedModel(config, weights, None, "dummy"), EngineLimits(block_size=block_size,
-                                                                                    num_kv_blocks=64))
-    bm = BlockManager(backend.init_kv_cache(), block_size, enable_prefix_caching=False)
+    engine_config = EngineConfig(block_size=block_size, num_kv_blocks=64, enable_prefix_caching=False)
+    backend = NumpyBackend(LoadedModel(config, weights, None, "dummy"), engine_config)
+    bm = BlockManager(engine_config, backend.init_kv_cache())
     rng = np.random.default_rng(0)
     seqs = [Sequence(str(i), i, None, rng.integers(0, config.vocab_size, n).tolist(), SamplingParams(), 0, 0,
                      RequestMetrics(0.0)) for i, n in enumerate([7, 13, 5])]

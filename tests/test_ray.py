@@ -12,11 +12,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tinyvllm import ray_runner
+from tinyvllm.jobs import ray_executor
 from tinyvllm.io import JobError
 from tinyvllm.io.writer import parts_dir
-from tinyvllm.ray_runner import ENGINE_COLUMN, LLMProcessor, RayConfig, _collect, run_ray_job
-from tinyvllm.runner import JobConfig, run_job
+from tinyvllm.config import EngineConfig
+from tinyvllm.jobs.config import JobConfig, RayConfig
+from tinyvllm.jobs.file import load_job_file
+from tinyvllm.jobs.processor import LLMProcessor
+from tinyvllm.jobs.ray_executor import ENGINE_COLUMN, RayExecutor, _collect
+from tinyvllm.jobs.run import run_job
 from tinyvllm.sampling_params import SamplingParams
 
 try:
@@ -58,8 +62,12 @@ def job_input(tmp_path):
 
 
 def config(model, input_path, output, **kw) -> JobConfig:
-    return JobConfig(input=input_path, output=output, model=model, backend="numpy", max_model_len=128,
-                     sampling={"max_tokens": 6}, output_token_ids=True, quiet=True, **kw)
+    return JobConfig(input=input_path, output=output, model=model,
+                     engine=EngineConfig(backend="numpy", max_model_len=128), sampling={"max_tokens": 6}, output_token_ids=True, quiet=True, **kw)
+
+
+def run_ray_job(cfg: JobConfig, ray_cfg: RayConfig | None = None) -> dict:
+    return run_job(cfg, RayExecutor(ray_cfg or RayConfig()))
 
 
 def meta(table: pa.Table) -> dict:
@@ -103,7 +111,7 @@ def test_ray_job_equals_single_process(ray_local, tiny_model_dir, job_input, loc
 
 def use_replica(monkeypatch, replica: type) -> None:
     """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
-    real_map = ray_runner._map
+    real_map = ray_executor._map
     monkeypatch.setattr(ray_runner, "_map", lambda ds, _, *args, **kw: real_map(ds, replica, *args, **kw))
 
 
@@ -112,7 +120,7 @@ def test_replica_killed_mid_job_loses_and_repeats_nothing(ray_local, tiny_model_
                                                           tmp_path, monkeypatch):
     died = tmp_path / "died"
 
-    class DiesOnce(ray_runner._JobReplica):
+    class DiesOnce(ray_executor._JobReplica):
         """Kills its process (no exception, no cleanup) on its second batch, the first time any replica gets there."""
 
         calls = 0
@@ -142,7 +150,7 @@ def test_a_row_that_kills_its_replica_every_time_becomes_an_error_row(ray_local,
     deaths = tmp_path / "deaths"
     deaths.mkdir()
 
-    class DiesOnRow5(ray_runner._JobReplica):
+    class DiesOnRow5(ray_executor._JobReplica):
         """Kills its process whenever it is asked to complete row 5 (as the OOM killer would, every time); past
         6 deaths it raises instead, failing the job rather than letting a broken isolation retry forever."""
 
@@ -168,7 +176,7 @@ def test_a_row_that_kills_its_replica_every_time_becomes_an_error_row(ray_local,
 @needs_ray
 def test_failed_job_keeps_committed_batches_and_resumes(ray_local, tiny_model_dir, job_input, local_output, tmp_path,
                                                         monkeypatch):
-    class Raises(ray_runner._JobReplica):
+    class Raises(ray_executor._JobReplica):
         """Fails the job (a Python error is not retried) once it has finished a few batches."""
 
         calls = 0
@@ -219,7 +227,7 @@ def test_processor_turns_a_row_that_kills_its_replica_into_an_error(ray_local, t
     deaths = tmp_path / "deaths"
     deaths.mkdir()
 
-    class DiesOnPoison(ray_runner._DatasetReplica):
+    class DiesOnPoison(ray_executor._DatasetReplica):
         def complete(self, rows):
             if any(row.prompt == "poison" for row in rows):
                 if len(list(deaths.iterdir())) >= 6:
@@ -260,15 +268,16 @@ def test_without_ray_says_how_to_install(tiny_model_dir, tmp_path, monkeypatch):
         run_ray_job(JobConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", model=tiny_model_dir))
 
 
-def test_ray_table_of_a_job_file():
-    assert RayConfig.from_table({"address": "auto", "num_replicas": 4}, "job.toml") == \
-        RayConfig(address="auto", num_replicas=4)
-    with pytest.raises(JobError, match="unknown key 'ray.gpus'"):
-        RayConfig.from_table({"gpus": 2}, "job.toml")
-    with pytest.raises(JobError, match="wrong type"):
-        RayConfig.from_table({"num_replicas": "4"}, "job.toml")
-    with pytest.raises(JobError, match=">= 1"):
-        RayConfig.from_table({"batch_size": 0}, "job.toml")
+@pytest.mark.parametrize("table,message", [("", None), ('gpus = 2', "unknown key 'ray.gpus'"),
+                                           ('num_replicas = "4"', "wrong type"), ("batch_size = 0", ">= 1")])
+def test_ray_table_of_a_job_file(tmp_path, table, message):
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "in.jsonl"\noutput = "out.parquet"\n[ray]\naddress = "auto"\nnum_replicas = 4\n{table}\n')
+    if message is None:
+        assert load_job_file(job, {}, {}).ray == RayConfig(address="auto", num_replicas=4)
+    else:
+        with pytest.raises(JobError, match=message):
+            load_job_file(job, {}, {})
 
 
 @needs_ray

@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
@@ -18,7 +19,7 @@ def make_seq(i, prompt, max_tokens, **params):
 
 
 def test_block_manager_allocates_grows_and_frees():
-    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    bm = BlockManager(EngineConfig(block_size=4, enable_prefix_caching=False), 4)
     seq = make_seq(0, 5, 10)
     assert bm.can_allocate(seq, 5)
     bm.allocate(seq, 5)
@@ -34,14 +35,14 @@ def test_block_manager_allocates_grows_and_frees():
 
 
 def test_block_manager_refuses_what_does_not_fit():
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = BlockManager(EngineConfig(block_size=4), 2)
     assert not bm.can_allocate(make_seq(0, 9, 1), 9)
     with pytest.raises(RuntimeError):
         bm.allocate(make_seq(0, 9, 1), 9)
 
 
 def test_prefix_blocks_are_shared_refcounted_and_evicted_lru():
-    bm = BlockManager(num_blocks=6, block_size=4)
+    bm = BlockManager(EngineConfig(block_size=4), 6)
     a = make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 5)
     bm.allocate(a, len(a))
     a.num_computed_tokens = len(a)
@@ -71,8 +72,10 @@ def test_prefix_blocks_are_shared_refcounted_and_evicted_lru():
 def simulate(policy, num_blocks, block_size, max_num_seqs, budget, seqs, seed=0, chunked=True, caching=True):
     """Drive the scheduler as the engine does, with a fake model that appends a token per finished prefill."""
     rng = random.Random(seed)
-    bm = BlockManager(num_blocks, block_size, caching)
-    scheduler = Scheduler(bm, max_num_seqs, budget, policy, chunked)
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, batching=policy,
+                          enable_prefix_caching=caching, enable_chunked_prefill=chunked)
+    bm = BlockManager(config, num_blocks)
+    scheduler = Scheduler(config, bm)
     for seq in seqs:
         scheduler.add(seq)
     finished, steps, batches = [], 0, []
@@ -122,8 +125,8 @@ def test_every_request_finishes_under_a_tight_cache(policy, chunked, caching):
 
 def test_preemption_picks_the_latest_arrival():
     seqs = [make_seq(i, 4, 20) for i in range(3)]
-    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
-    scheduler = Scheduler(bm, 8, 100, "continuous")
+    bm = BlockManager(EngineConfig(block_size=4, enable_prefix_caching=False), 3)
+    scheduler = Scheduler(EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=100), bm)
     for s in seqs:
         scheduler.add(s)
     step = scheduler.schedule()
@@ -140,8 +143,8 @@ def test_preemption_picks_the_latest_arrival():
 def test_chunked_prefill_never_starves_decodes():
     long_prompt = make_seq(1, 40, 2)
     short = make_seq(0, 3, 10)
-    bm = BlockManager(num_blocks=100, block_size=4)
-    scheduler = Scheduler(bm, 8, 8, "continuous", enable_chunked_prefill=True)
+    bm = BlockManager(EngineConfig(block_size=4), 100)
+    scheduler = Scheduler(EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=8), bm)
     scheduler.add(short)
     step = scheduler.schedule()
     short.num_computed_tokens = 3
@@ -178,8 +181,8 @@ def test_continuous_admits_as_soon_as_room_frees():
 def test_a_sequence_preempted_with_a_token_in_flight_waits_for_it_and_can_finish_while_waiting():
     """The engine schedules step N+1 before reading step N: a sequence preempted then keeps its unknown token, is
     not readmitted until that token is known, and if the token stops it, it finishes from the waiting queue."""
-    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
-    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    bm = BlockManager(EngineConfig(block_size=4, enable_prefix_caching=False), 3)
+    scheduler = Scheduler(EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16), bm)
     old, new = make_seq(0, 4, 10), make_seq(1, 4, 10)
     for seq in (old, new):
         scheduler.add(seq)
@@ -198,7 +201,8 @@ def test_a_sequence_preempted_with_a_token_in_flight_waits_for_it_and_can_finish
 
 
 def test_a_waiting_sequence_is_not_admitted_while_its_token_is_in_flight():
-    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=16)
+    config = EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler = Scheduler(config, BlockManager(config, 8))
     seq = make_seq(0, 4, 10)
     seq.token_ids.append(-1)  # preempted while step N samples its 5th token
     seq.num_pending = 1
@@ -209,7 +213,8 @@ def test_a_waiting_sequence_is_not_admitted_while_its_token_is_in_flight():
 
 
 def test_a_sequence_whose_token_in_flight_reaches_its_limit_is_not_scheduled_again():
-    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=4, max_num_batched_tokens=16)
+    config = EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler = Scheduler(config, BlockManager(config, 8))
     seq = make_seq(0, 4, 1)
     seq.max_len = 5  # the prompt and one output token
     scheduler.add(seq)

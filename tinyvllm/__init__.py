@@ -1,9 +1,8 @@
 """tinyvllm: an offline batch-inference job runner for Llama-family LLMs."""
 
-__version__ = "0.1.0"
-
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.version import __version__
 
 
 def __getattr__(name: str):

@@ -174,7 +174,7 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             result = run_workload(llm, requests, sequential=name == "W3")
         cached = _common_prefix_len(requests) if name == "W5" else 0  # what the prefix cache saves
         floor = floor_seconds(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
-                              llm.limits.max_num_seqs, cached_prefix=cached)
+                              llm.engine_config.max_num_seqs, cached_prefix=cached)
         result["floor_s"] = floor
         result["fraction_of_limit"] = floor / result["wall_s"]
         if name == "W4":

@@ -3,6 +3,7 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -10,49 +11,60 @@ from pathlib import Path
 import click
 import pyarrow.compute as pc
 
-from tinyvllm import __version__
-from tinyvllm.io.writer import LATENCIES, PIECE_ROWS, sibling, summarize_output
-from tinyvllm.job_file import load_job_file
-from tinyvllm.runner import JobConfig, JobError, JobInterrupted, run_job
+from tinyvllm.config import EngineConfig, setting_type
+from tinyvllm.errors import JobError
+from tinyvllm.io.writer import LATENCIES, sibling, summarize_output
+from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
+from tinyvllm.jobs.file import load_job_file
+from tinyvllm.jobs.run import JobInterrupted, run_job
+from tinyvllm.version import __version__
 
-SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop")
+# Sampling defaults set by flags (the engine's --seed is the job seed; a row's `seed` column sets its own).
+SAMPLING_FLAGS = tuple(k for k in SAMPLING_DEFAULTS if k != "seed")
 
-# Options default to None (flags: unset) so that a job file's value is overridden only by a flag given.
+
+def _setting_option(f: dataclasses.Field, annotation: str, flag: str | None = None):
+    """A click option for a settings field: its flag, type and bounds from the field, its help and default shown.
+    The option defaults to None (unset) so that a job file's value is overridden only by a flag given."""
+    meta, kind = f.metadata, setting_type(annotation)
+    flag = flag or "--" + f.name.replace("_", "-")
+    shown = "" if f.default in (None, False) else f" [default: {'on' if f.default is True else f.default}]"
+    help_text = meta["help"] + ("" if "[default:" in meta["help"] else shown)
+    if kind is bool and f.name.startswith("enable_"):
+        name = f.name.removeprefix("enable_").replace("_", "-")
+        return click.option(f"--{name}/--no-{name}", f.name, default=None, help=help_text)
+    if kind is bool:
+        return click.option(flag, f.name, is_flag=True, default=None, help=help_text)
+    if meta["choices"]:
+        return click.option(flag, f.name, type=click.Choice(meta["choices"]), help=help_text)
+    if kind is int:
+        return click.option(flag, f.name, type=click.IntRange(meta["low"], meta["high"]), help=help_text)
+    if kind is float:
+        return click.option(flag, f.name, type=click.FloatRange(meta["low"], meta["high"], min_open=meta["low_open"]),
+                            help=help_text)
+    return click.option(flag, f.name, help=help_text)
+
+
+def _settings_options(cls, flags: dict[str, str] | None = None) -> list:
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    return [_setting_option(f, str(hints[f.name]), (flags or {}).get(f.name))
+            for f in dataclasses.fields(cls) if "help" in f.metadata and (flags is None or f.name in flags)]
+
+
 JOB_OPTIONS = [
     click.option("--model", type=click.Path(path_type=Path),
                  help="HF model dir or .gguf [default: the fetched default model]"),
-    click.option("--backend", type=click.Choice(["auto", "numpy", "cuda"]), help="[default: auto]"),
-    click.option("--batching", type=click.Choice(["continuous", "static"]), help="[default: continuous]"),
-    click.option("--max-num-seqs", type=click.IntRange(min=1), help="sequences per batch [default: 256]"),
-    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), help="tokens per step [default: 8192]"),
-    click.option("--block-size", type=click.IntRange(min=1), help="KV cache block size in tokens [default: 16]"),
-    click.option("--num-kv-blocks", type=click.IntRange(min=1), help="KV cache size [default: from memory]"),
-    click.option("--max-model-len", type=click.IntRange(min=2), help="[default: the model's]"),
-    click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
-                 help="cuda: share of GPU memory for weights + KV cache [default: 0.9]"),
-    click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
-                 help="reuse KV blocks of shared prompt prefixes [default: on]"),
-    click.option("--chunked-prefill/--no-chunked-prefill", "enable_chunked_prefill", default=None,
-                 help="split long prompts over steps so decodes keep running [default: on]"),
+    *_settings_options(EngineConfig),
     click.option("--max-tokens", type=int, help="default per row [default: 16]"),
     click.option("--temperature", type=float, help="default per row; 0 = greedy [default: 1.0]"),
     click.option("--top-p", type=float, help="default per row [default: 1.0]"),
     click.option("--top-k", type=int, help="default per row; 0 = off [default: 0]"),
     click.option("--min-p", type=float, help="default per row [default: 0.0]"),
     click.option("--stop", multiple=True, help="stop string, repeatable (a row's `stop` replaces these)"),
-    click.option("--seed", type=int, help="job seed: the engine's, and rows without a seed get one from it and "
-                 "their row number [default: 0]"),
-    click.option("--chat", is_flag=True, default=None, help="send each `prompt` text as one user chat message"),
-    click.option("--output-token-ids", is_flag=True, default=None, help="add a completion_token_ids column"),
-    click.option("--logprobs", type=click.IntRange(min=0), help="add logprob columns with the top N per token"),
-    click.option("--max-in-flight", type=click.IntRange(min=1),
-                 help="requests in the engine at once [default: 4 x max-num-seqs]"),
-    click.option("--piece-rows", type=click.IntRange(min=1), help=f"rows per committed piece [default: {PIECE_ROWS}]"),
-    click.option("--overwrite", is_flag=True, default=None, help="start over: drop committed rows, replace a finished output"),
-    click.option("--quiet", is_flag=True, default=None, help="no progress bar or final line"),
+    *_settings_options(JobConfig),
     click.option("--ray", is_flag=True, default=None, help="run on a Ray cluster (pip install 'tinyvllm[ray]')"),
-    click.option("--ray-address", help="Ray cluster address [default: $RAY_ADDRESS, else a local Ray]"),
-    click.option("--num-replicas", type=click.IntRange(min=1), help="Ray: LLM replicas [default: one per GPU]"),
+    *_settings_options(RayConfig, {"address": "--ray-address", "num_replicas": "--num-replicas",
+                                   "batch_size": "--ray-batch-size", "cpus_per_replica": "--ray-cpus-per-replica"}),
 ]
 
 
@@ -77,8 +89,12 @@ def run(input_: Path, output: Path, **options) -> None:
     """Run every row of INPUT through the model and write OUTPUT (Parquet) plus a .summary.json.
 
     Killed or interrupted? Run the same command again: it resumes where it stopped."""
-    flags, sampling = _split(options)
-    _run(JobConfig(input=input_, output=output, sampling=sampling, **flags))
+    flags, sampling, ray = _split(options)
+    try:
+        cfg = job_config({"input": input_, "output": output, **flags}, sampling, ray)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    _run(cfg)
 
 
 @main.command()
@@ -91,9 +107,9 @@ def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> 
 
     Relative paths inside the file are resolved against the file's folder, those of flags against the current
     directory. Rerunning a finished job does nothing; rerunning an interrupted one resumes it."""
-    flags, sampling = _split(options)
+    flags, sampling, ray = _split(options)
     try:
-        cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling)
+        cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling, ray)
     except JobError as e:
         raise click.ClickException(str(e)) from None
     _run(cfg)
@@ -153,23 +169,21 @@ def fetch_default_model_cmd() -> None:
     click.echo(fetch_default_model())
 
 
-def _split(options: dict) -> tuple[dict, dict]:
-    """CLI options -> (JobConfig fields given, sampling defaults given)."""
-    ray, address, replicas = options.pop("ray"), options.pop("ray_address"), options.pop("num_replicas")
-    if ray or address or replicas:
-        from tinyvllm.ray_runner import RayConfig
-
-        options["ray"] = RayConfig(address=address, num_replicas=replicas)
-    sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS}
+def _split(options: dict) -> tuple[dict, dict, dict | None]:
+    """CLI options -> (settings given, sampling defaults given, Ray settings given or None: no Ray)."""
+    use_ray = options.pop("ray")
+    ray = {f.name: options.pop(f.name) for f in dataclasses.fields(RayConfig)}
+    ray = {k: v for k, v in ray.items() if v is not None}
+    sampling = {k: options.pop(k) for k in SAMPLING_FLAGS}
     sampling["stop"] = list(sampling["stop"]) or None
     flags = {k: v for k, v in options.items() if v is not None}
-    return flags, {k: v for k, v in sampling.items() if v is not None}
+    return flags, {k: v for k, v in sampling.items() if v is not None}, ray if use_ray or ray else None
 
 
 def _run(cfg: JobConfig) -> None:
     try:
         if cfg.ray is not None:
-            from tinyvllm.ray_runner import RayExecutor
+            from tinyvllm.jobs.ray_executor import RayExecutor
 
             summary = run_job(cfg, RayExecutor(cfg.ray))
         else:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Sequence as SequenceABC
 
-from tinyvllm import __version__
-from tinyvllm.backends import EngineLimits, create_backend
+from tinyvllm.version import __version__
+from tinyvllm.backends import create_backend
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.outputs import RequestOutput
@@ -19,40 +21,18 @@ Prompt = str | list[int] | dict
 class LLM:
     """A model loaded on a backend, with a paged KV cache and a scheduler.
 
-    model: an HF model directory, a .gguf file, or an already loaded model. backend: "auto" (cuda when a GPU is usable, else numpy), "numpy"
-    or "cuda". batching: "continuous" or "static". num_kv_blocks fixes the cache size; otherwise it comes from
-    gpu_memory_utilization (cuda) or cpu_kv_cache_gib (numpy).
+    model: an HF model directory, a .gguf file, or an already loaded model. The keyword arguments are
+    EngineConfig's fields (tinyvllm/config.py): backend ("auto" | "numpy" | "cuda"), batching ("continuous" |
+    "static"), max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_kv_blocks,
+    gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching, enable_chunked_prefill.
     """
 
-    def __init__(self, model: str | os.PathLike | LoadedModel, *, backend: str = "auto", batching: str = "continuous",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
-                 max_model_len: int | None = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float = 2.0, seed: int = 0,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
-        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"invalid {name}={value!r}: must be an integer >= 1")
-        if num_kv_blocks is not None and num_kv_blocks < 1:
-            raise ValueError(f"invalid num_kv_blocks={num_kv_blocks!r}: must be >= 1")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"invalid gpu_memory_utilization={gpu_memory_utilization!r}: must be in (0, 1]")
+    def __init__(self, model: str | os.PathLike | LoadedModel, **kwargs) -> None:
+        engine_config = EngineConfig.from_kwargs(kwargs)  # checked before the (slow) load
         self.model = model if isinstance(model, LoadedModel) else load_model(model)
-        config = self.model.config
-        if max_model_len is None:
-            max_model_len = config.max_position_embeddings
-        elif not 1 < max_model_len <= config.max_position_embeddings:
-            raise ValueError(f"invalid max_model_len={max_model_len}: the model supports up to "
-                             f"{config.max_position_embeddings} positions")
-        self.limits = EngineLimits(block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                                   cpu_kv_cache_bytes=int(cpu_kv_cache_gib * (1 << 30)))
-        self.backend = create_backend(backend, self.model, self.limits)
-        self.batching = batching
-        self.llm_engine = LLMEngine(self.model, self.backend, self.limits, batching=batching, seed=seed,
-                                    enable_prefix_caching=enable_prefix_caching,
-                                    enable_chunked_prefill=enable_chunked_prefill)
+        self.engine_config = engine_config.for_model(self.model.config.max_position_embeddings)
+        self.backend = create_backend(self.model, self.engine_config)
+        self.llm_engine = LLMEngine(self.model, self.backend, self.engine_config)
         self._request_ids = itertools.count()
 
     @property
@@ -65,12 +45,8 @@ class LLM:
 
     def info(self) -> dict:
         """What this LLM is, for logs and job metadata."""
-        return {"model": str(self.model.source), "tinyvllm_version": __version__, "batching": self.batching,
-                "max_num_seqs": self.limits.max_num_seqs, "max_num_batched_tokens": self.limits.max_num_batched_tokens,
-                "block_size": self.limits.block_size, "max_model_len": self.limits.max_model_len,
-                "num_kv_blocks": self.llm_engine.num_kv_blocks,
-                "enable_prefix_caching": self.llm_engine.block_manager.enable_prefix_caching,
-                "enable_chunked_prefill": self.llm_engine.scheduler.enable_chunked_prefill,
+        return {"model": str(self.model.source), "tinyvllm_version": __version__,
+                **dataclasses.asdict(self.engine_config), "num_kv_blocks": self.llm_engine.num_kv_blocks,
                 **self.backend.describe()}
 
     def stats(self) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.backends.base import EngineLimits
+from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend, sample_from_logits
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_inputs import build_batch
@@ -70,7 +70,7 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     config = replace(CONFIGS[name](), num_hidden_layers=layers)
     model = bf16_model(config)
     # 64-token prefill chunks: the 100-token prompt is computed in two chunks.
-    limits = EngineLimits(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+    limits = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                           num_kv_blocks=64)
     ours, ref = cuda_backend(model, limits), NumpyBackend(model, limits)
     ours.init_kv_cache()
@@ -79,7 +79,7 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0, prompt_logprobs=5, logprobs=5),
               SamplingParams(temperature=0)]
     seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (7, 100, 33)], params)
-    bm = BlockManager(64, 16, enable_prefix_caching=False)
+    bm = BlockManager(EngineConfig(block_size=16, enable_prefix_caching=False), 64)
     batch = prefill_batch(seqs, bm, 16)
 
     got = ours.execute(batch)
@@ -138,14 +138,14 @@ def test_matches_hf_transformers(cuda, cuda_backend, name):
     hf.tie_weights()
 
     steps, block_size = 32, 16
-    limits = EngineLimits(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024,
+    limits = EngineConfig(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024,
                           num_kv_blocks=128)
     ours = cuda_backend(model, limits)
     ours.init_kv_cache()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 17, 64, 129)]
     seqs = make_seqs(prompts)
-    bm = BlockManager(128, block_size, enable_prefix_caching=False)
+    bm = BlockManager(EngineConfig(block_size=block_size, enable_prefix_caching=False), 128)
     out = ours.execute(prefill_batch(seqs, bm, block_size))
     logits = [gpu_logits(cuda, ours, 4)]
     generated = [out.sampled_token_ids]

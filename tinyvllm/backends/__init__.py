@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tinyvllm.backends.base import Backend, Batch, EngineLimits, SamplerOutput, SamplingBatch
+from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch
+from tinyvllm.config import EngineConfig
 
 
 def cuda_available() -> bool:
@@ -16,22 +17,23 @@ def cuda_available() -> bool:
         return False
 
 
-def create_backend(name: str, model, limits: EngineLimits) -> Backend:
-    """Build the backend `name` ("auto" | "numpy" | "cuda") for a LoadedModel."""
+def create_backend(model, config: EngineConfig) -> Backend:
+    """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
+    name = config.backend
     if name == "auto":
         name = "cuda" if cuda_available() else "numpy"
     if name == "numpy":
         from tinyvllm.backends.numpy_backend import NumpyBackend
 
-        return NumpyBackend(model, limits)
+        return NumpyBackend(model, config)
     if name == "cuda":
         try:
             from tinyvllm.backends.cuda.runner import CudaBackend
         except ImportError as exc:
             raise RuntimeError(f"the cuda backend needs pycuda and an NVIDIA GPU ({exc}); "
                                "install with `pip install tinyvllm[cuda]` or use --backend numpy") from exc
-        return CudaBackend(model, limits)
+        return CudaBackend(model, config)
     raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
 
 
-__all__ = ["Backend", "Batch", "EngineLimits", "SamplerOutput", "SamplingBatch", "create_backend", "cuda_available"]
+__all__ = ["Backend", "Batch", "SamplerOutput", "SamplingBatch", "create_backend", "cuda_available"]

@@ -15,19 +15,6 @@ import numpy as np
 
 
 @dataclass
-class EngineLimits:
-    """The engine settings a backend needs to size its KV cache and buffers."""
-
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    num_kv_blocks: int | None = None  # explicit cache size; else from the memory budget
-    gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights + cache + buffers
-    cpu_kv_cache_bytes: int = 2 << 30  # numpy: memory budget of the KV cache
-
-
-@dataclass
 class SamplingBatch:
     """Per-sequence sampling parameters, one entry per sequence of the batch."""
 
@@ -99,7 +86,8 @@ class Backend(ABC):
 
     @abstractmethod
     def init_kv_cache(self) -> int:
-        """Allocate the paged KV cache from the limits given at construction; return its number of blocks."""
+        """Allocate the paged KV cache as the EngineConfig given at construction says; return its number of
+        blocks."""
 
     @abstractmethod
     def execute(self, batch: Batch) -> SamplerOutput:

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from tinyvllm.backends import sampler
-from tinyvllm.backends.base import Backend, Batch, EngineLimits, SamplerOutput
+from tinyvllm.backends.base import Backend, Batch, SamplerOutput
+from tinyvllm.config import EngineConfig
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -105,9 +106,9 @@ class NumpyBackend(Backend):
 
     name = "numpy"
 
-    def __init__(self, model, limits: EngineLimits) -> None:
+    def __init__(self, model, engine_config: EngineConfig) -> None:
         self.config = cfg = model.config
-        self.limits = limits
+        self.engine_config = engine_config
         w = model.weights
         self.embed = np.ascontiguousarray(w["model.embed_tokens.weight"], dtype=np.float32)
         self.lm_head_t = np.ascontiguousarray(w["lm_head.weight"].T, dtype=np.float32)  # [hidden, vocab]
@@ -132,16 +133,16 @@ class NumpyBackend(Backend):
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.config
-        return 2 * cfg.num_hidden_layers * self.limits.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+        return 2 * cfg.num_hidden_layers * self.engine_config.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
 
     def init_kv_cache(self) -> int:
-        limits, cfg = self.limits, self.config
-        num_blocks = limits.num_kv_blocks
+        ec, cfg = self.engine_config, self.config
+        num_blocks = ec.num_kv_blocks
         if num_blocks is None:
             # Enough for every sequence at full length, within the memory budget.
-            wanted = limits.max_num_seqs * -(-limits.max_model_len // limits.block_size)
-            num_blocks = max(1, min(wanted, limits.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
-        shape = (num_blocks * limits.block_size, cfg.num_key_value_heads, cfg.head_dim)
+            wanted = ec.max_num_seqs * -(-ec.max_model_len // ec.block_size)
+            num_blocks = max(1, min(wanted, ec.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
+        shape = (num_blocks * ec.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
@@ -169,7 +170,7 @@ class NumpyBackend(Backend):
             v = qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, batch, self.limits.block_size, scale)
+            attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale)
             x = x + attn.reshape(len(x), heads * d) @ layer["o"]
             h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
             x = x + silu_and_mul(h @ layer["gate_up"]) @ layer["down"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.sequence import Sequence
 
 
@@ -21,10 +22,10 @@ def block_hash(parent: int | None, tokens: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.num_blocks = num_blocks  # the backend's cache size (config.num_kv_blocks may be None: from memory)
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self.block_hashes: list[int | None] = [None] * num_blocks

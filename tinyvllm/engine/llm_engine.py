@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.backends.base import Backend, Batch, EngineLimits, Logprobs, SamplerOutput
+from tinyvllm.backends.base import Backend, Batch, Logprobs, SamplerOutput
 from tinyvllm.backends.sampler import seed_key
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
@@ -31,20 +32,19 @@ class InFlightStep:
 
 
 class LLMEngine:
-    def __init__(self, model, backend: Backend, limits: EngineLimits, batching: str = "continuous",
-                 seed: int = 0, enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
+    def __init__(self, model, backend: Backend, engine_config: EngineConfig) -> None:
+        assert engine_config.max_model_len is not None, "resolve it first: EngineConfig.for_model"
         self.config = model.config
         self.tokenizer = model.tokenizer
         self.backend = backend
-        self.limits = limits
+        self.engine_config = engine_config
         self.num_kv_blocks = backend.init_kv_cache()
-        self.block_manager = BlockManager(self.num_kv_blocks, limits.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, limits.max_num_seqs, limits.max_num_batched_tokens, batching,
-                                   enable_chunked_prefill)
+        self.block_manager = BlockManager(engine_config, self.num_kv_blocks)
+        self.scheduler = Scheduler(engine_config, self.block_manager)
         # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
-        self.max_seq_len = min(limits.max_model_len, self.num_kv_blocks * limits.block_size)
+        self.max_seq_len = min(engine_config.max_model_len, self.num_kv_blocks * engine_config.block_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        self.rng = np.random.default_rng(seed)  # seeds for requests that bring none
+        self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
         self._in_flight: InFlightStep | None = None  # the step queued on the backend whose tokens are not read yet
@@ -71,7 +71,7 @@ class LLMEngine:
         if len(token_ids) >= self.max_seq_len:
             self._reject(request_id, text, token_ids, metrics,
                          f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} (max_model_len "
-                         f"{self.limits.max_model_len}, KV cache {self.num_kv_blocks * self.limits.block_size} "
+                         f"{self.engine_config.max_model_len}, KV cache {self.num_kv_blocks * self.engine_config.block_size} "
                          "tokens, one token left to generate)")
             return
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
@@ -136,7 +136,7 @@ class LLMEngine:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        batch = build_batch(step, self.limits.block_size)
+        batch = build_batch(step, self.engine_config.block_size)
         starts, sample_index = [], []
         for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
             starts.append(seq.num_computed_tokens)

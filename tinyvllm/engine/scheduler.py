@@ -23,11 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
-
-POLICIES = ("continuous", "static")
-
 
 @dataclass
 class ScheduledStep:
@@ -37,15 +35,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous", enable_chunked_prefill: bool = True) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"invalid batching={policy!r}: choose continuous or static")
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy = config.batching
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.static_batch: set[str] = set()  # static policy: the members of the batch in flight

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pyarrow.parquet as pq
 
-from tinyvllm.io import JobError
+from tinyvllm.errors import JobError
 from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")

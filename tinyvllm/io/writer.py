@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tinyvllm.io import JobError
+from tinyvllm.errors import JobError
 from tinyvllm.outputs import RequestOutput
 
 PIECE_ROWS = 256  # rows per piece at most ...

@@ -26,11 +26,12 @@ from collections.abc import Callable
 import numpy as np
 import pycuda.driver as cuda
 
-from tinyvllm.backends.base import Backend, Batch, EngineLimits, Logprobs, SamplerOutput, SamplingBatch
+from tinyvllm.backends.base import Backend, Batch, Logprobs, SamplerOutput, SamplingBatch
 from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.graphs import Graph
 from tinyvllm.backends.cuda.linear import Linear
+from tinyvllm.config import EngineConfig
 from tinyvllm.model.loader import f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -84,9 +85,9 @@ class CudaBackend(Backend):
     name = "cuda"
     max_logprobs = MAX_TOP_LOGPROBS
 
-    def __init__(self, model, limits: EngineLimits, use_graphs: bool = True) -> None:
+    def __init__(self, model, engine_config: EngineConfig, use_graphs: bool = True) -> None:
         cfg = self.config = model.config
-        self.limits = limits
+        self.engine_config = engine_config
         self.use_graphs = use_graphs
         if cfg.head_dim not in HEAD_DIMS:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
@@ -107,9 +108,9 @@ class CudaBackend(Backend):
         self.kv_width = self.kv_heads * self.head_dim
         self.qkv_width = self.q_width + 2 * self.kv_width
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.max_seqs = limits.max_num_seqs
-        self.max_tokens = max(limits.max_num_batched_tokens, limits.max_num_seqs)  # tokens per prefill chunk
-        self.max_blocks = -(-limits.max_model_len // limits.block_size)  # block-table width
+        self.max_seqs = engine_config.max_num_seqs
+        self.max_tokens = max(engine_config.max_num_batched_tokens, engine_config.max_num_seqs)  # per prefill chunk
+        self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
         self.buckets = sorted({b for b in (1, 2, 4, *range(8, self.max_seqs + 1, 8)) if b < self.max_seqs}
                               | {self.max_seqs})
 
@@ -187,7 +188,7 @@ class CudaBackend(Backend):
             "partial_ml": partial_rows * 8,
             "workspace": WORKSPACE_BYTES,
         }.items()}
-        cos, sin = rope_cos_sin(np.arange(self.limits.max_model_len), rope_inv_freq(d, cfg.rope_theta,
+        cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
                                                                                    cfg.rope_scaling))
         self.cos_sin = self._to_device(np.stack([cos, sin], axis=-1))  # float2 [max_model_len, d / 2]
 
@@ -212,34 +213,34 @@ class CudaBackend(Backend):
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
     def kv_bytes_per_block(self) -> int:
-        return 2 * self.config.num_hidden_layers * self.limits.block_size * self.kv_width * 2
+        return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * 2
 
     def init_kv_cache(self) -> int:
         """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 each, in one allocation."""
-        limits = self.limits
+        ec = self.engine_config
         block_bytes = self.kv_bytes_per_block()
         free, total = cuda.mem_get_info()
-        if limits.num_kv_blocks is not None:
-            num_blocks = limits.num_kv_blocks
+        if ec.num_kv_blocks is not None:
+            num_blocks = ec.num_kv_blocks
         else:
-            num_blocks = int((free - (1 - limits.gpu_memory_utilization) * total) // block_bytes)
+            num_blocks = int((free - (1 - ec.gpu_memory_utilization) * total) // block_bytes)
         if num_blocks < 1 or num_blocks * block_bytes > free:
             raise MemoryError(
                 f"no room for a KV cache of {max(num_blocks, 1)} blocks ({block_bytes} bytes each): "
                 f"{free / GIB:.2f} of {total / GIB:.2f} GiB free after weights and buffers, "
-                f"gpu_memory_utilization={limits.gpu_memory_utilization}")
+                f"gpu_memory_utilization={ec.gpu_memory_utilization}")
         for graph in self.graphs.values():  # they point at the old cache
             graph.close()
         self.graphs = {}
         base = self._alloc(num_blocks * block_bytes)
         cuda.memset_d32(base, 0, num_blocks * block_bytes // 4)
-        layer_bytes = num_blocks * limits.block_size * self.kv_width * 2
+        layer_bytes = num_blocks * ec.block_size * self.kv_width * 2
         layers = range(self.config.num_hidden_layers)
         self.k_cache = [base + 2 * i * layer_bytes for i in layers]
         self.v_cache = [base + (2 * i + 1) * layer_bytes for i in layers]
         self.num_blocks = num_blocks
-        log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, limits.block_size,
-                 num_blocks * limits.block_size, num_blocks * block_bytes / GIB)
+        log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
+                 num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
         if self.use_graphs:
             self.capture_graphs()
         return num_blocks
@@ -331,7 +332,7 @@ class CudaBackend(Backend):
             self._launch(name, (self.kv_heads * self.head_chunks, n, splits), 128, b["attn"], b["partial_o"],
                          b["partial_ml"], b["qkv"], self.k_cache[i], self.v_cache[i], inp.ptr("block_tables"),
                          inp.ptr("bt_stride"), inp.ptr("context_lens"), self.scale, self.heads, self.kv_heads,
-                         self.limits.block_size, self.qkv_width, splits)
+                         self.engine_config.block_size, self.qkv_width, splits)
             if splits > 1:
                 self._launch("attention_combine", (self.heads, n), d, b["attn"], b["partial_o"], b["partial_ml"],
                              splits)
@@ -507,7 +508,7 @@ class CudaBackend(Backend):
                          self.buf["attn"], self.buf["qkv"], self.k_cache[i], self.v_cache[i],
                          inp.ptr("block_tables"), width, inp.ptr("query_start_loc"), inp.ptr("context_lens"),
                          inp.ptr("tile_seq"), inp.ptr("tile_row0"), self.scale, self.heads, self.kv_heads,
-                         self.limits.block_size, self.qkv_width)
+                         self.engine_config.block_size, self.qkv_width)
 
         self._layers(n, inp, attention)
         cfg, buf = self.config, self.buf

@@ -5,63 +5,40 @@ engine, and finished rows go to disk in small pieces (see io/writer.py). The run
 
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
 `<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
-results. `<output>.lock` keeps two runs off one output (job_guard.py). Rerunning a finished job is a no-op.
-Job files (jobs/*.toml) are read by job_file.py.
+results. `<output>.lock` keeps two runs off one output (jobs/guard.py). Rerunning a finished job is a no-op.
+Job files (jobs/*.toml) are read by jobs/file.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tinyvllm import __version__
-from tinyvllm.io import JobError, PartsWriter, Row, count_rows, output_record, read_rows
-from tinyvllm.io.writer import PIECE_ROWS, output_schema, parts_dir, summarize_output, summary_path
-from tinyvllm.job_guard import OutputLock, StopSignals
+from tinyvllm.errors import JobError
+from tinyvllm.io import PartsWriter, Row, count_rows, output_record, read_rows
+from tinyvllm.io.writer import output_schema, parts_dir, summarize_output, summary_path
+from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.version import __version__
 
-__all__ = ["JobConfig", "JobError", "JobInterrupted", "LocalExecutor", "load_llm", "prepare_request", "run_job"]
+__all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prepare_request", "run_job",
+           "sampling_defaults"]
 
-
-@dataclass
-class JobConfig:
-    input: Path
-    output: Path
-    model: Path | None = None  # None: the fetched default model
-    backend: str = "auto"
-    batching: str = "continuous"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # The job's seed: the engine's, and a row without its own seed samples with one derived from this and its row
-    # number, so a resumed or repeated job gives the same text.
-    seed: int = 0
-    sampling: dict = field(default_factory=dict)  # SamplingParams fields: the defaults every row starts from
-    chat: bool = False  # a `prompt` text is sent as one user message through the chat template
-    output_token_ids: bool = False
-    logprobs: int | None = None
-    max_in_flight: int | None = None  # requests inside the engine at once; default 4 x max_num_seqs
-    piece_rows: int = PIECE_ROWS
-    overwrite: bool = False  # start over: drop committed pieces and replace a finished output
-    quiet: bool = False
-    ray: object | None = None  # a ray_runner.RayConfig: run the engine work on Ray replicas
+_request_ids = itertools.count()
 
 
 class JobInterrupted(JobError):
@@ -91,41 +68,49 @@ class LocalExecutor:
         call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
         admitting once stopped(). Returns (engine info, engine stats)."""
         llm = load_llm(cfg)
-        engine, max_model_len = llm.llm_engine, llm.info()["max_model_len"]
-        max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
-        in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
-
-        def step() -> None:
-            for out in engine.step():
-                index, row_id, prompt = in_flight.pop(out.request_id)
-                emit(output_record(index, row_id, prompt, out))
-            commit()
-            if in_flight and not engine.has_unfinished_requests():
-                raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
-
-        for row in rows:
-            try:
-                prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
-            except ValueError as e:
-                emit(output_record(row.index, row.id, None, error=str(e)))
-                continue
-            request_id = str(row.index)  # unique even where ids repeat
-            engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
-            in_flight[request_id] = (row.index, row.id, prompt)
-            while len(in_flight) >= max_in_flight and not stopped():
-                step()
-        while in_flight and not stopped():
-            step()
+        complete_rows(llm, rows, defaults, cfg, emit, cfg.in_flight_limit, on_step=commit, stopped=stopped)
         return llm.info(), llm.stats()
+
+
+def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobConfig, emit: Callable[[dict], None],
+                  max_in_flight: int, on_step: Callable[[], None] = lambda: None,
+                  stopped: Callable[[], bool] = lambda: False) -> None:
+    """The row loop of every executor: emit() one output record per row (an error record for a bad one) as it
+    finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
+    no row is admitted and the requests in flight are abandoned."""
+    engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
+    in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
+
+    def step() -> None:
+        for out in engine.step():
+            index, row_id, prompt = in_flight.pop(out.request_id)
+            emit(output_record(index, row_id, prompt, out))
+        on_step()
+        if in_flight and not engine.has_unfinished_requests():
+            raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
+
+    for row in rows:
+        if row.error is not None:
+            emit(output_record(row.index, row.id, None, error=row.error))
+            continue
+        try:
+            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
+        except ValueError as e:
+            emit(output_record(row.index, row.id, None, error=str(e)))
+            continue
+        request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
+        engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+        in_flight[request_id] = (row.index, row.id, prompt)
+        while len(in_flight) >= max_in_flight and not stopped():
+            step()
+    while in_flight and not stopped():
+        step()
 
 
 def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     """Run (or resume) the job to the end and return its summary; `summary["already_complete"]` when there was
     nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
-    try:
-        defaults = SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
-    except (TypeError, ValueError) as e:
-        raise JobError(f"bad sampling defaults: {e}") from None
+    defaults = sampling_defaults(cfg)
     cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
     if not cfg.model.exists():
         raise JobError(f"model not found: {cfg.model}")
@@ -183,11 +168,19 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
                              f"{writer.parts}; run the same command again to resume", 128 + signals.received)
-    metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.backend),
-                "batching": info.get("batching", cfg.batching), "engine": info, "sampling": asdict(defaults),
+    metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
+                "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
                 "start_time": manifest["started_at"], "end_time": _iso(time.time())}
     return writer.finalize(metadata, stats)
+
+
+def sampling_defaults(cfg: JobConfig) -> SamplingParams:
+    """The SamplingParams every row of the job starts from; JobError names a bad one."""
+    try:
+        return SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
+    except (TypeError, ValueError) as e:
+        raise JobError(f"bad sampling defaults: {e}") from None
 
 
 def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
@@ -197,7 +190,7 @@ def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfi
     if params.max_tokens > max_model_len:
         raise ValueError(f"invalid max_tokens={params.max_tokens}: more than max_model_len={max_model_len}")
     if params.seed is None:
-        params = replace(params, seed=_row_seed(cfg.seed, row.index))
+        params = replace(params, seed=_row_seed(cfg.engine.seed, row.index))
     messages = row.messages
     if messages is None and cfg.chat and isinstance(row.prompt, str):
         messages = [{"role": "user", "content": row.prompt}]
@@ -221,7 +214,8 @@ def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return {"input_size": cfg.input.stat().st_size, "input_sha256": digest.hexdigest(),
-            "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.max_model_len, "seed": cfg.seed,
+            "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
+            "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs}
 
@@ -308,13 +302,10 @@ def load_llm(cfg: JobConfig):
     from tinyvllm.llm import LLM  # heavy: only once the job is known to be runnable
 
     try:
-        return LLM(cfg.model, backend=cfg.backend, batching=cfg.batching, max_num_seqs=cfg.max_num_seqs,
-                   max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-                   max_model_len=cfg.max_model_len, num_kv_blocks=cfg.num_kv_blocks, seed=cfg.seed,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization,
-                   enable_prefix_caching=cfg.enable_prefix_caching,
-                   enable_chunked_prefill=cfg.enable_chunked_prefill)
-    except Exception as e:  # a bad config, missing weights, no GPU for backend=cuda, ...: the job cannot run
+        return LLM(cfg.model, **asdict(cfg.engine))
+    # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
+    # bug and keeps its traceback.
+    except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
         raise JobError(f"cannot load model {cfg.model}: {e}".splitlines()[0]) from None
 
 

@@ -7,7 +7,7 @@ import signal
 import socket
 from pathlib import Path
 
-from tinyvllm.io import JobError
+from tinyvllm.errors import JobError
 
 
 class OutputLock:

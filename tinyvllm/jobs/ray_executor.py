@@ -20,67 +20,32 @@ kills the replica again, it becomes an error row and the job goes on. LLMProcess
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
-import math
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
-from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
-from tinyvllm.io import JobError, Row, output_record
-from tinyvllm.io.readers import BadRow, parse_request
+from tinyvllm.errors import JobError
+from tinyvllm.io import Row, output_record
 from tinyvllm.io.writer import output_schema
-from tinyvllm.runner import JobConfig, load_llm, prepare_request, run_job
+from tinyvllm.jobs.config import JobConfig, RayConfig
+from tinyvllm.jobs.run import complete_rows, load_llm
 from tinyvllm.sampling_params import SamplingParams
 
-__all__ = ["RayConfig", "RayExecutor", "LLMProcessor", "run_ray_job"]
+__all__ = ["RayExecutor"]
 
 INSTALL_HINT = "pip install 'tinyvllm[ray]'"
 STAGED_SCHEMA = pa.schema([("row", pa.int64()), ("id", pa.string()), ("request", pa.string())])
 # A job replica's {"replica", "info": LLM.info(), "stats": LLM.stats()} on the first row of each batch: the driver
 # keeps the latest per replica (a restarted actor counts as a new one) for the output's metadata.
 ENGINE_COLUMN = "__tinyvllm_engine"
-# JobConfig's fields that LLMProcessor takes: all but those of files and of the in-process run loop.
-PROCESSOR_OPTIONS = tuple(f.name for f in fields(JobConfig) if f.name not in
-                          ("input", "output", "model", "max_in_flight", "piece_rows", "overwrite", "quiet"))
-
-
-@dataclass
-class RayConfig:
-    address: str | None = None  # None: $RAY_ADDRESS if set, else a new local Ray instance
-    num_replicas: int | None = None  # None: one per GPU in the cluster (cuda), one per CPU (numpy)
-    batch_size: int | None = None  # rows per batch (the unit retried); None: min(4 x max_num_seqs, an even share)
-    cpus_per_replica: float = 1.0
-
-    @classmethod
-    def from_table(cls, table: dict, where: str) -> RayConfig:
-        """A job file's `[ray]` table, checked."""
-        types = {"address": str, "num_replicas": int, "batch_size": int, "cpus_per_replica": (int, float)}
-        for key, value in table.items():
-            if key not in types:
-                raise JobError(f"{where}: unknown key 'ray.{key}' (known: {', '.join(types)})")
-            if not isinstance(value, types[key]) or isinstance(value, bool):
-                raise JobError(f"{where}: ray.{key} = {value!r} has the wrong type")
-        cfg = cls(**table)
-        if any(v is not None and v < 1 for v in (cfg.num_replicas, cfg.batch_size)) or cfg.cpus_per_replica < 0:
-            raise JobError(f"{where}: ray.num_replicas and ray.batch_size must be >= 1, ray.cpus_per_replica >= 0")
-        return cfg
-
-
-def run_ray_job(cfg: JobConfig, ray_cfg: RayConfig | None = None) -> dict:
-    """`run_job` with the engine work spread over Ray replicas: same checks, lock, resume, output and summary."""
-    return run_job(cfg, RayExecutor(ray_cfg or RayConfig()))
 
 
 class RayExecutor:
-    """runner.LocalExecutor's counterpart: rows through a pool of Ray actors holding one LLM each."""
+    """jobs.run.LocalExecutor's counterpart: rows through a pool of Ray actors holding one LLM each."""
 
     def __init__(self, ray_cfg: RayConfig) -> None:
         self.ray = _import_ray()  # no Ray: say how to install it before anything else
@@ -104,9 +69,9 @@ class RayExecutor:
 
         ray.data.DataContext.get_current().enable_progress_bars = False  # the job's bar shows rows and tok/s
         ray_cfg = self.ray_cfg
-        gpus = _gpus_per_replica(cfg.backend)
+        gpus = _gpus_per_replica(cfg.engine.backend)
         replicas = ray_cfg.num_replicas or _default_replicas(gpus, ray_cfg.cpus_per_replica)
-        batch_size = ray_cfg.batch_size or max(1, min(4 * cfg.max_num_seqs, -(-num_rows // replicas)))
+        batch_size = ray_cfg.batch_size or max(1, min(cfg.in_flight_limit, -(-num_rows // replicas)))
         reports: dict[str, dict] = {}
         try:
             blocks, staged = _stage(rows, batch_size)
@@ -182,37 +147,6 @@ def _merged_stats(stats: list[dict]) -> dict:
             "num_steps": steps, "replicas": len(stats)}
 
 
-class LLMProcessor:
-    """Completions for a Ray Dataset you already have: `ds = LLMProcessor("model-dir", num_replicas=4)(ds)`.
-
-    Rows are read like a job's input rows (`prompt` or `messages`, optional sampling columns such as `max_tokens`,
-    or OpenAI batch `custom_id`/`body`); the dataset comes back, lazily, with its columns kept and the job output's
-    result columns added (completion, finish_reason, prompt_tokens, completion_tokens, error, latencies, ...); a bad
-    row gets finish_reason "error". Options: JobConfig's engine and sampling fields (backend, max_num_seqs,
-    sampling={...}, chat, seed, ...). A row without a seed of its own (nor in `sampling`) samples freshly.
-    """
-
-    def __init__(self, model: str | Path, *, num_replicas: int | None = None, batch_size: int | None = None,
-                 cpus_per_replica: float = 1.0, **options) -> None:
-        unknown = sorted(set(options) - set(PROCESSOR_OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown option(s): {', '.join(unknown)} (known: {', '.join(PROCESSOR_OPTIONS)})")
-        # JobConfig carries the engine and sampling settings; a processor has no input or output file of its own.
-        self.cfg = JobConfig(input=Path(), output=Path(), model=Path(model), **options)
-        self.defaults = SamplingParams(**self.cfg.sampling, logprobs=self.cfg.logprobs)  # ValueError now, not later
-        self.num_replicas, self.cpus_per_replica = num_replicas, cpus_per_replica
-        self.batch_size = batch_size or 4 * self.cfg.max_num_seqs
-
-    def __call__(self, ds):
-        ray = _import_ray()
-        _connect(ray, None)  # as Ray Data would on first use: the GPU count below needs the cluster
-        gpus = _gpus_per_replica(self.cfg.backend)
-        replicas = self.num_replicas or _default_replicas(gpus, self.cpus_per_replica)
-        log = ray.remote(num_cpus=0)(_BatchLog).remote()
-        return _map(ds, _DatasetReplica, self.cfg, self.defaults, replicas, self.batch_size, self.cpus_per_replica,
-                    gpus, log=log)
-
-
 class _BatchLog:
     """What survives a replica's death, per batch (a job's: its first row number; a dataset's: a digest of its
     content): how many times it was started, the records of the rows already done on a retry, and the row being run
@@ -248,34 +182,17 @@ class _Replica:
         self.llm = load_llm(cfg)
         self.info = self.llm.info()
         self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
-        self._request_ids = itertools.count()
 
     def complete(self, rows: list[Row]) -> list[dict]:
         """One output record per row, in order: the engine's completion, or an error record."""
-        engine = self.llm.llm_engine
+        position = {row.index: i for i, row in enumerate(rows)}
         records: list[dict | None] = [None] * len(rows)
-        pending: dict[str, tuple[int, str | list[int]]] = {}  # request id -> (position in rows, prompt sent)
-        for i, row in enumerate(rows):
-            if row.error is not None:
-                records[i] = output_record(row.index, row.id, None, error=row.error)
-                continue
-            try:
-                prompt, templated, params = prepare_request(row, self.llm.tokenizer, self.defaults, self.cfg,
-                                                     self.info["max_model_len"])
-            except ValueError as e:
-                records[i] = output_record(row.index, row.id, None, error=str(e))
-                continue
-            request_id = str(next(self._request_ids))
-            engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
-            pending[request_id] = (i, prompt)
-        while pending:
-            for out in engine.step():
-                i, prompt = pending.pop(out.request_id)
-                records[i] = output_record(rows[i].index, rows[i].id, prompt, out)
-            if pending and not engine.has_unfinished_requests():
-                raise RuntimeError(f"engine lost {len(pending)} request(s)")
-        return records
 
+        def emit(record: dict) -> None:
+            records[position[record["row"]]] = record
+
+        complete_rows(self.llm, rows, self.defaults, self.cfg, emit, max_in_flight=len(rows))
+        return records
 
     def complete_logged(self, rows: list[Row], key: int | str) -> list[dict]:
         """complete(), but a batch that killed a replica before is run in ever smaller chunks (see _isolate)."""
@@ -324,40 +241,6 @@ class _JobReplica(_Replica):
         report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
         engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
         return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
-
-
-class _DatasetReplica(_Replica):
-    """A user's batch in, the same batch out with the result columns added."""
-
-    def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
-        super().__init__(cfg, defaults, log)
-        # The job output's columns but the row's number, id and prompt: the dataset has its own.
-        self.results = [f for f in self.schema if f.name not in ("row", "id", "prompt")]
-        self.rng = np.random.default_rng()  # fresh entropy: replicas must not all draw the same seeds
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        clash = [f.name for f in self.results if f.name in batch.column_names]
-        if clash:
-            raise ValueError(f"the dataset already has column(s) {', '.join(clash)}: rename or drop them first")
-        objs = batch.to_pylist()
-        rows = [self._row(i, obj) for i, obj in enumerate(objs)]
-        # A retried batch has the same content: its digest names it in the log.
-        key = hashlib.blake2b(json.dumps(objs, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
-        records = self.complete_logged(rows, key)
-        for f in self.results:
-            batch = batch.append_column(f, pa.array([r.get(f.name) for r in records], f.type))
-        return batch
-
-    def _row(self, i: int, obj: dict) -> Row:
-        # As the Parquet reader does: pandas writes a missing number as NaN.
-        obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
-        try:
-            prompt, messages, overrides = parse_request(obj)
-        except BadRow as e:
-            return Row(i, str(i), error=str(e))
-        if self.defaults.seed is None and "seed" not in overrides:
-            overrides["seed"] = int(self.rng.integers(1 << 62))
-        return Row(i, str(i), prompt, messages, overrides)
 
 
 def _map(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: int, batch_size: int, cpus: float,

@@ -1,0 +1,64 @@
+"""A job's settings: JobConfig (files, job knobs, the EngineConfig, sampling defaults) and RayConfig.
+
+Settings only: nothing here runs a job, so the CLI, job files and both executors can import it. The CLI flags and
+job-file keys are derived from these fields and EngineConfig's (cli.py, jobs/file.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tinyvllm.config import EngineConfig, check_settings, setting
+from tinyvllm.io.writer import PIECE_ROWS
+
+# SamplingParams fields the CLI and job files set as defaults for every row (a row's own values win).
+SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = setting(None, "Ray cluster address [default: $RAY_ADDRESS, else a local Ray]")
+    num_replicas: int | None = setting(None, "Ray: LLM replicas [default: one per GPU (cuda) or CPU (numpy)]",
+                                       low=1, high=1 << 16)
+    batch_size: int | None = setting(None, "Ray: rows per batch, the unit a dead replica's work is retried in "
+                                     "[default: min(4 x max_num_seqs, an even share)]", low=1, high=1 << 24)
+    cpus_per_replica: float = setting(1.0, "Ray: CPUs reserved per replica", low=0.0, high=1 << 16)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass
+class JobConfig:
+    input: Path
+    output: Path
+    model: Path | None = None  # None: the fetched default model
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields: the defaults every row starts from
+    chat: bool = setting(False, "send each `prompt` text as one user chat message")
+    output_token_ids: bool = setting(False, "add a completion_token_ids column")
+    logprobs: int | None = setting(None, "add logprob columns with the top N per token", low=0, high=1 << 20)
+    max_in_flight: int | None = setting(None, "requests in the engine at once [default: 4 x max_num_seqs]",
+                                        low=1, high=1 << 24)
+    piece_rows: int = setting(PIECE_ROWS, "rows per committed piece", low=1, high=1 << 24)
+    overwrite: bool = setting(False, "start over: drop committed rows, replace a finished output")
+    quiet: bool = setting(False, "no progress bar or final line")
+    ray: RayConfig | None = None  # set: run the engine work on Ray replicas
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Requests inside one engine at once: enough queued to keep every batch slot busy."""
+        return self.max_in_flight or 4 * self.engine.max_num_seqs
+
+
+def job_config(settings: dict, sampling: dict, ray: dict | None) -> JobConfig:
+    """A JobConfig from flat settings (JobConfig's and EngineConfig's fields side by side), as flags and job files
+    give them. ValueError names a bad value."""
+    engine_names = {f.name for f in fields(EngineConfig)}
+    engine = EngineConfig(**{k: v for k, v in settings.items() if k in engine_names})
+    job = {k: v for k, v in settings.items() if k not in engine_names}
+    return JobConfig(**job, engine=engine, sampling=sampling, ray=RayConfig(**ray) if ray is not None else None)
