@@ -1,19 +1,31 @@
-"""HF transformers on the same random weights and prompts: the peers tinyvllm's benchmark is compared with.
+"""HF transformers on the same random weights and the identical requests: the peers tinyvllm's benchmark races.
 
 Three ways a user would run HF: plain `generate` in static batches, `generate` with the static cache (transformers
 then compiles the forward itself: its fastest documented path), and `generate_batch` (paged continuous batching).
 Every run generates exactly the planned tokens (EOS disabled), greedy.
+
+bench/run.py runs this file as its own process before tinyvllm loads, so each side has the GPU to itself:
+
+    python bench/hf_peers.py --peers static,compiled,generate_batch [--dummy-weights NAME | --model PATH]
+                             [--scale 1.0] [--seed 0] [--batch-sizes 256,512] --json peers.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
 
-from tinyvllm.benchmark import Request
+from tinyvllm.benchmark import Request, dummy_model, make_workload
+from tinyvllm.model.loader import load_model
+
+PEERS = ("static", "compiled", "generate_batch")
 
 
 def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sdpa"):
@@ -76,3 +88,56 @@ def generate_batch_paged(model, requests: list[Request], device: str = "cuda") -
     wall = time.perf_counter() - start
     out_tokens = sum(len(o.generated_tokens) for o in outputs.values())
     return {"output_tokens": out_tokens, "wall_s": wall, "output_tok_s": out_tokens / wall}
+
+
+def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: list[int]) -> dict:
+    """W1 and W3, exactly as tinyvllm's benchmark makes them, through each HF peer. W1's static batches run at each
+    of batch_sizes and the fastest is reported (with the batch size it used)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = hf_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    results = {}
+    for workload in ("W1", "W3"):
+        requests = make_workload(workload, model.config.vocab_size, scale, seed)
+        for name in names:
+            key = f"{workload}/{name}"
+            try:
+                if name == "generate_batch":
+                    if workload == "W3":
+                        continue
+                    results[key] = generate_batch_paged(hf, requests, device)
+                else:
+                    tries = []
+                    for batch in (batch_sizes if workload == "W1" else [1]):
+                        tries.append({**generate_static_batches(hf, requests, batch, name == "compiled", device),
+                                      "batch_size": batch})
+                        print(f"peer {key} batch {batch}: {tries[-1]}", flush=True)
+                    results[key] = max(tries, key=lambda r: r["output_tok_s"])
+                if workload == "W3":
+                    results[key]["ms_per_token"] = 1000 / results[key]["output_tok_s"]
+            except Exception as exc:  # a peer failing (e.g. out of memory) is reported, not fatal
+                results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"peer {key}: {results[key]}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--dummy-weights", default="llama-3.2-1b")
+    parser.add_argument("--model")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-sizes", default="256,512", help="W1 static batch sizes to try")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed)
+    results = run_peers(model, [p for p in args.peers.split(",") if p], args.scale, args.seed,
+                        [int(b) for b in args.batch_sizes.split(",")])
+    Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()

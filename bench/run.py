@@ -1,10 +1,11 @@
 """`make bench`: tinyvllm's workloads, the machine's measured limits and HF transformers' peers, in one run.
 
     python bench/run.py [--dummy-weights llama-3.2-1b | --model PATH] [--backend cuda] [--workloads W1,W3]
-                        [--scale 1.0] [--peers static,compiled,generate_batch] [--peer-scale 0.5] [--json out.json]
+                        [--scale 1.0] [--peers static,compiled,generate_batch] [--json out.json]
 
-Peers run on the same weights and prompts (W1 and W3: the workloads HF's static batches can express), so the
-report gives ratios measured side by side.
+Peers (bench/hf_peers.py) run the identical requests on the same weights (W1 and W3: the workloads HF's static
+batches can express) in their own process, before tinyvllm loads, so each side has the GPU to itself; the report
+gives the ratios of the one run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,37 +23,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tinyvllm import LLM  # noqa: E402
-from tinyvllm.benchmark import WORKLOADS, dummy_model, format_results, make_workload, run_benchmark  # noqa: E402
+from tinyvllm.benchmark import WORKLOADS, dummy_model, format_results, run_benchmark  # noqa: E402
 from tinyvllm.model.loader import load_model  # noqa: E402
 
 PEERS = ("static", "compiled", "generate_batch")
 
 
-def run_peers(model, names: list[str], peer_scale: float, seed: int) -> dict:
-    import hf_peers  # torch + transformers: only needed here
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = hf_peers.hf_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
-    results = {}
-    for workload in ("W1", "W3"):
-        requests = make_workload(workload, model.config.vocab_size, peer_scale if workload == "W1" else 1.0, seed)
-        batch = 256 if workload == "W1" else 1
-        for name in names:
-            key = f"{workload}/{name}"
-            try:
-                if name == "generate_batch":
-                    if workload == "W3":
-                        continue
-                    results[key] = hf_peers.generate_batch_paged(hf, requests, device)
-                else:
-                    results[key] = hf_peers.generate_static_batches(hf, requests, batch, name == "compiled", device)
-                if workload == "W3":
-                    results[key]["ms_per_token"] = 1000 / results[key]["output_tok_s"]
-            except Exception as exc:  # a peer failing is reported, not fatal
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"peer {key}: {results[key]}", flush=True)
-    return results
+def run_peers(args) -> dict:
+    """HF's peers on the same work, in a child process that exits (releasing the GPU) before tinyvllm starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peers.json"
+        source = ["--model", args.model] if args.model else ["--dummy-weights", args.dummy_weights]
+        command = [sys.executable, str(Path(__file__).with_name("hf_peers.py")), "--peers", args.peers, *source,
+                   "--scale", str(args.scale), "--seed", str(args.seed), "--batch-sizes", args.peer_batch_sizes,
+                   "--json", str(out)]
+        done = subprocess.run(command)
+        if done.returncode != 0 or not out.exists():
+            return {"error": f"bench/hf_peers.py exited with {done.returncode}"}
+        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -64,11 +53,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--peers", default="", help=f"comma-separated subset of {','.join(PEERS)}")
-    parser.add_argument("--peer-scale", type=float, default=0.5, help="W1 size for the peers (they are slow)")
+    parser.add_argument("--peer-batch-sizes", default="256,512", help="HF static batch sizes tried on W1")
     parser.add_argument("--json", default="out/bench.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    peers = run_peers(args) if args.peers else {}
     t0 = time.perf_counter()
     model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed)
     llm = LLM(model, backend=args.backend, max_num_seqs=args.max_num_seqs,
@@ -76,18 +66,17 @@ def main() -> None:
               max_model_len=min(4096, model.config.max_position_embeddings))
     print(f"loaded {model.source} on {llm.backend.name} in {time.perf_counter() - t0:.1f}s: {llm.info()}", flush=True)
     results = run_benchmark(llm, args.workloads.split(","), args.scale, args.seed)
-    results["peers"] = run_peers(model, [p for p in args.peers.split(",") if p], args.peer_scale, args.seed) \
-        if args.peers else {}
+    results["peers"] = peers
     results["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-                       "commit": _git_commit(), "llm": llm.info(), "scale": args.scale,
-                       "peer_scale": args.peer_scale}
+                       "commit": _git_commit(), "llm": llm.info(), "scale": args.scale}
     print(format_results(results))
     for key, peer in results["peers"].items():
         workload = key.split("/")[0]
         ours = results["workloads"].get(workload, {}).get("output_tok_s")
-        if ours and "output_tok_s" in peer:
+        if ours and isinstance(peer, dict) and "output_tok_s" in peer:
+            batch = f", batch {peer['batch_size']}" if "batch_size" in peer else ""
             print(f"tinyvllm / HF {key}: {ours / peer['output_tok_s']:.2f}x  "
-                  f"(HF {peer['output_tok_s']:.0f} tok/s)")
+                  f"(HF {peer['output_tok_s']:.0f} tok/s{batch}; same requests)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
