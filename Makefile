@@ -12,6 +12,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .
+	@# A GPU host gets the cuda extra (pycuda builds against the CUDA toolkit), so its first run is the fast one.
+	@if [ -z "$(NO_CUDA)" ] && command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q -e '.[cuda]' || { echo "make: an NVIDIA GPU is here but pycuda did not install (it needs the CUDA toolkit, nvcc on PATH); fix that, or run on the CPU: make run NO_CUDA=1" >&2; exit 1; }; \
+	fi
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -2,26 +2,51 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch
 from tinyvllm.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 def cuda_available() -> bool:
     """True when pycuda imports and sees at least one NVIDIA GPU."""
+    return cuda_unavailable_reason() is None
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the cuda backend cannot run here (None: it can)."""
     try:
         import pycuda.driver as cuda
-
+    except ImportError:
+        if gpu_present():
+            return "an NVIDIA GPU is present but pycuda is not installed (pip install 'tinyvllm[cuda]')"
+        return "no NVIDIA GPU (pycuda is not installed)"
+    try:
         cuda.init()
-        return cuda.Device.count() > 0
-    except Exception:  # no pycuda, no driver, no device: all mean "no"
-        return False
+        count = cuda.Device.count()
+    except Exception as exc:  # a driver that fails to start: say what it said
+        return f"the CUDA driver did not start ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "pycuda sees no NVIDIA GPU"
+
+
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, whatever Python can use of it."""
+    return bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0")
 
 
 def create_backend(model, config: EngineConfig) -> Backend:
     """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
     name = config.backend
     if name == "auto":
-        name = "cuda" if cuda_available() else "numpy"
+        reason = cuda_unavailable_reason()
+        if reason is not None:  # said out loud only where a GPU was there to be used
+            log.log(logging.WARNING if gpu_present() else logging.INFO,
+                    "backend auto: running on the CPU (numpy): %s", reason)
+        name = "numpy" if reason else "cuda"
     if name == "numpy":
         from tinyvllm.backends.numpy_backend import NumpyBackend
 
