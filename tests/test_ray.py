@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tinyvllm.jobs import processor as processor_module
 from tinyvllm.jobs import ray_executor
 from tinyvllm.io import JobError
 from tinyvllm.io.writer import parts_dir
@@ -111,8 +112,8 @@ def test_ray_job_equals_single_process(ray_local, tiny_model_dir, job_input, loc
 
 def use_replica(monkeypatch, replica: type) -> None:
     """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
-    real_map = ray_executor._map
-    monkeypatch.setattr(ray_runner, "_map", lambda ds, _, *args, **kw: real_map(ds, replica, *args, **kw))
+    real_map = ray_executor.map_replicas
+    monkeypatch.setattr(ray_executor, "map_replicas", lambda ds, _, *args, **kw: real_map(ds, replica, *args, **kw))
 
 
 @needs_ray
@@ -227,7 +228,7 @@ def test_processor_turns_a_row_that_kills_its_replica_into_an_error(ray_local, t
     deaths = tmp_path / "deaths"
     deaths.mkdir()
 
-    class DiesOnPoison(ray_executor._DatasetReplica):
+    class DiesOnPoison(processor_module._DatasetReplica):
         def complete(self, rows):
             if any(row.prompt == "poison" for row in rows):
                 if len(list(deaths.iterdir())) >= 6:
@@ -268,11 +269,11 @@ def test_without_ray_says_how_to_install(tiny_model_dir, tmp_path, monkeypatch):
         run_ray_job(JobConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", model=tiny_model_dir))
 
 
-@pytest.mark.parametrize("table,message", [("", None), ('gpus = 2', "unknown key 'ray.gpus'"),
+@pytest.mark.parametrize("table,message", [("num_replicas = 4", None), ('gpus = 2', "unknown key 'ray.gpus'"),
                                            ('num_replicas = "4"', "wrong type"), ("batch_size = 0", ">= 1")])
 def test_ray_table_of_a_job_file(tmp_path, table, message):
     job = tmp_path / "job.toml"
-    job.write_text(f'input = "in.jsonl"\noutput = "out.parquet"\n[ray]\naddress = "auto"\nnum_replicas = 4\n{table}\n')
+    job.write_text(f'input = "in.jsonl"\noutput = "out.parquet"\n[ray]\naddress = "auto"\n{table}\n')
     if message is None:
         assert load_job_file(job, {}, {}).ray == RayConfig(address="auto", num_replicas=4)
     else:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-# Fields a row of a job's input may override, with the type each must have.
+# Fields a row of a job's input may override.
 OVERRIDABLE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+MAX_N = 256  # completions per prompt
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # completions of the prompt (its prompt computed once, its KV blocks shared)
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability sums to top_p
@@ -20,6 +22,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, removed from the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    include_stop_str_in_output: bool = False
+    # Logits processors, with vLLM's meanings: presence/frequency penalties count output tokens only, the repetition
+    # penalty the prompt's and output's (logit / p where positive, * p where not); logit_bias {token id: bias} is
+    # added; allowed_token_ids keeps only those; bad_words are never generated (each word as it tokenizes with and
+    # without a leading space).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     logprobs: int | None = None  # number of top logprobs returned per generated token
     prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token (besides its own)
 
@@ -30,6 +44,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:  # JSON gives string keys ({"50256": -100}), as OpenAI's API does
+            try:
+                self.logit_bias = {int(t): v for t, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"invalid logit_bias={self.logit_bias!r}: must map token ids to numbers") from None
         self.validate()
 
     def validate(self) -> None:
@@ -38,6 +57,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
 
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -54,14 +75,31 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            bad("repetition_penalty", "must be a number in (0, 100]")
+        if self.logit_bias is not None and not all(
+                t >= 0 and _is_number(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()):
+            bad("logit_bias", "must map token ids to biases in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 bad(name, "must be an integer >= 0 or None")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def with_overrides(self, overrides: dict) -> "SamplingParams":
         """A copy with the given fields replaced (a job row's overrides); unknown keys raise ValueError."""

@@ -31,6 +31,37 @@ class SamplingBatch:
 
 
 @dataclass
+class LogitsProcessing:
+    """Logits processors of one step (vLLM's allowed_token_ids, logit_bias, bad_words, min_tokens and penalties),
+    applied to each row's logits before sampling and before logprobs are taken, in this order:
+
+    1. allowed: row i keeps only allowed_ids[allowed_ptr[i]:allowed_ptr[i+1]] (sorted); an empty range keeps all.
+    2. bias: logit += bias_values[j] for j in bias_ptr[i]:bias_ptr[i+1] at token bias_ids[j] (-inf bans it), where
+       bias_cond[j] is -1 or equals the row's last input token (the token just fed: a bad word's prefix ends there).
+    3. penalties, for rows with penalty_slots[i] >= 0, from the backend's token-count table (slot, token): output
+       counts c and a prompt mask: logit -= frequency * c + presence * (c > 0); where c > 0 or the token is in the
+       prompt, logit /= repetition if positive, else *= repetition.
+    After sampling, the backend adds each sampled token to count_slots[i]'s counts (count_slots[i] = -1: a row that
+    samples nothing kept, e.g. a prompt chunk). slot_inits, applied before the step, set a slot's prompt mask to the
+    given prompt tokens and its counts to the given output tokens (a sequence that just got the slot).
+    The token counts live on the backend so that a token sampled by the step in flight is counted without the host.
+    """
+
+    penalty_slots: np.ndarray  # int32 [S]
+    count_slots: np.ndarray  # int32 [S]
+    presence: np.ndarray  # float32 [S]
+    frequency: np.ndarray  # float32 [S]
+    repetition: np.ndarray  # float32 [S]
+    allowed_ptr: np.ndarray  # int32 [S + 1]
+    allowed_ids: np.ndarray  # int32 [A]
+    bias_ptr: np.ndarray  # int32 [S + 1]
+    bias_ids: np.ndarray  # int32 [B]
+    bias_values: np.ndarray  # float32 [B]
+    bias_cond: np.ndarray  # int32 [B]
+    slot_inits: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (slot, prompt, output)
+
+
+@dataclass
 class Batch:
     """One engine step: the new tokens of S sequences, packed back to back (T tokens in all).
 
@@ -52,6 +83,9 @@ class Batch:
     # int32 [T] or None: where >= 0, token i is the id sampled in that row by the step submitted just before this
     # one (token_ids[i] is then a placeholder): the engine queues a step before it has read the previous one's.
     token_sources: np.ndarray | None = None
+    logits_processing: LogitsProcessing | None = None  # None: no row of the step has a logits processor
+    # int32 [P, 2]: (source, destination) KV blocks to copy before the step (a forked sequence's last partial block).
+    block_copies: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -128,6 +128,7 @@ class NumpyBackend(Backend):
                 "down": np.ascontiguousarray(w[p + "mlp.down_proj.weight"].T, dtype=np.float32),
             })
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
 
@@ -178,12 +179,17 @@ class NumpyBackend(Backend):
         return h @ self.lm_head_t
 
     def execute(self, batch: Batch) -> SamplerOutput:
+        if batch.block_copies is not None:
+            bs = self.engine_config.block_size
+            for cache in (*self.k_cache, *self.v_cache):
+                for src, dst in batch.block_copies:
+                    cache[dst * bs: (dst + 1) * bs] = cache[src * bs: (src + 1) * bs]
         last_rows = batch.query_start_loc[1:] - 1
         # Sequences asking for prompt logprobs need logits at their new positions, not just the last.
         prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i] + len(targets))
                        for i, targets in batch.prompt_logprob_targets.items()]
         logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
-        return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:])
+        return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:], self.token_counts)
 
 
 def _best_time(fn, repeats: int = 5) -> float:
@@ -195,11 +201,20 @@ def _best_time(fn, repeats: int = 5) -> float:
     return best
 
 
-def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None) -> SamplerOutput:
-    """Sample one token per sequence and gather the logprobs the batch asks for (shared by the backends).
+def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None,
+                       token_counts: sampler.TokenCounts | None = None) -> SamplerOutput:
+    """Apply the batch's logits processors (in place), sample one token per sequence and gather the logprobs the
+    batch asks for: the numpy backend's sampling, and the reference the GPU tests compare with.
 
     prompt_logits holds, for each entry of batch.prompt_logprob_targets in order, the logits of its positions."""
+    proc = batch.logits_processing
+    if proc is not None:
+        token_counts.init_slots(proc.slot_inits)
+        last_tokens = batch.token_ids[batch.query_start_loc[1:] - 1]
+        sampler.apply_logits_processing(logits, proc, last_tokens, token_counts)
     token_ids = sampler.sample(logits, batch.sampling)
+    if proc is not None:
+        token_counts.count(proc, token_ids)
     out = SamplerOutput(token_ids)
     if batch.sampling.num_logprobs >= 0:
         out.logprobs = sampler.gather_logprobs(logits, token_ids, batch.sampling.num_logprobs)

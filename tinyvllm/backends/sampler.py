@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.backends.base import Logprobs, SamplingBatch
+from tinyvllm.backends.base import LogitsProcessing, Logprobs, SamplingBatch
 
 _M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 
@@ -110,3 +110,49 @@ def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> Logpro
     else:
         top_ids, top_lp = np.zeros((len(rows), 0), np.int32), np.zeros((len(rows), 0), np.float32)
     return Logprobs(logp[rows, token_ids].astype(np.float32), top_ids.astype(np.int32), top_lp.astype(np.float32))
+
+
+class TokenCounts:
+    """The token-count table of LogitsProcessing's penalties: per slot, output counts and a prompt mask [V].
+    The twin of the cuda backend's table (cuda/logits_processors.cu); allocated on first use."""
+
+    def __init__(self, num_slots: int, vocab_size: int) -> None:
+        self.num_slots, self.vocab_size = num_slots, vocab_size
+        self.counts = np.zeros((0, vocab_size), np.int32)
+        self.prompt_mask = np.zeros((0, vocab_size), bool)
+
+    def init_slots(self, slot_inits: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        if slot_inits and not len(self.counts):
+            self.counts = np.zeros((self.num_slots, self.vocab_size), np.int32)
+            self.prompt_mask = np.zeros((self.num_slots, self.vocab_size), bool)
+        for slot, prompt, output in slot_inits:
+            self.counts[slot] = 0
+            np.add.at(self.counts[slot], output, 1)
+            self.prompt_mask[slot] = False
+            self.prompt_mask[slot, prompt] = True
+
+    def count(self, proc: LogitsProcessing, sampled: np.ndarray) -> None:
+        rows = np.flatnonzero(proc.count_slots >= 0)
+        np.add.at(self.counts, (proc.count_slots[rows], sampled[rows]), 1)
+
+
+def apply_logits_processing(logits: np.ndarray, proc: LogitsProcessing, last_tokens: np.ndarray,
+                            table: TokenCounts) -> None:
+    """Apply the step's logits processors to logits [S, V] float32 in place (see LogitsProcessing for the order and
+    meanings). last_tokens [S]: each row's last input token."""
+    for i in range(len(logits)):
+        x = logits[i]
+        a, b = proc.allowed_ptr[i], proc.allowed_ptr[i + 1]
+        if b > a:
+            banned = np.ones(len(x), bool)
+            banned[proc.allowed_ids[a:b]] = False
+            x[banned] = -np.inf
+        for j in range(proc.bias_ptr[i], proc.bias_ptr[i + 1]):
+            if proc.bias_cond[j] < 0 or proc.bias_cond[j] == last_tokens[i]:
+                x[proc.bias_ids[j]] += proc.bias_values[j]
+        slot = proc.penalty_slots[i]
+        if slot >= 0:
+            counts = table.counts[slot].astype(np.float32)
+            x -= proc.frequency[i] * counts + proc.presence[i] * (counts > 0).astype(np.float32)
+            seen = (counts > 0) | table.prompt_mask[slot]
+            x[seen] = np.where(x[seen] > 0, x[seen] / proc.repetition[i], x[seen] * proc.repetition[i])

@@ -117,6 +117,26 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's KV of all prompt tokens but the last, which the child computes itself to sample
+        its own first token: full blocks shared, the last partial block copied (the copy returned as a (source,
+        destination) pair for the backend). None when no block is free for the copy."""
+        shared = parent.num_prompt_tokens - 1
+        full, partial = divmod(shared, self.block_size)
+        if partial and not self.free_blocks:
+            return None
+        for block in parent.block_table[:full]:
+            self.ref_counts[block] += 1
+            child.block_table.append(block)
+        copies = []
+        if partial:
+            copy = self._take()
+            copies.append((parent.block_table[full], copy))
+            child.block_table.append(copy)
+        child.num_computed_tokens = shared
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        return copies
+
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,12 +13,30 @@ from tinyvllm.backends.base import Backend, Batch, Logprobs, SamplerOutput
 from tinyvllm.backends.sampler import seed_key
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_processing, request_processors
 from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+
+
+@dataclass
+class SequenceGroup:
+    """A request's n sequences: the first, and those forked from it once its prompt is computed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seed: int  # the first sequence's; the others' derive from it and their index
+    arrival_time: float
+    completions: list[CompletionOutput | None]
+    seqs: list[Sequence]
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
 
 
 @dataclass
@@ -45,6 +64,7 @@ class LLMEngine:
         self.max_seq_len = min(engine_config.max_model_len, self.num_kv_blocks * engine_config.block_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
+        self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
         self._in_flight: InFlightStep | None = None  # the step queued on the backend whose tokens are not read yet
@@ -74,18 +94,50 @@ class LLMEngine:
                          f"{self.engine_config.max_model_len}, KV cache {self.num_kv_blocks * self.engine_config.block_size} "
                          "tokens, one token left to generate)")
             return
+        try:
+            processors = request_processors(params, self.tokenizer, self.eos_token_ids, self.config.vocab_size)
+        except ValueError as exc:
+            self._reject(request_id, text, token_ids, metrics, str(exc))
+            return
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
-        seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
-        seq.max_len = min(self.max_seq_len, len(token_ids) + params.max_tokens)
+        group = SequenceGroup(request_id, text, token_ids, seed, metrics.arrival_time, [None] * params.n, [])
+        seq = self._new_sequence(group, 0, params, processors, metrics)
+        seq.forks_left = params.n - 1
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, group: SequenceGroup, index: int, params: SamplingParams, processors,
+                      metrics: RequestMetrics) -> Sequence:
+        """Completion `index` of the group's request. Its seed: the request's for the first, one derived from it
+        (seeded requests stay reproducible) or drawn afresh for the others."""
+        seed = group.seed if index == 0 else (_derived_seed(params.seed, index) if params.seed is not None
+                                               else int(self.rng.integers(1 << 63)))
+        seq = Sequence(group.request_id, self._arrivals, group.prompt, group.prompt_token_ids, params, seed,
+                       seed_key(seed), metrics)
+        self._arrivals += 1
+        seq.index, seq.group, seq.processors = index, group, processors
+        seq.max_len = min(self.max_seq_len, seq.num_prompt_tokens + params.max_tokens)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and index == 0:
             seq.prompt_logprobs = [None]  # the first token has no prefix to be predicted from
-        self._arrivals += 1
-        self.scheduler.add(seq)
+        group.seqs.append(seq)
+        return seq
+
+    def _fork(self) -> None:
+        """Start the next completions of n > 1 requests whose first sequence has its prompt computed: they share its
+        prompt's KV blocks (the last partial one copied) and compute only the last prompt token themselves."""
+        for parent in list(self.scheduler.running):
+            while parent.forks_left and parent.num_computed_tokens >= parent.num_prompt_tokens:
+                group = parent.group
+                child = self._new_sequence(group, len(group.seqs), parent.params, parent.processors,
+                                           RequestMetrics(arrival_time=group.arrival_time))
+                if not self.scheduler.fork(parent, child):
+                    group.seqs.pop()  # no room this step: try again next step
+                    break
+                parent.forks_left -= 1
 
     def _prompt_token_ids(self, prompt: str | list[int], templated: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -110,10 +162,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._rejected) + len(self.scheduler.waiting) + len(self.scheduler.running)
-
     # ---- one step --------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -125,7 +173,10 @@ class LLMEngine:
         step, whose token is dropped; one that reaches its length limit is not (the scheduler knows that limit).
         """
         finished, self._rejected = self._rejected, []
+        self._fork()
         step = self.scheduler.schedule()
+        for seq in step.preempted:
+            self.penalty_slots.release(seq)  # its counts are rebuilt when it runs again
         previous, self._in_flight = self._in_flight, self._launch(step) if step.seqs else None
         if previous is not None:
             finished += self._process(previous)
@@ -137,6 +188,8 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         batch = build_batch(step, self.engine_config.block_size)
+        samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(step.seqs, step.num_new_tokens)]
+        batch.logits_processing = build_logits_processing(step.seqs, samples, self.penalty_slots)
         starts, sample_index = [], []
         for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
             starts.append(seq.num_computed_tokens)
@@ -184,20 +237,25 @@ class LLMEngine:
                 seq.metrics.finished_time = now
                 seq.metrics.num_generated_tokens = seq.num_output_tokens
                 self.scheduler.finish(seq)
-                finished.append(self._output(seq))
+                self.penalty_slots.release(seq)
+                output = self._finish(seq)
+                if output is not None:
+                    finished.append(output)
         return finished
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
         """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
-        reasons."""
+        reasons. Up to min_tokens output tokens, only the length limit ends it (as vLLM: EOS and stop tokens are
+        banned from sampling then, stop strings not looked for)."""
         params = seq.params
-        if token in params.stop_token_ids:
+        stops_allowed = length - seq.num_prompt_tokens > params.min_tokens
+        if stops_allowed and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
             return True
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if stops_allowed and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
             return True
-        if seq.detokenizer is not None and self._stop_string_hit(seq, token):
+        if seq.detokenizer is not None and self._stop_string_hit(seq, token, stops_allowed):
             return True
         if length >= seq.max_len:
             seq.finish_reason = "length"
@@ -205,32 +263,51 @@ class LLMEngine:
         return False
 
     @staticmethod
-    def _stop_string_hit(seq: Sequence, token: int) -> bool:
-        """Append the token's text; if a stop string now appears, cut the text before it and finish."""
+    def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
+        """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it,
+        with include_stop_str_in_output) and finish."""
         before = len(seq.text)
         seq.text += seq.detokenizer.add(token)
-        if len(seq.text) == before:
+        if len(seq.text) == before or not look:
             return False
         search_from = max(0, before - max(len(s) for s in seq.params.stop) + 1)
         hits = [(pos, s) for s in seq.params.stop if (pos := seq.text.find(s, search_from)) >= 0]
         if not hits:
             return False
         pos, stop = min(hits)
-        seq.text = seq.text[:pos]
+        seq.text = seq.text[:pos + len(stop) if seq.params.include_stop_str_in_output else pos]
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _finish(self, seq: Sequence) -> RequestOutput | None:
+        """Record a finished sequence's completion; its request's output once all n are done."""
+        group = seq.group
         if seq.detokenizer is None:
             # the EOS or stop token that ended it is not text
             ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
             text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
             seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids)
-        completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs,
-                                      seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], True, seq.metrics,
-                             prompt_logprobs=seq.prompt_logprobs,
-                             extra={"num_preemptions": seq.num_preemptions})
+        group.completions[seq.index] = CompletionOutput(seq.index, seq.text, seq.output_token_ids,
+                                                        seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
+                                                        seq.stop_reason)
+        while seq.forks_left:  # it ended before its prompt could be shared: the rest start from scratch
+            self.scheduler.add(self._new_sequence(group, len(group.seqs), seq.params, seq.processors,
+                                                  RequestMetrics(arrival_time=group.arrival_time)))
+            seq.forks_left -= 1
+        if not group.done:
+            return None
+        first = group.seqs[0]
+        metrics = first.metrics
+        if len(group.seqs) > 1:  # the request's span: from its arrival to its last completion
+            all_metrics = [s.metrics for s in group.seqs]
+            metrics = RequestMetrics(group.arrival_time,
+                                     min(m.first_scheduled_time for m in all_metrics),
+                                     min(m.first_token_time for m in all_metrics),
+                                     max(m.finished_time for m in all_metrics),
+                                     max(m.num_generated_tokens for m in all_metrics))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, list(group.completions), True,
+                             metrics, prompt_logprobs=first.prompt_logprobs,
+                             extra={"num_preemptions": sum(s.num_preemptions for s in group.seqs)})
 
 
 def _logprob_dicts(logprobs: Logprobs, token_ids, k: int, row: int | None = None) -> list[dict[int, float]]:
@@ -242,3 +319,8 @@ def _logprob_dicts(logprobs: Logprobs, token_ids, k: int, row: int | None = None
         entry[int(token)] = float(logprobs.token_logprobs[r])
         out.append(entry)
     return out
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a seeded request with n > 1: distinct per index, the same every run."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()) >> 1

@@ -54,5 +54,6 @@ def build_batch(step: ScheduledStep, block_size: int) -> Batch:
         if seq.params.prompt_logprobs is not None and s + 1 < seq.num_prompt_tokens:
             targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
+    copies = np.asarray(step.block_copies, np.int32).reshape(-1, 2) if step.block_copies else None
     return Batch(is_prefill, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
-                 block_tables, sampling, targets, num_prompt_logprobs, token_sources)
+                 block_tables, sampling, targets, num_prompt_logprobs, token_sources, block_copies=copies)

@@ -32,6 +32,7 @@ class ScheduledStep:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens on
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before
 
 
 class Scheduler:
@@ -45,6 +46,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.static_batch: set[str] = set()  # static policy: the members of the batch in flight
         self.num_preemptions = 0
+        self._block_copies: list[tuple[int, int]] = []  # forks' copies, made before the next step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,8 +63,22 @@ class Scheduler:
         self.static_batch.discard(seq.request_id)
         self.block_manager.free(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Run `child` beside `parent` (another completion of its request) on parent's prompt blocks; False when
+        there is no room this step (max_num_seqs, or no block for the copy of the last partial one)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        copies = self.block_manager.fork(parent, child)
+        if copies is None:
+            return False
+        self._block_copies += copies
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return True
+
     def schedule(self) -> ScheduledStep:
-        step = ScheduledStep([], [])
+        step = ScheduledStep([], [], block_copies=self._block_copies)
+        self._block_copies = []
         budget = self._schedule_running(step, self.max_num_batched_tokens)
         self._admit(step, budget)
         return step

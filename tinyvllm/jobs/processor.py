@@ -19,8 +19,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.io import Row
 from tinyvllm.io.readers import BadRow, parse_request
 from tinyvllm.jobs.config import JobConfig, job_config
-from tinyvllm.jobs.ray_executor import (_BatchLog, _connect, _default_replicas, _gpus_per_replica, _import_ray, _map,
-                                        _Replica)
+from tinyvllm.jobs import ray_executor
 from tinyvllm.sampling_params import SamplingParams
 
 __all__ = ["LLMProcessor"]
@@ -52,16 +51,16 @@ class LLMProcessor:
         self.batch_size = batch_size or self.cfg.in_flight_limit
 
     def __call__(self, ds):
-        ray = _import_ray()
-        _connect(ray, None)  # as Ray Data would on first use: the GPU count below needs the cluster
-        gpus = _gpus_per_replica(self.cfg.engine.backend)
-        replicas = self.num_replicas or _default_replicas(gpus, self.cpus_per_replica)
-        log = ray.remote(num_cpus=0)(_BatchLog).remote()
-        return _map(ds, _DatasetReplica, self.cfg, self.defaults, replicas, self.batch_size, self.cpus_per_replica,
-                    gpus, log=log)
+        ray = ray_executor.import_ray()
+        ray_executor.connect(ray, None)  # as Ray Data would on first use: the GPU count below needs the cluster
+        gpus = ray_executor.gpus_per_replica(self.cfg.engine.backend)
+        replicas = self.num_replicas or ray_executor.default_replicas(gpus, self.cpus_per_replica)
+        log = ray.remote(num_cpus=0)(ray_executor.BatchLog).remote()
+        return ray_executor.map_replicas(ds, _DatasetReplica, self.cfg, self.defaults, replicas, self.batch_size,
+                                         self.cpus_per_replica, gpus, log=log)
 
 
-class _DatasetReplica(_Replica):
+class _DatasetReplica(ray_executor.Replica):
     """A user's batch in, the same batch out with the result columns added."""
 
     def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:

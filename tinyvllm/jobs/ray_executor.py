@@ -14,7 +14,7 @@ is missing. A driver that dies keeps its committed rows: the same command resume
 
 A row that kills its replica every time (the OOM killer, a crash in the backend) would have its batch retried
 forever; instead a batch that killed a replica is run again in ever smaller chunks (halved each attempt), the
-finished chunks' records kept in a small actor beside the driver (_BatchLog), until the row is run alone: if it
+finished chunks' records kept in a small actor beside the driver (BatchLog), until the row is run alone: if it
 kills the replica again, it becomes an error row and the job goes on. LLMProcessor does the same for a dataset.
 """
 
@@ -48,13 +48,13 @@ class RayExecutor:
     """jobs.run.LocalExecutor's counterpart: rows through a pool of Ray actors holding one LLM each."""
 
     def __init__(self, ray_cfg: RayConfig) -> None:
-        self.ray = _import_ray()  # no Ray: say how to install it before anything else
+        self.ray = import_ray()  # no Ray: say how to install it before anything else
         self.ray_cfg = ray_cfg
         self.started_ray = False
 
     def __enter__(self) -> RayExecutor:
         # Entered before the job's signal handlers: ray.init installs its own SIGTERM handler.
-        self.started_ray = _connect(self.ray, self.ray_cfg.address)
+        self.started_ray = connect(self.ray, self.ray_cfg.address)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,15 +69,15 @@ class RayExecutor:
 
         ray.data.DataContext.get_current().enable_progress_bars = False  # the job's bar shows rows and tok/s
         ray_cfg = self.ray_cfg
-        gpus = _gpus_per_replica(cfg.engine.backend)
-        replicas = ray_cfg.num_replicas or _default_replicas(gpus, ray_cfg.cpus_per_replica)
+        gpus = gpus_per_replica(cfg.engine.backend)
+        replicas = ray_cfg.num_replicas or default_replicas(gpus, ray_cfg.cpus_per_replica)
         batch_size = ray_cfg.batch_size or max(1, min(cfg.in_flight_limit, -(-num_rows // replicas)))
         reports: dict[str, dict] = {}
         try:
             blocks, staged = _stage(rows, batch_size)
             if blocks and not stopped():
-                log = ray.remote(num_cpus=0)(_BatchLog).remote()
-                ds = _map(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
+                log = ray.remote(num_cpus=0)(BatchLog).remote()
+                ds = map_replicas(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
                           batch_size, ray_cfg.cpus_per_replica, gpus, log=log)
                 batches = ds.iter_batches(batch_format="pyarrow", batch_size=None)
                 reports = _collect(batches, staged, emit, lambda: commit(force=True), stopped)
@@ -147,10 +147,10 @@ def _merged_stats(stats: list[dict]) -> dict:
             "num_steps": steps, "replicas": len(stats)}
 
 
-class _BatchLog:
+class BatchLog:
     """What survives a replica's death, per batch (a job's: its first row number; a dataset's: a digest of its
     content): how many times it was started, the records of the rows already done on a retry, and the row being run
-    alone when the replica died. A Ray actor living with the driver (ray.remote(_BatchLog))."""
+    alone when the replica died. A Ray actor living with the driver (ray.remote(BatchLog))."""
 
     def __init__(self) -> None:
         self.batches: dict[int | str, dict] = {}
@@ -173,12 +173,12 @@ class _BatchLog:
         self.batches.pop(key, None)
 
 
-class _Replica:
+class Replica:
     """One LLM in one Ray actor; Ray Data makes one per replica and calls it once per batch."""
 
     def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
         self.cfg, self.defaults = cfg, defaults
-        self.log = log  # a _BatchLog actor
+        self.log = log  # a BatchLog actor
         self.llm = load_llm(cfg)
         self.info = self.llm.info()
         self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
@@ -228,7 +228,7 @@ class _Replica:
         return [records[row.index] for row in rows]
 
 
-class _JobReplica(_Replica):
+class _JobReplica(Replica):
     """A block of staged rows in, their output records out (plus this replica's report on the first row)."""
 
     def __init__(self, cfg: JobConfig, defaults: SamplingParams, log) -> None:
@@ -243,7 +243,7 @@ class _JobReplica(_Replica):
         return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))
 
 
-def _map(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: int, batch_size: int, cpus: float,
+def map_replicas(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: int, batch_size: int, cpus: float,
          gpus: int, **replica_kwargs):
     """ds through a fixed pool of `replicas` actors of class `replica`. Ray Data restarts an actor that dies and
     retries the batch it held (its defaults for actor pools: max_restarts=-1, max_task_retries=-1)."""
@@ -254,13 +254,13 @@ def _map(ds, replica: type, cfg: JobConfig, defaults: SamplingParams, replicas: 
                           fn_constructor_kwargs={"cfg": cfg, "defaults": defaults, **replica_kwargs})
 
 
-def _gpus_per_replica(backend: str) -> int:
+def gpus_per_replica(backend: str) -> int:
     import ray
 
     return 1 if backend == "cuda" or (backend == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
 
 
-def _default_replicas(gpus: int, cpus_per_replica: float) -> int:
+def default_replicas(gpus: int, cpus_per_replica: float) -> int:
     import ray
 
     resources = ray.cluster_resources()
@@ -269,7 +269,7 @@ def _default_replicas(gpus: int, cpus_per_replica: float) -> int:
     return max(1, int(resources.get("CPU", 1) // cpus_per_replica)) if cpus_per_replica else 1
 
 
-def _import_ray():
+def import_ray():
     try:
         import ray
         import ray.data  # noqa: F401
@@ -278,7 +278,7 @@ def _import_ray():
     return ray
 
 
-def _connect(ray, address: str | None) -> bool:
+def connect(ray, address: str | None) -> bool:
     """Join the Ray cluster at `address` (or $RAY_ADDRESS, or start a local one) unless already connected;
     True when this call connected, so the caller disconnects."""
     if ray.is_initialized():

@@ -1,0 +1,119 @@
+"""Per-request logits processors (allowed_token_ids, logit_bias, bad_words, min_tokens, penalties) turned into the
+flat arrays of one step's LogitsProcessing, and the token-count slots the penalties use on the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.backends.base import LogitsProcessing
+from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
+from tinyvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestProcessors:
+    """What a request's SamplingParams ask of the logits, resolved to token ids once, at arrival."""
+
+    allowed_ids: np.ndarray | None  # int32, sorted
+    bias_ids: np.ndarray  # int32: logit_bias and single-token bad words (-inf)
+    bias_values: np.ndarray  # float32
+    bad_sequences: list[tuple[int, ...]]  # bad words of several tokens: the last is banned after the others
+    min_tokens_ban: np.ndarray  # int32: EOS and stop token ids, banned while fewer than min_tokens are out
+    penalties: bool
+
+
+def request_processors(params: SamplingParams, tokenizer, eos_token_ids: set[int],
+                       vocab_size: int) -> RequestProcessors | None:
+    """None when the request asks for no logits processing (the common case costs nothing per step).
+    ValueError names a token id outside the vocabulary."""
+    bias = dict(params.logit_bias or {})
+    bad_sequences = []
+    for word in params.bad_words or []:
+        # As vLLM: the word as it tokenizes on its own and after a space (mid-sentence).
+        for ids in {tuple(tokenizer.encode(word, add_special_tokens=False)),
+                    tuple(tokenizer.encode(" " + word, add_special_tokens=False))}:
+            if len(ids) == 1:
+                bias[ids[0]] = -np.inf
+            elif ids:
+                bad_sequences.append(ids)
+    min_ban = (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
+    min_ban = sorted(min_ban) if params.min_tokens > 0 else []
+    allowed = params.allowed_token_ids
+    for name, ids in (("logit_bias", bias), ("allowed_token_ids", allowed or [])):
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"{name} has token id {outside[0]} outside the vocabulary (size {vocab_size})")
+    if not (bias or bad_sequences or min_ban or allowed or params.has_penalties):
+        return None
+    return RequestProcessors(
+        allowed_ids=np.unique(np.asarray(allowed, np.int32)) if allowed else None,
+        bias_ids=np.asarray(list(bias), np.int32), bias_values=np.asarray(list(bias.values()), np.float32),
+        bad_sequences=bad_sequences, min_tokens_ban=np.asarray(min_ban, np.int32), penalties=params.has_penalties)
+
+
+class PenaltySlots:
+    """The backend's token-count table has one slot per possible running sequence (max_num_seqs): a sequence with
+    penalties holds one while it runs; a new holder's slot is initialised within the step it first runs in."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def release(self, seq: Sequence) -> None:
+        if seq.penalty_slot >= 0:
+            self.free.append(seq.penalty_slot)
+            seq.penalty_slot = -1
+
+
+def build_logits_processing(seqs: list[Sequence], samples: list[bool], slots: PenaltySlots) -> LogitsProcessing | None:
+    """The step's LogitsProcessing (None if no sequence needs one). samples[i]: row i samples a token kept."""
+    if all(seq.processors is None for seq in seqs):
+        return None
+    n = len(seqs)
+    penalty_slots, count_slots = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+    presence, frequency, repetition = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
+    allowed_ptr, bias_ptr = np.zeros(n + 1, np.int32), np.zeros(n + 1, np.int32)
+    allowed, bias_ids, bias_values, bias_cond, slot_inits = [], [], [], [], []
+    for i, (seq, sampled) in enumerate(zip(seqs, samples)):
+        proc = seq.processors
+        allowed_ptr[i + 1], bias_ptr[i + 1] = allowed_ptr[i], bias_ptr[i]
+        if proc is None:
+            continue
+        if proc.allowed_ids is not None:
+            allowed.append(proc.allowed_ids)
+            allowed_ptr[i + 1] += len(proc.allowed_ids)
+        row_ids, row_values, row_cond = [proc.bias_ids], [proc.bias_values], [np.full(len(proc.bias_ids), -1)]
+        produced = seq.num_output_tokens  # the token sampled now is output number `produced`
+        if produced < seq.params.min_tokens and len(proc.min_tokens_ban):
+            ban = proc.min_tokens_ban
+            row_ids.append(ban), row_values.append(np.full(len(ban), -np.inf)), row_cond.append(np.full(len(ban), -1))
+        output = seq.output_token_ids
+        for words in proc.bad_sequences:
+            # The tokens before the banned one must end the output; the last of them is the row's last input
+            # token (maybe still being sampled: the backend checks that one).
+            k = len(words) - 1
+            if produced >= k and output[produced - k: produced - 1] == list(words[: k - 1]):
+                row_ids.append([words[-1]]), row_values.append([-np.inf]), row_cond.append([words[-2]])
+        ids = np.concatenate(row_ids).astype(np.int32)
+        bias_ids.append(ids), bias_values.append(np.concatenate(row_values).astype(np.float32))
+        bias_cond.append(np.concatenate(row_cond).astype(np.int32))
+        bias_ptr[i + 1] += len(ids)
+        if proc.penalties:
+            if seq.penalty_slot < 0:
+                seq.penalty_slot = slots.free.pop()
+                assert PENDING_TOKEN not in output, "a sequence gets its slot with every token known"
+                slot_inits.append((seq.penalty_slot, np.asarray(seq.prompt_token_ids, np.int32),
+                                   np.asarray(output, np.int32)))
+            params = seq.params
+            penalty_slots[i] = seq.penalty_slot
+            count_slots[i] = seq.penalty_slot if sampled else -1
+            presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
+            repetition[i] = params.repetition_penalty
+
+    def flat(parts: list, dtype) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    return LogitsProcessing(penalty_slots, count_slots, presence, frequency, repetition, allowed_ptr,
+                            flat(allowed, np.int32), bias_ptr, flat(bias_ids, np.int32),
+                            flat(bias_values, np.float32), flat(bias_cond, np.int32), slot_inits)
