@@ -3,22 +3,25 @@
 Token i of a sequence lives in block block_table[i // block_size] at offset i % block_size; its cache slot is
 block * block_size + offset. The block manager only counts; the backend owns the memory.
 
-Prefix caching: a full block is named by a hash chained over its tokens and its parent block's hash, so equal
-hashes mean equal prefixes. A new sequence reuses every leading full block already cached (shared read-only, its
+Prefix caching: a full block is named by a sha256 chained over its tokens and its parent block's hash, so equal
+hashes mean equal prefixes (a hit is trusted: a 64-bit hash could collide and serve another prompt's KV). A new sequence reuses every leading full block already cached (shared read-only, its
 reference count raised). A freed block keeps its hash and contents until its space is needed: free blocks are
 handed out least recently freed first, and only then is the cached block forgotten.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """sha256 of the parent block's hash (b"" for the first block) and the block's token ids as int32."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}i", *tokens)).digest()
 
 
 class BlockManager:
@@ -28,8 +31,8 @@ class BlockManager:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block holding that prefix block
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix block
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # ... and found there
 
@@ -48,10 +51,9 @@ class BlockManager:
         """The cached blocks holding the sequence's leading full blocks (at least one token is left to compute)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        blocks, parent = [], None
-        for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
-            parent = block_hash(parent, seq.token_ids[start: start + self.block_size])
-            block = self.cached.get(parent)
+        blocks = []
+        for index in range((len(seq) - 1) // self.block_size):
+            block = self.cached.get(self._block_hash(seq, index))
             if block is None:
                 break
             blocks.append(block)
@@ -99,9 +101,7 @@ class BlockManager:
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         for index in range(seq.num_hashed_blocks, full):
-            parent = self.block_hashes[seq.block_table[index - 1]] if index else None
-            start = index * self.block_size
-            h = block_hash(parent, seq.token_ids[start: start + self.block_size])
+            h = self._block_hash(seq, index)
             block = seq.block_table[index]
             self.block_hashes[block] = h
             self.cached.setdefault(h, block)
@@ -117,8 +117,19 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (for benchmarks: one workload must not warm the next); blocks in use stay."""
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+
+    def _block_hash(self, seq: Sequence, index: int) -> bytes:
+        """The hash of the sequence's block `index`, which must be full of known tokens. Such tokens never change,
+        so each block's hash is computed once per sequence (kept across preemption), in order."""
+        hashes = seq.block_hashes
+        while len(hashes) <= index:
+            start = len(hashes) * self.block_size
+            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[start: start + self.block_size]))
+        return hashes[index]
 
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
