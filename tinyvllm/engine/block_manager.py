@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from itertools import chain
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.sequence import Sequence
@@ -117,8 +118,23 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def check_block_tables(self, seqs: list[Sequence]) -> None:
+        """Assert that the block tables of seqs (every sequence holding blocks) account for the blocks in use: each
+        block's reference count is the number of tables holding it, a block held twice is a prefix-cache block, and
+        no table holds a free block."""
+        held = Counter(chain.from_iterable(seq.block_table for seq in seqs))
+        assert len(held) == self.num_blocks - len(self.free_blocks), "a block in use is in no block table"
+        assert held.keys().isdisjoint(self.free_blocks), "a free block is in a block table"
+        for block, count in held.items():
+            assert self.ref_counts[block] == count, f"block {block}: {count} tables, reference count " \
+                                                    f"{self.ref_counts[block]}"
+            assert count == 1 or self.block_hashes[block] is not None, f"block {block} shared but not cached"
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (for benchmarks: one workload must not warm the next); blocks in use stay."""
+        """Forget every cached block (for benchmarks: one workload must not warm the next). Only when no block is in
+        use: a block shared by running sequences must stay a prefix-cache block."""
+        if len(self.free_blocks) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache() while blocks are in use")
         self.cached.clear()
         self.block_hashes = [None] * self.num_blocks
 
