@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-# Fields a row of a job's input may override, with the type each must have.
+# Fields a row of a job's input may override (validate() checks their values).
 OVERRIDABLE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 
 
@@ -58,10 +58,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 bad(name, "must be an integer >= 0 or None")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     def with_overrides(self, overrides: dict) -> "SamplingParams":
         """A copy with the given fields replaced (a job row's overrides); unknown keys raise ValueError."""

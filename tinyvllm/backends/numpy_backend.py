@@ -196,7 +196,7 @@ def _best_time(fn, repeats: int = 5) -> float:
 
 
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None) -> SamplerOutput:
-    """Sample one token per sequence and gather the logprobs the batch asks for (shared by the backends).
+    """Sample one token per sequence and gather the logprobs the batch asks for (the CUDA tests' reference too).
 
     prompt_logits holds, for each entry of batch.prompt_logprob_targets in order, the logits of its positions."""
     token_ids = sampler.sample(logits, batch.sampling)

@@ -110,10 +110,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._rejected) + len(self.scheduler.waiting) + len(self.scheduler.running)
-
     # ---- one step --------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
