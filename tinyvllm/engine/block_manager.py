@@ -5,8 +5,9 @@ block * block_size + offset. The block manager only counts; the backend owns the
 
 Prefix caching: a full block is named by a sha256 chained over its tokens and its parent block's hash, so equal
 hashes mean equal prefixes (a hit is trusted: a 64-bit hash could collide and serve another prompt's KV). A new
-sequence reuses every leading full block already cached (shared read-only, its reference count raised). A freed block keeps its hash and contents until its space is needed: free blocks are
-handed out least recently freed first, and only then is the cached block forgotten.
+sequence reuses every leading full block already cached (shared read-only, its reference count raised). A freed
+block keeps its hash and contents until its space is needed: free blocks are handed out least recently freed first,
+and only then is the cached block forgotten.
 """
 
 from __future__ import annotations
