@@ -125,11 +125,11 @@ class BlockManager:
         no table holds a free block."""
         held = Counter(chain.from_iterable(seq.block_table for seq in seqs))
         assert len(held) == self.num_blocks - len(self.free_blocks), "a block in use is in no block table"
-        assert held.keys().isdisjoint(self.free_blocks), "a free block is in a block table"
-        for block, count in held.items():
-            assert self.ref_counts[block] == count, f"block {block}: {count} tables, reference count " \
-                                                    f"{self.ref_counts[block]}"
-            assert count == 1 or self.block_hashes[block] is not None, f"block {block} shared but not cached"
+        assert held.keys().isdisjoint(self.free_blocks.keys()), "a free block is in a block table"  # views: O(held)
+        assert list(map(self.ref_counts.__getitem__, held)) == list(held.values()), next(
+            f"block {b}: {n} tables, reference count {self.ref_counts[b]}" for b, n in held.items()
+            if self.ref_counts[b] != n)
+        assert all(self.block_hashes[b] is not None for b, n in held.items() if n > 1), "a shared block is not cached"
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (for benchmarks: one workload must not warm the next). Only when no block is in

@@ -29,6 +29,7 @@ from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 DEBUG_CHECK_MAX_BLOCKS = 256  # block-table entries up to which schedule() checks every block's owners
 
+
 @dataclass
 class ScheduledStep:
     seqs: list[Sequence]
@@ -72,8 +73,8 @@ class Scheduler:
 
     def _check(self, step: ScheduledStep) -> None:
         """The budget invariants, as vLLM asserts them at the end of its schedule(). The O(seqs) ones always; the
-        exact block accounting (~0.15 us per block-table entry) only when __debug__ and the step is small, which
-        covers every test without slowing a large batch."""
+        exact block accounting (~0.2-0.5 us per block-table entry) only when __debug__ and the step is small, which
+        covers the tests' small configurations without slowing a large batch."""
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} sequences running"
         num_tokens = sum(step.num_new_tokens)
         # without chunked prefill a prompt larger than the budget runs alone
