@@ -84,12 +84,10 @@ extern "C" __global__ void fill_token_slots(int* __restrict__ counts, uint8_t* _
     else atomicAdd(&counts[at], 1);
 }
 
-// Copy KV block pairs[p] = (source, destination) in each of num_caches caches (K and V of every layer) of
-// block_elems bf16 each, cache c at base + c * cache_stride elements. Launch: grid (P, num_caches), block 256;
-// block_elems % 8 == 0.
-extern "C" __global__ void copy_blocks(bf16* __restrict__ base, const int* __restrict__ pairs, int64_t cache_stride,
-                                       int block_elems) {
-    bf16* cache = base + blockIdx.y * cache_stride;
+// Copy KV block pairs[p] = (source, destination) in each cache caches[c] (K and V of every layer), blocks of
+// block_elems bf16. Launch: grid (P, number of caches), block 256; block_elems % 8 == 0.
+extern "C" __global__ void copy_blocks(bf16* const* __restrict__ caches, const int* __restrict__ pairs, int block_elems) {
+    bf16* cache = caches[blockIdx.y];
     const uint4* src = reinterpret_cast<const uint4*>(cache + (int64_t)pairs[2 * blockIdx.x] * block_elems);
     uint4* dst = reinterpret_cast<uint4*>(cache + (int64_t)pairs[2 * blockIdx.x + 1] * block_elems);
     for (int i = threadIdx.x; i < block_elems / 8; i += blockDim.x) dst[i] = src[i];

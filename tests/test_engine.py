@@ -5,6 +5,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backends import sampler
+from tinyvllm.engine import block_manager
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
            "émoji 🙂 and 漢字", "Once upon a time, in a land far away, there lived", "x y z", "tinyvllm"]
@@ -171,6 +172,23 @@ def test_prefix_caching_and_chunked_prefill_do_not_change_outputs(tiny_model_dir
     assert bm.num_hit_tokens > 0 and 0 < bm.prefix_cache_hit_rate < 1
     assert texts_and_ids(first) == texts_and_ids(reference)
     assert texts_and_ids(second) == texts_and_ids(reference)
+    assert_no_leaks(cached)
+
+
+def test_prefix_cache_is_not_fooled_by_colliding_hashes(tiny_model_dir, monkeypatch):
+    """Blocks used to be keyed by Python's 64-bit hash(): with every hash() colliding, another prompt's KV was
+    served. The keys must not rest on hash(): different prompts miss, the same prompt still hits."""
+    monkeypatch.setattr(block_manager, "hash", lambda value: 0, raising=False)  # shadows the builtin there
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [list(range(1, 20)), list(range(100, 119)), list(range(1, 20))]
+    reference = llm_for(tiny_model_dir, block_size=4, enable_prefix_caching=False)
+    cached = llm_for(tiny_model_dir, block_size=4)
+    bm = cached.llm_engine.block_manager
+    hits = []
+    for prompt in prompts:  # one at a time: each finds what the ones before it cached
+        assert texts_and_ids(cached.generate([prompt], params)) == texts_and_ids(reference.generate([prompt], params))
+        hits.append(bm.num_hit_tokens)
+    assert hits == [0, 0, 16]  # the repeat reuses its 4 full blocks (its last token is always computed)
     assert_no_leaks(cached)
 
 

@@ -4,10 +4,9 @@ import shutil
 import numpy as np
 import pytest
 
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
-from tinyvllm.model.loader import (
-    bf16_to_f32, f32_to_bf16, load_model, read_safetensors, weight_shapes, write_safetensors,
-)
+from tinyvllm.model.loader import load_model, read_safetensors, weight_shapes, write_safetensors
 
 
 def test_round_trip_float32_exact(tiny_model_dir):

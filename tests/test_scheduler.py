@@ -24,8 +24,6 @@ def test_block_manager_allocates_grows_and_frees():
     assert bm.can_allocate(seq, 5)
     bm.allocate(seq, 5)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
-    assert [bm.slot(seq, p) for p in (0, 3, 4)] == [seq.block_table[0] * 4, seq.block_table[0] * 4 + 3,
-                                                    seq.block_table[1] * 4]
     bm.grow(seq, 8)
     assert len(seq.block_table) == 2
     bm.grow(seq, 9)
@@ -67,6 +65,33 @@ def test_prefix_blocks_are_shared_refcounted_and_evicted_lru():
     assert not bm.cached and len(bm.match_prefix(d)) == 0
     bm.free(hog)
     assert bm.num_free_blocks == 6
+
+
+def test_a_prefix_hit_needs_every_token_up_to_it_equal():
+    bm = BlockManager(EngineConfig(block_size=4), 16)
+    for i, tokens in enumerate(([1, 2, 3, 4, 5, 6, 7, 8, 0], [9, 9, 9, 9, 7, 7, 7, 7, 0])):
+        seq = make_seq(i, tokens, 1)
+        bm.allocate(seq, len(seq))
+        seq.num_computed_tokens = len(seq)
+        bm.commit_full_blocks(seq)
+    # the first sequence's second block, after the second sequence's first block: the chained hash differs
+    assert len(bm.match_prefix(make_seq(2, [9, 9, 9, 9, 5, 6, 7, 8, 0], 1))) == 1
+    assert len(bm.match_prefix(make_seq(3, [1, 2, 3, 4, 5, 6, 7, 9, 0], 1))) == 1
+    assert len(bm.match_prefix(make_seq(4, [1, 2, 3, 4, 5, 6, 7, 8, 1], 1))) == 2
+
+
+def test_reset_prefix_cache_forgets_every_block_and_only_when_idle():
+    bm = BlockManager(EngineConfig(block_size=4), 8)
+    a = make_seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)
+    bm.allocate(a, len(a))
+    a.num_computed_tokens = len(a)
+    bm.commit_full_blocks(a)
+    with pytest.raises(RuntimeError, match="in use"):
+        bm.reset_prefix_cache()
+    bm.free(a)
+    assert len(bm.match_prefix(make_seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], 1))) == 2
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(make_seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)) == []
 
 
 def simulate(policy, num_blocks, block_size, max_num_seqs, budget, seqs, seed=0, chunked=True, caching=True):
@@ -121,6 +146,23 @@ def test_every_request_finishes_under_a_tight_cache(policy, chunked, caching):
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert scheduler.num_preemptions > 0, "the cache was meant to be too small to avoid preemption"
+
+
+def test_schedule_asserts_its_invariants():
+    config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    bm = BlockManager(config, 8)
+    scheduler = Scheduler(config, bm)
+    a, b = make_seq(0, 4, 10), make_seq(1, 4, 10)
+    for seq in (a, b):
+        scheduler.add(seq)
+    assert scheduler.schedule().seqs == [a, b]
+    a.block_table.append(b.block_table[0])  # owned twice, reference count 1: another sequence's KV
+    with pytest.raises(AssertionError, match="reference count"):
+        scheduler.schedule()
+    a.block_table.pop()
+    scheduler.running.append(make_seq(2, 4, 10))  # one more than max_num_seqs
+    with pytest.raises(AssertionError, match="3 sequences running"):
+        scheduler.schedule()
 
 
 def test_preemption_picks_the_latest_arrival():

@@ -46,9 +46,7 @@ def test_round_trip(tok, text):
 
 def _stream(tokenizer: Tokenizer, prompt_ids: list[int], ids: list[int]) -> list[str]:
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    pieces = [detok.add(i) for i in ids]
-    assert "".join(pieces) == detok.text
-    return pieces
+    return [detok.add(i) for i in ids]
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -197,8 +197,7 @@ def _common_prefix_len(requests: list[Request]) -> int:
 def _reset_prefix_cache(llm, enabled: bool) -> None:
     """Forget every cached block (so one workload cannot warm the next) and switch caching on or off."""
     bm = llm.llm_engine.block_manager
-    bm.cached.clear()
-    bm.block_hashes = [None] * bm.num_blocks
+    bm.reset_prefix_cache()
     bm.enable_prefix_caching = enabled
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-# Fields a row of a job's input may override.
+# Fields a row of a job's input may override (validate() checks their values).
 OVERRIDABLE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 MAX_N = 256  # completions per prompt
 

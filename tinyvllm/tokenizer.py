@@ -99,7 +99,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -110,7 +109,6 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta
 
 

@@ -3,22 +3,27 @@
 Token i of a sequence lives in block block_table[i // block_size] at offset i % block_size; its cache slot is
 block * block_size + offset. The block manager only counts; the backend owns the memory.
 
-Prefix caching: a full block is named by a hash chained over its tokens and its parent block's hash, so equal
-hashes mean equal prefixes. A new sequence reuses every leading full block already cached (shared read-only, its
-reference count raised). A freed block keeps its hash and contents until its space is needed: free blocks are
-handed out least recently freed first, and only then is the cached block forgotten.
+Prefix caching: a full block is named by a sha256 chained over its tokens and its parent block's hash, so equal
+hashes mean equal prefixes (a hit is trusted: a 64-bit hash could collide and serve another prompt's KV). A new
+sequence reuses every leading full block already cached (shared read-only, its reference count raised). A freed
+block keeps its hash and contents until its space is needed: free blocks are handed out least recently freed first,
+and only then is the cached block forgotten.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+import struct
+from collections import Counter, OrderedDict
+from itertools import chain
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.sequence import Sequence
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """sha256 of the parent block's hash (b"" for the first block) and the block's token ids as int32."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}i", *tokens)).digest()
 
 
 class BlockManager:
@@ -28,8 +33,8 @@ class BlockManager:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block holding that prefix block
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix block
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # ... and found there
 
@@ -48,10 +53,9 @@ class BlockManager:
         """The cached blocks holding the sequence's leading full blocks (at least one token is left to compute)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        blocks, parent = [], None
-        for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
-            parent = block_hash(parent, seq.token_ids[start: start + self.block_size])
-            block = self.cached.get(parent)
+        blocks = []
+        for index in range((len(seq) - 1) // self.block_size):
+            block = self.cached.get(self._block_hash(seq, index))
             if block is None:
                 break
             blocks.append(block)
@@ -99,9 +103,7 @@ class BlockManager:
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         for index in range(seq.num_hashed_blocks, full):
-            parent = self.block_hashes[seq.block_table[index - 1]] if index else None
-            start = index * self.block_size
-            h = block_hash(parent, seq.token_ids[start: start + self.block_size])
+            h = self._block_hash(seq, index)
             block = seq.block_table[index]
             self.block_hashes[block] = h
             self.cached.setdefault(h, block)
@@ -137,8 +139,39 @@ class BlockManager:
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         return copies
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def check_block_tables(self, seqs: list[Sequence]) -> None:
+        """Assert that the block tables of seqs (every sequence holding blocks) account for the blocks in use: each
+        block's reference count is the number of tables holding it, a block held twice is a prefix-cache block, and
+        no table holds a free block."""
+        held = Counter(chain.from_iterable(seq.block_table for seq in seqs))
+        assert len(held) == self.num_blocks - len(self.free_blocks), "a block in use is in no block table"
+        assert held.keys().isdisjoint(self.free_blocks.keys()), "a free block is in a block table"  # views: O(held)
+        assert list(map(self.ref_counts.__getitem__, held)) == list(held.values()), next(
+            f"block {b}: {n} tables, reference count {self.ref_counts[b]}" for b, n in held.items()
+            if self.ref_counts[b] != n)
+        holders = {}  # a block held twice is a prefix-cache block, or one that forked completions of a request share
+        for seq in seqs:
+            for block in seq.block_table:
+                holders.setdefault(block, set()).add(seq.request_id)
+        assert all(self.block_hashes[b] is not None or len(holders[b]) == 1 for b, n in held.items() if n > 1), \
+            "a shared block is neither cached nor shared by one request's completions"
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (for benchmarks: one workload must not warm the next). Only when no block is in
+        use: a block shared by running sequences must stay a prefix-cache block."""
+        if len(self.free_blocks) != self.num_blocks:
+            raise RuntimeError("reset_prefix_cache() while blocks are in use")
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+
+    def _block_hash(self, seq: Sequence, index: int) -> bytes:
+        """The hash of the sequence's block `index`, which must be full of known tokens. Such tokens never change,
+        so each block's hash is computed once per sequence (kept across preemption), in order."""
+        hashes = seq.block_hashes
+        while len(hashes) <= index:
+            start = len(hashes) * self.block_size
+            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[start: start + self.block_size]))
+        return hashes[index]
 
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)

@@ -33,6 +33,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the leading full blocks so far
     num_preemptions: int = 0
     # The engine queues step N+1 before it reads step N's tokens: the token a step in flight is sampling sits at
     # the end of token_ids as PENDING_TOKEN, and sample_row says which row of that step's batch samples it.
@@ -41,7 +42,6 @@ class Sequence:
     max_len: int = 1 << 62  # prompt + max_tokens, capped by the model and cache: reaching it finishes the sequence
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None

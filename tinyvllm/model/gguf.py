@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
 
 from tinyvllm.model.config import ModelConfig
-from tinyvllm.model.loader import bf16_to_f32
+from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.tokenizer import Tokenizer
 

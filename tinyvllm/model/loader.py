@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.tokenizer import Tokenizer
 
 # safetensors dtype -> (numpy storage dtype, config/torch name)
@@ -149,14 +150,3 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], d
         f.write(struct.pack("<Q", len(head)) + head)
         for blob in blobs:
             f.write(blob)
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> float32: they are the high half of a float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)

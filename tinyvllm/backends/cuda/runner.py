@@ -32,7 +32,7 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.graphs import Graph
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.config import EngineConfig
-from tinyvllm.model.loader import f32_to_bf16
+from tinyvllm.model.dtypes import f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger(__name__)
