@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.benchmark import measure_limits
 from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend, sample_from_logits
 from tinyvllm.engine.block_manager import BlockManager
@@ -61,7 +62,7 @@ def decode_batch(seqs, tokens, bm, block_size):
 def gpu_logits(cuda, backend, n):
     """The float32 logits of the last step's n sampled rows, still on the GPU after execute()."""
     out = np.empty((n, backend.config.vocab_size), np.float32)
-    cuda.memcpy_dtoh(out, backend.buf["logits"])
+    cuda.memcpy_dtoh(out, backend.forward.buf["logits"])
     return out
 
 
@@ -308,7 +309,7 @@ def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
 def test_measure_limits_and_describe(model_dir):
     # the KV cache sized from the memory budget: half the GPU for weights, buffers and cache
     llm = LLM(model_dir, backend="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.5)
-    limits, info = llm.backend.measure_limits(), llm.info()
+    limits, info = measure_limits(llm.backend), llm.info()
     print(f"REPORT measure_limits: copy {limits['bandwidth_bytes_s'] / 1e12:.2f} TB/s, bf16 GEMM "
           f"{limits['gemm_flops'] / 1e12:.0f} TFLOP/s; describe {llm.backend.describe()}")
     assert limits["bandwidth_bytes_s"] > 1e11 and limits["gemm_flops"] > 1e13
