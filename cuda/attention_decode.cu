@@ -28,9 +28,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block NWARPS * 32, where head_chunks = ceil(group / ROWS): chunk
-// c of KV head kvh serves query heads kvh * group + c * ROWS ... (at most ROWS of them). ROWS is 8 or 16: with 8,
-// the tile's upper 8 rows are known empty and their softmax is skipped.
+// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block NWARPS * 32, where head_chunks =
+// ceil(group / ROWS): chunk c of KV head kvh serves query heads kvh * group + c * ROWS ... (at most ROWS of them).
+// ROWS is 8 or 16: with 8, the tile's upper 8 rows are known empty and their softmax is skipped.
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
 // out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
@@ -107,8 +107,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[HALVES], l[HALVES], o[D / 8][4];
+    int key_end[HALVES];  // every row sees the keys before `end`
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f;
+    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f, key_end[h] = end;
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
@@ -125,8 +126,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         if (next < end) fetch(k_s, k_cache);
 
         // Online softmax of this thread's rows; m stays finite: key `base` < end is in this tile.
-        online_softmax<TILE, D, HALVES>(sacc, m, l, o, base, lane, scale_log2,
-                                        [&](int, int key) { return key < end; });
+        online_softmax<TILE, D, HALVES>(sacc, m, l, o, base, lane, scale_log2, key_end);
 
         if (next < end) {
             cp_async_wait<1>();  // this tile's V has landed (the next K may not have)

@@ -58,6 +58,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     int pos[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) pos[h] = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
+    const int key_end[2] = {pos[0] + 1, pos[1] + 1};  // each row sees the keys up to its position
     const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;  // keys any row of the tile sees
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -87,8 +88,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         mma_qk<D, BLOCK_N, LD>(sacc, qf, k_s, lane);
 
         // Causal mask and online softmax; m stays finite: key 0 is in every row's first tile.
-        online_softmax<BLOCK_N, D, 2>(sacc, m, l, o, n0, lane, scale_log2,
-                                      [&](int h, int key) { return key <= pos[h]; });
+        online_softmax<BLOCK_N, D, 2>(sacc, m, l, o, n0, lane, scale_log2, key_end);
 
         // O += P V, 16 keys per k-step.
 #pragma unroll

@@ -72,11 +72,9 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
         }
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
-            // A fragments (mma_bf16): a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B from x row g
-            const uint32_t a0[4] = {lo[u].x, hi[u].x, lo[u].y, hi[u].y};
-            const uint32_t a1[4] = {lo[u].z, hi[u].z, lo[u].w, hi[u].w};
-            mma_bf16(c[0], a0, xv[u].x, xv[u].y);
-            mma_bf16(c[1], a1, xv[u].z, xv[u].w);
+            // A: a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B from x row g
+            mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+            mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
         }
     }
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =

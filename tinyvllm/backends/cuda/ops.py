@@ -76,8 +76,10 @@ def _require_vectors(kernel_name: str, **widths: int) -> None:
                                       "moves 16-byte vectors of bf16)")
 
 
-def _require_head_dim(kernel_name: str, head_dim: int) -> None:
+def _require_attention_shape(kernel_name: str, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
     _require(head_dim in HEAD_DIMS, f"{kernel_name}: head_dim {head_dim} is not one of {HEAD_DIMS}")
+    _require(num_heads % num_kv_heads == 0, f"{kernel_name}: {num_heads} query heads are not a multiple of "
+                                            f"{num_kv_heads} KV heads")
 
 
 def decode_rows(group: int) -> int:
@@ -161,9 +163,7 @@ class Ops:
                          num_splits: int) -> None:
         """Decode attention of num_seqs sequences; with num_splits > 1 through partial_o [num_seqs * num_heads *
         num_splits, head_dim] float32 and partial_ml [same rows] float2, merged by attention_combine."""
-        _require_head_dim("attention_decode", head_dim)
-        _require(num_heads % num_kv_heads == 0, f"attention_decode: {num_heads} query heads are not a multiple of "
-                                                f"{num_kv_heads} KV heads")
+        _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
@@ -188,9 +188,7 @@ class Ops:
                           scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                           row_stride: int) -> None:
         """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles)."""
-        _require_head_dim("attention_prefill", head_dim)
-        _require(num_heads % num_kv_heads == 0, f"attention_prefill: {num_heads} query heads are not a multiple of "
-                                                f"{num_kv_heads} KV heads")
+        _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
         self.launch(f"attention_prefill_d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out, qkv,
                     k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
                     scale, num_heads, num_kv_heads, block_size, row_stride)
