@@ -15,17 +15,15 @@ from pathlib import Path
 import numpy as np
 import pycuda.autoprimaryctx  # noqa: F401
 import pycuda.driver as cuda
-from pycuda.compiler import SourceModule
 
-from tinyvllm.backends.cuda.kernels import CUDA_DIR, arch
+from tinyvllm.backends.cuda.kernels import CUDA_DIR, compile_source
+from tinyvllm.backends.cuda.ops import DECODE_WARPS, DEFINES
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 64, 16
 
 
 def kernel(source: Path):
-    module = SourceModule(source.read_text(), arch=arch(), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                          options=["-O3", "-std=c++17"])
-    return module.get_function("attention_decode_d64_r8")
+    return compile_source(source.read_text(), DEFINES["attention_decode"]).get_function("attention_decode_d64_r8")
 
 
 def main() -> None:
@@ -61,7 +59,7 @@ def main() -> None:
             def launch():
                 fn(out, out, out, q, k, v, tables_dev, stride, ctx_dev, np.float32(0.125), np.int32(HEADS),
                    np.int32(KV_HEADS), np.int32(BLOCK), np.int32(width_qkv), np.int32(1),
-                   grid=(KV_HEADS, seqs, 1), block=(128, 1, 1))
+                   grid=(KV_HEADS, seqs, 1), block=(DECODE_WARPS * 32, 1, 1))
             launch()
             times = []
             for _ in range(20):

@@ -20,9 +20,9 @@ from pycuda.compiler import SourceModule
 
 from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.forward import WORKSPACE_BYTES
 from tinyvllm.backends.cuda.linear import Linear
 
-WORKSPACE_BYTES = 32 << 20  # as CudaBackend
 WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
 SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
 LAYERS = 16

@@ -77,8 +77,9 @@ def host_vs_gpu(llm: LLM, steps: int) -> dict:
 def per_kernel(llm: LLM) -> dict[str, float]:
     """GPU ms per kernel name (GEMMs by shape) over one eager decode step."""
     backend, engine = llm.backend, llm.llm_engine
+    ops, linear = backend.forward.ops, backend.forward.linear
     events: list[tuple[str, cuda.Event, cuda.Event]] = []
-    launch, gemm = backend._launch, backend.linear.gemm
+    launch, gemm = ops.launch, linear.gemm
 
     def timed_launch(name, *args):
         a, b = cuda.Event(), cuda.Event()
@@ -94,10 +95,10 @@ def per_kernel(llm: LLM) -> dict[str, float]:
         b.record(backend.stream)
         events.append((f"gemm n={n} k={k}", a, b))
 
-    backend._launch, backend.linear.gemm = timed_launch, timed_gemm
+    ops.launch, linear.gemm = timed_launch, timed_gemm
     backend.use_graphs, graphs, backend.graphs = False, backend.graphs, {}
     engine.step()
-    backend._launch, backend.linear.gemm = launch, gemm
+    del ops.launch, linear.gemm  # back to the methods
     backend.use_graphs, backend.graphs = True, graphs
     totals: dict[str, float] = defaultdict(float)
     for name, a, b in events:

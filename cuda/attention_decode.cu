@@ -7,17 +7,17 @@
 // key and head group on dot products, shuffles and conversions and was issue-bound at ~1.6 TB/s; here a key
 // costs ~10 warp instructions and the kernel is left to stream K/V.
 //
-// Shape: a block of 4 warps serves one (sequence, KV head, split). Each warp walks its own tiles of TILE keys
-// (every 4th tile), copying K and V straight to its shared memory with cp.async, one tile ahead (the next K
+// Shape: a block of NWARPS = 4 warps serves one (sequence, KV head, split). Each warp walks its own tiles of TILE keys
+// (every NWARPS-th tile), copying K and V straight to its shared memory with cp.async, one tile ahead (the next K
 // arrives during this tile's softmax and P V, the next V during the next Q K^T), and keeps its own online
 // softmax: no block barrier inside the loop.
-// The four warps' states are merged once at the end. Long contexts are split along the sequence into
+// The warps' states are merged once at the end. Long contexts are split along the sequence into
 // num_splits parts (grid.z) so that small batches still fill the GPU; with num_splits == 1 the block writes the
 // final output itself, otherwise its normalized partial output and (m, l), merged by attention_combine.
+//
+// Compiled with -DNWARPS (warps per block) from backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
-
-#define NWARPS 4
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     // 16 bytes global -> shared without passing through registers; zero-filled where !valid
@@ -28,9 +28,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block 128, where head_chunks = ceil(group / ROWS): chunk
-// c of KV head kvh serves query heads kvh * group + c * ROWS ... (at most ROWS of them). ROWS is 8 or 16: with 8,
-// the tile's upper 8 rows are known empty and their softmax is skipped.
+// Launch: grid (num_kv_heads * head_chunks, S, num_splits), block NWARPS * 32, where head_chunks =
+// ceil(group / ROWS): chunk c of KV head kvh serves query heads kvh * group + c * ROWS ... (at most ROWS of them).
+// ROWS is 8 or 16: with 8, the tile's upper 8 rows are known empty and their softmax is skipped.
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
 // out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
@@ -107,8 +107,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[HALVES], l[HALVES], o[D / 8][4];
+    int key_end[HALVES];  // every row sees the keys before `end`
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f;
+    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f, key_end[h] = end;
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
@@ -124,43 +125,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         __syncwarp();  // every lane is done with k_s
         if (next < end) fetch(k_s, k_cache);
 
-        // Online softmax (log2 domain) of this thread's rows lane/4 (+ 8): a row's keys live in a quad's 4 lanes.
-        float alpha[HALVES];
-#pragma unroll
-        for (int h = 0; h < HALVES; ++h) {
-            float row_max = -INFINITY;
-#pragma unroll
-            for (int nb = 0; nb < TILE / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = base + nb * 8 + (lane % 4) * 2 + e;
-                    const float v = key < end ? sacc[nb][2 * h + e] * scale_log2 : -INFINITY;
-                    sacc[nb][2 * h + e] = v;
-                    row_max = fmaxf(row_max, v);
-                }
-            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-            const float m_new = fmaxf(m[h], row_max);  // finite: key `base` < end is in this tile
-            alpha[h] = exp2f(m[h] - m_new);
-            m[h] = m_new;
-            l[h] *= alpha[h];  // this lane's share of the row sum; the quad is summed at the end
-#pragma unroll
-            for (int nb = 0; nb < TILE / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    sacc[nb][2 * h + e] = exp2f(sacc[nb][2 * h + e] - m_new);
-                    l[h] += sacc[nb][2 * h + e];
-                }
-        }
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd][0] *= alpha[0];
-            o[nd][1] *= alpha[0];
-            if (HALVES == 2) {
-                o[nd][2] *= alpha[HALVES - 1];
-                o[nd][3] *= alpha[HALVES - 1];
-            }
-        }
+        // Online softmax of this thread's rows; m stays finite: key `base` < end is in this tile.
+        online_softmax<TILE, D, HALVES>(sacc, m, l, o, base, lane, scale_log2, key_end);
 
         if (next < end) {
             cp_async_wait<1>();  // this tile's V has landed (the next K may not have)

@@ -6,15 +6,18 @@
 // and sees keys 0 .. that position, so the same kernel serves a prompt, a prompt whose prefix is already cached and
 // a chunk of a long prompt. Grouped-query attention: the rows of a tile are (query, head) pairs of the `group`
 // query heads of one KV head, token-major, so each K/V tile loaded into shared memory serves all of them.
+//
+// Compiled with -DBLOCK_M (rows, i.e. (query, head) pairs, per block: 16 per warp) from backends/cuda/ops.py, which
+// also lists the tiles and launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
-#define BLOCK_M 64  // rows ((query, head) pairs) per block: 16 per warp
 #define BLOCK_N 64  // keys per step
 
-// Launch: grid (num_tiles, num_kv_heads), block 128 (4 warps x 16 rows). Tile b covers rows tile_row0[b] ..
-// tile_row0[b] + 63 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs, row = i * group + g;
-// the host lists the tiles. Shared memory: K and V tiles [64][D + 8] (padding keeps ldmatrix conflict-free).
+// Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps. Tile b covers rows tile_row0[b] ..
+// tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs,
+// row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8] (padding keeps
+// ldmatrix conflict-free).
 // qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D].
 template <int D>
 __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
@@ -55,6 +58,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     int pos[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) pos[h] = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
+    const int key_end[2] = {pos[0] + 1, pos[1] + 1};  // each row sees the keys up to its position
     const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;  // keys any row of the tile sees
     const float scale_log2 = scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -63,7 +67,8 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
     for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
-        // K and V of keys n0 .. n0 + 63 through the block table; keys past kv_end are zeros (never NaN garbage).
+        // K and V of keys n0 .. n0 + BLOCK_N - 1 through the block table; keys past kv_end are zeros (never NaN
+        // garbage).
         for (int c = threadIdx.x; c < BLOCK_N * D / 8; c += blockDim.x) {
             const int j = c / (D / 8), part = c % (D / 8), tok = n0 + j;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
@@ -78,45 +83,12 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         }
         __syncthreads();
 
-        // S = Q K^T: 16 rows x 64 keys per warp, as 8 n-blocks of 8 keys.
+        // S = Q K^T: 16 rows x BLOCK_N keys per warp, as n-blocks of 8 keys.
         float sacc[BLOCK_N / 8][4];
         mma_qk<D, BLOCK_N, LD>(sacc, qf, k_s, lane);
 
-        // Causal mask and online softmax; a row's values live in the 4 lanes of a quad.
-        float row_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nb = 0; nb < BLOCK_N / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + nb * 8 + (lane % 4) * 2 + (e & 1);
-                const float v = key <= pos[e / 2] ? sacc[nb][e] * scale_log2 : -INFINITY;
-                sacc[nb][e] = v;
-                row_max[e / 2] = fmaxf(row_max[e / 2], v);
-            }
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-            row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-            const float m_new = fmaxf(m[h], row_max[h]);  // finite: key 0 is in every row's first tile
-            alpha[h] = exp2f(m[h] - m_new);
-            m[h] = m_new;
-            l[h] *= alpha[h];  // this lane's share of the row sum; the quad is summed at the end
-        }
-#pragma unroll
-        for (int nb = 0; nb < BLOCK_N / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                sacc[nb][e] = exp2f(sacc[nb][e] - m[e / 2]);
-                l[e / 2] += sacc[nb][e];
-            }
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd][0] *= alpha[0];
-            o[nd][1] *= alpha[0];
-            o[nd][2] *= alpha[1];
-            o[nd][3] *= alpha[1];
-        }
+        // Causal mask and online softmax; m stays finite: key 0 is in every row's first tile.
+        online_softmax<BLOCK_N, D, 2>(sacc, m, l, o, n0, lane, scale_log2, key_end);
 
         // O += P V, 16 keys per k-step.
 #pragma unroll
@@ -148,7 +120,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
 }
 
 #define PREFILL_KERNEL(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attention_prefill_d##D(                                     \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##D(                      \
         bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
         const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride) {       \

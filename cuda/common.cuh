@@ -25,34 +25,32 @@ __device__ __forceinline__ void store8(bf16* p, const float in[8]) {
     *reinterpret_cast<uint4*>(p) = raw;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Reductions over a warp or a block, of an operation given as a type: Sum or Max.
+struct Sum {
+    static __device__ __forceinline__ float identity() { return 0.f; }
+    static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+};
+
+struct Max {
+    static __device__ __forceinline__ float identity() { return -INFINITY; }
+    static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+template <class Op>
+__device__ __forceinline__ float warp_reduce(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Sum (or max) over the whole block, returned to every thread. `scratch` holds 32 floats; the leading barrier
-// lets a block call these back to back with the same scratch.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Op over the whole block, returned to every thread. `scratch` holds 32 floats; the leading barrier lets a block
+// call this back to back with the same scratch.
+template <class Op>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
+    v = warp_reduce<Op>(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    return warp_sum(lane < num_warps ? scratch[lane] : 0.f);
-}
-
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_max(lane < num_warps ? scratch[lane] : -INFINITY);
+    return warp_reduce<Op>(lane < num_warps ? scratch[lane] : Op::identity());
 }

@@ -18,10 +18,11 @@
 // the first mma; at k = 2048 and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
 // The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
 // L1 keeps x, which every block re-reads.
-#include "common.cuh"
+//
+// Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
+// lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
+#include "mma.cuh"
 
-#define GEMV_WARPS 8   // warps per block
-#define GEMV_UNROLL 8  // 16-byte loads per row (two rows) and of x that a lane has in flight
 // Asking for 2 blocks per SM (so 128 registers) is what makes ptxas keep all 3 * GEMV_UNROLL loads of an iteration
 // in flight: left to itself it picks ~50 registers and issues each load just before its mma, one memory latency
 // per load.
@@ -32,17 +33,6 @@ __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-
-// c += A . B with A 16x16 and B 16x8 bf16, c 16x8 float32. Each register holds two bf16 of k-columns {2t, 2t+1}
-// (a0, a1, b0) or {2t+8, 2t+9} (a2, a3, b1): a0, a2 of row g, a1, a3 of row g+8, b0, b1 of column g. c holds
-// (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
-__device__ __forceinline__ void mma_16x8x16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
@@ -82,8 +72,9 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
         }
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
-            mma_16x8x16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
-            mma_16x8x16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+            // A: a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B from x row g
+            mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+            mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
         }
     }
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =

@@ -1,14 +1,23 @@
-// Tensor-core helpers shared by the attention kernels: mma.sync m16n8k16 (bf16 in, float32 accumulate) and
-// ldmatrix loads of its operands from shared memory.
+// Tensor-core helpers shared by the attention kernels and the GEMV: mma.sync m16n8k16 (bf16 in, float32 accumulate),
+// ldmatrix loads of its operands from shared memory, and the online softmax of the attention kernels.
 #pragma once
 #include "common.cuh"
 
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+// c += A . B with A 16x16 and B 16x8 bf16, c 16x8 float32. With g = lane / 4 and t = lane % 4, each register holds
+// two bf16 of k-columns {2t, 2t+1} (a0, a1, b0) or {2t+8, 2t+9} (a2, a3, b1): a0, a2 of row g, a1, a3 of row g+8,
+// b0, b1 of column g. c holds (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The same with A as a fragment a[4] (as ldmatrix_x4 loads it).
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
 // Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
@@ -62,5 +71,56 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const uint32_t (&p)
         ldmatrix_x4_trans(b, &v_s[((mi % 2) * 8 + lane % 8) * LD + (nd + mi / 2) * 8]);
         mma_bf16(o[nd], p, b[0], b[1]);
         mma_bf16(o[nd + 1], p, b[2], b[3]);
+    }
+}
+
+// One key tile of the online softmax (FlashAttention-2, log2 domain) for the rows of a warp's 16-row tile that this
+// thread holds: row lane / 4 for half 0 and row lane / 4 + 8 for half 1 (HALVES is 1 when rows 8-15 are unused).
+// s holds mma_qk's raw scores of the N keys from tile0 (this thread's: tile0 + nb * 8 + 2 * (lane % 4) + (0, 1));
+// on return it holds their unnormalized probabilities 2^(s * scale_log2 - m), 0 for the keys a row does not see
+// (key >= key_end[half]). m (running row max), l (this lane's share of the running row sum; the caller sums the quad
+// at the end) and the output accumulator o are rescaled to the new max. Every row must see a key of the first tile,
+// so m stays finite.
+template <int N, int D, int HALVES>
+__device__ __forceinline__ void online_softmax(float (&s)[N / 8][4], float (&m)[HALVES], float (&l)[HALVES],
+                                               float (&o)[D / 8][4], int tile0, int lane, float scale_log2,
+                                               const int (&key_end)[HALVES]) {
+    float row_max[HALVES], alpha[HALVES];
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) row_max[h] = -INFINITY;
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2 * HALVES; ++e) {  // element e of an accumulator: half e / 2, key + e % 2
+            const int key = tile0 + nb * 8 + (lane % 4) * 2 + e % 2;
+            const float v = key < key_end[e / 2] ? s[nb][e] * scale_log2 : -INFINITY;
+            s[nb][e] = v;
+            row_max[e / 2] = fmaxf(row_max[e / 2], v);
+        }
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        // a row's keys live in the 4 lanes of a quad
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        const float m_new = fmaxf(m[h], row_max[h]);
+        alpha[h] = exp2f(m[h] - m_new);
+        m[h] = m_new;
+        l[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2 * HALVES; ++e) {
+            s[nb][e] = exp2f(s[nb][e] - m[e / 2]);
+            l[e / 2] += s[nb][e];
+        }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= alpha[0];
+        o[nd][1] *= alpha[0];
+        if (HALVES == 2) {
+            o[nd][2] *= alpha[HALVES - 1];
+            o[nd][3] *= alpha[HALVES - 1];
+        }
     }
 }

@@ -18,7 +18,7 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
         float4 v = *reinterpret_cast<const float4*>(xr + i);
         sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
+    const float inv_rms = rsqrtf(block_reduce<Sum>(sum_sq, scratch) / hidden + eps);
     bf16* o = out + (int64_t)blockIdx.x * hidden;
     for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
         float wv[8], v[8];

@@ -7,10 +7,10 @@
 // select: float bit patterns of non-negative values sort like the values, so 4 passes over the row, each building
 // a 256-bin histogram of the next 8 bits among the elements that match the digits chosen so far, pin the threshold
 // down exactly. 4 passes instead of the ~31 of a bisection, and exact where a bisection on values is not.
+//
+// Compiled with -DNTHREADS (threads per block: one block per row) and -DMAX_TOP_LOGPROBS (the most top logprobs per
+// row), from backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
-
-#define NTHREADS 1024  // one block per row: 125 elements per thread for a 128k vocabulary
-#define MAX_TOP_LOGPROBS 64
 
 // MurmurHash3's finalizer (sampler.mix32).
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
@@ -146,7 +146,7 @@ struct TopPWeights {  // the probability mass of the tokens that survived top-k 
 
 // One token per row: argmax when temperature == 0; otherwise keep the tokens with p >= max(k-th largest p (top-k),
 // top-p threshold, min_p * max p) and take argmax(x / T + gumbel(noise_keys[row], token)) over them.
-// Launch: grid (S), block 1024: one row per block; every pass re-reads the row (L2-resident for small batches).
+// Launch: grid (S), block NTHREADS: one row per block; every pass re-reads the row (L2-resident for small batches).
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     sample(int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
            const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
@@ -168,10 +168,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     Probs p{x, t, -INFINITY, 0.f};
     float m = -INFINITY;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, p.scaled(i));
-    p.max = block_max(m, scratch);
+    p.max = block_reduce<Max>(m, scratch);
     float z = 0.f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) z += expf(p.scaled(i) - p.max);
-    p.log_z = logf(block_sum(z, scratch));
+    p.log_z = logf(block_reduce<Sum>(z, scratch));
 
     float threshold = 0.f;
     const int k = top_k[row];
@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
             const float v = p(i);
             mass += v >= threshold ? v : 0.f;
         }
-        const float target = top_p[row] * block_sum(mass, scratch);
+        const float target = top_p[row] * block_reduce<Sum>(mass, scratch);
         threshold = fmaxf(threshold,
                           __uint_as_float(radix_select(TopPWeights{p, threshold}, vocab, target, hist, result)));
     }
@@ -211,8 +211,8 @@ struct LogitKeys {  // count the tokens, keyed by logit
 
 // Log-softmax of the raw logits: token_lp[row] = logprob of token_ids[row]; top_ids / top_lp [N, k] the k most
 // likely tokens in descending order (ties at the k-th value broken arbitrarily, as argpartition does).
-// Launch: grid (N), block 1024; k <= 64. The k-th largest logit comes from the radix select; the (fewer than k)
-// larger ones and enough ties are gathered in shared memory and sorted by one thread.
+// Launch: grid (N), block NTHREADS; k <= MAX_TOP_LOGPROBS. The k-th largest logit comes from the radix select; the
+// (fewer than k) larger ones and enough ties are gathered in shared memory and sorted by one thread.
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
              const float* __restrict__ logits, const int* __restrict__ token_ids, int vocab, int k) {
@@ -223,10 +223,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     const float* x = logits + (int64_t)row * vocab;
     float m = -INFINITY;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i]);
-    m = block_max(m, scratch);
+    m = block_reduce<Max>(m, scratch);
     float z = 0.f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) z += expf(x[i] - m);
-    const float log_z = logf(block_sum(z, scratch));
+    const float log_z = logf(block_reduce<Sum>(z, scratch));
     if (threadIdx.x == 0) {
         token_lp[row] = (x[token_ids[row]] - m) - log_z;
         count_s[0] = count_s[1] = 0;

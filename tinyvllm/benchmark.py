@@ -8,6 +8,7 @@ reading its bytes (weights + KV) or doing its FLOPs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,64 @@ def floor_seconds(config: ModelConfig, requests: list[Request], bandwidth: float
     return prefill + decode
 
 
+def measure_limits(backend) -> dict:
+    """The ceilings of the machine a backend runs on, measured: {"bandwidth_bytes_s": memory copy rate (bytes read +
+    written), "gemm_flops": dense GEMM rate in the backend's compute dtype}. The floors derive from them."""
+    if backend.name == "cuda":
+        return _cuda_limits(backend.stream, backend.forward.blas)
+    return _numpy_limits()
+
+
+def _numpy_limits() -> dict:
+    """float32 on the CPU: best of 5 copies of 256 MiB (far beyond the caches) and of 5 GEMMs of 2048^3."""
+    src = np.ones(64 << 20, np.float32)
+    dst = np.empty_like(src)
+    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
+    copy_s = _best_time(lambda: np.copyto(dst, src))
+    gemm_s = _best_time(lambda: a @ a)
+    return {"bandwidth_bytes_s": 2 * src.nbytes / copy_s, "gemm_flops": 2 * 2048 ** 3 / gemm_s}
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _cuda_limits(stream, blas) -> dict:
+    """Device-to-device copy rate and bf16 cuBLAS GEMM rate on the backend's stream, median of CUDA-event timings."""
+    import pycuda.driver as cuda  # here only: the cuda backend is the one user of pycuda
+
+    from tinyvllm.model.dtypes import f32_to_bf16
+
+    copy_bytes, n = 256 << 20, 4096  # copies far beyond the 50 MB L2; a GEMM that fills the GPU
+    src, dst = cuda.mem_alloc(copy_bytes), cuda.mem_alloc(copy_bytes)
+    rng = np.random.default_rng(0)
+    a, b = (cuda.to_device(f32_to_bf16(rng.standard_normal((n, n), dtype=np.float32))) for _ in range(2))
+    c = cuda.mem_alloc(n * n * 2)
+
+    def median_seconds(op: Callable[[], None], repeats: int = 20) -> float:
+        op()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start, end = cuda.Event(), cuda.Event()
+            start.record(stream)
+            op()
+            end.record(stream)
+            end.synchronize()
+            times.append(end.time_since(start) / 1e3)
+        return float(np.median(times))
+
+    copy_s = median_seconds(lambda: cuda.memcpy_dtod_async(dst, src, copy_bytes, stream))
+    gemm_s = median_seconds(lambda: blas.gemm(int(c), int(a), int(b), n, n, n))
+    for allocation in (src, dst, a, b, c):
+        allocation.free()
+    return {"bandwidth_bytes_s": 2 * copy_bytes / copy_s, "gemm_flops": 2 * n ** 3 / gemm_s}
+
+
 def dummy_model(preset: str, seed: int = 0):
     """A LoadedModel with random weights of a known model's shapes (no download), and a small stand-in tokenizer."""
     from tinyvllm.model import dummy
@@ -148,7 +207,7 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
     W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between);
     W2 runs twice, with chunked prefill on and off (issue: decodes must not stall behind long prompts)."""
     config = llm.model_config
-    limits = limits or llm.backend.measure_limits()
+    limits = limits or measure_limits(llm.backend)
     results = {"limits": limits, "workloads": {}}
     for name in workloads:
         requests = make_workload(name, config.vocab_size, scale, seed)

@@ -53,6 +53,14 @@ def kernels(cuda):
 
 
 @pytest.fixture(scope="session")
+def ops(kernels):
+    """The backend's launchers, on the default stream."""
+    from tinyvllm.backends.cuda.ops import Ops
+
+    return Ops(kernels, None)
+
+
+@pytest.fixture(scope="session")
 def cuda_backend(cuda):
     """The CudaBackend class."""
     from tinyvllm.backends.cuda.runner import CudaBackend

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.benchmark import measure_limits
 from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend, sample_from_logits
 from tinyvllm.engine.block_manager import BlockManager
@@ -18,7 +19,8 @@ from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.model.dummy import llama_3_2_1b_config, random_weights, save_hf_model_dir, smollm2_135m_config
-from tinyvllm.model.loader import LoadedModel, bf16_to_f32, f32_to_bf16
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.loader import LoadedModel
 from tinyvllm.outputs import RequestMetrics
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +63,7 @@ def decode_batch(seqs, tokens, bm, block_size):
 def gpu_logits(cuda, backend, n):
     """The float32 logits of the last step's n sampled rows, still on the GPU after execute()."""
     out = np.empty((n, backend.config.vocab_size), np.float32)
-    cuda.memcpy_dtoh(out, backend.buf["logits"])
+    cuda.memcpy_dtoh(out, backend.forward.buf["logits"])
     return out
 
 
@@ -308,7 +310,7 @@ def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
 def test_measure_limits_and_describe(model_dir):
     # the KV cache sized from the memory budget: half the GPU for weights, buffers and cache
     llm = LLM(model_dir, backend="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.5)
-    limits, info = llm.backend.measure_limits(), llm.info()
+    limits, info = measure_limits(llm.backend), llm.info()
     print(f"REPORT measure_limits: copy {limits['bandwidth_bytes_s'] / 1e12:.2f} TB/s, bf16 GEMM "
           f"{limits['gemm_flops'] / 1e12:.0f} TFLOP/s; describe {llm.backend.describe()}")
     assert limits["bandwidth_bytes_s"] > 1e11 and limits["gemm_flops"] > 1e13

@@ -9,12 +9,12 @@ wrong or missing product shows too.
 import numpy as np
 import pytest
 
-from tinyvllm.model.loader import bf16_to_f32, f32_to_bf16
+from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 
 pytestmark = pytest.mark.gpu
 
 WORKSPACE_BYTES = 32 << 20
-MAX_ROWS = 8  # tinyvllm.backends.cuda.linear.GEMV_MAX_ROWS (not importable without pycuda); m runs one past it
 MODES = [(False, False), (True, False), (True, True), (False, True)]  # (out_fp32, accumulate)
 # n = 1, odd n with a partial last tile and tiles past n; k < 256 (one warp per tile), k with a tail past the last
 # full iteration at each split (2, 8, and 8 over several iterations).
@@ -50,9 +50,8 @@ class CountingBlas:
 @pytest.fixture(scope="module")
 def linear(cuda, kernels):
     from tinyvllm.backends.cuda.cublas import Cublas
-    from tinyvllm.backends.cuda.linear import GEMV_MAX_ROWS, Linear
+    from tinyvllm.backends.cuda.linear import Linear
 
-    assert GEMV_MAX_ROWS == MAX_ROWS
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
@@ -99,7 +98,7 @@ def check(cuda, linear, weights, m, n, k, out_fp32, accumulate):
 
 @pytest.mark.parametrize("out_fp32,accumulate", MODES)
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
-@pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))  # one past the kernel's rows: cuBLAS
 def test_gemm_odd_shapes(cuda, linear, weights, m, n, k, out_fp32, accumulate):
     check(cuda, linear, weights, m, n, k, out_fp32, accumulate)
 

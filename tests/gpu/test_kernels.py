@@ -11,8 +11,9 @@ import pytest
 
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
+from tinyvllm.backends.cuda.ops import prefill_tiles
 from tinyvllm.backends.numpy_backend import apply_rope, paged_attention, rms_norm, silu_and_mul
-from tinyvllm.model.loader import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.gpu
@@ -59,22 +60,18 @@ class Gpu:
         return bf16_to_f32(self.get(ptr, shape, np.uint16))
 
 
-def launch(kernels, name, grid, block, *args):
-    kernels[name](grid, (block, 1, 1), None, *args)
-
-
 @pytest.mark.parametrize("tokens", [1, 257])
-def test_embedding(cuda, kernels, tokens):
+def test_embedding(cuda, ops, tokens):
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
     table = bf16_round(rng.standard_normal((1000, 576), dtype=np.float32))
     ids = rng.integers(0, 1000, tokens).astype(np.int32)
     out = gpu.poisoned((tokens, 576), np.float32)
-    launch(kernels, "embedding", (tokens,), 256, out, gpu.bf16(table), gpu.put(ids), 576)
+    ops.embedding(out, gpu.bf16(table), gpu.put(ids), tokens, 576)
     np.testing.assert_array_equal(gpu.get(out, (tokens, 576), np.float32), table[ids])
 
 
 @pytest.mark.parametrize("tokens", [1, 300])
-def test_resolve_tokens(cuda, kernels, tokens):
+def test_resolve_tokens(cuda, ops, tokens):
     """Placeholders take the previous step's sampled ids, as Backend.submit's numpy twin does; the rest stay."""
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
     sampled = rng.integers(0, 50_000, 64).astype(np.int32)
@@ -83,33 +80,31 @@ def test_resolve_tokens(cuda, kernels, tokens):
     want = ids.copy()
     want[src >= 0] = sampled[src[src >= 0]]
     ids_dev = gpu.put(ids)
-    launch(kernels, "resolve_tokens", (-(-tokens // 256),), 256, ids_dev, gpu.put(src), gpu.put(sampled), tokens)
+    ops.resolve_tokens(ids_dev, gpu.put(src), gpu.put(sampled), tokens)
     np.testing.assert_array_equal(gpu.get(ids_dev, tokens, np.int32), want)
 
 
 @pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True)])
-def test_rms_norm(cuda, kernels, tokens, hidden, gather):
+def test_rms_norm(cuda, ops, tokens, hidden, gather):
     gpu, rng = Gpu(cuda), np.random.default_rng(hidden + tokens)
     x = rng.standard_normal((tokens, hidden), dtype=np.float32) * 3
     w = bf16_round(1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
     rows = rng.permutation(tokens)[: max(1, tokens // 2)].astype(np.int32) if gather else np.arange(tokens)
     out = gpu.poisoned((len(rows), hidden), np.uint16)
-    launch(kernels, "rms_norm", (len(rows),), 256, out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0,
-           hidden, 1e-5)
+    ops.rms_norm(out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0, len(rows), hidden, 1e-5)
     got = gpu.get_bf16(out, (len(rows), hidden))
     assert rel_err(got, rms_norm(x[rows], w, 1e-5)) < BF16_TOL
 
 
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 8), (40, 64, 9, 3)])
-def test_rope(cuda, kernels, tokens, head_dim, heads, kv_heads):
+def test_rope(cuda, ops, tokens, head_dim, heads, kv_heads):
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
     positions = rng.integers(0, 20000, tokens).astype(np.int32)
     cos, sin = rope_cos_sin(np.arange(20000), rope_inv_freq(head_dim, 500000.0, LLAMA3_SCALING))
     buf = gpu.bf16(qkv)
-    launch(kernels, "rope", (tokens,), 128, buf, gpu.put(positions), gpu.put(np.stack([cos, sin], -1)),
-           heads + kv_heads, head_dim, width)
+    ops.rope(buf, gpu.put(positions), gpu.put(np.stack([cos, sin], -1)), tokens, heads + kv_heads, head_dim, width)
     got = gpu.get_bf16(buf, (tokens, width))
     c, s = cos[positions], sin[positions]
     qk = (heads + kv_heads) * head_dim
@@ -119,16 +114,16 @@ def test_rope(cuda, kernels, tokens, head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (257, 8192), (3, 520)])
-def test_silu_and_mul(cuda, kernels, tokens, inter):
+def test_silu_and_mul(cuda, ops, tokens, inter):
     gpu, rng = Gpu(cuda), np.random.default_rng(inter)
     gate_up = bf16_round(rng.standard_normal((tokens, 2 * inter), dtype=np.float32) * 2)
     out = gpu.poisoned((tokens, inter), np.uint16)
-    launch(kernels, "silu_and_mul", (tokens, -(-inter // 2048)), 256, out, gpu.bf16(gate_up), inter)
+    ops.silu_and_mul(out, gpu.bf16(gate_up), tokens, inter)
     assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
 
 
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 2)])
-def test_reshape_and_cache(cuda, kernels, tokens, head_dim, heads, kv_heads):
+def test_reshape_and_cache(cuda, ops, tokens, head_dim, heads, kv_heads):
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
     num_slots, kv_width = 1000, kv_heads * head_dim
     width = heads * head_dim + 2 * kv_width
@@ -136,8 +131,7 @@ def test_reshape_and_cache(cuda, kernels, tokens, head_dim, heads, kv_heads):
     slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
     slots[::5] = -1  # padded rows write nothing
     k_cache, v_cache = gpu.poisoned((num_slots, kv_width), np.uint16), gpu.poisoned((num_slots, kv_width), np.uint16)
-    launch(kernels, "reshape_and_cache", (tokens,), 128, k_cache, v_cache, gpu.bf16(qkv), gpu.put(slots),
-           heads * head_dim, kv_width, width)
+    ops.reshape_and_cache(k_cache, v_cache, gpu.bf16(qkv), gpu.put(slots), tokens, heads * head_dim, kv_width, width)
     k, v = gpu.get_bf16(k_cache, (num_slots, kv_width)), gpu.get_bf16(v_cache, (num_slots, kv_width))
     real = slots >= 0
     np.testing.assert_array_equal(k[slots[real]], qkv[real, heads * head_dim: heads * head_dim + kv_width])
@@ -169,7 +163,7 @@ ATTN_SHAPES = {"d64-gqa1": (64, 8, 8), "d128-gqa4": (128, 32, 8), "d64-gqa8": (6
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
 @pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3)])
-def test_attention_decode(cuda, kernels, shape, num_seqs, splits):
+def test_attention_decode(cuda, ops, shape, num_seqs, splits):
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits)
     block_size = 16
@@ -177,19 +171,13 @@ def test_attention_decode(cuda, kernels, shape, num_seqs, splits):
     k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
-    group = heads // kv_heads
-    per_block = 8 if group <= 8 else 16
-    chunks = -(-group // per_block)
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
     partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
     partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
-    launch(kernels, f"attention_decode_d{head_dim}_r{per_block}", (kv_heads * chunks, num_seqs, splits), 128, out,
-           partial_o, partial_ml, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables),
-           gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), scale, heads, kv_heads, block_size,
-           width, splits)
-    if splits > 1:
-        launch(kernels, "attention_combine", (heads, num_seqs), head_dim, out, partial_o, partial_ml, splits)
+    ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables),
+                         gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
+                         kv_heads, head_dim, block_size, width, splits)  # and attention_combine when splits > 1
     got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
     batch = Batch(False, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
                   np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
@@ -200,7 +188,7 @@ def test_attention_decode(cuda, kernels, shape, num_seqs, splits):
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
 @pytest.mark.parametrize("case", ["mixed", "many"])
-def test_attention_prefill(cuda, kernels, shape, case):
+def test_attention_prefill(cuda, ops, shape, case):
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
     block_size = 16
@@ -215,15 +203,13 @@ def test_attention_prefill(cuda, kernels, shape, case):
     k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
-    group = heads // kv_heads
-    tiles = -(-(q_lens * group) // 64)
-    tile_seq = np.repeat(np.arange(len(q_lens)), tiles).astype(np.int32)
-    tile_row0 = np.concatenate([np.arange(t) * 64 for t in tiles]).astype(np.int32)
+    tile_seq, tile_row0 = prefill_tiles(q_lens * (heads // kv_heads))
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((tokens, heads * head_dim), np.uint16)
-    launch(kernels, f"attention_prefill_d{head_dim}", (len(tile_seq), kv_heads), 128, out, gpu.bf16(qkv),
-           gpu.bf16(k), gpu.bf16(v), gpu.put(tables), tables.shape[1], gpu.put(qsl), gpu.put(context_lens),
-           gpu.put(tile_seq), gpu.put(tile_row0), scale, heads, kv_heads, block_size, width)
+    ops.attention_prefill(out, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables), tables.shape[1],
+                          gpu.put(qsl), gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
+                          gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
+                          block_size, width)
     got = gpu.get_bf16(out, (tokens, heads * head_dim))
     batch = Batch(True, np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
                   None)
@@ -265,13 +251,13 @@ def sampling_rows(rng, num_rows, first_mode=0):
 
 
 @pytest.mark.parametrize("num_rows,vocab", [(1, 128256), (64, 128256), (257, 49152)])
-def test_sample_matches_numpy_sampler(cuda, kernels, num_rows, vocab):
+def test_sample_matches_numpy_sampler(cuda, ops, num_rows, vocab):
     gpu, rng = Gpu(cuda), np.random.default_rng(num_rows)
     logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 3
     params = sampling_rows(rng, num_rows, first_mode=5 if num_rows == 1 else 0)  # alone: every filter at once
     out = gpu.poisoned(num_rows, np.int32)
-    launch(kernels, "sample", (num_rows,), 1024, out, gpu.put(logits), vocab, gpu.put(params.temperature),
-           gpu.put(params.top_p), gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
+    ops.sample(out, gpu.put(logits), num_rows, vocab, gpu.put(params.temperature), gpu.put(params.top_p),
+               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
     got = gpu.get(out, num_rows, np.int32)
     ref = sampler.sample(logits, params)
     mismatches = int((got != ref).sum())
@@ -280,15 +266,14 @@ def test_sample_matches_numpy_sampler(cuda, kernels, num_rows, vocab):
 
 
 @pytest.mark.parametrize("num_rows,k", [(1, 0), (37, 5), (257, 20)])
-def test_logprobs_match_numpy(cuda, kernels, num_rows, k):
+def test_logprobs_match_numpy(cuda, ops, num_rows, k):
     gpu, rng = Gpu(cuda), np.random.default_rng(k)
     vocab = 128256
     logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 4
     tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
     token_lp = gpu.poisoned(num_rows, np.float32)
     top_ids, top_lp = gpu.poisoned((num_rows, max(k, 1)), np.int32), gpu.poisoned((num_rows, max(k, 1)), np.float32)
-    launch(kernels, "logprobs", (num_rows,), 1024, token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens),
-           vocab, k)
+    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k)
     ref = sampler.gather_logprobs(logits, tokens, k)
     np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32), ref.token_logprobs, atol=1e-4)
     if k:

@@ -140,8 +140,3 @@ class Backend(ABC):
     def describe(self) -> dict:
         """Facts worth logging and storing in job metadata."""
         return {"backend": self.name}
-
-    @abstractmethod
-    def measure_limits(self) -> dict:
-        """The machine's ceilings, measured: {"bandwidth_bytes_s": memory copy rate (bytes read + written),
-        "gemm_flops": dense GEMM rate in the backend's compute dtype}. Benchmarks derive their floors from them."""

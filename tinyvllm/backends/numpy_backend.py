@@ -7,14 +7,13 @@ sequences of a prefill step (their causal masks differ in shape).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from tinyvllm.backends import sampler
+import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+from tinyvllm.model.weights import pack_llama_weights
 
 
 # ---- the operations (each the twin of a CUDA kernel) -------------------------------------------------------------
@@ -109,24 +108,18 @@ class NumpyBackend(Backend):
     def __init__(self, model, engine_config: EngineConfig) -> None:
         self.config = cfg = model.config
         self.engine_config = engine_config
-        w = model.weights
-        self.embed = np.ascontiguousarray(w["model.embed_tokens.weight"], dtype=np.float32)
-        self.lm_head_t = np.ascontiguousarray(w["lm_head.weight"].T, dtype=np.float32)  # [hidden, vocab]
-        self.final_norm = w["model.norm.weight"].astype(np.float32)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            # Q/K/V and gate/up fused into one [in, out] matrix each: one GEMM instead of three (or two).
-            qkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
-            gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
-            self.layers.append({
-                "input_norm": w[p + "input_layernorm.weight"].astype(np.float32),
-                "post_norm": w[p + "post_attention_layernorm.weight"].astype(np.float32),
-                "qkv": np.ascontiguousarray(qkv.T, dtype=np.float32),
-                "o": np.ascontiguousarray(w[p + "self_attn.o_proj.weight"].T, dtype=np.float32),
-                "gate_up": np.ascontiguousarray(gate_up.T, dtype=np.float32),
-                "down": np.ascontiguousarray(w[p + "mlp.down_proj.weight"].T, dtype=np.float32),
-            })
+        packed = pack_llama_weights(model.weights, cfg)
+
+        def matrix(w: np.ndarray) -> np.ndarray:  # [out, in] -> [in, out] float32: x @ w
+            return np.ascontiguousarray(w.T, dtype=np.float32)
+
+        self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
+        self.lm_head_t = matrix(packed.lm_head)  # [hidden, vocab]
+        self.final_norm = packed.final_norm.astype(np.float32)
+        self.layers = [{"input_norm": layer.input_norm.astype(np.float32),
+                        "post_norm": layer.post_norm.astype(np.float32),
+                        "qkv": matrix(layer.qkv), "o": matrix(layer.o), "gate_up": matrix(layer.gate_up),
+                        "down": matrix(layer.down)} for layer in packed.layers]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.k_cache: list[np.ndarray] = []
@@ -147,14 +140,6 @@ class NumpyBackend(Backend):
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
-
-    def measure_limits(self) -> dict:
-        src = np.ones(64 << 20, np.float32)  # 256 MiB: far beyond the caches
-        dst = np.empty_like(src)
-        a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
-        copy_s = _best_time(lambda: np.copyto(dst, src))
-        gemm_s = _best_time(lambda: a @ a)
-        return {"bandwidth_bytes_s": 2 * src.nbytes / copy_s, "gemm_flops": 2 * 2048 ** 3 / gemm_s}
 
     def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
         """Run the layers over the batch's tokens; return logits [len(logit_rows), vocab] of the chosen tokens."""
@@ -190,15 +175,6 @@ class NumpyBackend(Backend):
                        for i, targets in batch.prompt_logprob_targets.items()]
         logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
         return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:], self.token_counts)
-
-
-def _best_time(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None,

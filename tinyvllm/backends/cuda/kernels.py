@@ -1,18 +1,23 @@
 """Compile cuda/*.cu with PyCUDA for this device's architecture and hand out the kernels, ready to launch.
 
 PyCUDA runs on the device's primary context (pycuda.autoprimaryctx), the one the CUDA runtime and so cuBLAS use:
-both see the same allocations and streams. Compiled modules are cached on disk by PyCUDA, keyed by source.
+both see the same allocations and streams. Compiled modules are cached on disk by PyCUDA, keyed by source and
+options. Which kernels each file holds, their argument types and the -D defines they are compiled with come from
+ops.py, whose launchers launch them.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
 import pycuda.driver as cuda
 from pycuda.compiler import SourceModule
+
+from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES
 
 
 def _cuda_dir() -> Path:
@@ -24,20 +29,6 @@ def _cuda_dir() -> Path:
 
 
 CUDA_DIR = _cuda_dir()
-
-# file -> {kernel name: argument format (P pointer, i int32, f float32)}
-SIGNATURES: dict[str, dict[str, str]] = {
-    "embedding": {"embedding": "PPPi", "resolve_tokens": "PPPi"},
-    "norm": {"rms_norm": "PPPPif"},
-    "rope": {"rope": "PPPiii"},
-    "activation": {"silu_and_mul": "PPi"},
-    "cache": {"reshape_and_cache": "PPPPiii"},
-    "attention_decode": {"attention_combine": "PPPi",
-                         **{f"attention_decode_d{d}_r{r}": "PPPPPPPPPfiiiii" for d in (64, 128) for r in (8, 16)}},
-    "attention_prefill": {f"attention_prefill_d{d}": "PPPPPiPPPPfiiii" for d in (64, 128)},
-    "sampling": {"sample": "PPiPPPPP", "logprobs": "PPPPPii"},
-    "gemv": {"gemv_bf16": "PPPiiiii", "gemv_f32": "PPPiiiii"},
-}
 
 
 class Kernel:
@@ -60,17 +51,20 @@ def arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def compile_source(source: str, defines: Mapping[str, int]) -> SourceModule:
+    """A kernel file's source, compiled with the -D defines of its tile constants."""
+    options = ["-O3", "-std=c++17", *(f"-D{name}={value}" for name, value in defines.items())]
+    return SourceModule(source, arch=arch(), no_extern_c=True, include_dirs=[str(CUDA_DIR)], options=options)
+
+
 @functools.cache
 def load() -> dict[str, Kernel]:
     """Every kernel of cuda/*.cu, compiled (or taken from PyCUDA's cache) for this device."""
-    kernels = {}
-    for file, names in SIGNATURES.items():
-        source = (CUDA_DIR / f"{file}.cu").read_text()
+    modules = {}
+    for file in dict.fromkeys(signature.file for signature in SIGNATURES.values()):
         try:
-            module = SourceModule(source, arch=arch(), no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                  options=["-O3", "-std=c++17"])
+            modules[file] = compile_source((CUDA_DIR / f"{file}.cu").read_text(), DEFINES.get(file, {}))
         except cuda.CompileError as exc:
             raise RuntimeError(f"compiling cuda/{file}.cu failed:\n{exc.stderr}") from exc
-        for name, arg_format in names.items():
-            kernels[name] = Kernel(name, module.get_function(name), arg_format)
-    return kernels
+    return {name: Kernel(name, modules[signature.file].get_function(name), signature.arg_format)
+            for name, signature in SIGNATURES.items()}

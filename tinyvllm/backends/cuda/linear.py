@@ -12,14 +12,11 @@ import pycuda.driver as cuda
 
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.kernels import Kernel
+from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS, VECTOR, Ops
 
-GEMV_MAX_ROWS = 8  # the width of the kernel's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 # Measured on the H200 (bench/gemv.py, docs/PERFORMANCE.md): the kernel beats cuBLAS by 15-25% on weights of a few
 # MB (Llama-3.2-1B's QKV and O), ties at 32 MB and loses ~5-15% above, where cuBLAS streams at the copy rate.
 GEMV_MAX_WEIGHTS = 8 << 20  # n * k up to which the kernel runs
-GEMV_WARPS = 8  # cuda/gemv.cu GEMV_WARPS
-GEMV_TILE_ROWS = 16  # output rows (weight rows) of one mma tile
-GEMV_K_PER_ITERATION = 256  # k that one warp loads per iteration: GEMV_UNROLL * 4 lanes * 8 bf16
 
 
 class Linear:
@@ -30,24 +27,16 @@ class Linear:
         self.blas = blas
         self.kernels = kernels
         self.stream = stream
+        self.ops = Ops(kernels, stream)
         self.max_gemv_weights = max_gemv_weights
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
-        # the kernel loads 16 bytes (8 bf16) at a time
-        return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % 8 == 0
+        return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % VECTOR == 0
 
     def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,
              accumulate: bool = False) -> None:
         """bf16 x and w, float32 accumulation; out bf16 or float32 (out_fp32), out += x . w^T when accumulate."""
-        if not self.uses_gemv(m, n, k):
+        if self.uses_gemv(m, n, k):
+            self.ops.gemv(out, x, w, m, n, k, out_fp32, accumulate)
+        else:
             self.blas.gemm(out, x, w, m, n, k, out_fp32=out_fp32, accumulate=accumulate)
-            return
-        # Warps sharing one 16-row tile, each taking a part of k: as many as k keeps busy for a full iteration, so
-        # that small n still has enough loads in flight (n = 2048 at k = 2048: all 8 MB requested at once).
-        split = 1
-        while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
-            split *= 2
-        tiles = -(-n // GEMV_TILE_ROWS)
-        blocks = -(-tiles // (GEMV_WARPS // split))
-        self.kernels["gemv_f32" if out_fp32 else "gemv_bf16"](
-            (blocks,), (GEMV_WARPS * 32, 1, 1), self.stream, out, x, w, m, n, k, split, int(accumulate))

@@ -1,0 +1,136 @@
+"""The CUDA launchers (backends/cuda/ops.py) without a GPU: their argument types against the kernels' C declarations,
+their geometry, and the preconditions they refuse. The kernels themselves are tested in tests/gpu."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyvllm.backends.cuda import ops
+from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES, Ops
+
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(([^)]*)\)')
+
+
+def declared_kernels(file: str) -> dict[str, str]:
+    """{kernel name pattern: normalized C parameters} of the extern "C" kernels of cuda/<file>.cu; a name made by a
+    macro (attention_decode_d##D##_r##ROWS) becomes a regular expression."""
+    source = (CUDA_DIR / f"{file}.cu").read_text().replace("\\\n", " ")
+    kernels = {}
+    for name, params in KERNEL.findall(source):
+        parts = name.split("##")  # literal text, then a macro argument, alternately
+        pattern = "".join(re.escape(p) if i % 2 == 0 else r"\w+" for i, p in enumerate(parts))
+        kernels[pattern] = ", ".join(" ".join(p.replace("__restrict__", "").split()) for p in params.split(","))
+    return kernels
+
+
+def test_each_kernel_has_a_launcher_with_its_c_parameters():
+    files = sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
+    assert sorted({s.file for s in SIGNATURES.values()}) == files
+    for file in files:
+        declared = declared_kernels(file)
+        names = [name for name, s in SIGNATURES.items() if s.file == file]
+        for pattern in declared:  # every kernel of the file is launched
+            assert any(re.fullmatch(pattern, name) for name in names), (file, pattern)
+        for name in names:
+            [params] = [p for pattern, p in declared.items() if re.fullmatch(pattern, name)]
+            assert SIGNATURES[name].params == params, name
+
+
+def test_arg_format_follows_the_c_types():
+    assert SIGNATURES["rms_norm"].arg_format == "PPPPif"
+    assert SIGNATURES["sample"].arg_format == "PPiPPPPP"
+    assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiii"
+
+
+def test_tile_constants_come_from_python_only():
+    sources = {p.stem: p.read_text() for p in CUDA_DIR.glob("*.c*")}
+    for file, defines in DEFINES.items():
+        for name in defines:
+            assert re.search(rf"\b{name}\b", sources[file]), (file, name)  # the kernel uses it
+            assert not any(re.search(rf"#define\s+{name}\b", s) for s in sources.values()), name  # and only -D sets it
+
+
+class Recorder(dict):
+    """Stands in for the compiled kernels: records each launch, checking its argument count."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def __missing__(self, name):
+        def launch(grid, block, stream, *args):
+            assert len(args) == len(SIGNATURES[name].arg_format), name
+            self.launches.append((name, grid, block))
+        return launch
+
+
+@pytest.fixture
+def recorder():
+    return Recorder()
+
+
+def test_elementwise_geometry(recorder):
+    launcher = Ops(recorder, None)
+    launcher.silu_and_mul(1, 2, 7, 8192)
+    launcher.resolve_tokens(1, 2, 3, 257)
+    launcher.rms_norm(1, 2, 3, 0, 5, 2048, 1e-5)
+    launcher.logprobs(1, 2, 3, 4, 5, 9, 128256, ops.MAX_TOP_LOGPROBS)
+    assert recorder.launches == [("silu_and_mul", (7, 4), (256, 1, 1)), ("resolve_tokens", (2,), (256, 1, 1)),
+                                 ("rms_norm", (5,), (256, 1, 1)), ("logprobs", (9,), (1024, 1, 1))]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,splits,kernel,grid", [
+    (32, 8, 64, 1, "attention_decode_d64_r8", (8, 5, 1)),  # group 4: rows 4-15 of the tile empty
+    (32, 2, 128, 3, "attention_decode_d128_r16", (2, 5, 3)),  # group 16
+    (32, 1, 64, 2, "attention_decode_d64_r16", (2, 5, 2)),  # group 32: two blocks per KV head
+])
+def test_attention_decode_geometry(recorder, heads, kv_heads, d, splits, kernel, grid):
+    Ops(recorder, None).attention_decode(*range(1, 10), 5, 0.125, heads, kv_heads, d, 16, 4096, splits)
+    combine = [("attention_combine", (heads, 5), (d, 1, 1))] if splits > 1 else []
+    assert recorder.launches == [(kernel, grid, (128, 1, 1)), *combine]
+
+
+def test_decode_splits_fill_two_waves():
+    assert ops.decode_splits(1, 8, 4, num_sms=132) == ops.MAX_SPLITS
+    assert ops.decode_splits(4, 8, 4, num_sms=132) == 9  # 32 blocks x 9 >= 264
+    assert ops.decode_splits(256, 8, 4, num_sms=132) == 1
+
+
+def test_prefill_tiles(recorder):
+    tile_seq, tile_row0 = ops.prefill_tiles(np.array([1, 64, 65, 130]))
+    assert tile_seq.tolist() == [0, 1, 2, 2, 3, 3, 3]
+    assert tile_row0.tolist() == [0, 0, 0, 64, 0, 64, 128]
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # the staging buffer's bound holds for any chunk
+        group, lens = int(rng.integers(1, 17)), rng.integers(1, 300, int(rng.integers(1, 20)))
+        assert len(ops.prefill_tiles(lens * group)[0]) <= ops.max_prefill_tiles(int(lens.sum()), len(lens), group)
+    Ops(recorder, None).attention_prefill(*range(1, 11), 7, 0.125, 32, 8, 128, 16, 6144)
+    assert recorder.launches == [("attention_prefill_d128", (7, 8), (128, 1, 1))]
+
+
+# 300 rows: 19 tiles of 16 rows; a block of 8 warps holds 8 / split tiles, split = the warps one tile's k keeps busy
+@pytest.mark.parametrize("k,blocks", [(64, 3), (512, 5), (1024, 10), (2048, 19), (8192, 19)])
+def test_gemv_splits_k_across_warps(recorder, k, blocks):
+    Ops(recorder, None).gemv(1, 2, 3, 8, 300, k, True, False)
+    assert recorder.launches == [("gemv_f32", (blocks,), (256, 1, 1))]
+
+
+@pytest.mark.parametrize("launch,message", [
+    (lambda o: o.rms_norm(1, 2, 3, 0, 4, 1001, 1e-5), "hidden 1001 is not a multiple of 8"),
+    (lambda o: o.embedding(1, 2, 3, 4, 12), "hidden 12 is not a multiple of 8"),
+    (lambda o: o.silu_and_mul(1, 2, 3, 100), "intermediate_size 100"),
+    (lambda o: o.reshape_and_cache(1, 2, 3, 4, 5, 2048, 500, 3048), "kv_width 500"),
+    (lambda o: o.rope(1, 2, 3, 4, 40, 63, 4096), "head_dim 63 is odd"),
+    (lambda o: o.logprobs(1, 2, 3, 4, 5, 6, 100, ops.MAX_TOP_LOGPROBS + 1), "k = 65 not in 0..64"),
+    (lambda o: o.gemv(1, 2, 3, 9, 64, 64, False, False), "m = 9 rows"),
+    (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),
+    (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
+    (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 30, 8, 64, 16, 4096), "30 query heads"),
+])
+def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, message):
+    with pytest.raises(ValueError, match=message):
+        launch(Ops(recorder, None))
+    assert recorder.launches == []

@@ -1,0 +1,236 @@
+"""The Llama forward in bf16 on one NVIDIA GPU: weights, activations and the paged KV cache in device memory, and
+the launch sequence of a step.
+
+Per layer: rms_norm -> QKV GEMM -> rope -> reshape_and_cache -> attention -> O GEMM (+= residual) -> rms_norm ->
+gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up
+to 8 rows (linear.py), bf16 in and float32 compute; the residual stream stays float32 and the O and down GEMMs add
+into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
+ids (and logprobs when asked).
+
+Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
+device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import pycuda.driver as cuda
+
+from tinyvllm.backends.cuda import kernels
+from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.linear import Linear
+from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
+from tinyvllm.config import EngineConfig
+from tinyvllm.model.dtypes import f32_to_bf16
+from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+from tinyvllm.model.weights import pack_llama_weights
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace, fixed so that captured GEMMs never allocate
+
+
+class Buffers(Protocol):
+    """A step's input (or output) device buffers by name (runner.Staging)."""
+
+    def ptr(self, name: str, index: int = 0) -> int: ...
+
+
+class CudaForward:
+    """The model on the GPU, for steps of up to max_tokens tokens (prefill chunks) and max_num_seqs sequences."""
+
+    def __init__(self, model, engine_config: EngineConfig, stream: cuda.Stream, max_tokens: int) -> None:
+        cfg = self.config = model.config
+        self.engine_config = engine_config
+        if cfg.head_dim not in HEAD_DIMS:
+            raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
+        if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
+            raise ValueError(f"the cuda backend needs hidden_size and intermediate_size divisible by {VECTOR}")
+        compiled = kernels.load()
+        self.stream = stream
+        device = cuda.Context.get_device()
+        self.device_name = device.name()
+        self.num_sms = device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.group = self.heads // self.kv_heads
+        self.q_width = self.heads * self.head_dim
+        self.kv_width = self.kv_heads * self.head_dim
+        self.qkv_width = self.q_width + 2 * self.kv_width
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.max_tokens, self.max_seqs = max_tokens, engine_config.max_num_seqs
+
+        self._allocations: list[cuda.DeviceAllocation] = []
+        self._upload_weights(model.weights)
+        self._allocate_buffers()
+        self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES)
+        self.ops = Ops(compiled, stream)
+        self.linear = Linear(self.blas, compiled, self.stream)  # our GEMV for a few rows, else cuBLAS
+        self.k_cache: list[int] = []
+        self.v_cache: list[int] = []
+
+    # ---- memory ----------------------------------------------------------------------------------------------------
+
+    def _alloc(self, nbytes: int) -> int:
+        allocation = cuda.mem_alloc(max(nbytes, 1))
+        self._allocations.append(allocation)
+        return int(allocation)
+
+    def _to_device(self, array: np.ndarray) -> int:
+        allocation = cuda.to_device(np.ascontiguousarray(array))
+        self._allocations.append(allocation)
+        return int(allocation)
+
+    def _upload_weights(self, w: dict[str, np.ndarray]) -> None:
+        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them."""
+        packed = pack_llama_weights(w, self.config)
+        nbytes = 2 * sum(a.size for name, a in w.items() if not (packed.tied and name == "lm_head.weight"))
+        free, total = cuda.mem_get_info()
+        if nbytes > free:
+            raise MemoryError(f"the model's bf16 weights need {nbytes / GIB:.2f} GiB but the GPU ({self.device_name})"
+                              f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
+
+        def bf16(array: np.ndarray) -> int:
+            return self._to_device(f32_to_bf16(array))
+
+        self.embed = bf16(packed.embed)
+        self.lm_head = self.embed if packed.tied else bf16(packed.lm_head)
+        self.final_norm = bf16(packed.final_norm)
+        self.layers = [{"input_norm": bf16(layer.input_norm), "post_norm": bf16(layer.post_norm),
+                        "qkv": bf16(layer.qkv), "o": bf16(layer.o), "gate_up": bf16(layer.gate_up),
+                        "down": bf16(layer.down)} for layer in packed.layers]
+        log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
+
+    def num_splits(self, num_seqs: int) -> int:
+        return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms)
+
+    def _allocate_buffers(self) -> None:
+        cfg, t, s = self.config, self.max_tokens, self.max_seqs
+        hidden, inter, vocab, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.head_dim
+        partial_rows = max(n * self.num_splits(n) for n in range(1, s + 1)) * self.heads
+        self.buf = {name: self._alloc(nbytes) for name, nbytes in {
+            "x": t * hidden * 4,  # float32 residual stream
+            "h": t * hidden * 2,  # normalized activations (GEMM input)
+            "qkv": t * self.qkv_width * 2,
+            "attn": t * self.q_width * 2,
+            "gate_up": t * 2 * inter * 2,
+            "act": t * inter * 2,
+            "logits": s * vocab * 4,
+            "sample_hidden": s * hidden * 2,  # final-normed hidden states of the positions that sample
+            "partial_o": partial_rows * d * 4,
+            "partial_ml": partial_rows * 8,
+            "workspace": WORKSPACE_BYTES,
+        }.items()}
+        cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
+                                                                                   cfg.rope_scaling))
+        self.cos_sin = self._to_device(np.stack([cos, sin], axis=-1))  # float2 [max_model_len, d / 2]
+
+    def kv_bytes_per_block(self) -> int:
+        return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * 2
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 each, in one zeroed
+        allocation."""
+        nbytes = num_blocks * self.kv_bytes_per_block()
+        base = self._alloc(nbytes)
+        cuda.memset_d32(base, 0, nbytes // 4)
+        layer_bytes = num_blocks * self.engine_config.block_size * self.kv_width * 2
+        layers = range(self.config.num_hidden_layers)
+        self.k_cache = [base + 2 * i * layer_bytes for i in layers]
+        self.v_cache = [base + (2 * i + 1) * layer_bytes for i in layers]
+
+    def close(self) -> None:
+        """Release the cuBLAS handle and device memory now rather than at garbage collection."""
+        self.blas.close()
+        for allocation in self._allocations:
+            allocation.free()
+        self._allocations = []
+
+    # ---- the launch sequence ---------------------------------------------------------------------------------------
+
+    def _layers(self, n: int, inp: Buffers, out: Buffers, attention: Callable[[int], None]) -> None:
+        """Embed n tokens and run every layer on them, the residual stream ending in buf["x"]."""
+        cfg, b, ops = self.config, self.buf, self.ops
+        hidden, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        # tokens sampled by the previous step, which is queued before this one but not read back yet
+        ops.resolve_tokens(inp.ptr("token_ids"), inp.ptr("token_src"), out.ptr("ids"), n)
+        ops.embedding(b["x"], self.embed, inp.ptr("token_ids"), n, hidden)
+        for i, layer in enumerate(self.layers):
+            ops.rms_norm(b["h"], b["x"], layer["input_norm"], 0, n, hidden, eps)
+            self.linear.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
+            ops.rope(b["qkv"], inp.ptr("positions"), self.cos_sin, n, self.heads + self.kv_heads, self.head_dim,
+                     self.qkv_width)
+            ops.reshape_and_cache(self.k_cache[i], self.v_cache[i], b["qkv"], inp.ptr("slot_mapping"), n,
+                                  self.q_width, self.kv_width, self.qkv_width)
+            attention(i)
+            self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
+            ops.rms_norm(b["h"], b["x"], layer["post_norm"], 0, n, hidden, eps)
+            self.linear.gemm(b["gate_up"], b["h"], layer["gate_up"], n, 2 * inter, hidden)
+            ops.silu_and_mul(b["act"], b["gate_up"], n, inter)
+            self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
+
+    def _sample(self, n: int, hidden_rows: int, inp: Buffers, out: Buffers) -> None:
+        """LM head on n final-normed rows, then one sampled token per row into out["ids"]."""
+        cfg = self.config
+        self.linear.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, cfg.vocab_size, cfg.hidden_size,
+                         out_fp32=True)
+        self.ops.sample(out.ptr("ids"), self.buf["logits"], n, cfg.vocab_size, inp.ptr("temperature"),
+                        inp.ptr("top_p"), inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
+
+    def decode(self, n: int, inp: Buffers, out: Buffers) -> None:
+        """One decode step of n (bucket-padded) sequences, sampled ids into out: what a graph captures."""
+        b = self.buf
+        splits = self.num_splits(n)
+
+        def attention(i: int) -> None:
+            self.ops.attention_decode(b["attn"], b["partial_o"], b["partial_ml"], b["qkv"], self.k_cache[i],
+                                      self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
+                                      inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
+                                      self.head_dim, self.engine_config.block_size, self.qkv_width, splits)
+
+        self._layers(n, inp, out, attention)
+        self.ops.rms_norm(b["h"], b["x"], self.final_norm, 0, n, self.config.hidden_size, self.config.rms_norm_eps)
+        self._sample(n, b["h"], inp, out)
+
+    def prefill(self, n: int, inp: Buffers, out: Buffers, num_tiles: int, bt_width: int) -> None:
+        """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""
+        b = self.buf
+
+        def attention(i: int) -> None:
+            self.ops.attention_prefill(b["attn"], b["qkv"], self.k_cache[i], self.v_cache[i],
+                                       inp.ptr("block_tables"), bt_width, inp.ptr("query_start_loc"),
+                                       inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
+                                       num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
+                                       self.engine_config.block_size, self.qkv_width)
+
+        self._layers(n, inp, out, attention)
+
+    def norm_sample_rows(self, first_seq: int, rows: int, count: int) -> None:
+        """Final-norm `count` rows of the residual stream (rows: device int32) into the sample_hidden rows of
+        sequences first_seq.."""
+        cfg = self.config
+        self.ops.rms_norm(self.buf["sample_hidden"] + first_seq * cfg.hidden_size * 2, self.buf["x"],
+                          self.final_norm, rows, count, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers) -> None:
+        """Sample one token per sequence from its sample_hidden row."""
+        self._sample(num_seqs, self.buf["sample_hidden"], inp, out)
+
+    def logprobs(self, n: int, token_ids: int, k: int, out: Buffers) -> None:
+        """Logprobs of token_ids (device int32 [n]) and the top k of the last n rows of logits, into out."""
+        self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf["logits"], token_ids,
+                          n, self.config.vocab_size, k)
+
+    def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
+        """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""
+        cfg, buf = self.config, self.buf
+        self.ops.rms_norm(buf["h"], buf["x"], self.final_norm, rows, m, cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear.gemm(buf["logits"], buf["h"], self.lm_head, m, cfg.vocab_size, cfg.hidden_size, out_fp32=True)
+        self.logprobs(m, targets, k, out)
+

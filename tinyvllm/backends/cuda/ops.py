@@ -1,0 +1,225 @@
+"""One launcher per CUDA kernel of cuda/*.cu: its grid, block, argument types and the preconditions it assumes.
+
+A kernel's launch facts live here and nowhere else: CudaBackend and the GPU tests call these launchers, and the tile
+constants below reach the compiler as -D defines (DEFINES), so Python is their single source. A launcher raises
+ValueError on a shape its kernel cannot run (a kernel would read out of bounds instead). No pycuda here: launchers
+call whatever `kernels` maps a kernel name to (kernels.load() gives the compiled ones), so their geometry and checks
+can be tested on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+HEAD_DIMS = (64, 128)  # head dims the attention kernels are instantiated for
+VECTOR = 8  # bf16 per 16-byte load: the kernels' widths (hidden, intermediate, KV) are multiples of it
+
+# Tile constants, passed to the compiler as -D defines.
+PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per warp
+DECODE_WARPS = 4  # attention_decode: warps per block
+SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per row)
+MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
+GEMV_WARPS = 8  # gemv: warps per block
+GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
+DEFINES: dict[str, dict[str, int]] = {
+    "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
+    "attention_decode": {"NWARPS": DECODE_WARPS},
+    "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
+    "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
+}
+
+GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
+GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
+GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
+MAX_SPLITS = 32  # attention_decode: most context splits of one sequence
+ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul: threads per block
+ROW_THREADS = 128  # rope, reshape_and_cache: threads per block (one token per block)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A kernel's C parameters as cuda/<file>.cu declares them (without __restrict__)."""
+
+    file: str
+    params: str
+
+    @property
+    def arg_format(self) -> str:
+        """PyCUDA's argument format: P for a pointer, i for an int, f for a float."""
+        return "".join("P" if "*" in param else {"int": "i", "float": "f"}[param.split()[0]]
+                       for param in self.params.split(","))
+
+
+SIGNATURES: dict[str, Signature] = {}  # kernel name -> its signature, declared by each launcher
+
+
+def kernel(file: str, params: str, *names: str) -> Callable:
+    """Declare the kernel a launcher launches (named as the launcher unless `names` lists template instances)."""
+    def declare(launcher: Callable) -> Callable:
+        for name in names or (launcher.__name__,):
+            SIGNATURES[name] = Signature(file, params)
+        return launcher
+    return declare
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _require_vectors(kernel_name: str, **widths: int) -> None:
+    for what, width in widths.items():
+        _require(width % VECTOR == 0, f"{kernel_name}: {what} {width} is not a multiple of {VECTOR} (the kernel "
+                                      "moves 16-byte vectors of bf16)")
+
+
+def _require_attention_shape(kernel_name: str, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    _require(head_dim in HEAD_DIMS, f"{kernel_name}: head_dim {head_dim} is not one of {HEAD_DIMS}")
+    _require(num_heads % num_kv_heads == 0, f"{kernel_name}: {num_heads} query heads are not a multiple of "
+                                            f"{num_kv_heads} KV heads")
+
+
+def decode_rows(group: int) -> int:
+    """attention_decode's query heads per block (the rows of its mma tile in use): 8 or 16."""
+    return 8 if group <= 8 else 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, group: int, num_sms: int) -> int:
+    """attention_decode splits each context in this many parts: enough blocks for ~2 waves of the GPU."""
+    blocks = num_seqs * num_kv_heads * -(-group // decode_rows(group))
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // blocks)))
+
+
+def prefill_tiles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """attention_prefill's tiles over sequences of rows[s] (query, head) rows each: the sequence of each tile and
+    its first row."""
+    tiles = -(-rows // PREFILL_BLOCK_M)
+    return np.repeat(np.arange(len(rows)), tiles), np.concatenate([np.arange(t) * PREFILL_BLOCK_M for t in tiles])
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Most tiles of a prefill of num_tokens tokens over num_seqs sequences (each may end in a partial tile)."""
+    return num_tokens * group // PREFILL_BLOCK_M + num_seqs + 1
+
+
+class Ops:
+    """The launchers, on one stream. `kernels` maps a kernel name to a callable(grid, block, stream, *args)."""
+
+    def __init__(self, kernels: Mapping[str, Callable], stream) -> None:
+        self.kernels = kernels
+        self.stream = stream
+
+    def launch(self, name: str, grid: tuple[int, ...], block: int, *args) -> None:
+        self.kernels[name](grid, (block, 1, 1), self.stream, *args)
+
+    @kernel("embedding", "float* out, const bf16* table, const int* ids, int hidden")
+    def embedding(self, out: int, table: int, ids: int, num_tokens: int, hidden: int) -> None:
+        _require_vectors("embedding", hidden=hidden)
+        self.launch("embedding", (num_tokens,), ELEMENTWISE_THREADS, out, table, ids, hidden)
+
+    @kernel("embedding", "int* ids, const int* src, const int* sampled, int n")
+    def resolve_tokens(self, ids: int, src: int, sampled: int, n: int) -> None:
+        self.launch("resolve_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, ids, src, sampled, n)
+
+    @kernel("norm", "bf16* out, const float* x, const bf16* w, const int* rows, int hidden, float eps")
+    def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float) -> None:
+        """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1]."""
+        _require_vectors("rms_norm", hidden=hidden)
+        self.launch("rms_norm", (num_rows,), ELEMENTWISE_THREADS, out, x, w, rows, hidden, eps)
+
+    @kernel("rope", "bf16* qkv, const int* positions, const float2* cos_sin, int num_rotated_heads, int head_dim, "
+                    "int row_stride")
+    def rope(self, qkv: int, positions: int, cos_sin: int, num_tokens: int, num_rotated_heads: int, head_dim: int,
+             row_stride: int) -> None:
+        _require(head_dim % 2 == 0, f"rope: head_dim {head_dim} is odd")
+        self.launch("rope", (num_tokens,), ROW_THREADS, qkv, positions, cos_sin, num_rotated_heads, head_dim,
+                    row_stride)
+
+    @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
+    def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+        _require_vectors("silu_and_mul", intermediate_size=inter)
+        per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
+        self.launch("silu_and_mul", (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
+
+    @kernel("cache", "bf16* k_cache, bf16* v_cache, const bf16* qkv, const int* slot_mapping, int q_width, "
+                     "int kv_width, int row_stride")
+    def reshape_and_cache(self, k_cache: int, v_cache: int, qkv: int, slot_mapping: int, num_tokens: int,
+                          q_width: int, kv_width: int, row_stride: int) -> None:
+        _require_vectors("reshape_and_cache", q_width=q_width, kv_width=kv_width, row_stride=row_stride)
+        self.launch("reshape_and_cache", (num_tokens,), ROW_THREADS, k_cache, v_cache, qkv, slot_mapping, q_width,
+                    kv_width, row_stride)
+
+    @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, "
+                                "const bf16* v_cache, const int* block_tables, const int* bt_stride, "
+                                "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
+                                "int block_size, int row_stride, int num_splits",
+            *(f"attention_decode_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
+    def attention_decode(self, out: int, partial_o: int, partial_ml: int, q: int, k_cache: int, v_cache: int,
+                         block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
+                         num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
+                         num_splits: int) -> None:
+        """Decode attention of num_seqs sequences; with num_splits > 1 through partial_o [num_seqs * num_heads *
+        num_splits, head_dim] float32 and partial_ml [same rows] float2, merged by attention_combine."""
+        _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
+        _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
+        group = num_heads // num_kv_heads
+        rows = decode_rows(group)
+        self.launch(f"attention_decode_d{head_dim}_r{rows}", (num_kv_heads * -(-group // rows), num_seqs, num_splits),
+                    DECODE_WARPS * 32, out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
+                    context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits)
+        if num_splits > 1:
+            self.attention_combine(out, partial_o, partial_ml, num_seqs, num_heads, head_dim, num_splits)
+
+    @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, int num_splits")
+    def attention_combine(self, out: int, partial_o: int, partial_ml: int, num_seqs: int, num_heads: int,
+                          head_dim: int, num_splits: int) -> None:
+        self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, num_splits)
+
+    @kernel("attention_prefill", "bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, "
+                                 "const int* block_tables, int bt_stride, const int* query_start_loc, "
+                                 "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
+                                 "int num_heads, int num_kv_heads, int block_size, int row_stride",
+            *(f"attention_prefill_d{d}" for d in HEAD_DIMS))
+    def attention_prefill(self, out: int, qkv: int, k_cache: int, v_cache: int, block_tables: int, bt_stride: int,
+                          query_start_loc: int, context_lens: int, tile_seq: int, tile_row0: int, num_tiles: int,
+                          scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                          row_stride: int) -> None:
+        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles)."""
+        _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
+        self.launch(f"attention_prefill_d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out, qkv,
+                    k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
+                    scale, num_heads, num_kv_heads, block_size, row_stride)
+
+    @kernel("sampling", "int* out, const float* logits, int vocab, const float* temperature, const float* top_p, "
+                        "const int* top_k, const float* min_p, const uint32_t* noise_keys")
+    def sample(self, out: int, logits: int, num_rows: int, vocab: int, temperature: int, top_p: int, top_k: int,
+               min_p: int, noise_keys: int) -> None:
+        self.launch("sample", (num_rows,), SAMPLING_THREADS, out, logits, vocab, temperature, top_p, top_k, min_p,
+                    noise_keys)
+
+    @kernel("sampling", "float* token_lp, int* top_ids, float* top_lp, const float* logits, const int* token_ids, "
+                        "int vocab, int k")
+    def logprobs(self, token_lp: int, top_ids: int, top_lp: int, logits: int, token_ids: int, num_rows: int,
+                 vocab: int, k: int) -> None:
+        _require(0 <= k <= MAX_TOP_LOGPROBS, f"logprobs: k = {k} not in 0..{MAX_TOP_LOGPROBS}")
+        self.launch("logprobs", (num_rows,), SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, vocab, k)
+
+    @kernel("gemv", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
+            "gemv_f32")
+    @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
+            "gemv_bf16")
+    def gemv(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
+        """out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate), bf16 in, float32 accumulation, for m <= 8."""
+        _require(1 <= m <= GEMV_MAX_ROWS, f"gemv: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
+        _require_vectors("gemv", k=k)
+        # Warps sharing one 16-row tile, each taking a part of k: as many as k keeps busy for a full iteration, so
+        # that small n still has enough loads in flight (n = 2048 at k = 2048: all 8 MB requested at once).
+        split = 1
+        while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
+            split *= 2
+        tiles = -(-n // GEMV_TILE_ROWS)
+        self.launch("gemv_f32" if out_fp32 else "gemv_bf16", (-(-tiles // (GEMV_WARPS // split)),), GEMV_WARPS * 32,
+                    out, x, w, m, n, k, split, int(accumulate))
