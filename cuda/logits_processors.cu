@@ -18,17 +18,18 @@ __device__ __forceinline__ bool contains(const int* ids, int n, int token) {
 }
 
 // Row i of logits [S, vocab], in place: 1. keep only allowed_ids[allowed_ptr[i]:allowed_ptr[i+1]] (an empty range
-// keeps all); 2. add bias_values[j] to token bias_ids[j] for j in bias_ptr[i]:bias_ptr[i+1] whose bias_cond[j] is -1
-// or the row's last input token (token_ids[query_start_loc[i+1] - 1]); 3. with penalty_slots[i] >= 0, from that
-// slot's output counts c and prompt mask: x -= frequency * c + presence * (c > 0), then where c > 0 or in the
-// prompt, x /= repetition if x > 0 else x *= repetition.
+// keeps all); 2. for entries j in bias_ptr[i]:bias_ptr[i+1] of bias (int triples: token id, float bits of the bias,
+// condition), add the bias to the token where the condition is -1 or the row's last input token: last_tokens[i],
+// or sampled[last_src[i]] where last_src[i] >= 0 (a token the previous step sampled, not known to the host);
+// 3. with penalty_slots[i] >= 0, from that slot's output counts c and prompt mask: x -= frequency * c + presence *
+// (c > 0), then where c > 0 or in the prompt, x /= repetition if x > 0 else x *= repetition.
 // Launch: grid (S), block 256. A row with nothing to do returns at once (rows of padding included).
 extern "C" __global__ void apply_logits_processors(
-    float* __restrict__ logits, int vocab, const int* __restrict__ token_ids, const int* __restrict__ query_start_loc,
-    const int* __restrict__ penalty_slots, const float* __restrict__ presence, const float* __restrict__ frequency,
-    const float* __restrict__ repetition, const int* __restrict__ counts, const uint8_t* __restrict__ prompt_mask,
-    const int* __restrict__ allowed_ptr, const int* __restrict__ allowed_ids, const int* __restrict__ bias_ptr,
-    const int* __restrict__ bias_ids, const float* __restrict__ bias_values, const int* __restrict__ bias_cond) {
+    float* __restrict__ logits, int vocab, const int* __restrict__ last_tokens, const int* __restrict__ last_src,
+    const int* __restrict__ sampled, const int* __restrict__ penalty_slots, const float* __restrict__ presence,
+    const float* __restrict__ frequency, const float* __restrict__ repetition, const int* __restrict__ counts,
+    const uint8_t* __restrict__ prompt_mask, const int* __restrict__ allowed_ptr, const int* __restrict__ allowed_ids,
+    const int* __restrict__ bias_ptr, const int* __restrict__ bias) {
     const int row = blockIdx.x;
     const int a0 = allowed_ptr[row], a1 = allowed_ptr[row + 1], b0 = bias_ptr[row], b1 = bias_ptr[row + 1];
     const int slot = penalty_slots[row];
@@ -38,9 +39,11 @@ extern "C" __global__ void apply_logits_processors(
         for (int t = threadIdx.x; t < vocab; t += blockDim.x)
             if (!contains(allowed_ids + a0, a1 - a0, t)) x[t] = -INFINITY;
     __syncthreads();
-    const int last = token_ids[query_start_loc[row + 1] - 1];
-    for (int j = b0 + threadIdx.x; j < b1; j += blockDim.x)
-        if (bias_cond[j] < 0 || bias_cond[j] == last) atomicAdd(&x[bias_ids[j]], bias_values[j]);  // ids may repeat
+    const int last = last_src[row] >= 0 ? sampled[last_src[row]] : last_tokens[row];
+    for (int j = b0 + threadIdx.x; j < b1; j += blockDim.x) {
+        const int cond = bias[3 * j + 2];
+        if (cond < 0 || cond == last) atomicAdd(&x[bias[3 * j]], __int_as_float(bias[3 * j + 1]));  // ids may repeat
+    }
     __syncthreads();
     if (slot < 0) return;
     const int* c = counts + (int64_t)slot * vocab;
@@ -72,16 +75,16 @@ extern "C" __global__ void clear_token_slots(int* __restrict__ counts, uint8_t* 
     prompt_mask[at] = 0;
 }
 
-// Token i of a just-cleared slot: token_slots[i] gets tokens[i] in its prompt mask (is_prompt[i]) or one more in
-// its counts. Launch: grid (ceil(n / 256)), block 256, after clear_token_slots.
+// Token i of a just-cleared slot: token_slots[i] = slot adds tokens[i] to that slot's output counts; -1 - slot sets
+// it in that slot's prompt mask. Launch: grid (ceil(n / 256)), block 256, after clear_token_slots.
 extern "C" __global__ void fill_token_slots(int* __restrict__ counts, uint8_t* __restrict__ prompt_mask, int vocab,
                                             const int* __restrict__ tokens, const int* __restrict__ token_slots,
-                                            const uint8_t* __restrict__ is_prompt, int n) {
+                                            int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const int64_t at = (int64_t)token_slots[i] * vocab + tokens[i];
-    if (is_prompt[i]) prompt_mask[at] = 1;
-    else atomicAdd(&counts[at], 1);
+    const int slot = token_slots[i];
+    if (slot < 0) prompt_mask[(int64_t)(-1 - slot) * vocab + tokens[i]] = 1;
+    else atomicAdd(&counts[(int64_t)slot * vocab + tokens[i]], 1);
 }
 
 // Copy KV block pairs[p] = (source, destination) in each cache caches[c] (K and V of every layer), blocks of

@@ -123,10 +123,15 @@ class CudaForward:
             "act": t * inter * 2,
             "logits": s * vocab * 4,
             "sample_hidden": s * hidden * 2,  # final-normed hidden states of the positions that sample
+            # the logits processors' token-count table (LogitsProcessing): a slot per possible running sequence
+            "token_counts": s * vocab * 4,
+            "prompt_mask": s * vocab,
             "partial_o": partial_rows * d * 4,
             "partial_ml": partial_rows * 8,
             "workspace": WORKSPACE_BYTES,
         }.items()}
+        cuda.memset_d32(self.buf["token_counts"], 0, s * vocab)
+        cuda.memset_d8(self.buf["prompt_mask"], 0, s * vocab)
         cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
                                                                                    cfg.rope_scaling))
         self.cos_sin = self._to_device(np.stack([cos, sin], axis=-1))  # float2 [max_model_len, d / 2]
@@ -144,6 +149,21 @@ class CudaForward:
         layers = range(self.config.num_hidden_layers)
         self.k_cache = [base + 2 * i * layer_bytes for i in layers]
         self.v_cache = [base + (2 * i + 1) * layer_bytes for i in layers]
+        self.kv_caches = self._to_device(np.array([base + c * layer_bytes for c in range(2 * len(layers))],
+                                                  np.uint64))  # for copy_blocks
+
+    def copy_blocks(self, pairs: int, num_pairs: int) -> None:
+        """Copy KV blocks (source, destination) (pairs: device int32 [num_pairs, 2]) in every layer's K and V."""
+        self.ops.copy_blocks(self.kv_caches, 2 * len(self.k_cache), pairs, num_pairs,
+                             self.engine_config.block_size * self.kv_width)
+
+    def init_token_slots(self, slots: int, num_slots: int, tokens: int, token_slots: int, num_tokens: int) -> None:
+        """Reset the token-count slots `slots` (device int32 [num_slots]) to `tokens`, token i going to slot
+        token_slots[i]'s output counts, or (as -1 - slot) its prompt mask."""
+        vocab, b = self.config.vocab_size, self.buf
+        self.ops.clear_token_slots(b["token_counts"], b["prompt_mask"], vocab, slots, num_slots)
+        if num_tokens:
+            self.ops.fill_token_slots(b["token_counts"], b["prompt_mask"], vocab, tokens, token_slots, num_tokens)
 
     def close(self) -> None:
         """Release the cuBLAS handle and device memory now rather than at garbage collection."""
@@ -175,15 +195,23 @@ class CudaForward:
             ops.silu_and_mul(b["act"], b["gate_up"], n, inter)
             self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
 
-    def _sample(self, n: int, hidden_rows: int, inp: Buffers, out: Buffers) -> None:
-        """LM head on n final-normed rows, then one sampled token per row into out["ids"]."""
-        cfg = self.config
-        self.linear.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, cfg.vocab_size, cfg.hidden_size,
-                         out_fp32=True)
-        self.ops.sample(out.ptr("ids"), self.buf["logits"], n, cfg.vocab_size, inp.ptr("temperature"),
-                        inp.ptr("top_p"), inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
+    def _sample(self, n: int, hidden_rows: int, inp: Buffers, out: Buffers, proc: Buffers, last_tokens: int) -> None:
+        """LM head on n final-normed rows, the logits processors (proc: LogitsProcessing's arrays; rows without
+        any return at once), then one sampled token per row into out["ids"], counted in the token-count table for
+        rows that keep it. last_tokens: each row's last input token (device int32 [n])."""
+        cfg, b, vocab = self.config, self.buf, self.config.vocab_size
+        self.linear.gemm(b["logits"], hidden_rows, self.lm_head, n, vocab, cfg.hidden_size, out_fp32=True)
+        # out["ids"] still holds the previous step's tokens here: a last input token not known to the host is there
+        self.ops.apply_logits_processors(b["logits"], n, vocab, last_tokens, proc.ptr("last_src"), out.ptr("ids"),
+                                         proc.ptr("penalty_slots"), proc.ptr("presence"), proc.ptr("frequency"),
+                                         proc.ptr("repetition"), b["token_counts"], b["prompt_mask"],
+                                         proc.ptr("allowed_ptr"), proc.ptr("allowed_ids"), proc.ptr("bias_ptr"),
+                                         proc.ptr("bias"))
+        self.ops.sample(out.ptr("ids"), b["logits"], n, vocab, inp.ptr("temperature"), inp.ptr("top_p"),
+                        inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
+        self.ops.count_tokens(b["token_counts"], vocab, out.ptr("ids"), proc.ptr("count_slots"), n)
 
-    def decode(self, n: int, inp: Buffers, out: Buffers) -> None:
+    def decode(self, n: int, inp: Buffers, out: Buffers, proc: Buffers) -> None:
         """One decode step of n (bucket-padded) sequences, sampled ids into out: what a graph captures."""
         b = self.buf
         splits = self.num_splits(n)
@@ -196,7 +224,7 @@ class CudaForward:
 
         self._layers(n, inp, out, attention)
         self.ops.rms_norm(b["h"], b["x"], self.final_norm, 0, n, self.config.hidden_size, self.config.rms_norm_eps)
-        self._sample(n, b["h"], inp, out)
+        self._sample(n, b["h"], inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
 
     def prefill(self, n: int, inp: Buffers, out: Buffers, num_tiles: int, bt_width: int) -> None:
         """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""
@@ -218,9 +246,9 @@ class CudaForward:
         self.ops.rms_norm(self.buf["sample_hidden"] + first_seq * cfg.hidden_size * 2, self.buf["x"],
                           self.final_norm, rows, count, cfg.hidden_size, cfg.rms_norm_eps)
 
-    def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers) -> None:
+    def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers, proc: Buffers) -> None:
         """Sample one token per sequence from its sample_hidden row."""
-        self._sample(num_seqs, self.buf["sample_hidden"], inp, out)
+        self._sample(num_seqs, self.buf["sample_hidden"], inp, out, proc, proc.ptr("last_tokens"))
 
     def logprobs(self, n: int, token_ids: int, k: int, out: Buffers) -> None:
         """Logprobs of token_ids (device int32 [n]) and the top k of the last n rows of logits, into out."""

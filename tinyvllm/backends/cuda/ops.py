@@ -35,7 +35,8 @@ GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B o
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 MAX_SPLITS = 32  # attention_decode: most context splits of one sequence
-ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul: threads per block
+ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul, logits processors: threads per block
+CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
 ROW_THREADS = 128  # rope, reshape_and_cache: threads per block (one token per block)
 
 
@@ -223,3 +224,43 @@ class Ops:
         tiles = -(-n // GEMV_TILE_ROWS)
         self.launch("gemv_f32" if out_fp32 else "gemv_bf16", (-(-tiles // (GEMV_WARPS // split)),), GEMV_WARPS * 32,
                     out, x, w, m, n, k, split, int(accumulate))
+
+    @kernel("logits_processors", "float* logits, int vocab, const int* last_tokens, const int* last_src, "
+                                 "const int* sampled, const int* penalty_slots, const float* presence, "
+                                 "const float* frequency, const float* repetition, const int* counts, "
+                                 "const uint8_t* prompt_mask, const int* allowed_ptr, const int* allowed_ids, "
+                                 "const int* bias_ptr, const int* bias")
+    def apply_logits_processors(self, logits: int, num_rows: int, vocab: int, last_tokens: int, last_src: int,
+                                sampled: int, penalty_slots: int, presence: int, frequency: int, repetition: int,
+                                counts: int, prompt_mask: int, allowed_ptr: int, allowed_ids: int, bias_ptr: int,
+                                bias: int) -> None:
+        """LogitsProcessing on num_rows rows of logits, in place (bias: int32 triples of token, float bits, cond)."""
+        self.launch("apply_logits_processors", (num_rows,), ELEMENTWISE_THREADS, logits, vocab, last_tokens, last_src,
+                    sampled, penalty_slots, presence, frequency, repetition, counts, prompt_mask, allowed_ptr,
+                    allowed_ids, bias_ptr, bias)
+
+    @kernel("logits_processors", "int* counts, int vocab, const int* sampled, const int* count_slots, int n")
+    def count_tokens(self, counts: int, vocab: int, sampled: int, count_slots: int, n: int) -> None:
+        self.launch("count_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, counts, vocab, sampled,
+                    count_slots, n)
+
+    @kernel("logits_processors", "int* counts, uint8_t* prompt_mask, int vocab, const int* slots")
+    def clear_token_slots(self, counts: int, prompt_mask: int, vocab: int, slots: int, num_slots: int) -> None:
+        self.launch("clear_token_slots", (num_slots, -(-vocab // CLEAR_THREADS)), CLEAR_THREADS, counts, prompt_mask,
+                    vocab, slots)
+
+    @kernel("logits_processors", "int* counts, uint8_t* prompt_mask, int vocab, const int* tokens, "
+                                 "const int* token_slots, int n")
+    def fill_token_slots(self, counts: int, prompt_mask: int, vocab: int, tokens: int, token_slots: int,
+                         n: int) -> None:
+        """After clear_token_slots: token i goes to slot token_slots[i]'s counts, or (as -1 - slot) its prompt
+        mask."""
+        self.launch("fill_token_slots", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, counts, prompt_mask,
+                    vocab, tokens, token_slots, n)
+
+    @kernel("logits_processors", "bf16* const* caches, const int* pairs, int block_elems")
+    def copy_blocks(self, caches: int, num_caches: int, pairs: int, num_pairs: int, block_elems: int) -> None:
+        """Copy KV blocks pairs[p] = (source, destination) in each of num_caches caches (a device array of
+        pointers)."""
+        _require_vectors("copy_blocks", block_elems=block_elems)
+        self.launch("copy_blocks", (num_pairs, num_caches), ELEMENTWISE_THREADS, caches, pairs, block_elems)

@@ -20,13 +20,15 @@ from collections.abc import Callable
 import numpy as np
 import pycuda.driver as cuda
 
-from tinyvllm.backends.base import Backend, Batch, Logprobs, SamplerOutput, SamplingBatch
+from tinyvllm.backends.base import Backend, Batch, LogitsProcessing, Logprobs, SamplerOutput, SamplingBatch
 from tinyvllm.backends.cuda.forward import GIB, CudaForward
 from tinyvllm.backends.cuda.graphs import Graph
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
 
 log = logging.getLogger(__name__)
+
+PROCESSOR_LIST_ROWS = 1 << 16  # allowed ids, and bias entries, of one step's logits processors (grown if needed)
 
 
 class Staging:
@@ -65,6 +67,60 @@ class Staging:
     def download(self, stream: cuda.Stream, name: str, count: int, copy: int = 0) -> None:
         cuda.memcpy_dtoh_async(self.copies[copy][name][:count], self.ptr(name), stream)
 
+    def size(self, name: str) -> int:
+        return len(self.views[name])
+
+
+class ProcessorBuffers:
+    """The device arrays of a step's LogitsProcessing: per-row fields in one Staging, the allowed-id and bias lists
+    in two more (re-made larger when a step needs it; the decode graphs are captured again then)."""
+
+    def __init__(self, max_seqs: int, list_rows: int) -> None:
+        s = max_seqs
+        self.rows = Staging({"penalty_slots": (s, np.int32), "count_slots": (s, np.int32),
+                             "presence": (s, np.float32), "frequency": (s, np.float32),
+                             "repetition": (s, np.float32), "last_tokens": (s, np.int32), "last_src": (s, np.int32),
+                             "allowed_ptr": (s + 1, np.int32), "bias_ptr": (s + 1, np.int32)})
+        self.allowed = Staging({"allowed_ids": (list_rows, np.int32)})
+        self.bias = Staging({"bias": (3 * list_rows, np.int32)})  # triples: token id, float bits, condition
+        self.active = True  # the arrays may hold a step's processors: reset them before a step without
+
+    PADDING = (("penalty_slots", -1), ("count_slots", -1), ("presence", 0), ("frequency", 0), ("repetition", 1),
+               ("last_src", -1), ("last_tokens", 0), ("allowed_ptr", 0), ("bias_ptr", 0))
+
+    def stage(self, stream: cuda.Stream, proc: LogitsProcessing | None, last_tokens: np.ndarray,
+              last_src: np.ndarray, rows: int) -> None:
+        """Upload proc's arrays (None: no processor at all) for its rows, then rows of padding that do nothing up
+        to `rows`."""
+        inp = self.rows
+        inp.wait()
+        n = 0 if proc is None else len(proc.penalty_slots)
+        for name, pad in self.PADDING:
+            inp[name][n: rows + 1] = pad
+        if proc is not None:
+            for name in ("penalty_slots", "count_slots", "presence", "frequency", "repetition"):
+                inp[name][:n] = getattr(proc, name)
+            inp["last_tokens"][:n], inp["last_src"][:n] = last_tokens, last_src
+            inp["allowed_ptr"][: n + 1], inp["bias_ptr"][: n + 1] = proc.allowed_ptr, proc.bias_ptr
+            inp["allowed_ptr"][n + 1: rows + 1] = proc.allowed_ptr[-1]
+            inp["bias_ptr"][n + 1: rows + 1] = proc.bias_ptr[-1]
+            if len(proc.allowed_ids):
+                self.allowed.wait()
+                self.allowed["allowed_ids"][: len(proc.allowed_ids)] = proc.allowed_ids
+                self.allowed.upload(stream, "allowed_ids", len(proc.allowed_ids))
+            if len(proc.bias_ids):
+                self.bias.wait()
+                triples = self.bias["bias"][: 3 * len(proc.bias_ids)].reshape(-1, 3)
+                triples[:, 0], triples[:, 1], triples[:, 2] = proc.bias_ids, proc.bias_values.view(np.int32), \
+                    proc.bias_cond
+                self.bias.upload(stream, "bias", 3 * len(proc.bias_ids))
+        inp.upload(stream, "bias_ptr", rows + 1)
+        self.active = proc is not None
+
+    def ptr(self, name: str, index: int = 0) -> int:
+        staging = self.allowed if name == "allowed_ids" else self.bias if name == "bias" else self.rows
+        return staging.ptr(name, index)
+
 
 class CudaBackend(Backend):
     """The step driver: stages each step's inputs, runs the forward's prefill chunks and decode graphs, and reads
@@ -85,6 +141,11 @@ class CudaBackend(Backend):
                               | {self.max_seqs})
         self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)
         self._allocate_staging()
+        self.proc = ProcessorBuffers(self.max_seqs, PROCESSOR_LIST_ROWS)
+        self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
+        self.copies_in = Staging({"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
+        self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (self.max_tokens, np.int32),
+                                 "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
         self.graphs: dict[int, Graph] = {}
         self.num_blocks = 0
 
@@ -167,6 +228,9 @@ class CudaBackend(Backend):
         n, k = batch.num_seqs, batch.sampling.num_logprobs
         out, copy = self.out, self.out_copy
         self.out_copy ^= 1
+        if batch.block_copies is not None:
+            self._copy_blocks(batch.block_copies)
+        self._stage_processing(batch, n if batch.is_prefill else next(b for b in self.buckets if b >= n))
         if batch.is_prefill:
             prompt_lps = self._prefill(batch, copy)
             what = f"prefill step ({n} sequences, {len(batch.token_ids)} tokens)"
@@ -229,7 +293,58 @@ class CudaBackend(Backend):
                 self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
 
     def _decode_forward(self, bucket: int) -> None:
-        self.forward.decode(bucket, self.decode_in, self.out)
+        self.forward.decode(bucket, self.decode_in, self.out, self.proc)
+
+    def _copy_blocks(self, pairs: np.ndarray) -> None:
+        """Forks' KV block copies, queued before the step that reads them."""
+        if self.copies_in.size("pairs") < pairs.size:
+            self.copies_in.wait()
+            self.copies_in = Staging({"pairs": (pairs.size, np.int32)})
+        self.copies_in.wait()
+        self.copies_in["pairs"][: pairs.size] = pairs.ravel()
+        self.copies_in.upload(self.stream, "pairs", pairs.size)
+        self.forward.copy_blocks(self.copies_in.ptr("pairs"), len(pairs))
+
+    def _stage_processing(self, batch: Batch, rows: int) -> None:
+        """Stage the step's LogitsProcessing for `rows` rows (the batch's, then padding that does nothing); a step
+        without after one with resets the arrays once."""
+        proc = batch.logits_processing
+        if proc is None and not self.proc.active:
+            return
+        if proc is not None:
+            if proc.slot_inits:
+                self._init_token_slots(proc)
+            needed = max(len(proc.allowed_ids), len(proc.bias_ids))
+            if needed > self.proc.allowed.size("allowed_ids"):
+                for staging in (self.proc.rows, self.proc.allowed, self.proc.bias):
+                    staging.wait()
+                self.proc = ProcessorBuffers(self.max_seqs, needed)
+                for graph in self.graphs.values():  # they read the old arrays
+                    graph.close()
+                self.graphs = {}
+        last = batch.query_start_loc[1:] - 1
+        sources = batch.token_sources[last] if batch.token_sources is not None else -1
+        self.proc.stage(self.stream, proc, batch.token_ids[last], sources, rows)
+
+    def _init_token_slots(self, proc: LogitsProcessing) -> None:
+        """Reset the token-count slots of sequences that just got one to their prompt and output tokens."""
+        slots = np.array([slot for slot, _, _ in proc.slot_inits], np.int32)
+        tokens = np.concatenate([t for _, p, o in proc.slot_inits for t in (p, o)]).astype(np.int32)
+        # each token's slot: as -1 - slot for a prompt token (the prompt mask), as slot for an output token (counts)
+        token_slots = np.concatenate([np.r_[np.full(len(p), -1 - slot), np.full(len(o), slot)]
+                                      for slot, p, o in proc.slot_inits]).astype(np.int32)
+        if self.slots_in.size("tokens") < len(tokens):
+            self.slots_in.wait()
+            self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (len(tokens), np.int32),
+                                     "tokens": (len(tokens), np.int32)})
+        buffers = self.slots_in
+        buffers.wait()
+        buffers["slots"][: len(slots)] = slots
+        buffers["token_slots"][: len(tokens)] = token_slots
+        buffers["tokens"][: len(tokens)] = tokens
+        buffers.upload(self.stream, "tokens", len(tokens))
+        self.forward.init_token_slots(buffers.ptr("slots"), len(slots), buffers.ptr("tokens"),
+                                      buffers.ptr("token_slots"), len(tokens))
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
@@ -279,7 +394,7 @@ class CudaBackend(Backend):
             end = min(total, start + self.max_tokens)
             in_chunk = (lp_rows >= start) & (lp_rows < end)
             self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps, copy)
-        self.forward.sample_prefill(batch.num_seqs, self.prefill_in, self.out)
+        self.forward.sample_prefill(batch.num_seqs, self.prefill_in, self.out, self.proc)
         result = {}
         if prompt_lps:  # rows came out in lp_rows order; cut them back into sequences
             merged = [np.concatenate([getattr(p, f) for p in prompt_lps])
