@@ -209,6 +209,12 @@ class PartsWriter:
         self._seq += 1
         self.committed += len(records)
 
+    def discard(self) -> int:
+        """Remove the pieces this run committed (the next run computes their rows again); return their row count."""
+        for piece in self.parts.glob(f"piece-{self.run_id}-*.parquet"):
+            piece.unlink()
+        return self.committed
+
     def finalize(self, metadata: dict, engine_stats: dict | None = None) -> dict:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
 
@@ -328,7 +334,8 @@ def output_rows_problem(output: Path, num_rows: int) -> str | None:
         rows = batch.column(0).to_numpy(zero_copy_only=False)
         wrong = np.flatnonzero(rows != np.arange(expected, expected + len(rows)))
         if len(wrong):
-            return f"its row {expected + int(wrong[0])} is not row number {expected + int(wrong[0])} (a row repeated or missing)"
+            at = int(wrong[0])
+            return f"row {rows[at]} where row {expected + at} belongs (a row repeated or missing)"
         expected += len(rows)
     if expected != num_rows:
         return f"it has {expected} rows for the input's {num_rows}"

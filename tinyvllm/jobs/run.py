@@ -119,24 +119,33 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     _check_output(cfg.output, cfg.input)
     total = count_rows(cfg.input)
     with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
+        stamp = _input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
         job = _job_identity(cfg, defaults)
         if not cfg.overwrite and cfg.output.exists():
             problem = _finished_problem(cfg.output, job, total)
             if problem is None:
+                summary = _finished_summary(cfg.output)
                 clear_parts(parts_dir(cfg.output))  # left by a run killed while it removed them
-                return _finished_summary(cfg.output)
+                return summary
             manifest = _read_manifest(parts_dir(cfg.output))
             if manifest is None or manifest["job"] != job:  # else: pieces of this job are pending; resume
                 raise JobError(f"{cfg.output} exists {problem}; pass --overwrite to replace it")
         manifest = _open_parts(cfg, job)
-        return _run(cfg, executor, rows, total, defaults, manifest, signals, lock)
+
+        def before_commit() -> None:
+            lock.verify()
+            if _input_stamp(cfg.input) != stamp:  # rows read since may come from other content: none is committed
+                raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
+                               "before: restore it and run the same command again, or pass --overwrite to start over")
+
+        return _run(cfg, executor, rows, total, defaults, manifest, signals, before_commit)
 
 
 def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: SamplingParams, manifest: dict,
-         signals: StopSignals, lock: OutputLock) -> dict:
+         signals: StopSignals, before_commit: Callable[[], None]) -> dict:
     started = time.time()
     writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started, total,
-                         piece_rows=cfg.piece_rows, guard=lock.verify)
+                         piece_rows=cfg.piece_rows, guard=before_commit)
     for damaged in writer.damaged:
         print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
     done = writer.committed_rows()
@@ -177,10 +186,11 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: Sa
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
                              f"{writer.parts}; run the same command again to resume", 128 + signals.received)
-    if _job_identity(cfg, defaults)["input_sha256"] != manifest["job"]["input_sha256"]:
-        raise JobError(f"input {cfg.input} changed while the job ran, so its results may not match it; the job is "
-                       f"not complete (rows committed are kept in {writer.parts}): restore the input and run the same "
-                       "command again, or pass --overwrite to start over")
+    if _input_sha256(cfg.input) != manifest["job"]["input_sha256"]:  # a change the stamp missed (same clock tick)
+        raise JobError(f"input {cfg.input} changed while the job ran, so the job is not complete: the "
+                       f"{writer.discard()} rows this run computed are dropped (they may come from the changed input), "
+                       "those committed before are kept: restore it and run the same command again, or pass "
+                       "--overwrite to start over")
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
                 "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
@@ -222,15 +232,32 @@ def _row_seed(seed: int, index: int) -> int:
 def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
     (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
-    digest = hashlib.sha256()
-    with open(cfg.input, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return {"input_size": cfg.input.stat().st_size, "input_sha256": digest.hexdigest(),
+    return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
             "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
             "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs}
+
+
+def _input_sha256(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:  # gone or unreadable since the job started
+        return None
+    return digest.hexdigest()
+
+
+def _input_stamp(path: Path) -> tuple | None:
+    """What changes whenever the file's content does (its ctime cannot be set back), short of a change within one
+    tick of the file system's clock, which the hash at the end of a run catches."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _differences(old: dict, new: dict) -> str:
@@ -263,10 +290,16 @@ def _finished_problem(output: Path, job: dict, num_rows: int) -> str | None:
 
 
 def _finished_summary(output: Path) -> dict:
+    """The summary of a finished output; written again if it is missing or damaged (the output holds it all)."""
     try:
         summary = json.loads(summary_path(output).read_text())
-    except (OSError, ValueError):  # missing or damaged: the output holds what it needs
+    except (OSError, ValueError):
         summary = summarize_output(output)
+        try:
+            atomic_write(summary_path(output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"),
+                         parts_dir(output))
+        except OSError as e:
+            raise JobError(f"cannot write {summary_path(output)}: {e.strerror}") from None
     return {**summary, "already_complete": True}
 
 
