@@ -184,7 +184,7 @@ class PartsWriter:
         if np.any(np.diff(rows) <= 0):
             return "its rows are not in increasing order"
         if rows[0] < 0 or rows[-1] >= self.num_rows:
-            return f"it holds row {rows[0] if rows[0] < 0 else rows[-1]}, outside the input's rows 0..{self.num_rows - 1}"
+            return f"it holds rows outside the input's 0..{self.num_rows - 1}"
         return None
 
     def add(self, record: dict) -> None:
