@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import EXAMPLES, cli, job_args, make_input, ok_run, reference, run  # noqa: F401 (reference: fixture)
+from test_cli import EXAMPLES, cli, job_args, ok_run, reference, run  # noqa: F401 (reference: a fixture)
 
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, output_record
@@ -53,6 +53,10 @@ def committed_not_finalized(model, src, out, monkeypatch, *args) -> Path:
     assert isinstance(result.exception, Crash), result.output
     assert not out.exists()
     return parts_dir(out)
+
+
+def records(rows):
+    return [output_record(i, f"id{i}", f"p{i}", error=f"e{i}") for i in rows]
 
 
 # ---- 1. mutual exclusion ----
@@ -130,11 +134,24 @@ def test_pieces_of_two_runs_never_share_a_name(tmp_path):
     assert len(names) == 2
 
 
+def test_a_run_that_loses_its_lock_while_finishing_removes_no_piece(tmp_path):
+    """Before the check, the soak saw a run whose lock was deleted as it finished remove the pieces that the run
+    which took the new lock was reading."""
+    out = tmp_path / "out.parquet"
+
+    def lock_lost_once_the_output_is_written():
+        if out.exists():
+            raise JobError("lost the lock")
+
+    writer = PartsWriter(out, output_schema(), 0.0, num_rows=3, guard=lock_lost_once_the_output_is_written)
+    for rec in records([0, 1, 2]):
+        writer.add(rec)
+    with pytest.raises(JobError, match="lost the lock"):
+        writer.finalize({})
+    assert out.exists() and len(writer.pieces()) == 1
+
+
 # ---- 2. exactly once ----
-
-def records(rows):
-    return [output_record(i, f"id{i}", f"p{i}", error=f"e{i}") for i in rows]
-
 
 def test_finalize_refuses_a_short_result(tmp_path):
     out = tmp_path / "out.parquet"

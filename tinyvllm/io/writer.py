@@ -155,7 +155,7 @@ class PartsWriter:
         """Row numbers already committed by earlier runs (what a resumed run skips)."""
         done = RowSet()
         for piece in self.pieces():
-            done.update(pq.read_table(piece, columns=["row"]).column("row").to_numpy())
+            done.update(_read_piece(piece, ["row"]).column("row").to_numpy())
         return done
 
     def _set_aside_damaged(self) -> list[str]:
@@ -164,9 +164,13 @@ class PartsWriter:
         damaged = []
         for piece in self.pieces():
             problem = self._piece_problem(piece)
-            if problem is not None:
+            if problem is None:
+                continue
+            try:
                 os.replace(piece, piece.with_name(piece.name + ".damaged"))
-                damaged.append(f"{piece.name}: {problem}")
+            except FileNotFoundError:  # not damaged but gone (see _read_piece)
+                continue
+            damaged.append(f"{piece.name}: {problem}")
         return damaged
 
     def _piece_problem(self, piece: Path) -> str | None:
@@ -245,6 +249,7 @@ class PartsWriter:
         self._guard()  # a run that lost its lock never replaces the output
         self._write(self.output, write)
         self._write(summary_path(self.output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"))
+        self._guard()  # nor removes pieces that a run which took its lock is reading
         clear_parts(self.parts)
         return summary
 
@@ -252,7 +257,7 @@ class PartsWriter:
         """Every input row is in some piece (one in several is kept once by the merge): else the job is not done."""
         seen = np.zeros(self.num_rows, bool)
         for piece in pieces:
-            rows = pq.read_table(piece, columns=["row"]).column("row").to_numpy()
+            rows = _read_piece(piece, ["row"]).column("row").to_numpy()
             if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
                 raise JobError(f"{piece} holds rows outside the input's 0..{self.num_rows - 1}, so it is not from "
                                "this job: remove it, or pass --overwrite to start over")
@@ -342,15 +347,23 @@ def output_rows_problem(output: Path, num_rows: int) -> str | None:
     return None
 
 
+def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
+    try:
+        return pq.read_table(piece, columns=columns)
+    except FileNotFoundError:  # only another run removes pieces: one that lost its lock while it finished
+        raise JobError(f"{piece} vanished while this run read it: another run is finishing this output; run the same "
+                       "command again once it is done") from None
+
+
 def _merged(pieces: list[Path]) -> Iterator[dict]:
     """All rows of the (each sorted) pieces in row order, each once (a row in several pieces: the first piece's),
     holding only pieces that overlap the current row."""
-    starts = sorted((pq.read_table(p, columns=["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
+    starts = sorted((_read_piece(p, ["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
     heap: list[tuple[int, int, dict, Iterator[dict]]] = []
     nxt, last = 0, -1
     while nxt < len(starts) or heap:
         while nxt < len(starts) and (not heap or starts[nxt][0] <= heap[0][0]):
-            rows = iter(pq.read_table(pieces[starts[nxt][1]]).to_pylist())
+            rows = iter(_read_piece(pieces[starts[nxt][1]]).to_pylist())
             first = next(rows)
             heapq.heappush(heap, (first["row"], starts[nxt][1], first, rows))
             nxt += 1
@@ -401,7 +414,7 @@ def summarize_output(output: Path) -> dict:
 def _summarize_pieces(pieces: list[Path], output: Path) -> dict:
     tables, run_ends = [], {}
     for piece in pieces:
-        t = pq.read_table(piece, columns=["row", *SUMMARY_COLUMNS])
+        t = _read_piece(piece, ["row", *SUMMARY_COLUMNS])
         tables.append(t)
         started = json.loads(t.schema.metadata[b"tinyvllm.run_started"])
         end = pc.max(t.column("finished_at")).as_py()
