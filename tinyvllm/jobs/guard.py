@@ -47,9 +47,11 @@ class OutputLock:
                 raise JobError(f"cannot lock {self.path}: {e.strerror} (the file system must support flock)") from None
             if self._names(fd):
                 self._fd = fd
-                note = f"{os.getpid()} {socket.gethostname()}\n".encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, note, 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+                except OSError:  # a full disk: the note only serves a second run's message
+                    pass
                 return self
             os.close(fd)  # a finishing run removed the folder after we opened the file: lock the new one
         raise OutputBusy(f"cannot lock {self.path}: other runs keep removing it")
