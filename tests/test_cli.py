@@ -243,13 +243,13 @@ def test_sigkill_and_resume_exactly_once(tiny_model_dir, reference, tmp_path, ki
         proc.kill()
         proc.wait()
         assert not out.exists() and (parts / "manifest.json").exists()
-    assert Path(str(out) + ".lock").exists()  # left by the killed run: stale, since its pid is dead
+    assert (parts / "lock").exists()  # left by the killed run, whose flock died with it
     proc = cli(*job_args(tiny_model_dir, src, out))
     assert proc.wait() == 0, proc.communicate()[1]
     table = pq.read_table(out)
     assert table.column("id").to_pylist() == ref.column("id").to_pylist()  # every row exactly once, in order
     assert table.column("completion").to_pylist() == ref.column("completion").to_pylist()
-    assert not parts.exists() and not Path(str(out) + ".lock").exists()
+    assert not parts.exists()
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -264,7 +264,7 @@ def test_signal_stops_then_resume_checks_manifest(tiny_model_dir, reference, tmp
     assert proc.returncode == code, stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr
     assert "run the same command again to resume" in stderr
-    assert not out.exists() and not Path(str(out) + ".lock").exists()
+    assert not out.exists()
 
     changed = cli(*job_args(tiny_model_dir, src, out), "--temperature", "0.5")
     _, stderr = changed.communicate()
@@ -298,7 +298,7 @@ def test_crash_after_final_rename_then_rerun(tiny_model_dir, tmp_path, monkeypat
     def crash(path):
         raise OSError("simulated crash before the pieces are removed")
 
-    monkeypatch.setattr("tinyvllm.io.writer.shutil.rmtree", crash)
+    monkeypatch.setattr("tinyvllm.io.writer.clear_parts", crash)
     with pytest.raises(OSError):
         CliRunner().invoke(main, ["run", "--model", tiny_model_dir, "--input", EXAMPLES / "prompts.jsonl",
                                   "--output", out, "--backend", "numpy", "--quiet"], catch_exceptions=False)
@@ -310,18 +310,23 @@ def test_crash_after_final_rename_then_rerun(tiny_model_dir, tmp_path, monkeypat
 
 def test_lock(tiny_model_dir, tmp_path):
     out = tmp_path / "out.parquet"
-    lock = tmp_path / "out.parquet.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / "out.parquet.parts" / "lock"
+    lock.parent.mkdir()
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, f'{os.getpid()} {sys.argv[2]}'.encode()); "
+            "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock), socket.gethostname()], stdout=subprocess.PIPE,
+                              text=True)
     try:
-        lock.write_text(f"{holder.pid} {socket.gethostname()}\n")
+        assert holder.stdout.readline() == "held\n"
         result = run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)
-        assert result.exit_code != 0 and f"is being written by pid {holder.pid}" in result.stderr
-        assert lock.exists() and not out.exists()
+        assert result.exit_code == 75 and f"is being written by another run (pid {holder.pid} on" in result.stderr
+        assert "delete" not in result.stderr and lock.exists() and not out.exists()
     finally:
         holder.kill()
         holder.wait()
-    ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)  # the holder died: its lock is stale
-    assert not lock.exists()
+    ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out)  # the holder died and the kernel released its lock
+    assert not lock.parent.exists()
 
 
 def write_job(path: Path, text: str) -> Path:

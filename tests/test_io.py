@@ -164,14 +164,14 @@ def test_output_record():
 def test_writer_pieces_assembly_metadata_summary(tmp_path):
     out = tmp_path / "out.parquet"
     first_run = time.time() - 100  # two runs: the first committed its rows ~100 s ago, then died
-    writer = PartsWriter(out, output_schema(token_ids=True), run_started=first_run - 3, piece_rows=3)
+    writer = PartsWriter(out, output_schema(token_ids=True), run_started=first_run - 3, num_rows=8, piece_rows=3)
     for i in [5, 0, 3, 1, 2, 6]:  # finishing order, not input order
         tokens, finish = ((1, 2, 3, 4), "length") if i == 6 else ((5, 6), "stop")
         writer.add(output_record(i, f"id{i}", f"p{i}", fake_output(str(i), f"t{i}", tokens, finish)) |
                    {"finished_at": first_run})
     assert len(writer.pieces()) == 2 and set(writer.committed_rows()) == {0, 1, 2, 3, 5, 6}
     (parts_dir(out) / "piece-00000099.parquet.tmp").write_bytes(b"half a piece")  # a crash mid-write
-    writer = PartsWriter(out, output_schema(token_ids=True), run_started=time.time() - 1, piece_rows=3)  # resumed
+    writer = PartsWriter(out, output_schema(token_ids=True), time.time() - 1, 8, piece_rows=3)  # resumed
     assert not list(parts_dir(out).glob("*.tmp")) and set(writer.committed_rows()) == {0, 1, 2, 3, 5, 6}
     writer.add(output_record(7, "id7", "p7", fake_output("7", error="boom")))
     writer.add(output_record(4, "id4", None, error="line 5: prompt is empty"))
@@ -207,7 +207,7 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
 
 def test_writer_empty_job(tmp_path):
     out = tmp_path / "empty.parquet"
-    summary = PartsWriter(out, output_schema(logprobs=True), run_started=0.0).finalize({})
+    summary = PartsWriter(out, output_schema(logprobs=True), run_started=0.0, num_rows=0).finalize({})
     table = pq.read_table(out)
     assert table.num_rows == 0 and "top_logprobs" in table.schema.names
     assert summary["rows"] == 0 and summary["output_tok_per_s"] is None

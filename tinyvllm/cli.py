@@ -16,6 +16,7 @@ from tinyvllm.errors import JobError
 from tinyvllm.io.writer import LATENCIES, sibling, summarize_output
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
+from tinyvllm.jobs.guard import OutputBusy
 from tinyvllm.jobs.run import JobInterrupted, run_job
 from tinyvllm.version import __version__
 
@@ -190,6 +191,9 @@ def _run(cfg: JobConfig) -> None:
             summary = run_job(cfg)
     except JobInterrupted as e:
         click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
+    except OutputBusy as e:
+        click.echo(f"Error: {e}", err=True)
         sys.exit(e.exit_code)
     except JobError as e:
         raise click.ClickException(str(e)) from None

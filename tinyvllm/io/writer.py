@@ -1,16 +1,24 @@
 """Crash-safe output: finished rows are committed in small Parquet pieces under `<output>.parts/` (each written
 to a temp name, fsynced, renamed), then merged in input order into one Parquet file renamed into place, with a
-JSON summary next to it. A kill at any moment loses at most the rows not yet committed."""
+JSON summary next to it. A kill at any moment loses at most the rows not yet committed.
+
+Every file is first written under a temp name inside `<output>.parts/` that no other write can have (a random
+token), created exclusively and never through a link, and locked while it is written: a temp file is removed only
+by its writer or, once unlocked, by a later run (its writer is dead). Pieces carry the run's id in their names, so
+two runs never produce the same piece. finalize() writes the output only when every input row is in a piece; a row
+committed twice (a piece copied, two runs) is kept once."""
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import json
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -100,6 +108,11 @@ def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 
 
+def lock_path(output: Path) -> Path:
+    """The file a run locks for its whole life (jobs/guard.py): inside the parts folder, with the job's rows."""
+    return parts_dir(output) / "lock"
+
+
 def sibling(output: Path, suffix: str) -> Path:
     """A file next to the output: out.parquet -> out<suffix>."""
     name = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
@@ -111,21 +124,26 @@ def summary_path(output: Path) -> Path:
 
 
 class PartsWriter:
-    """Buffers finished rows and commits them as pieces; finalize() assembles the output file."""
+    """Buffers finished rows and commits them as pieces; finalize() assembles the output file.
 
-    def __init__(self, output: Path, schema: pa.Schema, run_started: float,
-                 piece_rows: int = PIECE_ROWS, piece_seconds: float = PIECE_SECONDS):
-        self.output, self.parts = output, parts_dir(output)
+    `num_rows` is the input's row count: a piece holding other rows is set aside, and finalize() refuses to write an
+    output without every row 0..num_rows-1. `guard()` runs before every commit and raises if this run may no longer
+    write (it lost its lock)."""
+
+    def __init__(self, output: Path, schema: pa.Schema, run_started: float, num_rows: int,
+                 piece_rows: int = PIECE_ROWS, piece_seconds: float = PIECE_SECONDS,
+                 guard: Callable[[], None] = lambda: None):
+        self.output, self.parts, self.num_rows = output, parts_dir(output), num_rows
         self.schema = schema.with_metadata({"tinyvllm.run_started": json.dumps(run_started)})
-        self.piece_rows, self.piece_seconds = piece_rows, piece_seconds
+        self.piece_rows, self.piece_seconds, self._guard = piece_rows, piece_seconds, guard
+        self.run_id = secrets.token_hex(6)
         try:
             self.parts.mkdir(parents=True, exist_ok=True)
-            for tmp in self.parts.glob("*.tmp"):  # a piece being written when the last run died
-                tmp.unlink()
+            remove_dead_temps(self.parts)
+            self.damaged = self._set_aside_damaged()
         except OSError as e:
             raise JobError(f"cannot write output pieces in {self.parts}: {e.strerror}") from None
-        pieces = self.pieces()
-        self._seq = int(pieces[-1].name[len("piece-"):-len(".parquet")]) + 1 if pieces else 0
+        self._seq = 0
         self._buffer: list[dict] = []
         self._oldest = 0.0
         self.committed = 0  # rows committed by this run
@@ -137,8 +155,41 @@ class PartsWriter:
         """Row numbers already committed by earlier runs (what a resumed run skips)."""
         done = RowSet()
         for piece in self.pieces():
-            done.update(pq.read_table(piece, columns=["row"]).column("row").to_numpy())
+            done.update(_read_piece(piece, ["row"]).column("row").to_numpy())
         return done
+
+    def _set_aside_damaged(self) -> list[str]:
+        """Rename the pieces this job cannot use to `*.damaged` (their rows count as not done, so they are computed
+        again); return what is wrong with each."""
+        damaged = []
+        for piece in self.pieces():
+            problem = self._piece_problem(piece)
+            if problem is None:
+                continue
+            try:
+                os.replace(piece, piece.with_name(piece.name + ".damaged"))
+            except FileNotFoundError:  # not damaged but gone (see _read_piece)
+                continue
+            damaged.append(f"{piece.name}: {problem}")
+        return damaged
+
+    def _piece_problem(self, piece: Path) -> str | None:
+        try:
+            table = pq.ParquetFile(piece).read()
+            float(json.loads(table.schema.metadata[b"tinyvllm.run_started"]))
+        except Exception as e:  # pyarrow raises several types for a damaged file; a foreign one lacks our metadata
+            return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        if not table.schema.equals(self.schema, check_metadata=False):
+            return "its columns are not this job's"
+        rows = table.column("row")
+        if not len(rows) or rows.null_count:
+            return "no row numbers"
+        rows = rows.to_numpy()
+        if np.any(np.diff(rows) <= 0):
+            return "its rows are not in increasing order"
+        if rows[0] < 0 or rows[-1] >= self.num_rows:
+            return f"it holds rows outside the input's 0..{self.num_rows - 1}"
+        return None
 
     def add(self, record: dict) -> None:
         if not self._buffer:
@@ -154,13 +205,19 @@ class PartsWriter:
     def flush(self) -> None:
         if not self._buffer:
             return
-        self._buffer.sort(key=lambda r: r["row"])  # sorted pieces let finalize() merge instead of sort
-        table = pa.Table.from_pylist(self._buffer, schema=self.schema)
-        path = self.parts / f"piece-{self._seq:08d}.parquet"
-        _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+        records, self._buffer = self._buffer, []  # if the commit fails these rows are not done: a resume redoes them
+        self._guard()
+        records.sort(key=lambda r: r["row"])  # sorted pieces let finalize() merge instead of sort
+        table = pa.Table.from_pylist(records, schema=self.schema)
+        self._write(self.parts / f"piece-{self.run_id}-{self._seq:06d}.parquet", lambda f: pq.write_table(table, f))
         self._seq += 1
-        self.committed += len(self._buffer)
-        self._buffer = []
+        self.committed += len(records)
+
+    def discard(self) -> int:
+        """Remove the pieces this run committed (the next run computes their rows again); return their row count."""
+        for piece in self.parts.glob(f"piece-{self.run_id}-*.parquet"):
+            piece.unlink()
+        return self.committed
 
     def finalize(self, metadata: dict, engine_stats: dict | None = None) -> dict:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
@@ -169,6 +226,7 @@ class PartsWriter:
         `engine_stats` (prefix-cache hit rate, preemptions) goes into both."""
         self.flush()
         pieces = self.pieces()
+        self._check_every_row(pieces)
         summary = _summarize_pieces(pieces, self.output)
         if engine_stats:
             summary["engine_stats"] = metadata["engine_stats"] = engine_stats
@@ -178,8 +236,8 @@ class PartsWriter:
         kv = {f"tinyvllm.{k}": json.dumps(v, default=str) for k, v in metadata.items()}
         schema = self.schema.with_metadata(kv)
 
-        def write(tmp: Path) -> None:
-            with pq.ParquetWriter(tmp, schema) as w:
+        def write(f: BinaryIO) -> None:
+            with pq.ParquetWriter(f, schema) as w:
                 batch = []
                 for rec in _merged(pieces):
                     batch.append(rec)
@@ -188,34 +246,131 @@ class PartsWriter:
                         batch = []
                 w.write_table(pa.Table.from_pylist(batch, schema=schema))
 
-        _atomic_write(self.output, write)
-        _atomic_write(summary_path(self.output),
-                      lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
-        shutil.rmtree(self.parts)
+        self._guard()  # a run that lost its lock never replaces the output
+        self._write(self.output, write)
+        self._write(summary_path(self.output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"))
+        self._guard()  # nor removes pieces that a run which took its lock is reading
+        clear_parts(self.parts)
         return summary
 
+    def _check_every_row(self, pieces: list[Path]) -> None:
+        """Every input row is in some piece (one in several is kept once by the merge): else the job is not done."""
+        seen = np.zeros(self.num_rows, bool)
+        for piece in pieces:
+            rows = _read_piece(piece, ["row"]).column("row").to_numpy()
+            if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
+                raise JobError(f"{piece} holds rows outside the input's 0..{self.num_rows - 1}, so it is not from "
+                               "this job: remove it, or pass --overwrite to start over")
+            seen[rows] = True
+        missing = self.num_rows - int(np.count_nonzero(seen))
+        if missing:
+            raise JobError(f"not complete: {missing} of {self.num_rows} rows have no result (the first is row "
+                           f"{int(np.argmin(seen))}); run the same command again to compute them")
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def _write(self, path: Path, write: Callable[[BinaryIO], None]) -> None:
+        try:
+            atomic_write(path, write, self.parts)
+        except OSError as e:
+            raise JobError(f"cannot write {path}: {e.strerror or e}; rows committed before are kept in {self.parts}: "
+                           "fix that (disk space, permissions) and run the same command again to resume") from None
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], temp_dir: Path) -> None:
+    """write() the file's bytes to a new temp file in temp_dir, fsync it, rename it to `path`.
+
+    The temp name is random and opened with O_EXCL | O_NOFOLLOW: never an existing file, never through a link. It
+    is flock()ed while written, so that remove_dead_temps() of another run leaves it alone. On failure it is
+    removed; the rename replaces a link at `path` itself, never what the link points to."""
+    tmp = temp_dir / f"{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            write(f)
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def remove_dead_temps(folder: Path) -> None:
+    """Remove the temp files in `folder` whose writer is gone: those nobody holds a lock on (see atomic_write)."""
+    for tmp in folder.glob("*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError:  # a link planted here (ELOOP): removing the link itself is safe
+            tmp.unlink(missing_ok=True)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tmp.unlink(missing_ok=True)
+        except BlockingIOError:  # being written by a live run
+            pass
+        finally:
+            os.close(fd)
+
+
+def clear_parts(parts: Path) -> None:
+    """Remove what `<output>.parts/` holds but the lock and the temp files of live writers; the folder too once
+    empty."""
+    remove_dead_temps(parts)
+    for entry in parts.iterdir():
+        if entry.name == "lock" or entry.name.endswith(".tmp"):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+    try:
+        parts.rmdir()
+    except OSError:  # not empty: the lock (its holder removes it) or a live writer's temp file
+        pass
+
+
+def output_rows_problem(output: Path, num_rows: int) -> str | None:
+    """What is wrong with a finished output's `row` column (it must be 0..num_rows-1, in order), or None."""
+    expected = 0
+    for batch in pq.ParquetFile(output).iter_batches(columns=["row"], batch_size=1 << 16):
+        rows = batch.column(0).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(rows != np.arange(expected, expected + len(rows)))
+        if len(wrong):
+            at = int(wrong[0])
+            return f"row {rows[at]} where row {expected + at} belongs (a row repeated or missing)"
+        expected += len(rows)
+    if expected != num_rows:
+        return f"it has {expected} rows for the input's {num_rows}"
+    return None
+
+
+def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
+    try:
+        return pq.read_table(piece, columns=columns)
+    except FileNotFoundError:  # only another run removes pieces: one that lost its lock while it finished
+        raise JobError(f"{piece} vanished while this run read it: another run is finishing this output; run the same "
+                       "command again once it is done") from None
 
 
 def _merged(pieces: list[Path]) -> Iterator[dict]:
-    """All rows of the (each sorted) pieces in row order, holding only pieces that overlap the current row."""
-    starts = sorted((pq.read_table(p, columns=["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
+    """All rows of the (each sorted) pieces in row order, each once (a row in several pieces: the first piece's),
+    holding only pieces that overlap the current row."""
+    starts = sorted((_read_piece(p, ["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
     heap: list[tuple[int, int, dict, Iterator[dict]]] = []
-    nxt = 0
+    nxt, last = 0, -1
     while nxt < len(starts) or heap:
         while nxt < len(starts) and (not heap or starts[nxt][0] <= heap[0][0]):
-            rows = iter(pq.read_table(pieces[starts[nxt][1]]).to_pylist())
+            rows = iter(_read_piece(pieces[starts[nxt][1]]).to_pylist())
             first = next(rows)
             heapq.heappush(heap, (first["row"], starts[nxt][1], first, rows))
             nxt += 1
-        _, i, rec, rows = heapq.heappop(heap)
-        yield rec
+        row, i, rec, rows = heapq.heappop(heap)
+        if row != last:
+            yield rec
+            last = row
         following = next(rows, None)
         if following is not None:
             heapq.heappush(heap, (following["row"], i, following, rows))
@@ -259,11 +414,13 @@ def summarize_output(output: Path) -> dict:
 def _summarize_pieces(pieces: list[Path], output: Path) -> dict:
     tables, run_ends = [], {}
     for piece in pieces:
-        t = pq.read_table(piece, columns=SUMMARY_COLUMNS)
+        t = _read_piece(piece, ["row", *SUMMARY_COLUMNS])
         tables.append(t)
         started = json.loads(t.schema.metadata[b"tinyvllm.run_started"])
         end = pc.max(t.column("finished_at")).as_py()
         run_ends[started] = max(run_ends.get(started, end), end)
-    table = pa.concat_tables(tables) if tables else output_schema().empty_table().select(SUMMARY_COLUMNS)
+    table = pa.concat_tables(tables) if tables else output_schema().empty_table().select(["row", *SUMMARY_COLUMNS])
+    _, first = np.unique(table.column("row").to_numpy(), return_index=True)  # a row in several pieces counts once
+    table = table.take(first)
     wall = sum(end - start for start, end in run_ends.items())  # time spent running, summed over resumed runs
     return summarize(table, wall, output)

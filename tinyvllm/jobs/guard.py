@@ -2,72 +2,107 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import signal
 import socket
 from pathlib import Path
 
 from tinyvllm.errors import JobError
+from tinyvllm.io.writer import lock_path, parts_dir
+
+
+class OutputBusy(JobError):
+    """Another run holds the output's lock (or took it from this run): try again once it is done."""
+
+    exit_code = 75  # EX_TEMPFAIL
 
 
 class OutputLock:
-    """`<output>.lock`, created with O_EXCL and holding "pid host"; a lock whose process is dead is stale."""
+    """An exclusive flock() on `<output>.parts/lock`, held for the job's life and released by the kernel when the
+    process ends, however it ends (kill -9 included); a run in another pid namespace or on another host sharing the
+    folder is kept out the same way. The file holds "pid host" of the holder, only for the message a second run gets.
+
+    The lock file lives with the job's committed rows: a finishing run removes the folder, so whoever locks a file
+    then checks that its path still names that file (else it locks the new one). verify() repeats that check before
+    every commit: a run whose lock file was removed under it stops, since another run may have taken a new one."""
 
     def __init__(self, output: Path):
-        self.path = output.with_name(output.name + ".lock")
-        self.mine = f"{os.getpid()} {socket.gethostname()}\n"
+        self.output, self.parts, self.path = output, parts_dir(output), lock_path(output)
+        self._fd = -1
 
     def __enter__(self) -> OutputLock:
-        for _ in range(3):
+        for _ in range(5):
+            fd = self._open()
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._break_if_stale()
-                continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+                os.close(fd)
+                raise OutputBusy(f"{self.output} is being written by another run ({_describe(holder)}, as its lock "
+                                 f"{self.path} says); wait for it to finish, or stop it") from None
             except OSError as e:
-                raise JobError(f"cannot create lock {self.path}: {e.strerror}") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(self.mine)
-            return self
-        raise JobError(f"cannot take the lock {self.path}: another run keeps taking it")
+                os.close(fd)
+                raise JobError(f"cannot lock {self.path}: {e.strerror} (the file system must support flock)") from None
+            if self._names(fd):
+                self._fd = fd
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+                except OSError:  # a full disk: the note only serves a second run's message
+                    pass
+                return self
+            os.close(fd)  # a finishing run removed the folder after we opened the file: lock the new one
+        raise OutputBusy(f"cannot lock {self.path}: other runs keep removing it")
+
+    def _open(self) -> int:
+        if self.parts.is_symlink():
+            raise JobError(f"{self.parts} is a symbolic link; refusing to write through it: remove the link")
+        try:
+            self.parts.mkdir(exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            raise JobError(f"{self.parts} is not a folder: move it away (it is where a job keeps its rows)") from None
+        except IsADirectoryError:
+            raise JobError(f"lock {self.path} is a folder, which no run can hold: remove it") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise JobError(f"lock {self.path} is a symbolic link; refusing to follow it: remove the link") from None
+            raise JobError(f"cannot create lock {self.path}: {e.strerror}") from None
+
+    def _names(self, fd: int) -> bool:
+        """Whether the lock's path still names the file open as `fd`."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        own = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+    def verify(self) -> None:
+        """Raise OutputBusy unless this run's lock file is still in place."""
+        if not self._names(self._fd):
+            raise OutputBusy(f"lost the lock on {self.output}: {self.path} was removed while this run was writing, so "
+                             "another run may be writing too; stopped, keeping the rows committed so far: run the same "
+                             "command again once no other run is writing")
 
     def __exit__(self, *exc) -> None:
         try:
-            if self.path.read_text() == self.mine:
-                self.path.unlink()
-        except FileNotFoundError:
+            if self._names(self._fd) and os.listdir(self.parts) == [self.path.name]:  # nothing left to resume
+                os.unlink(self.path)
+                os.rmdir(self.parts)
+        except OSError:
             pass
-
-    def _break_if_stale(self) -> None:
-        try:
-            holder = self.path.read_text()
-        except FileNotFoundError:
-            return
-        pid, _, host = holder.strip().partition(" ")
-        if pid.isdigit() and (host != socket.gethostname() or _alive(int(pid))):
-            where = "" if host == socket.gethostname() else f" on {host}"
-            raise JobError(f"{self.path.name[:-5]} is being written by pid {pid}{where} (lock {self.path}); "
-                           "wait for it, or delete the lock if that process is gone")
-        # Stale. Move it aside and check that what moved is what was judged stale, not a fresh lock just taken.
-        aside = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return
-        if aside.read_text() != holder:
-            os.rename(aside, self.path)
-        else:
-            aside.unlink()
+        finally:
+            os.close(self._fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _describe(holder: list[str]) -> str:
+    if len(holder) != 2 or not holder[0].isdigit():
+        return "its lock names no process"
+    host = "".join(c if c.isprintable() else "?" for c in holder[1][:64])
+    return f"pid {holder[0]} on {host}"
 
 
 class StopSignals:

@@ -5,7 +5,8 @@ engine, and finished rows go to disk in small pieces (see io/writer.py). The run
 
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
 `<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
-results. `<output>.lock` keeps two runs off one output (jobs/guard.py). Rerunning a finished job is a no-op.
+results. A lock in that folder keeps two runs off one output (jobs/guard.py). Rerunning a finished job is a no-op:
+the output's metadata (the job, and rows 0..N-1 each once) is what says it is finished.
 Job files (jobs/*.toml) are read by jobs/file.py.
 """
 
@@ -15,7 +16,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, count_rows, output_record, read_rows
-from tinyvllm.io.writer import output_schema, parts_dir, summarize_output, summary_path
+from tinyvllm.io.writer import (atomic_write, clear_parts, lock_path, output_rows_problem, output_schema, parts_dir,
+                                summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
@@ -115,22 +116,39 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     if not cfg.model.exists():
         raise JobError(f"model not found: {cfg.model}")
     rows = read_rows(cfg.input)  # checks the input now, before the model loads
-    _check_output(cfg.output)
-    with executor or LocalExecutor() as executor, OutputLock(cfg.output), StopSignals() as signals:
-        job = _job_identity(cfg, defaults)
-        if not cfg.overwrite and cfg.output.exists() and not parts_dir(cfg.output).exists():
-            return _finished_summary(cfg.output, job)
-        manifest = _open_parts(cfg, job)
-        return _run(cfg, executor, rows, defaults, manifest, signals)
-
-
-def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams, manifest: dict,
-         signals: StopSignals) -> dict:
-    started = time.time()
-    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started,
-                         piece_rows=cfg.piece_rows)
-    done = writer.committed_rows()
+    _check_output(cfg.output, cfg.input)
     total = count_rows(cfg.input)
+    with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
+        stamp = _input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
+        job = _job_identity(cfg, defaults)
+        if not cfg.overwrite and cfg.output.exists():
+            problem = _finished_problem(cfg.output, job, total)
+            if problem is None:
+                summary = _finished_summary(cfg.output)
+                clear_parts(parts_dir(cfg.output))  # left by a run killed while it removed them
+                return summary
+            manifest = _read_manifest(parts_dir(cfg.output))
+            if manifest is None or manifest["job"] != job:  # else: pieces of this job are pending; resume
+                raise JobError(f"{cfg.output} exists {problem}; pass --overwrite to replace it")
+        manifest = _open_parts(cfg, job)
+
+        def before_commit() -> None:
+            lock.verify()
+            if _input_stamp(cfg.input) != stamp:  # rows read since may come from other content: none is committed
+                raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
+                               "before: restore it and run the same command again, or pass --overwrite to start over")
+
+        return _run(cfg, executor, rows, total, defaults, manifest, signals, before_commit)
+
+
+def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: SamplingParams, manifest: dict,
+         signals: StopSignals, before_commit: Callable[[], None]) -> dict:
+    started = time.time()
+    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started, total,
+                         piece_rows=cfg.piece_rows, guard=before_commit)
+    for damaged in writer.damaged:
+        print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
+    done = writer.committed_rows()
     bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
     tokens = 0
 
@@ -146,7 +164,7 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams
 
     def pending() -> Iterator[Row]:
         """The rows still to do; rows that failed to parse become error rows right here."""
-        for row in rows:
+        for row in _readable(rows, cfg.input):
             if stopped():
                 return
             if row.index in done:
@@ -168,6 +186,11 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], defaults: SamplingParams
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
                              f"{writer.parts}; run the same command again to resume", 128 + signals.received)
+    if _input_sha256(cfg.input) != manifest["job"]["input_sha256"]:  # a change the stamp missed (same clock tick)
+        raise JobError(f"input {cfg.input} changed while the job ran, so the job is not complete: the "
+                       f"{writer.discard()} rows this run computed are dropped (they may come from the changed input), "
+                       "those committed before are kept: restore it and run the same command again, or pass "
+                       "--overwrite to start over")
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
                 "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
@@ -209,15 +232,32 @@ def _row_seed(seed: int, index: int) -> int:
 def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
     (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
-    digest = hashlib.sha256()
-    with open(cfg.input, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return {"input_size": cfg.input.stat().st_size, "input_sha256": digest.hexdigest(),
+    return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
             "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
             "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs}
+
+
+def _input_sha256(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:  # gone or unreadable since the job started
+        return None
+    return digest.hexdigest()
+
+
+def _input_stamp(path: Path) -> tuple | None:
+    """What changes whenever the file's content does (its ctime cannot be set back), short of a change within one
+    tick of the file system's clock, which the hash at the end of a run catches."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _differences(old: dict, new: dict) -> str:
@@ -233,58 +273,120 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _finished_summary(output: Path, job: dict) -> dict:
-    """The output exists and no pieces are pending: a no-op if it is this job's, else refuse to clobber it."""
+def _finished_problem(output: Path, job: dict, num_rows: int) -> str | None:
+    """None if `output` is this job's finished output (its metadata names this job; rows 0..num_rows-1 each once),
+    else what it is instead."""
     try:
-        meta = pq.read_schema(output).metadata or {}
-        previous = json.loads(meta[b"tinyvllm.job"])
+        previous = json.loads((pq.read_schema(output).metadata or {})[b"tinyvllm.job"])
     except Exception:  # not Parquet, or not ours
-        raise JobError(f"{output} exists and is not a tinyvllm output; pass --overwrite to replace it") from None
+        return "and is not a tinyvllm output"
     if previous != job:
-        raise JobError(f"{output} exists from a different job ({_differences(previous, job)}); "
-                       "pass --overwrite to replace it")
-    summary_file = summary_path(output)
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else summarize_output(output)
+        return f"from a different job ({_differences(previous, job)})"
+    try:
+        problem = output_rows_problem(output, num_rows)
+    except Exception as e:  # pyarrow raises several types for damaged data
+        problem = f"its rows cannot be read: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    return None if problem is None else f"but is not complete: {problem}"
+
+
+def _finished_summary(output: Path) -> dict:
+    """The summary of a finished output; written again if it is missing or damaged (the output holds it all)."""
+    try:
+        summary = json.loads(summary_path(output).read_text())
+    except (OSError, ValueError):
+        summary = summarize_output(output)
+        try:
+            atomic_write(summary_path(output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"),
+                         parts_dir(output))
+        except OSError as e:
+            raise JobError(f"cannot write {summary_path(output)}: {e.strerror}") from None
     return {**summary, "already_complete": True}
+
+
+def _read_manifest(parts: Path) -> dict | None:
+    """The manifest of the pieces in `parts` (None: there is none); JobError if it is damaged."""
+    path = parts / "manifest.json"
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot resume: {path} is damaged ({e}); pass --overwrite to start over") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("job"), dict):
+        raise JobError(f"cannot resume: {path} is damaged (no job in it); pass --overwrite to start over")
+    return manifest
 
 
 def _open_parts(cfg: JobConfig, job: dict) -> dict:
     """Create `<output>.parts/` with its manifest, or check that the one there is this job's (to resume)."""
     parts = parts_dir(cfg.output)
     manifest_path = parts / "manifest.json"
-    if cfg.overwrite and parts.exists():
-        shutil.rmtree(parts)
-    if parts.exists():
-        has_pieces = any(parts.glob("piece-*.parquet"))
-        if manifest_path.exists():
-            manifest = json.loads(manifest_path.read_text())
+    try:
+        if cfg.overwrite:
+            clear_parts(parts)
+        manifest = _read_manifest(parts)
+        if manifest is not None:
             if manifest["job"] != job:
                 raise JobError(f"cannot resume: {parts} holds rows of a different job "
                                f"({_differences(manifest['job'], job)}); rerun with the original input and "
                                "settings, or pass --overwrite to start over")
             return manifest
-        if has_pieces:
+        if any(parts.glob("piece-*.parquet")):
             raise JobError(f"cannot resume: {parts} has pieces but no manifest.json; pass --overwrite to start over")
-    manifest = {"job": job, "input": str(cfg.input), "started_at": _iso(time.time()), "version": __version__}
-    try:
-        parts.mkdir(parents=True, exist_ok=True)
-        tmp = manifest_path.with_name("manifest.json.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, manifest_path)
+        manifest = {"job": job, "input": str(cfg.input), "started_at": _iso(time.time()), "version": __version__}
+        atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"), parts)
     except OSError as e:
-        raise JobError(f"cannot write {manifest_path}: {e.strerror}") from None
+        raise JobError(f"cannot prepare {parts}: {e.strerror}") from None
     return manifest
 
 
-def _check_output(output: Path) -> None:
-    if output.is_dir():
-        raise JobError(f"output is a directory: {output}")
+def _check_output(output: Path, input_path: Path) -> None:
+    """The output can be written and none of the files it makes can be the input."""
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
+        name_max = os.pathconf(output.parent, "PC_NAME_MAX")
     except OSError as e:
         raise JobError(f"cannot create output directory {output.parent}: {e.strerror}") from None
+    for made in (output, summary_path(output), parts_dir(output)):
+        if len(made.name.encode()) > name_max:
+            raise JobError(f"output name too long: {made.name[:40]}... would be {len(made.name.encode())} bytes, "
+                           f"over the file system's {name_max}")
+    for made in (output, summary_path(output), parts_dir(output), lock_path(output)):
+        if _same_file(made, input_path):
+            raise JobError(f"refusing to overwrite the input: {made} (written by this job) is the input {input_path}")
+    if os.path.realpath(input_path).startswith(os.path.realpath(parts_dir(output)) + os.sep):
+        raise JobError(f"the input {input_path} is inside {parts_dir(output)}, which this job clears")
+    if output.is_dir():
+        raise JobError(f"output is a directory: {output}")
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise JobError(f"output directory is not writable: {output.parent}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` is `b`: the same path once links are resolved, or the same file (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist
+        return False
+
+
+def _readable(rows: Iterator[Row], path: Path) -> Iterator[Row]:
+    """`rows`, with a failure to read the input past its start (a corrupt Parquet data page) as one JobError."""
+    index = -1
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except JobError:
+            raise
+        except Exception as e:  # pyarrow raises several types for damaged data
+            raise JobError(f"cannot read input {path} after row {index}, it is damaged: "
+                           f"{str(e).splitlines()[0][:200]}; repair it and run again with --overwrite") from None
+        index = row.index
+        yield row
 
 
 def _default_model() -> Path:
