@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -93,6 +94,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
                 problem = "string escape is not valid Unicode (unpaired surrogate)"
             except json.JSONDecodeError as e:
                 problem = f"malformed JSON: {e.msg} (column {e.colno})"
+            except ValueError:  # Python's int() refuses literals over sys.get_int_max_str_digits() digits
+                problem = f"malformed JSON: an integer with more than {sys.get_int_max_str_digits()} digits"
             except RecursionError:
                 problem = "malformed JSON: nested too deeply"
             yield index, f"line {lineno}", obj, problem
