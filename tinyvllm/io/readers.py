@@ -2,8 +2,9 @@
 
 Formats (by extension): JSONL (.jsonl/.ndjson/.json, one object per line, blank lines skipped) and Parquet
 (.parquet/.pq, read by record batches). A record has `prompt` (text or token ids) or `messages` (chat), an
-optional `id` (default: its 0-based record number; only ids given must be unique) and optional sampling overrides. A file whose first object
-has `custom_id` is an OpenAI batch file: `custom_id` is the id and `body` holds the request.
+optional `id` (default: its 0-based record number; only ids given must be unique) and optional sampling
+overrides. A file whose first object has `custom_id` is an OpenAI batch file: `custom_id` is the id and `body` holds
+the request.
 """
 
 from __future__ import annotations
