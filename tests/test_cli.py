@@ -169,7 +169,7 @@ HOSTILE_ERRORS = {  # id -> reason (rows whose id could not be read get their ro
     "1": "malformed JSON", "num-prompt": "prompt must be a string or a list of token ids, got int",
     "str-tokens": "invalid max_tokens='many'", "empty": "prompt is empty", "no-prompt": "missing prompt or messages",
     "6": "missing prompt or messages", "null-prompt": "missing prompt or messages",
-    "neg-tokens": "invalid max_tokens=-10", "huge-tokens": "more than max_model_len",
+    "neg-tokens": "invalid max_tokens=-10", "huge-tokens": "invalid max_tokens=1000000000000",
     "cold": "invalid temperature=-1", "top-p-zero": "invalid top_p=0", "top-p-big": "invalid top_p=1.01",
     "top-k-neg": "invalid top_k=-5", "nan-temp": "invalid temperature=nan", "float-seed": "invalid seed=1.5",
     "stop-int": "invalid stop=[1]", "too-long": "tokens; the limit is", "18": "invalid UTF-8",

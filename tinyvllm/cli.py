@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import click
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, setting_type
 from tinyvllm.errors import JobError
-from tinyvllm.io.writer import LATENCIES, sibling, summarize_output
+from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
 from tinyvllm.jobs.guard import OutputBusy
@@ -120,17 +122,42 @@ def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> 
 @click.argument("output", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def report(output: Path) -> None:
     """Print the figures of a finished OUTPUT and plot latency histograms and tokens over time next to it."""
-    summary = summarize_output(output)
-    click.echo(json.dumps(summary, indent=2))
+    _check_report_input(output)
     try:
-        import matplotlib
-    except ImportError:
-        click.echo("plots skipped: matplotlib is not installed (pip install 'tinyvllm[report]' or "
-                   "pip install matplotlib)", err=True)
-        return
-    matplotlib.use("Agg")  # files only, no display
-    for path in _plots(output):
-        click.echo(f"wrote {path}", err=True)
+        summary = summarize_output(output)
+        click.echo(json.dumps(summary, indent=2))
+        try:
+            import matplotlib
+        except ImportError:
+            click.echo("plots skipped: matplotlib is not installed (pip install 'tinyvllm[report]' or "
+                       "pip install matplotlib)", err=True)
+            return
+        matplotlib.use("Agg")  # files only, no display
+        for path in _plots(output):
+            click.echo(f"wrote {path}", err=True)
+    except (OSError, pa.ArrowException) as e:  # data pages damaged behind a readable footer
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise click.ClickException(f"cannot read {output}: {reason}") from None
+
+
+def _check_report_input(output: Path) -> None:
+    """ClickException (one line, exit 1) unless OUTPUT is a Parquet file with what a tinyvllm output holds."""
+    try:
+        schema = pq.read_schema(output)
+    except (OSError, pa.ArrowException):
+        raise click.ClickException(f"{output} is not a Parquet file") from None
+    try:
+        counts = json.loads((schema.metadata or {})[b"tinyvllm.counts"])
+    except (KeyError, ValueError):
+        counts = None
+    if not isinstance(counts, dict):
+        raise click.ClickException(f"{output} is not a tinyvllm output (no tinyvllm.counts metadata)")
+    expected = output_schema()
+    wrong = [name for name in SUMMARY_COLUMNS
+             if name not in schema.names or schema.field(name).type != expected.field(name).type]
+    if wrong:
+        raise click.ClickException(f"{output} is not a tinyvllm output (columns missing or mistyped: "
+                                   f"{', '.join(wrong)})")
 
 
 @main.command()
@@ -208,7 +235,6 @@ def _run(cfg: JobConfig) -> None:
 
 def _plots(output: Path) -> list[Path]:
     import matplotlib.pyplot as plt
-    import pyarrow.parquet as pq
 
     table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
     ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))

@@ -5,6 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from tinyvllm.config import INT32_MAX
+
+SEED_MAX = 2**64 - 1  # the sampler keys on a seed's 64 bits
+# Below TEMPERATURE_MIN, logits / temperature overflows float32 (vLLM's bound too); beyond TEMPERATURE_MAX every token
+# is about as likely anyway, and the value must still fit a float32.
+TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-2, 1e6
+
 # Fields a row of a job's input may override (validate() checks their values).
 OVERRIDABLE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 MAX_N = 256  # completions per prompt
@@ -55,25 +62,28 @@ class SamplingParams:
         """Raise ValueError naming the first invalid field."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
+            raise ValueError(f"invalid {name}={getattr(self, name)!r:.40}: {why}")
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0")
+        # Integers end up in int32 arrays and kernel arguments (a seed in 64 bits): bounded here, so that no value
+        # gets as far as the engine and fails there for the whole batch.
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            bad("max_tokens", f"must be an integer in [1, {INT32_MAX}]")
+        if not _is_number(self.temperature) or not (
+                self.temperature == 0 or TEMPERATURE_MIN <= self.temperature <= TEMPERATURE_MAX):
+            bad("temperature", f"must be 0 (greedy) or in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 or -1 = no limit)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"must be an integer in [0, {INT32_MAX}] (0 or -1 = no limit)")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX):
+            bad("seed", "must be an integer in [0, 2**64 - 1] or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
@@ -94,8 +104,8 @@ class SamplingParams:
             bad("bad_words", "must be a list of non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                bad(name, "must be an integer >= 0 or None")
+            if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
+                bad(name, f"must be an integer in [0, {INT32_MAX}] or None (at most the vocabulary's size)")
 
     @property
     def has_penalties(self) -> bool:

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import nodes
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
+
+# Bounds on one chat-template rendering: the sandbox stops code execution, these stop a template from hanging the job
+# or filling memory (nested loops, 'a' * 400000000). Real templates stay far below all three.
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_MAX_CHARS = 1 << 22  # any string or list the template builds, and its output
+TEMPLATE_MAX_LOOP_STEPS = 1_000_000  # loop iterations in all
+FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d{7,}|\.\*|\.\d{7,})")  # '%0400000000d' % 1 is 400 MB
 
 
 class Tokenizer:
@@ -72,18 +85,17 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat rendered with the model's template. ValueError says why it cannot be: the reason alone (a job
+        prefixes it with "chat template failed")."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass plain prompts instead of messages")
         _check_messages(messages)
         try:
-            return _compile(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except (jinja2.TemplateError, TypeError) as e:  # raise_exception(), or content of the wrong type
-            raise ValueError(f"chat template failed: {e}") from e
+            return _render(_compile(self.chat_template), messages=messages,
+                           add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                           eos_token=self.eos_token or "")
+        except Exception as e:  # a template may raise anything: raise_exception(), 1/0, content of the wrong type
+            raise ValueError(str(e) or type(e).__name__) from e
 
 
 class IncrementalDetokenizer:
@@ -143,15 +155,146 @@ def _tojson(x, indent=None, separators=None, sort_keys=False) -> str:
     return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class TemplateLimitError(jinja2.TemplateError):
+    pass
+
+
+class _Budget(threading.local):
+    deadline: float | None = None  # None: not rendering (compiling: Jinja folds constant expressions then)
+    loop_steps: int = 0
+
+
+_budget = _Budget()
+
+
+def _tick() -> None:
+    if _budget.deadline is not None and time.monotonic() > _budget.deadline:
+        raise TemplateLimitError(f"rendering took more than {TEMPLATE_SECONDS:g} s")
+
+
+def _checked(value):
+    """value, unless it is a string or collection over the size bound (or rendering is out of time)."""
+    _tick()
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > TEMPLATE_MAX_CHARS:
+        raise TemplateLimitError(f"rendering built a value of more than {TEMPLATE_MAX_CHARS} characters or items")
+    return value
+
+
+def _check_size(size: int) -> None:
+    if size > TEMPLATE_MAX_CHARS:
+        raise TemplateLimitError(f"rendering would build a value of {size} characters or items "
+                                 f"(the limit is {TEMPLATE_MAX_CHARS})")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with every operator, call, attribute, filter, loop step and concatenation checked against the
+    time and size bounds; the operators that can multiply a size are checked before they run."""
+
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def call_binop(self, context, operator: str, left, right):
+        numbers = isinstance(left, int) and isinstance(right, int)
+        if operator == "*" and numbers:  # a number's size in bytes: 2 ** 1000000000 would compute for minutes
+            _check_size((left.bit_length() + right.bit_length()) // 8)
+        elif operator == "**" and numbers:
+            _check_size(left.bit_length() * right // 8)
+        elif operator == "*" and isinstance(right, int) and hasattr(left, "__len__"):
+            _check_size(len(left) * right)
+        elif operator == "*" and isinstance(left, int) and hasattr(right, "__len__"):
+            _check_size(left * len(right))
+        elif operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
+            _check_size(len(left) + len(right))
+        elif operator == "%" and isinstance(left, str) and FORMAT_WIDTH.search(left):
+            raise TemplateLimitError("a %-format width or precision over 6 digits (or *) is not allowed")
+        return _checked(super().call_binop(context, operator, left, right))
+
+    def getattr(self, obj, attribute):
+        return _checked(super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        return _checked(super().getitem(obj, argument))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # jinja's odd names: kwargs may hold any other name
+        _check_arguments(args, kwargs)
+        return _checked(super().call(__context, __obj, *args, **kwargs))
+
+    def loop_steps(self, iterable):
+        """Every for loop iterates through this (see _BoundLoops)."""
+        for item in iterable:
+            _budget.loop_steps += 1
+            if _budget.loop_steps > TEMPLATE_MAX_LOOP_STEPS:
+                raise TemplateLimitError(f"rendering ran more than {TEMPLATE_MAX_LOOP_STEPS} loop steps")
+            _tick()
+            yield item
+
+    def concat(self, *parts) -> str:
+        """`a ~ b`."""
+        parts = [str(_checked(p)) for p in parts]
+        _check_size(sum(map(len, parts)))
+        return "".join(parts)
+
+
+def _check_arguments(args: tuple, kwargs: dict) -> None:
+    # An integer argument sizes what a call or filter builds (center(400000000), lipsum(n=...)): bound it the way
+    # Jinja's sandbox bounds range().
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and abs(value) > MAX_RANGE:
+            raise TemplateLimitError(f"argument {value} is too large (the limit is {MAX_RANGE})")
+
+
+def _bounded_filter(f):
+    # The value filtered comes first, after the context a @pass_context (or eval_ctx, environment) filter takes.
+    first_argument = 2 if hasattr(f, "jinja_pass_arg") else 1
+
+    @functools.wraps(f)  # keeps that jinja_pass_arg mark
+    def bounded(*args, **kwargs):
+        _check_arguments(args[first_argument:], kwargs)
+        return _checked(f(*args, **kwargs))
+
+    return bounded
+
+
+class _BoundLoops(NodeTransformer):
+    """Routes every for loop's iterable through environment.loop_steps and every `~` through environment.concat:
+    loops and concatenation are the two things a template does with no call the sandbox sees."""
+
+    def visit_For(self, node: nodes.For) -> nodes.For:
+        self.generic_visit(node)
+        node.iter = nodes.Call(nodes.EnvironmentAttribute("loop_steps"), [node.iter], [], None, None,
+                               lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
+        self.generic_visit(node)
+        return nodes.Call(nodes.EnvironmentAttribute("concat"), node.nodes, [], None, None, lineno=node.lineno)
+
+
+def _render(template: jinja2.Template, **variables) -> str:
+    _budget.deadline, _budget.loop_steps = time.monotonic() + TEMPLATE_SECONDS, 0
+    chunks, size = [], 0
+    pieces = template.generate(**variables)
+    try:
+        for chunk in pieces:
+            size += len(chunk)
+            _check_size(size)
+            _tick()
+            chunks.append(chunk)
+    finally:
+        pieces.close()
+        _budget.deadline = None
+    return "".join(chunks)
+
+
 _templates: dict[str, jinja2.Template] = {}
 
 
 def _compile(source: str) -> jinja2.Template:
     # Same environment as transformers' apply_chat_template, so hub templates render identically.
     if source not in _templates:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
+        env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _templates[source] = env.from_string(source)
+        _templates[source] = env.from_string(_BoundLoops().visit(env.parse(source)))
     return _templates[source]

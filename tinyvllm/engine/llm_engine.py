@@ -80,13 +80,17 @@ class LLMEngine:
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_is_templated)
         except ValueError as exc:
-            self._reject(request_id, text, [], metrics, str(exc))
+            self._reject(request_id, text, [], metrics, str(exc) or type(exc).__name__)
             return
         most = self.backend.max_logprobs
         wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
         if most is not None and wanted > most:
             self._reject(request_id, text, token_ids, metrics,
                          f"{wanted} logprobs asked; the {self.backend.name} backend returns at most {most} per token")
+            return
+        if wanted > self.config.vocab_size:
+            self._reject(request_id, text, token_ids, metrics,
+                         f"{wanted} logprobs asked; the vocabulary has {self.config.vocab_size} tokens")
             return
         if len(token_ids) >= self.max_seq_len:
             self._reject(request_id, text, token_ids, metrics,

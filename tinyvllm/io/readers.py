@@ -2,14 +2,16 @@
 
 Formats (by extension): JSONL (.jsonl/.ndjson/.json, one object per line, blank lines skipped) and Parquet
 (.parquet/.pq, read by record batches). A record has `prompt` (text or token ids) or `messages` (chat), an
-optional `id` (default: its 0-based record number) and optional sampling overrides. A file whose first object
-has `custom_id` is an OpenAI batch file: `custom_id` is the id and `body` holds the request.
+optional `id` (default: its 0-based record number; only ids given must be unique) and optional sampling
+overrides. A file whose first object has `custom_id` is an OpenAI batch file: `custom_id` is the id and `body` holds
+the request.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -93,6 +95,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
                 problem = "string escape is not valid Unicode (unpaired surrogate)"
             except json.JSONDecodeError as e:
                 problem = f"malformed JSON: {e.msg} (column {e.colno})"
+            except ValueError:  # Python's int() refuses literals over sys.get_int_max_str_digits() digits
+                problem = f"malformed JSON: an integer with more than {sys.get_int_max_str_digits()} digits"
             except RecursionError:
                 problem = "malformed JSON: nested too deeply"
             yield index, f"line {lineno}", obj, problem
@@ -121,14 +125,19 @@ def _rows(records: Iterator[tuple[int, str, object, str | None]]) -> Iterator[Ro
         if openai is None:
             openai = "custom_id" in obj
         try:
-            row_id = _row_id(obj, index, openai)
+            row_id = _row_id(obj, openai)
         except BadRow as e:
             yield Row(index, str(index), error=f"{where}: {e}")
             continue
-        if row_id in seen:
+        # Ids given must be unique; a row without one is known by its row number, which no given id can clash with
+        # (the output's `row` column tells them apart).
+        if row_id is None:
+            row_id = str(index)
+        elif row_id in seen:
             yield Row(index, row_id, error=f"{where}: duplicate id {row_id!r} (an earlier row has it)")
             continue
-        seen.add(row_id)
+        else:
+            seen.add(row_id)
         try:
             prompt, messages, overrides = _parse_openai(obj) if openai else _parse_plain(obj)
         except BadRow as e:
@@ -137,13 +146,14 @@ def _rows(records: Iterator[tuple[int, str, object, str | None]]) -> Iterator[Ro
         yield Row(index, row_id, prompt, messages, overrides)
 
 
-def _row_id(obj: dict, index: int, openai: bool) -> str:
+def _row_id(obj: dict, openai: bool) -> str | None:
+    """The id the row gives, or None."""
     key = "custom_id" if openai else "id"
     value = obj.get(key)
     if value is None:
         if openai:
             raise BadRow("missing custom_id")
-        return str(index)
+        return None
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise BadRow(f"{key} must be a non-empty string or an integer, got {value!r:.80}")
     return str(value)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
+# before anything is sized from it (a num_hidden_layers of 1e9 once allocated 5.8 GiB, then failed).
+DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
+              "num_hidden_layers": (1, 1 << 12), "num_attention_heads": (1, 1 << 12),
+              "num_key_value_heads": (1, 1 << 12), "head_dim": (1, 1 << 12), "max_position_embeddings": (2, 1 << 24)}
 
 
 @dataclass
@@ -30,6 +36,17 @@ class ModelConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        for name in DIMENSIONS:
+            check_dimension(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"invalid {name}={value!r:.40}: must be a finite number > 0")
+        ids = self.eos_token_ids + ([] if self.bos_token_id is None else [self.bos_token_id])
+        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"invalid bos_token_id / eos_token_id {bad[0]!r:.40} in the model config: not a token "
+                             f"id of the vocabulary (vocab_size {self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -54,6 +71,8 @@ class ModelConfig:
                                "num_attention_heads") if d.get(k) is None]
         if missing:
             raise ValueError(f"config is missing required fields {missing}")
+        for name in ("hidden_size", "num_attention_heads"):  # checked before head_dim is computed from them
+            check_dimension(name, d[name])
 
         # transformers>=5 folds rope_theta and the scaling into `rope_parameters`; hub checkpoints keep them apart.
         rope = d.get("rope_parameters")
@@ -77,8 +96,8 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=_as_float("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+            rope_theta=_as_float("rope_theta", rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -93,17 +112,16 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        config = cls.from_hf_dict(json.loads(config_file.read_text()))
+        d = read_json_object(config_file)
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
-            gen = json.loads(gen_file.read_text())
+            gen = read_json_object(gen_file)
             # generation_config.json is what HF generate() stops on: its eos ids extend config.json's.
-            for i in _as_id_list(gen.get("eos_token_id")):
-                if i not in config.eos_token_ids:
-                    config.eos_token_ids.append(i)
-            if config.bos_token_id is None:
-                config.bos_token_id = gen.get("bos_token_id")
-        return config
+            eos = _as_id_list(d.get("eos_token_id"))
+            d["eos_token_id"] = eos + [i for i in _as_id_list(gen.get("eos_token_id")) if i not in eos]
+            if d.get("bos_token_id") is None:
+                d["bos_token_id"] = gen.get("bos_token_id")
+        return cls.from_hf_dict(d)
 
     def to_hf_dict(self) -> dict:
         """config.json as hub checkpoints carry it (rope_theta + rope_scaling)."""
@@ -148,7 +166,29 @@ def normalize_rope_scaling(rs: dict | None) -> dict | None:
     return out
 
 
-def _as_id_list(x: int | list[int] | None) -> list[int]:
-    if x is None:
-        return []
-    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
+def check_dimension(name: str, value: object) -> None:
+    """ValueError unless `value` is an integer within DIMENSIONS[name]."""
+    low, high = DIMENSIONS[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"invalid {name}={value!r:.40} in the model config: must be an integer in [{low}, {high}]")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, an integer too long, nesting too deep
+        raise ValueError(f"{path} is not valid JSON: {str(e) or type(e).__name__}"[:300]) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _as_float(name: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"invalid {name}={x!r:.40} in the model config: must be a number")
+    return float(x)
+
+
+def _as_id_list(x: object) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]

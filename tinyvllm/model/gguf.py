@@ -12,7 +12,7 @@ import tokenizers
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
 
-from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.tokenizer import Tokenizer
@@ -50,8 +50,13 @@ SPM_SPACE = "\u2581"  # SentencePiece writes a space as this visible character
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    reader = gguf.GGUFReader(os.fspath(path))
-    meta = read_metadata(reader)
+    try:
+        reader = gguf.GGUFReader(os.fspath(path))
+        meta = read_metadata(reader)
+    except ValueError as e:  # the gguf package's own checks ("GGUF magic invalid")
+        raise ValueError(f"{path} is not a readable GGUF file: {e}"[:300]) from None
+    except Exception:  # a damaged file fails deeper, as an IndexError or struct error in numpy's words
+        raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors)
     weights: dict[str, np.ndarray] = {}
@@ -96,7 +101,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
         if get(key) is None:
             raise ValueError(f"GGUF metadata is missing llama.{key}")
+    if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        raise ValueError("GGUF metadata is missing tokenizer.ggml.tokens (the vocabulary)")
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    check_dimension("hidden_size", hidden)  # both checked before head_dim is computed from them
+    check_dimension("num_attention_heads", heads)
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     theta = _round32(get("rope.freq_base", 10000.0))
     if get("rope.scaling.type", "none") != "none":

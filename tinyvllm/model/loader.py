@@ -7,6 +7,7 @@ numpy has no bfloat16 and the safetensors numpy API refuses it; nothing is ever 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.config import ModelConfig, read_json_object
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.tokenizer import Tokenizer
 
@@ -91,8 +92,13 @@ def check_weights(weights: dict[str, np.ndarray], config: ModelConfig, source: s
 def _load_hf_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        weight_map = read_json_object(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index_file}: weight_map must map tensor names to file names")
         files = sorted(set(weight_map.values()))
+        for file in files:  # shards are files of this folder: never a path out of it (/etc/passwd as weights)
+            if Path(file).name != file or not file.endswith(".safetensors"):
+                raise ValueError(f"{index_file}: shard {file!r:.80} is not a .safetensors file name of {path}")
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -117,20 +123,48 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file {path} not found")
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len))
+        prefix = f.read(8)
+        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+        if header_len is None or header_len > size - 8:
+            raise ValueError(f"{path} is not a safetensors file: its header length is missing or beyond the file")
+        try:
+            header = json.loads(f.read(header_len))
+        except (ValueError, RecursionError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
+    data_len = size - 8 - header_len
+    raw = np.empty(0, np.uint8)  # np.memmap refuses an empty range
+    if data_len:
+        raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        data = raw[start:end].view(ST_DTYPES[info["dtype"]][0]).reshape(info["shape"])
+        dtype, shape, (start, end) = _tensor_entry(path, name, info, data_len)
+        data = raw[start:end].view(dtype).reshape(shape)
         out[name] = bf16_to_f32(data) if info["dtype"] == "BF16" else np.array(data, dtype=np.float32)
     return out
+
+
+def _tensor_entry(path: Path, name: str, info: object, data_len: int) -> tuple[type, list[int], list[int]]:
+    """(numpy dtype, shape, data offsets) of one header entry, checked against the data that follows the header."""
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: header entry {name!r:.80} is not an object")
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if code not in ST_DTYPES:
+        raise ValueError(f"{path}: tensor {name} has unsupported dtype {code!r:.20}")
+    ints = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in [*(shape or [0]), *(offsets or [])])
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 or not ints:
+        raise ValueError(f"{path}: tensor {name} has a malformed shape or data_offsets")
+    dtype = ST_DTYPES[code][0]
+    start, end = offsets
+    if not start <= end <= data_len or end - start != math.prod(shape) * np.dtype(dtype).itemsize:
+        raise ValueError(f"{path}: tensor {name} (shape {shape}, {code}) does not match its data_offsets "
+                         f"{offsets} in {data_len} bytes of data")
+    return dtype, shape, offsets
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
