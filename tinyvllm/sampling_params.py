@@ -22,6 +22,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs returned per generated token
     prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token (besides its own)
+    n: int = 1  # completions per request: tinyvllm returns one (send the prompt n times, with different seeds)
+    detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
+    skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the text
+    # Kept for vLLM scripts: it changes only HF's slow tokenizers; tinyvllm's, like the fast ones, add no spaces.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +63,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 bad(name, "must be an integer >= 0 or None")
+        if self.n != 1:
+            bad("n", "tinyvllm returns one completion per request; send the prompt n times (with different seeds)")
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if self.stop and not self.detokenize:
+            bad("detokenize", "stop strings need the text: pass detokenize=True or stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,14 @@ from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    """What vLLM's `llm_engine.model_config` tells callers (lm-eval reads max_model_len): the model as served."""
+
+    model: str
+    max_model_len: int  # the longest sequence served, prompt + output (max_model_len, capped by the KV cache)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
         self.max_seq_len = min(engine_config.max_model_len, self.num_kv_blocks * engine_config.block_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+        self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
@@ -53,39 +62,39 @@ class LLMEngine:
     # ---- requests in -----------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_is_templated: bool = False) -> None:
-        """Queue a request. Problems of this request alone come back from step() as an error output."""
+                    prompt_is_templated: bool = False) -> str | None:
+        """Queue a request. Problems of this request alone come back from step() as an error output; the reason
+        is also returned (None: accepted)."""
         metrics = RequestMetrics(arrival_time=time.time())
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_is_templated)
         except ValueError as exc:
-            self._reject(request_id, text, [], metrics, str(exc))
-            return
+            return self._reject(request_id, text, [], metrics, str(exc))
         most = self.backend.max_logprobs
         wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
         if most is not None and wanted > most:
-            self._reject(request_id, text, token_ids, metrics,
-                         f"{wanted} logprobs asked; the {self.backend.name} backend returns at most {most} per token")
-            return
+            return self._reject(request_id, text, token_ids, metrics, f"{wanted} logprobs asked; the "
+                                f"{self.backend.name} backend returns at most {most} per token")
         if len(token_ids) >= self.max_seq_len:
-            self._reject(request_id, text, token_ids, metrics,
-                         f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} (max_model_len "
-                         f"{self.engine_config.max_model_len}, KV cache {self.num_kv_blocks * self.engine_config.block_size} "
-                         "tokens, one token left to generate)")
-            return
+            cache_tokens = self.num_kv_blocks * self.engine_config.block_size
+            return self._reject(request_id, text, token_ids, metrics,
+                                f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} "
+                                f"(max_model_len {self.engine_config.max_model_len}, KV cache {cache_tokens} tokens, "
+                                "one token left to generate)")
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         seq = Sequence(request_id, self._arrivals, text, token_ids, params, seed, seed_key(seed), metrics)
         seq.max_len = min(self.max_seq_len, len(token_ids) + params.max_tokens)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has no prefix to be predicted from
         self._arrivals += 1
         self.scheduler.add(seq)
+        return None
 
     def _prompt_token_ids(self, prompt: str | list[int], templated: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -102,10 +111,19 @@ class LLMEngine:
         return token_ids
 
     def _reject(self, request_id: str, prompt: str | None, token_ids: list[int], metrics: RequestMetrics,
-                error: str) -> None:
+                error: str) -> str:
         metrics.finished_time = time.time()
         completion = CompletionOutput(0, "", [], finish_reason="error")
         self._rejected.append(RequestOutput(request_id, prompt, token_ids, [completion], True, metrics, error=error))
+        return error
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests, wherever they are: no output comes back for them."""
+        ids = set(request_ids)
+        self._rejected = [out for out in self._rejected if out.request_id not in ids]
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id in ids:
+                self.scheduler.finish(seq)  # a step in flight skips it, as it skips one that stopped
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
@@ -221,11 +239,12 @@ class LLMEngine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.detokenizer is None:
+        if seq.detokenizer is None and seq.params.detokenize:
             # the EOS or stop token that ended it is not text
             ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
             text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
-            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids)
+            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids,
+                                           seq.params.skip_special_tokens)
         completion = CompletionOutput(0, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs,
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], True, seq.metrics,
