@@ -137,11 +137,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, self.skip_special_tokens)
-
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.ids[self.prefix_offset :])
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        new_text = decode(self.ids[self.prefix_offset :], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]

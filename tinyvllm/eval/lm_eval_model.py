@@ -176,5 +176,8 @@ def main(argv: list[str]) -> None:
     """lm-eval's command line (`lm_eval run`) with this model: `tinyvllm eval --model_args pretrained=PATH ...`."""
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm_eval", "run", "--model", "tinyvllm", *argv]
-    cli_evaluate()
+    saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "tinyvllm", *argv]  # lm-eval parses sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
