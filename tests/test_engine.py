@@ -103,7 +103,7 @@ def test_more_logprobs_than_the_backend_returns_fail_alone(tiny_model_dir):
     llm = llm_for(tiny_model_dir)
     llm.llm_engine.backend.max_logprobs = 4  # as the cuda backend has (64)
     outs = llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=3, logprobs=4), SamplingParams(max_tokens=3,
-                        logprobs=5), SamplingParams(max_tokens=3, prompt_logprobs=9)])
+                        logprobs=5), SamplingParams(max_tokens=3, prompt_logprobs=9)], error_outputs=True)
     assert outs[0].error is None and len(outs[0].outputs[0].logprobs) == 3
     assert [o.outputs[0].finish_reason for o in outs[1:]] == ["error", "error"]
     assert "at most 4" in outs[1].error and "9 logprobs" in outs[2].error
@@ -111,7 +111,8 @@ def test_more_logprobs_than_the_backend_returns_fail_alone(tiny_model_dir):
 
 def test_over_long_and_empty_prompts_fail_alone(tiny_model_dir):
     llm = llm_for(tiny_model_dir, max_model_len=32)
-    outs = llm.generate(["ok prompt", "word " * 200, "", [10, 11, 12]], SamplingParams(max_tokens=4, temperature=0))
+    outs = llm.generate(["ok prompt", "word " * 200, "", [10, 11, 12]], SamplingParams(max_tokens=4, temperature=0),
+                        error_outputs=True)
     assert outs[0].error is None and outs[0].outputs[0].finish_reason in ("stop", "length")
     assert outs[1].outputs[0].finish_reason == "error" and "max_model_len" in outs[1].error
     assert len(outs[1].prompt_token_ids) > 32  # the rejected prompt's tokens are still reported

@@ -1,5 +1,6 @@
 """tinyvllm: an offline batch-inference job runner for Llama-family LLMs."""
 
+from tinyvllm.inputs import TextPrompt, TokensPrompt
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -14,4 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "__version__"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "__version__"]

@@ -189,6 +189,22 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
         json_path.write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
 
 
+@main.command("eval", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("lm_eval_args", nargs=-1, type=click.UNPROCESSED)
+def eval_(lm_eval_args: tuple[str, ...]) -> None:
+    """Run lm-evaluation-harness tasks on tinyvllm (pip install 'tinyvllm[eval]'): `lm_eval run`'s options with
+    --model tinyvllm, e.g. `tinyvllm eval --model_args pretrained=PATH,backend=numpy --tasks hellaswag`;
+    model_args take LLM's keyword arguments. `tinyvllm eval --help` lists lm-eval's options."""
+    try:
+        from tinyvllm.eval.lm_eval_model import main as lm_eval_main
+    except ImportError as e:
+        raise click.ClickException(f"tinyvllm eval needs lm-eval: pip install 'tinyvllm[eval]' ({e})") from None
+    try:
+        lm_eval_main(list(lm_eval_args))
+    except (ValueError, TypeError, OSError) as e:  # a bad model path, setting or model_args key
+        raise click.ClickException(str(e).splitlines()[0]) from None
+
+
 @main.command("fetch-default-model")
 def fetch_default_model_cmd() -> None:
     """Download the default model (once) and print its path."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "numpy", "cuda")
 BATCHING_POLICIES = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16")  # each backend computes in one: numpy float32, cuda bfloat16
 INT32_MAX = 2**31 - 1  # sizes end up in int32 arrays and kernel arguments
 
 
@@ -86,6 +87,9 @@ class EngineConfig:
                         low=0, high=2**63 - 1)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps so decodes keep running")
+    dtype: str = setting("auto", "compute dtype; auto: the backend's own (numpy float32, cuda bfloat16), "
+                         "others must match it", choices=DTYPES)
+    enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -1,4 +1,9 @@
-"""The public API, shaped like vLLM's: LLM(model).generate(prompts, SamplingParams(...))."""
+"""The public API, shaped like vLLM's: LLM(model).generate(prompts, SamplingParams(...)).
+
+A script written for vLLM's offline API runs unchanged as far as it uses what tinyvllm has: LLM takes vLLM's keyword
+arguments (those tinyvllm cannot honour only at their default), generate() and chat() take vLLM's, and a request
+that cannot be served raises ValueError, as in vLLM.
+"""
 
 from __future__ import annotations
 
@@ -11,32 +16,63 @@ from tinyvllm.version import __version__
 from tinyvllm.backends import create_backend
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.inputs import PromptType
 from tinyvllm.model.loader import LoadedModel, load_model
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import Tokenizer
 
-Prompt = str | list[int] | dict
+_LOCAL_FILES = "tinyvllm loads the local files it is given"
+# vLLM's keyword arguments that tinyvllm cannot honour: accepted at the value here (vLLM's default), else ValueError.
+UNSUPPORTED_ARGS: dict[str, tuple[object, str]] = {
+    "tensor_parallel_size": (1, "tinyvllm runs a model on one device"),
+    "pipeline_parallel_size": (1, "tinyvllm runs a model on one device"),
+    "data_parallel_size": (1, "run one LLM per device, or a job on Ray (`tinyvllm run --ray`)"),
+    "quantization": (None, "tinyvllm computes in the backend's dtype (GGUF weights are dequantized on load)"),
+    "kv_cache_dtype": ("auto", "the KV cache is kept in the compute dtype"),
+    "trust_remote_code": (False, "tinyvllm runs its own Llama code, never a model's"),
+    "revision": (None, _LOCAL_FILES),
+    "tokenizer_revision": (None, _LOCAL_FILES),
+    "download_dir": (None, _LOCAL_FILES),
+    "hf_token": (None, _LOCAL_FILES),
+    "load_format": ("auto", "tinyvllm reads safetensors dirs and .gguf files"),
+    "tokenizer_mode": ("auto", "tinyvllm has one tokenizer implementation"),
+    "skip_tokenizer_init": (False, "stop strings and output text need the tokenizer"),
+    "cpu_offload_gb": (0, "the weights stay on the device"),
+    "swap_space": (4, "a preempted sequence is recomputed, never swapped"),
+    "enable_lora": (False, "tinyvllm serves no LoRA adapters"),
+    "max_lora_rank": (16, "tinyvllm serves no LoRA adapters"),
+}
+IGNORED_ARGS = ("disable_log_stats",)  # vLLM's periodic stats log: tinyvllm has none, either way
 
 
 class LLM:
     """A model loaded on a backend, with a paged KV cache and a scheduler.
 
-    model: an HF model directory, a .gguf file, or an already loaded model. The keyword arguments are
-    EngineConfig's fields (tinyvllm/config.py): backend ("auto" | "numpy" | "cuda"), batching ("continuous" |
-    "static"), max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_kv_blocks,
-    gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching, enable_chunked_prefill.
+    model: an HF model directory, a .gguf file, or an already loaded model; tokenizer: a tokenizer directory to use
+    instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py): backend ("auto" |
+    "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens, block_size,
+    max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
+    enable_chunked_prefill, dtype, enforce_eager; None stands for the default, as in vLLM. vLLM's other arguments in
+    UNSUPPORTED_ARGS are accepted at their default only.
     """
 
-    def __init__(self, model: str | os.PathLike | LoadedModel, **kwargs) -> None:
-        engine_config = EngineConfig.from_kwargs(kwargs)  # checked before the (slow) load
-        self.model = model if isinstance(model, LoadedModel) else load_model(model)
+    def __init__(self, model: str | os.PathLike | LoadedModel, tokenizer: str | os.PathLike | None = None,
+                 **kwargs) -> None:
+        engine_config = EngineConfig.from_kwargs(_engine_kwargs(kwargs))  # checked before the (slow) load
+        if isinstance(model, LoadedModel) and tokenizer is not None:
+            raise ValueError("tokenizer= needs a model path: a loaded model brings its own tokenizer")
+        self.model = model if isinstance(model, LoadedModel) else load_model(model, tokenizer)
         self.engine_config = engine_config.for_model(self.model.config.max_position_embeddings)
         self.backend = create_backend(self.model, self.engine_config)
         self.llm_engine = LLMEngine(self.model, self.backend, self.engine_config)
         self._request_ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
         return self.model.tokenizer
 
     @property
@@ -55,36 +91,54 @@ class LLM:
         return {"prefix_cache_hit_rate": round(engine.block_manager.prefix_cache_hit_rate, 4),
                 "num_preemptions": engine.scheduler.num_preemptions, "num_steps": engine.num_steps}
 
-    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Complete each prompt (text, a list of token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
-        return self._run(_as_prompt_list(prompts), sampling_params, templated=False, use_tqdm=use_tqdm)
+                 use_tqdm: bool = False, lora_request: object = None, *,
+                 error_outputs: bool = False) -> list[RequestOutput]:
+        """Complete each prompt (text, a list of token ids, a TextPrompt or a TokensPrompt); outputs in input order.
+
+        A request that cannot be served (a prompt too long, empty, or outside the vocabulary) raises ValueError
+        before anything runs; with error_outputs=True it comes back as an output with `error` set instead."""
+        return self._run(_as_prompt_list(prompts), sampling_params, False, use_tqdm, lora_request, error_outputs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and complete it."""
+             use_tqdm: bool = False, lora_request: object = None, *,
+             error_outputs: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and complete it (errors as in generate())."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
-        return self._run(prompts, sampling_params, templated=True, use_tqdm=use_tqdm)
+        return self._run(prompts, sampling_params, True, use_tqdm, lora_request, error_outputs)
 
-    def _run(self, prompts: list, sampling_params, templated: bool, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, sampling_params, templated: bool, use_tqdm: bool, lora_request,
+             error_outputs: bool) -> list[RequestOutput]:
+        if lora_request is not None:
+            raise ValueError("lora_request: tinyvllm serves no LoRA adapters")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        ids = [str(next(self._request_ids)) for _ in prompts]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params):
-            self.llm_engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+        ids: list[str] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                ids.append(str(next(self._request_ids)))
+                error = self.llm_engine.add_request(ids[-1], prompt, params, prompt_is_templated=templated)
+                if error is not None and not error_outputs:
+                    raise ValueError(f"prompt {index}: {error}")
+            return self._complete(ids, use_tqdm)
+        except BaseException:  # a bad prompt, Ctrl-C, a device error: the next call starts with an empty engine
+            self.llm_engine.abort_request(ids)
+            raise
+
+    def _complete(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(prompts), desc="generate", unit="req")
+            progress = tqdm(total=len(ids), desc="generate", unit="req")
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 results[output.request_id] = output
@@ -95,6 +149,16 @@ class LLM:
         return [results[i] for i in ids]
 
 
+def _engine_kwargs(kwargs: dict) -> dict:
+    """LLM's keyword arguments minus vLLM's that have no engine setting here (ValueError if not at their default)
+    and minus those left None (= the default)."""
+    for name, (default, why) in UNSUPPORTED_ARGS.items():
+        value = kwargs.pop(name, default)
+        if value != default:
+            raise ValueError(f"{name}={value!r} is not supported ({why}); leave it at {default!r}")
+    return {k: v for k, v in kwargs.items() if v is not None and k not in IGNORED_ARGS}
+
+
 def _as_prompt_list(prompts) -> list[str | list[int]]:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                             and all(isinstance(t, int) for t in prompts)):
@@ -102,6 +166,10 @@ def _as_prompt_list(prompts) -> list[str | list[int]]:
     out = []
     for prompt in prompts:
         if isinstance(prompt, dict):
+            unsupported = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unsupported:
+                raise ValueError(f"prompt keys not supported: {', '.join(unsupported)} (tinyvllm takes 'prompt' or "
+                                 "'prompt_token_ids')")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:

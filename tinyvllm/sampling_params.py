@@ -43,6 +43,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logprobs: int | None = None  # number of top logprobs returned per generated token
     prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token (besides its own)
+    detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
+    skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the text
+    # Kept for vLLM scripts: it changes only HF's slow tokenizers; tinyvllm's, like the fast ones, add no spaces.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +110,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
                 bad(name, f"must be an integer in [0, {INT32_MAX}] or None (at most the vocabulary's size)")
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if self.stop and not self.detokenize:
+            bad("detokenize", "stop strings need the text: pass detokenize=True or stop_token_ids")
 
     @property
     def has_penalties(self) -> bool:

@@ -1,9 +1,15 @@
-"""Tokenizer: a `tokenizers.Tokenizer` plus BOS policy, chat template and incremental detokenization."""
+"""Tokenizer: a `tokenizers.Tokenizer` plus BOS policy, chat template and incremental detokenization.
+
+It also offers the subset of an HF tokenizer that evaluation tools call (lm-eval, scripts written for vLLM's
+`llm.get_tokenizer()`): `bos_token_id`, `eos_token_id`, `pad_token_id`, `tokenizer(texts).input_ids`,
+`encode`, `decode` of one id or a list, `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
+import numbers
 import os
 import re
 import threading
@@ -74,8 +80,30 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
+        ids = [ids] if isinstance(ids, numbers.Integral) else ids
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True,
+                 return_attention_mask: bool = True) -> BatchEncoding:
+        """HF's call: `input_ids` (and `attention_mask`, all ones: nothing is padded) of one text or a list."""
+        ids = ([self.encode(t, add_special_tokens) for t in text] if isinstance(text, list)
+               else self.encode(text, add_special_tokens))
+        encoding = BatchEncoding(input_ids=ids)
+        if return_attention_mask:
+            encoding["attention_mask"] = ([[1] * len(i) for i in ids] if isinstance(text, list) else [1] * len(ids))
+        return encoding
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of the tokenizer's EOS token (HF's name); the model's first stop token when it names none."""
+        own = self.backend.token_to_id(self.eos_token) if self.eos_token else None
+        return own if own is not None else next(iter(self.eos_token_ids), None)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """tinyvllm never pads; tools that want a pad id get the EOS id, as HF tools fall back to."""
+        return self.eos_token_id
 
     def encode_prompt(self, text: str, templated: bool) -> list[int]:
         """Token ids of a prompt; chat-templated text carries its own BOS (when the model wants one)."""
@@ -84,9 +112,14 @@ class Tokenizer:
             ids.pop(0)  # raw text that starts with the BOS string itself
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat rendered with the model's template. ValueError says why it cannot be: the reason alone (a job
-        prefixes it with "chat template failed")."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tokenize: bool = False) -> str | list[int]:
+        """The conversation rendered with the model's chat template: text, or its token ids when tokenize=True.
+        Unlike HF's, the defaults give text ready to generate from (tokenize=False, add_generation_prompt=True).
+        ValueError says why it cannot be rendered: the reason alone (a job prefixes it with "chat template
+        failed")."""
+        if tokenize:
+            return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt), templated=True)
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass plain prompts instead of messages")
         _check_messages(messages)
@@ -106,17 +139,18 @@ class IncrementalDetokenizer:
     which drop a leading space at the start of a decode (SentencePiece) still produce it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.ids[self.prefix_offset :])
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        new_text = decode(self.ids[self.prefix_offset :], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
@@ -124,12 +158,23 @@ class IncrementalDetokenizer:
         return delta
 
 
-def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int],
+                        skip_special_tokens: bool = True) -> str:
     """The text of output_ids as a continuation of the prompt, in one decode: what IncrementalDetokenizer would
     have built token by token (same window), minus an incomplete UTF-8 sequence at the very end."""
     window = list(prompt_ids[-5:])
-    prefix_text = tokenizer.decode(window)
-    return tokenizer.decode(window + list(output_ids))[len(prefix_text):].rstrip("\ufffd")
+    prefix_text = tokenizer.decode(window, skip_special_tokens)
+    return tokenizer.decode(window + list(output_ids), skip_special_tokens)[len(prefix_text):].rstrip("\ufffd")
+
+
+class BatchEncoding(dict):
+    """What HF tokenizers return: a dict whose keys also read as attributes (`encoding.input_ids`)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _token_content(tok: str | dict | None) -> str | None:

@@ -11,6 +11,8 @@ from tinyvllm.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
+BACKEND_DTYPES = {"numpy": "float32", "cuda": "bfloat16"}  # what each computes in (EngineConfig.dtype must agree)
+
 
 def cuda_available() -> bool:
     """True when pycuda imports and sees at least one NVIDIA GPU."""
@@ -47,6 +49,8 @@ def create_backend(model, config: EngineConfig) -> Backend:
             log.log(logging.WARNING if gpu_present() else logging.INFO,
                     "backend auto: running on the CPU (numpy): %s", reason)
         name = "numpy" if reason else "cuda"
+    if config.dtype not in ("auto", BACKEND_DTYPES.get(name)):
+        raise ValueError(f"invalid dtype={config.dtype!r}: the {name} backend computes in {BACKEND_DTYPES[name]}")
     if name == "numpy":
         from tinyvllm.backends.numpy_backend import NumpyBackend
 
@@ -57,7 +61,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
         except ImportError as exc:
             raise RuntimeError(f"the cuda backend needs pycuda and an NVIDIA GPU ({exc}); "
                                "install with `pip install tinyvllm[cuda]` or use --backend numpy") from exc
-        return CudaBackend(model, config)
+        return CudaBackend(model, config, use_graphs=not config.enforce_eager)
     raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +20,14 @@ from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    """What vLLM's `llm_engine.model_config` tells callers (lm-eval reads max_model_len): the model as served."""
+
+    model: str
+    max_model_len: int  # the longest sequence served, prompt + output (max_model_len, capped by the KV cache)
 
 
 @dataclass
@@ -63,6 +71,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
         self.max_seq_len = min(engine_config.max_model_len, self.num_kv_blocks * engine_config.block_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+        self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         self._arrivals = 0
@@ -73,41 +82,39 @@ class LLMEngine:
     # ---- requests in -----------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_is_templated: bool = False) -> None:
-        """Queue a request. Problems of this request alone come back from step() as an error output."""
+                    prompt_is_templated: bool = False) -> str | None:
+        """Queue a request. Problems of this request alone come back from step() as an error output; the reason
+        is also returned (None: accepted)."""
         metrics = RequestMetrics(arrival_time=time.time())
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_is_templated)
         except ValueError as exc:
-            self._reject(request_id, text, [], metrics, str(exc) or type(exc).__name__)
-            return
+            return self._reject(request_id, text, [], metrics, str(exc) or type(exc).__name__)
         most = self.backend.max_logprobs
         wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
         if most is not None and wanted > most:
-            self._reject(request_id, text, token_ids, metrics,
-                         f"{wanted} logprobs asked; the {self.backend.name} backend returns at most {most} per token")
-            return
+            return self._reject(request_id, text, token_ids, metrics, f"{wanted} logprobs asked; the "
+                                f"{self.backend.name} backend returns at most {most} per token")
         if wanted > self.config.vocab_size:
-            self._reject(request_id, text, token_ids, metrics,
-                         f"{wanted} logprobs asked; the vocabulary has {self.config.vocab_size} tokens")
-            return
+            return self._reject(request_id, text, token_ids, metrics,
+                                f"{wanted} logprobs asked; the vocabulary has {self.config.vocab_size} tokens")
         if len(token_ids) >= self.max_seq_len:
-            self._reject(request_id, text, token_ids, metrics,
-                         f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} (max_model_len "
-                         f"{self.engine_config.max_model_len}, KV cache {self.num_kv_blocks * self.engine_config.block_size} "
-                         "tokens, one token left to generate)")
-            return
+            cache_tokens = self.num_kv_blocks * self.engine_config.block_size
+            return self._reject(request_id, text, token_ids, metrics,
+                                f"prompt has {len(token_ids)} tokens; the limit is {self.max_seq_len - 1} "
+                                f"(max_model_len {self.engine_config.max_model_len}, KV cache {cache_tokens} tokens, "
+                                "one token left to generate)")
         try:
             processors = request_processors(params, self.tokenizer, self.eos_token_ids, self.config.vocab_size)
         except ValueError as exc:
-            self._reject(request_id, text, token_ids, metrics, str(exc))
-            return
+            return self._reject(request_id, text, token_ids, metrics, str(exc))
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         group = SequenceGroup(request_id, text, token_ids, seed, metrics.arrival_time, [None] * params.n, [])
         seq = self._new_sequence(group, 0, params, processors, metrics)
         seq.forks_left = params.n - 1
         self.scheduler.add(seq)
+        return None
 
     def _new_sequence(self, group: SequenceGroup, index: int, params: SamplingParams, processors,
                       metrics: RequestMetrics) -> Sequence:
@@ -122,7 +129,8 @@ class LLMEngine:
         seq.max_len = min(self.max_seq_len, seq.num_prompt_tokens + params.max_tokens)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                                     params.skip_special_tokens)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None and index == 0:
@@ -158,10 +166,21 @@ class LLMEngine:
         return token_ids
 
     def _reject(self, request_id: str, prompt: str | None, token_ids: list[int], metrics: RequestMetrics,
-                error: str) -> None:
+                error: str) -> str:
         metrics.finished_time = time.time()
         completion = CompletionOutput(0, "", [], finish_reason="error")
         self._rejected.append(RequestOutput(request_id, prompt, token_ids, [completion], True, metrics, error=error))
+        return error
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests, wherever they are: no output comes back for them."""
+        ids = set(request_ids)
+        self._rejected = [out for out in self._rejected if out.request_id not in ids]
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id in ids:
+                self.scheduler.finish(seq)  # a step in flight skips it, as it skips one that stopped
+                self.penalty_slots.release(seq)
+                seq.forks_left = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
@@ -286,11 +305,12 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> RequestOutput | None:
         """Record a finished sequence's completion; its request's output once all n are done."""
         group = seq.group
-        if seq.detokenizer is None:
+        if seq.detokenizer is None and seq.params.detokenize:
             # the EOS or stop token that ended it is not text
             ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
             text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
-            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids)
+            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids,
+                                           seq.params.skip_special_tokens)
         group.completions[seq.index] = CompletionOutput(seq.index, seq.text, seq.output_token_ids,
                                                         seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
                                                         seq.stop_reason)

@@ -33,20 +33,26 @@ class LoadedModel:
     source: str
 
 
-def load_model(path: str | os.PathLike) -> LoadedModel:
-    """Load an HF model dir (model.safetensors or sharded + index) or a .gguf file."""
+def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+    """Load an HF model dir (model.safetensors or sharded + index) or a .gguf file; `tokenizer`: a tokenizer dir
+    to use instead of the model's own."""
     path = Path(path)
+    separate = Tokenizer.from_dir(tokenizer) if tokenizer is not None else None  # before the (slow) weights
     if path.is_file() and path.suffix == ".gguf":
         from tinyvllm.model.gguf import load_gguf  # the gguf package is only needed for .gguf files
 
         config, weights, tokenizer = load_gguf(path)
+        tokenizer = separate or tokenizer
     elif path.is_dir():
         config = ModelConfig.from_dir(path)
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = separate or Tokenizer.from_dir(path)  # the model dir may have no tokenizer of its own
         weights = _load_hf_weights(path, config)
     else:
         raise FileNotFoundError(f"{path} is neither a model directory nor a .gguf file")
     check_weights(weights, config, str(path))
+    if separate is not None and separate.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {separate.vocab_size} tokens but the model {path} only "
+                         f"{config.vocab_size}")
     # One stop list for everyone: the model's eos ids and the tokenizer's agree.
     eos = config.eos_token_ids + [i for i in tokenizer.eos_token_ids if i not in config.eos_token_ids]
     config.eos_token_ids, tokenizer.eos_token_ids = eos, list(eos)
