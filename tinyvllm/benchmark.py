@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,13 +22,16 @@ WORKLOADS = {
     "W3": "latency: batch 1, 256 in, 256 out",
     "W4": "prefill: 64 prompts x 1024 tokens, 1 out",
     "W5": "shared prefix: 1024 prompts = one 1024-token prefix + 64 unique tokens, 64 out",
+    "W1P": "W1 with presence 0.5, frequency 0.5 and repetition 1.1 penalties on every request",
 }
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
 
 @dataclass
 class Request:
     prompt_token_ids: list[int]
     max_tokens: int
+    sampling: dict = field(default_factory=dict)  # more SamplingParams fields (W1P: the penalties)
 
 
 def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0) -> list[Request]:
@@ -41,8 +44,9 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0)
     def prompt(length: int) -> list[int]:
         return rng.integers(0, vocab_size, length).tolist()
 
-    if name == "W1":
-        return [Request(prompt(n(256)), n(256)) for _ in range(n(512))]
+    if name in ("W1", "W1P"):
+        sampling = PENALTIES if name == "W1P" else {}
+        return [Request(prompt(n(256)), n(256), sampling) for _ in range(n(512))]
     if name == "W2":
         lo, hi = n(100), n(1024)
         return [Request(prompt(int(rng.integers(lo, hi + 1))), int(rng.integers(lo, hi + 1))) for _ in range(n(256))]
@@ -58,7 +62,7 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0)
 
 def run_workload(llm, requests: list[Request], sequential: bool = False) -> dict:
     """Generate every request (greedy, EOS ignored); return throughput and latency figures."""
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **r.sampling) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
     start = time.perf_counter()
     if sequential:  # W3: one request at a time

@@ -146,7 +146,7 @@ def test_penalties_and_biases_through_the_pipelined_engine(cuda, model_dir):
 
 
 def test_n_completions_prefill_the_prompt_once(cuda, model_dir):
-    llm = LLM(model_dir, backend="cuda", max_num_seqs=64, num_kv_blocks=1024, max_model_len=512, block_size=16)
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=256, num_kv_blocks=2048, max_model_len=512, block_size=16)
     backend = llm.llm_engine.backend
     computed = []
     submit = backend.submit
@@ -157,7 +157,7 @@ def test_n_completions_prefill_the_prompt_once(cuda, model_dir):
 
     backend.submit = counting
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, 49152, 37).tolist() for _ in range(8)]
+    prompts = [rng.integers(3, 49152, 37).tolist() for _ in range(64)]
     params = SamplingParams(n=8, max_tokens=12, temperature=1.0, seed=9, ignore_eos=True)
     outs = llm.generate(prompts, params)
     counts = np.bincount(computed)
