@@ -187,3 +187,25 @@ def test_apply_logits_processing_twin_on_random_rows():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     table.count(proc, np.array([7, 0, 4, 0, 0], np.int32))
     assert table.counts[2, 7] == 3 and table.counts[0, 4] == 1 and table.counts.sum() == 5
+
+
+def test_n_beyond_max_num_seqs_still_prefills_each_prompt_once(tiny_model_dir):
+    """More completions than running slots: a first sequence that finishes before all its siblings could fork hands
+    the forking to a running sibling (same prompt KV), so no prompt is computed twice."""
+    llm = llm_for(tiny_model_dir, block_size=4, max_num_seqs=6)
+    backend = llm.llm_engine.backend
+    computed: list[int] = []
+    execute = backend.execute
+
+    def counting(batch):
+        computed.extend(batch.positions.tolist())
+        return execute(batch)
+
+    backend.execute = counting
+    prompts = [PROMPT, "Hello there, how are you today my friend?"]
+    lengths = [len(llm.tokenizer.encode(p)) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(n=8, max_tokens=3, temperature=1.0, seed=2, ignore_eos=True))
+    assert [len(o.outputs) for o in outs] == [8, 8]
+    counts = np.bincount(computed, minlength=max(lengths))
+    short = min(lengths)
+    assert all(counts[:short - 1] == 2) and counts[short - 1] == 8 + (lengths[0] != lengths[1])

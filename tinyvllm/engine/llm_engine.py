@@ -16,7 +16,7 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_processing, request_processors
 from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
-from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
+from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
@@ -314,10 +314,16 @@ class LLMEngine:
         group.completions[seq.index] = CompletionOutput(seq.index, seq.text, seq.output_token_ids,
                                                         seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
                                                         seq.stop_reason)
-        while seq.forks_left:  # it ended before its prompt could be shared: the rest start from scratch
-            self.scheduler.add(self._new_sequence(group, len(group.seqs), seq.params, seq.processors,
-                                                  RequestMetrics(arrival_time=group.arrival_time)))
-            seq.forks_left -= 1
+        if seq.forks_left:
+            # It ended before all could fork (no room yet): a running sibling holds the same prompt KV and forks the
+            # rest; with none left, they start from scratch.
+            heir = next((s for s in group.seqs if s.status is SequenceStatus.RUNNING), None)
+            if heir is not None:
+                heir.forks_left, seq.forks_left = seq.forks_left, 0
+            while seq.forks_left:
+                self.scheduler.add(self._new_sequence(group, len(group.seqs), seq.params, seq.processors,
+                                                      RequestMetrics(arrival_time=group.arrival_time)))
+                seq.forks_left -= 1
         if not group.done:
             return None
         first = group.seqs[0]
