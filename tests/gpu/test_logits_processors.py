@@ -146,7 +146,9 @@ def test_penalties_and_biases_through_the_pipelined_engine(cuda, model_dir):
 
 
 def test_n_completions_prefill_the_prompt_once(cuda, model_dir):
-    llm = LLM(model_dir, backend="cuda", max_num_seqs=256, num_kv_blocks=2048, max_model_len=512, block_size=16)
+    # room for all 64 x 8 at once (with less, a completion that cannot fork before its siblings finish starts
+    # afresh: the prefix cache then serves the full blocks and only the last partial block is computed again)
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=512, num_kv_blocks=4096, max_model_len=512, block_size=16)
     backend = llm.llm_engine.backend
     computed = []
     submit = backend.submit
