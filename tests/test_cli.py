@@ -495,3 +495,12 @@ def test_cpu_kv_cache_gib_reaches_the_engine(tiny_model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     engine = json.loads(pq.read_schema(out).metadata[b"tinyvllm.engine"])
     assert engine["cpu_kv_cache_gib"] == 0.001 and engine["num_kv_blocks"] < 1000
+
+
+def test_a_setting_the_model_cannot_meet_is_a_settings_error(tiny_model_dir, tmp_path):
+    result = CliRunner().invoke(main, ["run", "--input", str(EXAMPLES / "prompts.jsonl"), "--output",
+                                       str(tmp_path / "o.parquet"), "--model", str(tiny_model_dir), "--backend",
+                                       "numpy", "--max-model-len", "100000", "--quiet"])
+    assert result.exit_code != 0 and len(result.stderr.strip().splitlines()) == 1
+    assert "invalid max_model_len=100000: the model supports up to" in result.stderr
+    assert "cannot load model" not in result.stderr

@@ -3,8 +3,8 @@
 `LLM(model, **kwargs)` builds one from its keyword arguments (as nano-vllm builds its Config) and passes it whole to
 the engine, scheduler, block manager and backend. The job layer holds one too, and derives its CLI flags and job-file
 keys from the fields below, so a setting added here reaches the Python API, the CLI, job files, Ray replicas and the
-output's metadata. Each field's checks run in `__post_init__`: a bad value is a ValueError naming the field, wherever
-it came from.
+output's metadata. Each field's checks run in `__post_init__`: a bad value is a SettingError (a ValueError) naming the
+field, wherever it came from.
 
 This module imports nothing of tinyvllm: it is the bottom of the import graph.
 """
@@ -18,6 +18,10 @@ BACKENDS = ("auto", "numpy", "cuda")
 BATCHING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16")  # each backend computes in one: numpy float32, cuda bfloat16
 INT32_MAX = 2**31 - 1  # sizes end up in int32 arrays and kernel arguments
+
+
+class SettingError(ValueError):
+    """A setting's value is invalid, or one the model or the machine cannot meet (e.g. max_model_len)."""
 
 
 def setting(default, help: str, *, choices: tuple[str, ...] | None = None, low: float | None = None,
@@ -41,16 +45,16 @@ def check_settings(obj) -> None:
             value = float(value)
             setattr(obj, f.name, value)
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise ValueError(f"invalid {f.name}={value!r}: must be {_type_words(kind)}")
+            raise SettingError(f"invalid {f.name}={value!r}: must be {_type_words(kind)}")
         if meta["choices"] is not None and value not in meta["choices"]:
-            raise ValueError(f"invalid {f.name}={value!r}: choose {', '.join(meta['choices'])}")
+            raise SettingError(f"invalid {f.name}={value!r}: choose {', '.join(meta['choices'])}")
         low, high = meta["low"], meta["high"]
         if kind in (int, float) and value != value:  # NaN
-            raise ValueError(f"invalid {f.name}={value!r}: must be a number")
+            raise SettingError(f"invalid {f.name}={value!r}: must be a number")
         if low is not None and (value < low or (meta["low_open"] and value == low)):
-            raise ValueError(f"invalid {f.name}={value!r}: must be {'>' if meta['low_open'] else '>='} {low}")
+            raise SettingError(f"invalid {f.name}={value!r}: must be {'>' if meta['low_open'] else '>='} {low}")
         if high is not None and value > high:
-            raise ValueError(f"invalid {f.name}={value!r}: must be <= {high}")
+            raise SettingError(f"invalid {f.name}={value!r}: must be <= {high}")
 
 
 def setting_type(annotation) -> type:
@@ -103,7 +107,7 @@ class EngineConfig:
         if self.max_model_len is None:
             return dataclasses.replace(self, max_model_len=max_position_embeddings)
         if self.max_model_len > max_position_embeddings:
-            raise ValueError(f"invalid max_model_len={self.max_model_len}: the model supports up to "
+            raise SettingError(f"invalid max_model_len={self.max_model_len}: the model supports up to "
                              f"{max_position_embeddings} positions")
         return self
 

@@ -7,7 +7,7 @@ import os
 import shutil
 
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import EngineConfig, SettingError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
                     "backend auto: running on the CPU (numpy): %s", reason)
         name = "numpy" if reason else "cuda"
     if config.dtype not in ("auto", BACKEND_DTYPES.get(name)):
-        raise ValueError(f"invalid dtype={config.dtype!r}: the {name} backend computes in {BACKEND_DTYPES[name]}")
+        raise SettingError(f"invalid dtype={config.dtype!r}: the {name} backend computes in {BACKEND_DTYPES[name]}")
     if name == "numpy":
         from tinyvllm.backends.numpy_backend import NumpyBackend
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from tinyvllm.config import SettingError
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, count_rows, output_record, read_rows
 from tinyvllm.io.writer import (atomic_write, clear_parts, lock_path, output_rows_problem, output_schema, parts_dir,
@@ -405,6 +406,8 @@ def load_llm(cfg: JobConfig):
 
     try:
         return LLM(cfg.model, **asdict(cfg.engine))
+    except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
+        raise JobError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
     # bug and keeps its traceback.
     except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
