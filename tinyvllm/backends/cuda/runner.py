@@ -3,8 +3,9 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured when the KV cache is made; each step copies its inputs into fixed device buffers with
-one host-to-device copy and replays the graph.
+batch-size bucket, captured at the bucket's first step (that step runs eagerly, then is captured; with
+cuda_graph_capture="eager", every bucket at start-up instead); each step copies its inputs into fixed device buffers
+with one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -195,7 +196,7 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
-        if self.use_graphs:
+        if self.use_graphs and ec.cuda_graph_capture == "eager":
             self.capture_graphs()
         return num_blocks
 
@@ -348,8 +349,8 @@ class CudaBackend(Backend):
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
-        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets): for each, an eager
-        warm-up step on padding rows only, then the capture."""
+        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets), at the price of a
+        slower start: for each, an eager warm-up step on padding rows only, then the capture."""
         start = time.perf_counter()
         none, no_floats = np.zeros(0, np.int32), np.zeros(0, np.float32)
         idle = Batch(False, none, none, none, np.zeros(1, np.int32), none, np.zeros((0, 1), np.int32),
