@@ -114,10 +114,13 @@ def test_entries_are_written_whole_under_their_key_only(tmp_path):
 
 
 def test_cache_dir_is_owner_only_and_follows_tinyvllm_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TINYVLLM_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "root"))
     assert default_cache_dir() == tmp_path / "root" / "kernels"
     KernelCache(default_cache_dir())
     assert stat.S_IMODE(os.stat(default_cache_dir()).st_mode) & 0o077 == 0
+    monkeypatch.setenv("TINYVLLM_KERNEL_CACHE", str(tmp_path / "shared"))
+    assert default_cache_dir() == tmp_path / "shared"
 
 
 def test_unwritable_cache_still_builds(tmp_path):

@@ -171,11 +171,17 @@ def _check_report_input(output: Path) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
+@click.option("--startup", is_flag=True,
+              help="instead: time each start-up phase of --model (default: the fetched default model), twice in "
+                   "fresh processes, the first with an empty kernel cache")
 def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, scale: float, max_num_seqs: int,
-          max_num_batched_tokens: int, json_path: Path | None) -> None:
+          max_num_batched_tokens: int, json_path: Path | None, startup: bool) -> None:
     """Throughput and latency workloads (W1-W5) against the machine's measured limits.
 
     HF transformers peers in the same run: `make bench` (bench/run.py)."""
+    if startup:
+        _bench_startup(model, backend, json_path)
+        return
     from tinyvllm.benchmark import dummy_model, format_results, run_benchmark
     from tinyvllm.llm import LLM
     from tinyvllm.model.loader import load_model
@@ -187,6 +193,29 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
     click.echo(format_results(results))
     if json_path:
         json_path.write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
+
+
+def _bench_startup(model: Path | None, backend: str, json_path: Path | None) -> None:
+    import os
+    import tempfile
+
+    from tinyvllm.benchmark import format_startup, run_startup
+    from tinyvllm.fetch import default_model_path
+
+    model = model or default_model_path()
+    if model is None:
+        raise click.ClickException("no model: give --model, or fetch the default one (tinyvllm fetch-default-model)")
+    with tempfile.TemporaryDirectory(prefix="tinyvllm-kernels-") as kernels:
+        env = {**os.environ, "TINYVLLM_KERNEL_CACHE": kernels}
+        try:
+            runs = {"1st (cold)": run_startup(str(model), backend, env),
+                    "2nd (warm)": run_startup(str(model), backend, env)}
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"start-up of {model} on backend {backend}, seconds per phase:")
+    click.echo(format_startup(runs))
+    if json_path:
+        json_path.write_text(json.dumps(runs, indent=2))
 
 
 @main.command("eval", context_settings={"ignore_unknown_options": True, "help_option_names": []})

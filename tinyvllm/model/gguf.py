@@ -169,23 +169,35 @@ def dequantize(t: Any) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
 
-# Block layouts (ggml-common.h): 32 weights per block, a float16 scale d first.
+# Block layouts (ggml-common.h): 32 weights per block, a float16 scale d first. Each writes one float32 array and
+# works in place on it: whole-model temporaries cost more in page faults than in arithmetic.
 def _dequant_q8_0(b: np.ndarray) -> np.ndarray:  # d, int8 q[32]: w = d * q
-    return b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].view(np.int8).astype(np.float32)
+    w = b[:, 2:].view(np.int8).astype(np.float32)
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    return w
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     # byte j holds weight j in its low nibble and weight j + 16 in its high nibble
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+    half = qs.shape[1]
+    w = np.empty((len(qs), 2 * half), np.float32)
+    np.bitwise_and(qs, 0x0F, out=w[:, :half], casting="unsafe")
+    np.right_shift(qs, 4, out=w[:, half:], casting="unsafe")
+    return w
 
 
 def _dequant_q4_0(b: np.ndarray) -> np.ndarray:  # d, q[16 bytes]: w = d * (q - 8)
-    return b[:, :2].view(np.float16).astype(np.float32) * (_nibbles(b[:, 2:]) - 8)
+    w = _nibbles(b[:, 2:])
+    w -= 8
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    return w
 
 
 def _dequant_q4_1(b: np.ndarray) -> np.ndarray:  # d, m, q[16 bytes]: w = d * q + m
-    d, m = b[:, :2].view(np.float16).astype(np.float32), b[:, 2:4].view(np.float16).astype(np.float32)
-    return d * _nibbles(b[:, 4:]) + m
+    w = _nibbles(b[:, 4:])
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    w += b[:, 2:4].view(np.float16).astype(np.float32)
+    return w
 
 
 DEQUANTIZERS = {QT.Q8_0: _dequant_q8_0, QT.Q4_0: _dequant_q4_0, QT.Q4_1: _dequant_q4_1}

@@ -2,8 +2,8 @@
 
 An entry is keyed by a SHA-256 of everything that decides the binary: the file's source, every .cuh beside it (a
 superset of what it includes), its -D defines and options, the compiler's version and the target arch. Entries live
-in $TINYVLLM_CACHE/kernels (default ~/.cache/tinyvllm/kernels, made owner-only); point TINYVLLM_CACHE at a directory
-several users trust to share one cache. Each entry is written to a temporary name and renamed into place, so a
+in $TINYVLLM_KERNEL_CACHE, else $TINYVLLM_CACHE/kernels (default ~/.cache/tinyvllm/kernels), made owner-only if
+missing; point TINYVLLM_KERNEL_CACHE at a directory the users trust to share one cache across them. Each entry is written to a temporary name and renamed into place, so a
 reader never sees half an entry; it carries the SHA-256 of its payload, so a damaged entry (or a symlink, which is
 never followed) is a miss that is compiled again and replaced, never an error.
 """
@@ -76,8 +76,10 @@ def nvcc_compile(job: CompileJob, nvcc: str, arch: str, include_dir: Path) -> by
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm"
-    return Path(root) / "kernels"
+    """$TINYVLLM_KERNEL_CACHE, else the kernels/ folder of $TINYVLLM_CACHE (default ~/.cache/tinyvllm)."""
+    if os.environ.get("TINYVLLM_KERNEL_CACHE"):
+        return Path(os.environ["TINYVLLM_KERNEL_CACHE"])
+    return Path(os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm") / "kernels"
 
 
 @dataclass(frozen=True)

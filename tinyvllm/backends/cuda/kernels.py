@@ -9,8 +9,6 @@ holds, their argument types and the -D defines they are compiled with come from 
 from __future__ import annotations
 
 import functools
-import logging
-import time
 from collections.abc import Mapping
 
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
@@ -20,7 +18,6 @@ from tinyvllm.backends.cuda.kernel_cache import CUDA_DIR, OPTIONS, CompileJob, b
 from tinyvllm.backends.cuda.ops import SIGNATURES
 
 __all__ = ["CUDA_DIR", "Kernel", "arch", "compile_source", "load"]
-log = logging.getLogger(__name__)
 
 
 class Kernel:
@@ -56,8 +53,6 @@ def compile_source(source: str, defines: Mapping[str, int]) -> cuda.Module:
 @functools.cache
 def load() -> dict[str, Kernel]:
     """Every kernel of cuda/*.cu for this device, from the cubin cache or compiled now (in parallel)."""
-    start = time.perf_counter()
     modules = build(compile_jobs())
-    log.info("cuda: kernels ready in %.2f s", time.perf_counter() - start)
     return {name: Kernel(name, modules[signature.file].get_function(name), signature.arg_format)
             for name, signature in SIGNATURES.items()}

@@ -22,6 +22,7 @@ import numpy as np
 import pycuda.driver as cuda
 
 from tinyvllm.backends.base import Backend, Batch, LogitsProcessing, Logprobs, SamplerOutput, SamplingBatch
+from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.forward import GIB, CudaForward
 from tinyvllm.backends.cuda.graphs import Graph
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
@@ -30,6 +31,12 @@ from tinyvllm.config import EngineConfig
 log = logging.getLogger(__name__)
 
 PROCESSOR_LIST_ROWS = 1 << 16  # allowed ids, and bias entries, of one step's logits processors (grown if needed)
+
+
+def _seconds(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 class Staging:
@@ -140,7 +147,12 @@ class CudaBackend(Backend):
         self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
         self.buckets = sorted({b for b in (1, 2, 4, *range(8, self.max_seqs + 1, 8)) if b < self.max_seqs}
                               | {self.max_seqs})
-        self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)
+        # seconds per start-up phase, for `tinyvllm bench --startup`
+        self.startup_times: dict[str, float] = {"kernels": _seconds(kernels.load)}
+        start = time.perf_counter()
+        self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)  # uploads the weights
+        self.startup_times["weights upload"] = time.perf_counter() - start
+        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", *self.startup_times.values())
         self._allocate_staging()
         self.proc = ProcessorBuffers(self.max_seqs, PROCESSOR_LIST_ROWS)
         self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
@@ -192,12 +204,12 @@ class CudaBackend(Backend):
         for graph in self.graphs.values():  # they point at the old cache
             graph.close()
         self.graphs = {}
-        self.forward.allocate_kv_cache(num_blocks)
+        self.startup_times["KV cache allocation"] = _seconds(lambda: self.forward.allocate_kv_cache(num_blocks))
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
         if self.use_graphs and ec.cuda_graph_capture == "eager":
-            self.capture_graphs()
+            self.startup_times["graph capture"] = _seconds(self.capture_graphs)
         return num_blocks
 
     def describe(self) -> dict:
