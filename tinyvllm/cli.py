@@ -10,7 +10,6 @@ from pathlib import Path
 
 import click
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, setting_type
@@ -280,6 +279,7 @@ def _run(cfg: JobConfig) -> None:
 
 def _plots(output: Path) -> list[Path]:
     import matplotlib.pyplot as plt
+    import pyarrow.compute as pc
 
     table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
     ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))
