@@ -110,6 +110,7 @@ def test_entries_are_written_whole_under_their_key_only(tmp_path):
     cache = KernelCache(tmp_path)
     build([job("a"), job("b")], FakeCompiler(), cache)
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cubin", ".cubin"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in tmp_path.iterdir())  # shareable
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 

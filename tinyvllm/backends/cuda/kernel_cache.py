@@ -2,10 +2,11 @@
 
 An entry is keyed by a SHA-256 of everything that decides the binary: the file's source, every .cuh beside it (a
 superset of what it includes), its -D defines and options, the compiler's version and the target arch. Entries live
-in $TINYVLLM_KERNEL_CACHE, else $TINYVLLM_CACHE/kernels (default ~/.cache/tinyvllm/kernels), made owner-only if
-missing; point TINYVLLM_KERNEL_CACHE at a directory the users trust to share one cache across them. Each entry is written to a temporary name and renamed into place, so a
-reader never sees half an entry; it carries the SHA-256 of its payload, so a damaged entry (or a symlink, which is
-never followed) is a miss that is compiled again and replaced, never an error.
+in $TINYVLLM_KERNEL_CACHE, else $TINYVLLM_CACHE/kernels (default ~/.cache/tinyvllm/kernels, made owner-only if
+missing); entries are world-readable, so a directory the users trust can be shared by pointing
+TINYVLLM_KERNEL_CACHE at it. Each entry is written to a temporary name and renamed into place, so a reader never
+sees half an entry; it carries the SHA-256 of its payload, so a damaged entry (or a symlink, which is never
+followed) is a miss that is compiled again and replaced, never an error.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class KernelCache:
             log.warning("kernel cache: cannot write to %s: %s", self.dir, exc)
             return
         try:
+            os.fchmod(fd, 0o644)  # readable by the users of a shared directory (mkstemp makes it 0600)
             with os.fdopen(fd, "wb") as f:
                 f.write(payload + hashlib.sha256(payload).digest())
             os.replace(tmp, self.path(key))
