@@ -152,7 +152,8 @@ class CudaBackend(Backend):
         start = time.perf_counter()
         self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)  # uploads the weights
         self.startup_times["weights upload"] = time.perf_counter() - start
-        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", *self.startup_times.values())
+        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
+                 self.startup_times["weights upload"])
         self._allocate_staging()
         self.proc = ProcessorBuffers(self.max_seqs, PROCESSOR_LIST_ROWS)
         self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
