@@ -7,6 +7,9 @@ reading its bytes (weights + KV) or doing its FLOPs.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -290,3 +293,68 @@ def format_results(results: dict) -> str:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+# ---- start-up --------------------------------------------------------------------------------------------------------
+
+# Run in a fresh interpreter so that its imports are timed too (argv: model path, backend); prints the phases as JSON.
+_STARTUP_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import tinyvllm.llm
+imports = time.perf_counter() - start
+from tinyvllm.benchmark import startup_phases
+print(json.dumps({"python imports": imports, **startup_phases(sys.argv[1], sys.argv[2])}))
+"""
+
+
+def startup_phases(model: str, backend: str) -> dict[str, float]:
+    """Seconds per start-up phase of LLM(model) in this process, then of its first tokens."""
+    from tinyvllm.backends import cuda_available
+    from tinyvllm.llm import LLM
+    from tinyvllm.model.loader import load_model
+
+    phases = {}
+    start = time.perf_counter()
+    if backend == "cuda" or (backend == "auto" and cuda_available()):
+        import tinyvllm.backends.cuda.kernels  # noqa: F401  (pycuda and the CUDA context)
+
+        phases["cuda context"] = time.perf_counter() - start
+    start = time.perf_counter()
+    loaded = load_model(model)
+    phases["model load (read + convert)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    llm = LLM(loaded, backend=backend)
+    total = time.perf_counter() - start
+    parts = getattr(llm.backend, "startup_times", {})  # the cuda backend's own phases
+    phases.update(parts)
+    phases["engine and backend, the rest"] = total - sum(parts.values())
+    for name, tokens in (("first token (one prompt)", 1), ("8 tokens (one prompt)", 8)):
+        start = time.perf_counter()
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
+        phases[name] = time.perf_counter() - start
+    return phases
+
+
+def run_startup(model: str, backend: str, env: dict[str, str] | None = None) -> dict[str, float]:
+    """startup_phases in a fresh interpreter (env: its environment), with the interpreter's own start-up and the
+    whole wall time added."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _STARTUP_CHILD, model, backend], capture_output=True, text=True,
+                          env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"start-up run failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    phases = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"python start": wall - sum(phases.values()), **phases, "total": wall}
+
+
+def format_startup(runs: dict[str, dict[str, float]]) -> str:
+    """One column of seconds per run (e.g. cold and warm kernel cache), one row per phase."""
+    names = list(dict.fromkeys(name for phases in runs.values() for name in phases))
+    width = max(map(len, names))
+    lines = [f"{'phase':<{width}}" + "".join(f"{run:>12}" for run in runs)]
+    for name in names:
+        lines.append(f"{name:<{width}}" + "".join(
+            f"{phases[name]:>11.3f}s" if name in phases else f"{'-':>12}" for phases in runs.values()))
+    return "\n".join(lines)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import click
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tinyvllm.config import EngineConfig, setting_type
+from tinyvllm.config import GRAPH_CAPTURES, EngineConfig, setting_type
 from tinyvllm.errors import JobError
 from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
@@ -171,22 +170,53 @@ def _check_report_input(output: Path) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
+@click.option("--cuda-graph-capture", type=click.Choice(GRAPH_CAPTURES), default="lazy", show_default=True,
+              help="cuda: decode graphs captured at each batch size's first step, or all at start-up")
+@click.option("--startup", is_flag=True,
+              help="instead: time each start-up phase of --model (default: the fetched default model), twice in "
+                   "fresh processes, the first with an empty kernel cache")
 def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, scale: float, max_num_seqs: int,
-          max_num_batched_tokens: int, json_path: Path | None) -> None:
+          max_num_batched_tokens: int, json_path: Path | None, cuda_graph_capture: str, startup: bool) -> None:
     """Throughput and latency workloads (W1-W5) against the machine's measured limits.
 
     HF transformers peers in the same run: `make bench` (bench/run.py)."""
+    if startup:
+        _bench_startup(model, backend, json_path)
+        return
     from tinyvllm.benchmark import dummy_model, format_results, run_benchmark
     from tinyvllm.llm import LLM
     from tinyvllm.model.loader import load_model
 
     loaded = load_model(model) if model else dummy_model(dummy_weights)
     llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=min(4096, loaded.config.max_position_embeddings))
+              max_model_len=min(4096, loaded.config.max_position_embeddings), cuda_graph_capture=cuda_graph_capture)
     results = run_benchmark(llm, workloads.split(","), scale)
     click.echo(format_results(results))
     if json_path:
         json_path.write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
+
+
+def _bench_startup(model: Path | None, backend: str, json_path: Path | None) -> None:
+    import os
+    import tempfile
+
+    from tinyvllm.benchmark import format_startup, run_startup
+    from tinyvllm.fetch import default_model_path
+
+    model = model or default_model_path()
+    if model is None:
+        raise click.ClickException("no model: give --model, or fetch the default one (tinyvllm fetch-default-model)")
+    with tempfile.TemporaryDirectory(prefix="tinyvllm-kernels-") as kernels:
+        env = {**os.environ, "TINYVLLM_KERNEL_CACHE": kernels}
+        try:
+            runs = {"1st (cold)": run_startup(str(model), backend, env),
+                    "2nd (warm)": run_startup(str(model), backend, env)}
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"start-up of {model} on backend {backend}, seconds per phase:")
+    click.echo(format_startup(runs))
+    if json_path:
+        json_path.write_text(json.dumps(runs, indent=2))
 
 
 @main.command("eval", context_settings={"ignore_unknown_options": True, "help_option_names": []})
@@ -251,6 +281,7 @@ def _run(cfg: JobConfig) -> None:
 
 def _plots(output: Path) -> list[Path]:
     import matplotlib.pyplot as plt
+    import pyarrow.compute as pc
 
     table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
     ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))

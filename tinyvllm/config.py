@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "numpy", "cuda")
 BATCHING_POLICIES = ("continuous", "static")
+GRAPH_CAPTURES = ("lazy", "eager")
 DTYPES = ("auto", "float32", "bfloat16")  # each backend computes in one: numpy float32, cuda bfloat16
 INT32_MAX = 2**31 - 1  # sizes end up in int32 arrays and kernel arguments
 
@@ -94,6 +95,8 @@ class EngineConfig:
     dtype: str = setting("auto", "compute dtype; auto: the backend's own (numpy float32, cuda bfloat16), "
                          "others must match it", choices=DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
+    cuda_graph_capture: str = setting("lazy", "cuda: capture a batch size's decode graph at its first step (lazy), "
+                                      "or every batch size's at start-up (eager)", choices=GRAPH_CAPTURES)
 
     def __post_init__(self) -> None:
         check_settings(self)

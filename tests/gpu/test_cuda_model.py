@@ -228,17 +228,19 @@ def test_graph_replay_matches_eager(model_dir):
                                                                  {"temperature": 0.8, "top_p": 0.9, "seed": i}))
               for i in range(len(prompts))]
     runs = []
-    for graphs in (True, False):
-        llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024)
-        assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
-        if not graphs:
-            for graph in llm.backend.graphs.values():
-                graph.close()
-            llm.backend.use_graphs, llm.backend.graphs = False, {}
+    for capture in ("eager", "lazy", None):  # None: no graphs at all
+        llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024,
+                  enforce_eager=capture is None, cuda_graph_capture=capture or "lazy")
+        if capture == "eager":
+            assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
+        else:
+            assert llm.backend.graphs == {}  # none until a decode step meets its bucket
         runs.append(token_ids(llm.generate(prompts, params)))
-        assert bool(llm.backend.graphs) == graphs
+        if capture == "lazy":  # the buckets the decode steps met
+            assert set(llm.backend.graphs) <= set(llm.backend.buckets)
+        assert bool(llm.backend.graphs) == (capture is not None)
         llm.backend.close()
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):

@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import tokenizers
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFValueType
 
 from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
+from tinyvllm.model.gguf_file import read_gguf
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.tokenizer import Tokenizer
 
@@ -51,13 +51,12 @@ SPM_SPACE = "\u2581"  # SentencePiece writes a space as this visible character
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     try:
-        reader = gguf.GGUFReader(os.fspath(path))
-        meta = read_metadata(reader)
+        meta, tensor_list = read_gguf(path)
     except ValueError as e:  # the gguf package's own checks ("GGUF magic invalid")
         raise ValueError(f"{path} is not a readable GGUF file: {e}"[:300]) from None
     except Exception:  # a damaged file fails deeper, as an IndexError or struct error in numpy's words
         raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in tensor_list}
     config = config_from_gguf(meta, tensors)
     weights: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
@@ -73,21 +72,6 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return config, weights, tokenizer_from_gguf(meta)
-
-
-def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every key/value field as plain Python values (lists for arrays)."""
-    meta = {}
-    for name, field in reader.fields.items():
-        if not field.types:
-            continue
-        values = [field.parts[i] for i in field.data]
-        if field.types[-1] == GGUFValueType.STRING:
-            values = [bytes(v).decode("utf-8") for v in values]
-        else:
-            values = np.concatenate(values).tolist() if values else []
-        meta[name] = values if field.types[0] == GGUFValueType.ARRAY else values[0]
-    return meta
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
@@ -151,7 +135,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def dequantize(t: Any) -> np.ndarray:
-    """A gguf ReaderTensor as float32 with the numpy shape (GGUF lists dims fastest-first, so reversed)."""
+    """A GGUFTensor (or gguf's ReaderTensor) as float32 with the numpy shape (GGUF lists dims fastest-first, so
+    reversed)."""
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
     data, kind = t.data, t.tensor_type
     if kind in (QT.F32, QT.F16):
@@ -169,23 +154,35 @@ def dequantize(t: Any) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
 
-# Block layouts (ggml-common.h): 32 weights per block, a float16 scale d first.
+# Block layouts (ggml-common.h): 32 weights per block, a float16 scale d first. Each writes one float32 array and
+# works in place on it: whole-model temporaries cost more in page faults than in arithmetic.
 def _dequant_q8_0(b: np.ndarray) -> np.ndarray:  # d, int8 q[32]: w = d * q
-    return b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].view(np.int8).astype(np.float32)
+    w = b[:, 2:].view(np.int8).astype(np.float32)
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    return w
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     # byte j holds weight j in its low nibble and weight j + 16 in its high nibble
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+    half = qs.shape[1]
+    w = np.empty((len(qs), 2 * half), np.float32)
+    np.bitwise_and(qs, 0x0F, out=w[:, :half], casting="unsafe")
+    np.right_shift(qs, 4, out=w[:, half:], casting="unsafe")
+    return w
 
 
 def _dequant_q4_0(b: np.ndarray) -> np.ndarray:  # d, q[16 bytes]: w = d * (q - 8)
-    return b[:, :2].view(np.float16).astype(np.float32) * (_nibbles(b[:, 2:]) - 8)
+    w = _nibbles(b[:, 2:])
+    w -= 8
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    return w
 
 
 def _dequant_q4_1(b: np.ndarray) -> np.ndarray:  # d, m, q[16 bytes]: w = d * q + m
-    d, m = b[:, :2].view(np.float16).astype(np.float32), b[:, 2:4].view(np.float16).astype(np.float32)
-    return d * _nibbles(b[:, 4:]) + m
+    w = _nibbles(b[:, 4:])
+    w *= b[:, :2].view(np.float16).astype(np.float32)
+    w += b[:, 2:4].view(np.float16).astype(np.float32)
+    return w
 
 
 DEQUANTIZERS = {QT.Q8_0: _dequant_q8_0, QT.Q4_0: _dequant_q4_0, QT.Q4_1: _dequant_q4_1}

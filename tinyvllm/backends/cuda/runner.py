@@ -3,8 +3,9 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured when the KV cache is made; each step copies its inputs into fixed device buffers with
-one host-to-device copy and replays the graph.
+batch-size bucket, captured at the bucket's first step (that step runs eagerly, then is captured; with
+cuda_graph_capture="eager", every bucket at start-up instead); each step copies its inputs into fixed device buffers
+with one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -21,6 +22,7 @@ import numpy as np
 import pycuda.driver as cuda
 
 from tinyvllm.backends.base import Backend, Batch, LogitsProcessing, Logprobs, SamplerOutput, SamplingBatch
+from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.forward import GIB, CudaForward
 from tinyvllm.backends.cuda.graphs import Graph
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
@@ -29,6 +31,12 @@ from tinyvllm.config import EngineConfig
 log = logging.getLogger(__name__)
 
 PROCESSOR_LIST_ROWS = 1 << 16  # allowed ids, and bias entries, of one step's logits processors (grown if needed)
+
+
+def _seconds(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 class Staging:
@@ -139,7 +147,13 @@ class CudaBackend(Backend):
         self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
         self.buckets = sorted({b for b in (1, 2, 4, *range(8, self.max_seqs + 1, 8)) if b < self.max_seqs}
                               | {self.max_seqs})
-        self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)
+        # seconds per start-up phase, for `tinyvllm bench --startup`
+        self.startup_times: dict[str, float] = {"kernels": _seconds(kernels.load)}
+        start = time.perf_counter()
+        self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)  # uploads the weights
+        self.startup_times["weights upload"] = time.perf_counter() - start
+        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
+                 self.startup_times["weights upload"])
         self._allocate_staging()
         self.proc = ProcessorBuffers(self.max_seqs, PROCESSOR_LIST_ROWS)
         self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
@@ -191,12 +205,12 @@ class CudaBackend(Backend):
         for graph in self.graphs.values():  # they point at the old cache
             graph.close()
         self.graphs = {}
-        self.forward.allocate_kv_cache(num_blocks)
+        self.startup_times["KV cache allocation"] = _seconds(lambda: self.forward.allocate_kv_cache(num_blocks))
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
-        if self.use_graphs:
-            self.capture_graphs()
+        if self.use_graphs and ec.cuda_graph_capture == "eager":
+            self.startup_times["graph capture"] = _seconds(self.capture_graphs)
         return num_blocks
 
     def describe(self) -> dict:
@@ -348,8 +362,8 @@ class CudaBackend(Backend):
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
-        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets): for each, an eager
-        warm-up step on padding rows only, then the capture."""
+        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets), at the price of a
+        slower start: for each, an eager warm-up step on padding rows only, then the capture."""
         start = time.perf_counter()
         none, no_floats = np.zeros(0, np.int32), np.zeros(0, np.float32)
         idle = Batch(False, none, none, none, np.zeros(1, np.int32), none, np.zeros((0, 1), np.int32),
