@@ -161,3 +161,28 @@ def test_save_random_model_with_real_shapes_in_small_form(tmp_path):
     m = load_model(path)
     assert m.weights["model.layers.0.self_attn.q_proj.weight"].shape == (256, 64)
     assert m.weights["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+
+
+# Qwen3's ChatML in the shape of its real template: enable_thinking=False closes an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_qwen3_chat_template_renders_as_hf(tmp_path, kwargs):
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config(architecture="Qwen3ForCausalLM")
+    path = save_hf_model_dir(tmp_path / "qwen3", config, random_weights(config))
+    tok_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(tok_config, chat_template=QWEN3_STYLE_TEMPLATE)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    ours = load_model(path).tokenizer.apply_chat_template(messages, **kwargs)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert ours == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ("<think>" in ours) == (kwargs.get("enable_thinking") is False)

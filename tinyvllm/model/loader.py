@@ -60,7 +60,7 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama model needs, with its HF shape."""
+    """Every tensor the model needs, with its HF shape (the family's biases and q/k norms included)."""
     h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
@@ -77,6 +77,12 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
+                       p + "self_attn.k_norm.weight": (config.head_dim,)}
     return shapes
 
 

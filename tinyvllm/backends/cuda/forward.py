@@ -28,7 +28,7 @@ from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
-from tinyvllm.model.weights import pack_llama_weights
+from tinyvllm.model.weights import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class CudaForward:
     def __init__(self, model, engine_config: EngineConfig, stream: cuda.Stream, max_tokens: int) -> None:
         cfg = self.config = model.config
         self.engine_config = engine_config
+        cfg.check_max_model_len(engine_config.max_model_len)
         if cfg.head_dim not in HEAD_DIMS:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
@@ -89,7 +90,7 @@ class CudaForward:
 
     def _upload_weights(self, w: dict[str, np.ndarray]) -> None:
         """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them."""
-        packed = pack_llama_weights(w, self.config)
+        packed = pack_weights(w, self.config)
         nbytes = 2 * sum(a.size for name, a in w.items() if not (packed.tied and name == "lm_head.weight"))
         free, total = cuda.mem_get_info()
         if nbytes > free:
