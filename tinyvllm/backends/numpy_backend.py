@@ -24,6 +24,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(variance + eps)) * weight
 
 
+def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
+            eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE).
+    Twin: cuda/qkv.cu qk_norm."""
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim/2].  Twin: cuda/rope.cu."""
     half = x.shape[-1] // 2
@@ -156,13 +163,13 @@ class NumpyBackend(Backend):
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
             qkv = h @ layer["qkv"]
-            if layer["qkv_bias"] is not None:  # Qwen2
+            if layer["qkv_bias"] is not None:  # Qwen2.  Twin: cuda/qkv.cu add_qkv_bias
                 qkv += layer["qkv_bias"]
             q = qkv[:, : heads * d].reshape(-1, heads, d)
             k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(-1, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d)
-            if layer["q_norm"] is not None:  # Qwen3: each head normalized on its own, before RoPE
-                q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            if layer["q_norm"] is not None:  # Qwen3
+                q, k = qk_norm(q, k, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale)

@@ -56,7 +56,8 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> Mode
             if config.attention_bias:
                 layer.qkv_bias = np.concatenate([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             if config.qk_norm:
-                layer.q_norm, layer.k_norm = weights[p + "self_attn.q_norm.weight"], weights[p + "self_attn.k_norm.weight"]
+                layer.q_norm = weights[p + "self_attn.q_norm.weight"]
+                layer.k_norm = weights[p + "self_attn.k_norm.weight"]
             yield layer
 
     return ModelWeights(weights["model.embed_tokens.weight"], weights["model.norm.weight"], weights["lm_head.weight"],

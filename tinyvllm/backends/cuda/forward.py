@@ -1,10 +1,10 @@
-"""The Llama forward in bf16 on one NVIDIA GPU: weights, activations and the paged KV cache in device memory, and
-the launch sequence of a step.
+"""The decoder forward (Llama and the families of model/config.py) in bf16 on one NVIDIA GPU: weights, activations
+and the paged KV cache in device memory, and the launch sequence of a step.
 
-Per layer: rms_norm -> QKV GEMM -> rope -> reshape_and_cache -> attention -> O GEMM (+= residual) -> rms_norm ->
-gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up
-to 8 rows (linear.py), bf16 in and float32 compute; the residual stream stays float32 and the O and down GEMMs add
-into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
+Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope -> reshape_and_cache ->
+attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear
+layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32 compute; the
+residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
 ids (and logprobs when asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
@@ -103,9 +103,14 @@ class CudaForward:
         self.embed = bf16(packed.embed)
         self.lm_head = self.embed if packed.tied else bf16(packed.lm_head)
         self.final_norm = bf16(packed.final_norm)
+        def optional(array: np.ndarray | None) -> int | None:  # a family's extra (Qwen2's biases, Qwen3's norms)
+            return None if array is None else bf16(array)
+
         self.layers = [{"input_norm": bf16(layer.input_norm), "post_norm": bf16(layer.post_norm),
                         "qkv": bf16(layer.qkv), "o": bf16(layer.o), "gate_up": bf16(layer.gate_up),
-                        "down": bf16(layer.down)} for layer in packed.layers]
+                        "down": bf16(layer.down), "qkv_bias": optional(layer.qkv_bias),
+                        "q_norm": optional(layer.q_norm), "k_norm": optional(layer.k_norm)}
+                       for layer in packed.layers]
         log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
 
     def num_splits(self, num_seqs: int) -> int:
@@ -185,6 +190,11 @@ class CudaForward:
         for i, layer in enumerate(self.layers):
             ops.rms_norm(b["h"], b["x"], layer["input_norm"], 0, n, hidden, eps)
             self.linear.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
+            if layer["qkv_bias"] is not None:
+                ops.add_qkv_bias(b["qkv"], layer["qkv_bias"], n, self.qkv_width)
+            if layer["q_norm"] is not None:
+                ops.qk_norm(b["qkv"], layer["q_norm"], layer["k_norm"], n, self.heads, self.kv_heads, self.head_dim,
+                            self.qkv_width, eps)
             ops.rope(b["qkv"], inp.ptr("positions"), self.cos_sin, n, self.heads + self.kv_heads, self.head_dim,
                      self.qkv_width)
             ops.reshape_and_cache(self.k_cache[i], self.v_cache[i], b["qkv"], inp.ptr("slot_mapping"), n,
