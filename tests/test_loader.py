@@ -87,7 +87,8 @@ def test_sharded(make_model_dir):
 
 def test_tied_and_untied(make_model_dir):
     tied = load_model(make_model_dir(tie_word_embeddings=True))
-    assert tied.weights["lm_head.weight"] is tied.weights["model.embed_tokens.weight"]
+    assert tied.weights.entries["lm_head.weight"] is tied.weights.entries["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(tied.weights["lm_head.weight"], tied.weights["model.embed_tokens.weight"])
     assert "lm_head.weight" not in read_safetensors(tied.source + "/model.safetensors")
     untied = load_model(make_model_dir(tie_word_embeddings=False))
     assert not np.array_equal(untied.weights["lm_head.weight"], untied.weights["model.embed_tokens.weight"])

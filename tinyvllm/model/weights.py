@@ -3,7 +3,7 @@ one vector), gate/up into another, so that each is one GEMM instead of three (or
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,26 +39,30 @@ class ModelWeights:
         return self.lm_head is self.embed
 
 
-def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig) -> ModelWeights:
-    """The weights of a LoadedModel (Hugging Face names), packed for a backend. `weights` may be lazy (a
-    TensorSource): each tensor is read when its layer is packed."""
+def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
+                 get: Callable[[str], np.ndarray] | None = None) -> ModelWeights:
+    """The weights of a LoadedModel (Hugging Face names), packed for a backend, each tensor as `get(name)` gives it
+    (default: weights[name], float32). A lazy `weights` (SafetensorsWeights) is read layer by layer as the layers
+    are iterated."""
+    get = get or weights.__getitem__
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             layer = LayerWeights(
-                input_norm=weights[p + "input_layernorm.weight"],
-                post_norm=weights[p + "post_attention_layernorm.weight"],
-                qkv=np.concatenate([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                o=weights[p + "self_attn.o_proj.weight"],
-                gate_up=np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                down=weights[p + "mlp.down_proj.weight"])
+                input_norm=get(p + "input_layernorm.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                qkv=np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                o=get(p + "self_attn.o_proj.weight"),
+                gate_up=np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down=get(p + "mlp.down_proj.weight"))
             if config.attention_bias:
-                layer.qkv_bias = np.concatenate([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                layer.qkv_bias = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             if config.qk_norm:
-                layer.q_norm = weights[p + "self_attn.q_norm.weight"]
-                layer.k_norm = weights[p + "self_attn.k_norm.weight"]
+                layer.q_norm = get(p + "self_attn.q_norm.weight")
+                layer.k_norm = get(p + "self_attn.k_norm.weight")
             yield layer
 
-    return ModelWeights(weights["model.embed_tokens.weight"], weights["model.norm.weight"], weights["lm_head.weight"],
-                        layers())
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+    return ModelWeights(embed, get("model.norm.weight"), lm_head, layers())

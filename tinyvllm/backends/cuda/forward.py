@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -26,7 +26,7 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
 from tinyvllm.config import EngineConfig
-from tinyvllm.model.dtypes import f32_to_bf16
+from tinyvllm.model.loader import as_bf16, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 from tinyvllm.model.weights import pack_weights
 
@@ -88,21 +88,22 @@ class CudaForward:
         self._allocations.append(allocation)
         return int(allocation)
 
-    def _upload_weights(self, w: dict[str, np.ndarray]) -> None:
-        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them."""
-        packed = pack_weights(w, self.config)
-        nbytes = 2 * sum(a.size for name, a in w.items() if not (packed.tied and name == "lm_head.weight"))
+    def _upload_weights(self, w: Mapping[str, np.ndarray]) -> None:
+        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them. Tensors are read (a
+        checkpoint's in its own dtype: bf16 as is), fused and uploaded one layer at a time; none stays on the host."""
+        tied = self.config.tie_word_embeddings
+        nbytes = 2 * sum(math.prod(shape) for name, shape in weight_shapes(self.config).items()
+                         if not (tied and name == "lm_head.weight"))
         free, total = cuda.mem_get_info()
         if nbytes > free:
             raise MemoryError(f"the model's bf16 weights need {nbytes / GIB:.2f} GiB but the GPU ({self.device_name})"
                               f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
-
-        def bf16(array: np.ndarray) -> int:
-            return self._to_device(f32_to_bf16(array))
-
+        packed = pack_weights(w, self.config, lambda name: as_bf16(w, name))
+        bf16 = self._to_device  # the packed arrays are bf16 bit patterns (uint16)
         self.embed = bf16(packed.embed)
         self.lm_head = self.embed if packed.tied else bf16(packed.lm_head)
         self.final_norm = bf16(packed.final_norm)
+
         def optional(array: np.ndarray | None) -> int | None:  # a family's extra (Qwen2's biases, Qwen3's norms)
             return None if array is None else bf16(array)
 
