@@ -4,8 +4,8 @@ and the paged KV cache in device memory, and the launch sequence of a step.
 Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope -> reshape_and_cache ->
 attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear
 layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32 compute; the
-residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
-ids (and logprobs when asked).
+residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32 logits
+that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
