@@ -28,29 +28,27 @@ FAMILIES = {
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
 }
 
+# 64-token prefill chunks: the 100-token prompt is computed in two
+LIMITS = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=64)
+
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_logits_match_numpy(cuda, cuda_backend, name):
     config = replace(tiny_config(**FAMILIES[name]), vocab_size=8192, num_hidden_layers=2)
     model = bf16_model(config, seed=3)
-    limits = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-                          num_kv_blocks=64)
-    ours, ref = cuda_backend(model, limits), NumpyBackend(model, limits)
-    ours.init_kv_cache()
-    ref.init_kv_cache()
+    ours, ref = cuda_backend(model, LIMITS), NumpyBackend(model, LIMITS)
+    for backend in (ours, ref):
+        backend.init_kv_cache()
     rng = np.random.default_rng(1)
     seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (9, 100, 30)])
     bm = BlockManager(EngineConfig(block_size=16, enable_prefix_caching=False), 64)
     batch = prefill_batch(seqs, bm, 16)
-    got = ours.execute(batch)
-    ref_logits = ref.forward(batch, batch.query_start_loc[1:] - 1)
-    errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits)]
-    tokens = ref_logits.argmax(-1)
-    agree = [np.mean(got.sampled_token_ids == tokens)]
-    for _ in range(5):  # decode, fed the numpy backend's tokens so both caches hold the same sequences
-        batch = decode_batch(seqs, tokens, bm, 16)
+    errors, agree = [], []
+    for step in range(6):  # the prefill, then decode steps fed the numpy backend's tokens (both caches alike)
+        if step:
+            batch = decode_batch(seqs, tokens, bm, 16)
         got = ours.execute(batch)
-        ref_logits = ref.forward(batch, np.arange(3))
+        ref_logits = ref.forward(batch, batch.query_start_loc[1:] - 1)  # each sequence's last position
         errors.append(rel_err(gpu_logits(cuda, ours, 3), ref_logits))
         tokens = ref_logits.argmax(-1)
         agree.append(np.mean(got.sampled_token_ids == tokens))
