@@ -139,7 +139,8 @@ def test_tied_and_tokenizer_metadata(tmp_path):
     weights = random_weights(config)
     m = load_model(write_gguf(tmp_path / "m.gguf", config, weights, add_bos=True))
     assert m.config.tie_word_embeddings
-    assert m.weights["lm_head.weight"] is m.weights["model.embed_tokens.weight"]
+    assert m.weights.tensors["lm_head.weight"] is m.weights.tensors["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(m.weights["lm_head.weight"], m.weights["model.embed_tokens.weight"])
 
     ref = Tokenizer(build_tokenizer(config.vocab_size), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
     tok = m.tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import gguf
@@ -16,6 +17,7 @@ from gguf import GGUFValueType
 from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.rope import rope_inv_freq
+from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # general.architecture -> HF architecture (convert_hf_to_gguf writes Mistral as "llama")
@@ -54,7 +56,7 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4  # t
 SPM_SPACE = "\u2581"  # SentencePiece writes a space as this visible character
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokenizer]:
     try:
         reader = gguf.GGUFReader(os.fspath(path))
         meta = read_metadata(reader)
@@ -64,21 +66,38 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
         raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors)
-    weights: dict[str, np.ndarray] = {}
-    for name, t in tensors.items():
-        if name == "rope_freqs.weight":  # already folded into config.rope_scaling
-            continue
-        w = dequantize(t)
+    # rope_freqs.weight is already folded into config.rope_scaling
+    by_hf_name = {hf_name(name): t for name, t in tensors.items() if name != "rope_freqs.weight"}
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in by_hf_name:
+        by_hf_name["lm_head.weight"] = by_hf_name["model.embed_tokens.weight"]
+    return config, GGUFWeights(by_hf_name, config), tokenizer_from_gguf(meta)
+
+
+class GGUFWeights(LazyWeights):
+    """A GGUF file's tensors by HF name, each dequantized to float32 when asked for (the file stays mapped)."""
+
+    def __init__(self, tensors: dict[str, Any], config: ModelConfig) -> None:
+        self.tensors = tensors
+        self.config = config
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        w = dequantize(self.tensors[name])
         # llama.cpp stores Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undo it for the rotate-half
         # layout. Qwen's it keeps as HF has them (llama.cpp runs those with rotate-half "NEOX" RoPE).
-        if config.architecture == "LlamaForCausalLM" and name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.num_attention_heads)
-        elif config.architecture == "LlamaForCausalLM" and name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.num_key_value_heads)
-        weights[hf_name(name)] = w
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return config, weights, tokenizer_from_gguf(meta)
+        if self.config.architecture == "LlamaForCausalLM" and name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, self.config.num_attention_heads)
+        elif self.config.architecture == "LlamaForCausalLM" and name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, self.config.num_key_value_heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:

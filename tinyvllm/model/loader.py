@@ -22,6 +22,7 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig, read_json_object
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # safetensors dtype -> (numpy storage dtype, config/torch name)
@@ -51,7 +52,7 @@ class TensorEntry:
         return out
 
 
-class SafetensorsWeights(MutableMapping):
+class SafetensorsWeights(MutableMapping, LazyWeights):
     """The tensors of a checkpoint's safetensors files by HF name, read lazily: `weights[name]` reads one as float32,
     `weights.stored(name)` in its stored dtype. A tensor assigned here replaces the file's (tests zero a head)."""
 
@@ -100,8 +101,8 @@ def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    # HF names and shapes ([out, in] for linears) -> float32 arrays: a dict of arrays (GGUF files, random models), or
-    # SafetensorsWeights, which reads each tensor from the checkpoint when asked
+    # HF names and shapes ([out, in] for linears) -> float32 arrays: a dict of arrays (random models), or LazyWeights
+    # that read each tensor from the model file when asked (SafetensorsWeights, gguf.GGUFWeights)
     weights: Mapping[str, np.ndarray]
     tokenizer: Tokenizer
     source: str
@@ -163,7 +164,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> None:
     """ValueError naming the first missing, unexpected or misshapen tensor (a checkpoint's from its headers)."""
     shapes = weight_shapes(config)
-    lazy = isinstance(weights, SafetensorsWeights)  # its dtypes are the safetensors ones, checked at load
+    lazy = isinstance(weights, LazyWeights)  # shapes from the file's header; its dtypes were checked at load
     for name, shape in shapes.items():
         if name not in weights:
             raise ValueError(f"{source}: tensor {name} is missing")

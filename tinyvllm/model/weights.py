@@ -3,12 +3,22 @@ one vector), gate/up into another, so that each is one GEMM instead of three (or
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
+
+
+class LazyWeights(Mapping):
+    """Tensors by HF name, each read from the model file (as float32) only when asked for: a checkpoint's weights
+    pass through the host one at a time, on their way into a backend."""
+
+    @abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it."""
 
 
 @dataclass
