@@ -8,7 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.model.dummy import CHATML_TEMPLATE, CORPUS, build_tokenizer, random_weights, tiny_config
+from tinyvllm.model.dummy import (CHATML_TEMPLATE, CORPUS, build_tokenizer, random_weights, save_hf_model_dir,
+                                  tiny_config)
 from tinyvllm.model.gguf import DEQUANTIZERS, tokenizer_from_gguf, unpermute_qk
 from tinyvllm.model.loader import load_model, weight_shapes
 from tinyvllm.model.rope import rope_inv_freq
@@ -22,10 +23,15 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, config, weights, qtype=QT.F32, *, arch="llama", tokenizer_model="gpt2", pre="gpt-2",
+GGUF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+              "Qwen3ForCausalLM": "qwen3"}
+
+
+def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_model="gpt2", pre="gpt-2",
                add_bos=False, rope_freqs=None, spm=None):
-    """A llama GGUF as convert_hf_to_gguf writes it, with the dummy byte-level tokenizer, or with the SentencePiece
-    vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
+    """A GGUF as convert_hf_to_gguf writes it (of arch, by default the config's), with the dummy byte-level
+    tokenizer, or with the SentencePiece vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
+    arch = arch or GGUF_ARCHS[config.architecture]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -57,15 +63,16 @@ def write_gguf(path, config, weights, qtype=QT.F32, *, arch="llama", tokenizer_m
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHATML_TEMPLATE)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    names = gguf.get_tensor_name_map(model_arch.get(arch, gguf.MODEL_ARCH.LLAMA), config.num_hidden_layers)
     for name, arr in weights.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if "q_proj" in name:
+        if arch == "llama" and "q_proj.weight" in name:  # only Llama's Q/K rows are permuted
             arr = permute(arr, config.num_attention_heads)
-        elif "k_proj" in name:
+        elif arch == "llama" and "k_proj.weight" in name:
             arr = permute(arr, config.num_key_value_heads)
-        gname = names.get_name(name, try_suffixes=(".weight",))
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if arr.ndim == 1 or qtype == QT.F32:
             w.add_tensor(gname, arr)
         elif qtype == QT.F16:
@@ -132,7 +139,8 @@ def test_tied_and_tokenizer_metadata(tmp_path):
     weights = random_weights(config)
     m = load_model(write_gguf(tmp_path / "m.gguf", config, weights, add_bos=True))
     assert m.config.tie_word_embeddings
-    assert m.weights["lm_head.weight"] is m.weights["model.embed_tokens.weight"]
+    assert m.weights.tensors["lm_head.weight"] is m.weights.tensors["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(m.weights["lm_head.weight"], m.weights["model.embed_tokens.weight"])
 
     ref = Tokenizer(build_tokenizer(config.vocab_size), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
     tok = m.tokenizer
@@ -171,10 +179,26 @@ def test_llama3_rope_freqs(tmp_path):
         load_model(write_gguf(tmp_path / "bad.gguf", config, random_weights(config), rope_freqs=freqs ** 0.5))
 
 
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen_gguf_loads_as_the_hf_dir(tmp_path, architecture, tied):
+    """A qwen2 / qwen3 GGUF (biases, q/k norms, unpermuted Q/K) gives the weights of the same HF directory."""
+    config = tiny_config(architecture=architecture, tie_word_embeddings=tied, num_attention_heads=4, head_dim=32,
+                         rope_theta=1e6)
+    weights = random_weights(config, seed=5)
+    hf = load_model(save_hf_model_dir(tmp_path / "hf", config, weights))
+    m = load_model(write_gguf(tmp_path / "m.gguf", config, weights))
+    assert m.config == hf.config
+    assert set(m.weights) == set(hf.weights) == set(weight_shapes(config))
+    assert any(name.endswith(("q_proj.bias", "q_norm.weight")) for name in m.weights)
+    for name, w in hf.weights.items():
+        np.testing.assert_array_equal(m.weights[name], w, err_msg=name)
+
+
 def test_unsupported_architecture(tmp_path):
     config = tiny_config()
-    with pytest.raises(ValueError, match="qwen2"):
-        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), arch="qwen2"))
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma2': supported are llama, qwen2, qwen3"):
+        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), arch="gemma2"))
 
 
 def test_unsupported_tokenizer_model(tmp_path):

@@ -1,12 +1,18 @@
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
-from tinyvllm.model.loader import load_model, read_safetensors, weight_shapes, write_safetensors
+from tinyvllm.model import loader
+from tinyvllm.model.loader import as_bf16, load_model, read_safetensors, weight_shapes, write_safetensors
+from tinyvllm.model.weights import pack_weights
 
 
 def test_round_trip_float32_exact(tiny_model_dir):
@@ -87,7 +93,8 @@ def test_sharded(make_model_dir):
 
 def test_tied_and_untied(make_model_dir):
     tied = load_model(make_model_dir(tie_word_embeddings=True))
-    assert tied.weights["lm_head.weight"] is tied.weights["model.embed_tokens.weight"]
+    assert tied.weights.entries["lm_head.weight"] is tied.weights.entries["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(tied.weights["lm_head.weight"], tied.weights["model.embed_tokens.weight"])
     assert "lm_head.weight" not in read_safetensors(tied.source + "/model.safetensors")
     untied = load_model(make_model_dir(tie_word_embeddings=False))
     assert not np.array_equal(untied.weights["lm_head.weight"], untied.weights["model.embed_tokens.weight"])
@@ -161,3 +168,95 @@ def test_save_random_model_with_real_shapes_in_small_form(tmp_path):
     m = load_model(path)
     assert m.weights["model.layers.0.self_attn.q_proj.weight"].shape == (256, 64)
     assert m.weights["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+
+
+# Qwen3's ChatML in the shape of its real template: enable_thinking=False closes an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_qwen3_chat_template_renders_as_hf(tmp_path, kwargs):
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config(architecture="Qwen3ForCausalLM")
+    path = save_hf_model_dir(tmp_path / "qwen3", config, random_weights(config))
+    tok_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(tok_config, chat_template=QWEN3_STYLE_TEMPLATE)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    ours = load_model(path).tokenizer.apply_chat_template(messages, **kwargs)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert ours == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ("<think>" in ours) == (kwargs.get("enable_thinking") is False)
+
+
+def _bf16_packed(model):
+    """What the CUDA backend uploads (backends/cuda/forward.py): every packed array, layer by layer."""
+    w = model.weights
+    packed = pack_weights(w, model.config, lambda name: as_bf16(w, name))
+    yield from (packed.embed, packed.lm_head, packed.final_norm)
+    for layer in packed.layers:
+        yield from (a for a in vars(layer).values() if a is not None)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_cuda_path_uploads_bf16_as_stored(make_model_dir, monkeypatch, architecture):
+    """A sharded bf16 checkpoint goes to the device as its own bits: no tensor is ever converted to float32."""
+    path = make_model_dir(dtype="bfloat16", shards=3, seed=2, architecture=architecture)
+    model = load_model(path)
+    expected = {name: f32_to_bf16(w) for name, w in random_weights(model.config, seed=2).items()}
+
+    def refuse(*args):
+        raise AssertionError("a bf16 tensor was converted on the cuda loading path")
+
+    monkeypatch.setattr(loader, "bf16_to_f32", refuse)
+    monkeypatch.setattr(loader, "f32_to_bf16", refuse)
+    arrays = list(_bf16_packed(model))
+    assert all(a.dtype == np.uint16 for a in arrays)
+    assert sum(a.size for a in arrays) == sum(w.size for w in expected.values())  # the tied head counted twice
+    layer0 = pack_weights(expected, model.config)  # the stored bits, fused by the same code
+    np.testing.assert_array_equal(arrays[3], next(layer0.layers).input_norm)
+    np.testing.assert_array_equal(arrays[0], expected["model.embed_tokens.weight"])
+
+
+def test_float_checkpoints_upload_rounded_once(make_model_dir):
+    for dtype in ("float32", "float16"):
+        model = load_model(make_model_dir(dtype=dtype, seed=4))
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+            np.testing.assert_array_equal(as_bf16(model.weights, name), f32_to_bf16(model.weights[name]))
+
+
+RSS_SCRIPT = """
+import sys
+from tinyvllm.model.loader import load_model
+from test_loader import _bf16_packed
+
+def status_kib(key):  # VmRSS: resident now; VmHWM: its peak in this process (ru_maxrss counts the parent's too)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+model = load_model(sys.argv[1])
+before = status_kib("VmRSS")
+uploaded = sum(a.nbytes for a in _bf16_packed(model))  # each array dropped once counted, as once uploaded
+print((status_kib("VmHWM") - before) * 1024, uploaded)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_peak_rss_of_a_sharded_load_is_bounded_by_the_largest_tensor(tmp_path):
+    """Loading streams: the host's peak grows by a few of the largest tensor, not by the model."""
+    config = tiny_config(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    path = save_hf_model_dir(tmp_path / "m", config, random_weights(config), dtype="bfloat16", shards=4)
+    largest = 2 * config.vocab_size * config.hidden_size
+    run = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])})
+    assert run.returncode == 0, run.stderr
+    growth, uploaded = map(int, run.stdout.split())
+    assert uploaded > 15 * largest  # the model is much larger than the bound below
+    assert growth < 6 * largest, f"peak RSS grew by {growth / 2**20:.1f} MiB for {uploaded / 2**20:.1f} MiB of weights"

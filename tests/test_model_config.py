@@ -74,10 +74,51 @@ def test_defaults():
     assert c.torch_dtype == "float32" and c.bos_token_id is None
 
 
-@pytest.mark.parametrize("archs", [["MistralForCausalLM"], ["LlamaForCausalLM", "Qwen2ForCausalLM"]])
+@pytest.mark.parametrize("archs", [["GemmaForCausalLM"], ["LlamaForCausalLM", "Qwen2ForCausalLM"], "Llama"])
 def test_bad_architecture(archs):
-    with pytest.raises(ValueError, match=archs[-1]):
+    supported = "supported are LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=supported) as e:
         ModelConfig.from_hf_dict(dict(HUB_LLAMA_3_2, architectures=archs))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="model_type 'llama' does not match Qwen2ForCausalLM"):
+        ModelConfig.from_hf_dict(dict(HUB_LLAMA_3_2, architectures=["Qwen2ForCausalLM"]))
+
+
+# The parts of Qwen2.5-0.5B-Instruct's, Qwen3-0.6B's and Mistral-7B-Instruct-v0.3's config.json that differ from Llama.
+HUB_QWEN2_5 = dict(HUB_LLAMA_3_2, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                   num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0, rope_scaling=None,
+                   use_sliding_window=False, sliding_window=32768, max_window_layers=21, head_dim=None)
+HUB_QWEN3 = dict(HUB_LLAMA_3_2, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+                 attention_bias=False, use_sliding_window=False, sliding_window=None)
+HUB_MISTRAL = dict(HUB_LLAMA_3_2, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None,
+                   max_position_embeddings=32768, rope_scaling=None)
+
+
+def test_families():
+    qwen2 = ModelConfig.from_hf_dict(HUB_QWEN2_5)
+    assert qwen2.attention_bias and not qwen2.qk_norm and qwen2.head_dim == 64 and qwen2.sliding_window is None
+    qwen3 = ModelConfig.from_hf_dict(HUB_QWEN3)
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim * 16 != qwen3.hidden_size
+    mistral = ModelConfig.from_hf_dict(HUB_MISTRAL)
+    assert not (mistral.attention_bias or mistral.qk_norm) and mistral.architecture == "MistralForCausalLM"
+    llama = ModelConfig.from_hf_dict(HUB_LLAMA_3_2)
+    assert not (llama.attention_bias or llama.qk_norm)
+    for c in (qwen2, qwen3, mistral):
+        assert ModelConfig.from_hf_dict(json.loads(json.dumps(c.to_hf_dict()))) == c
+
+
+def test_sliding_window_is_refused_clearly():
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        ModelConfig.from_hf_dict(dict(HUB_QWEN2_5, use_sliding_window=True))
+    with pytest.raises(ValueError, match="attention_bias"):  # Qwen3's flag also biases O
+        ModelConfig.from_hf_dict(dict(HUB_QWEN3, attention_bias=True))
+    mistral = ModelConfig.from_hf_dict(dict(HUB_MISTRAL, sliding_window=4096))
+    mistral.check_max_model_len(4096)  # a window no sequence outgrows is plain causal attention
+    with pytest.raises(ValueError, match="sliding window of 4096 tokens.*max_model_len <= 4096"):
+        mistral.check_max_model_len(4097)
+    with pytest.raises(ValueError, match="max_model_len <= 4096"):
+        mistral.check_max_model_len(None)  # the model's 32768
 
 
 @pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])

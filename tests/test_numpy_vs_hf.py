@@ -1,4 +1,4 @@
-"""The numpy forward against HF transformers' LlamaForCausalLM (torch CPU, float32): prefill and paged decode."""
+"""The numpy forward against HF transformers (torch CPU, float32) for each family: prefill and paged decode."""
 
 import numpy as np
 import pytest
@@ -29,13 +29,27 @@ CONFIGS = {
     # GQA ratio 4, head_dim 64, llama3 rope scaling, tied
     "gqa4-hd64-llama3": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=256,
                              tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING),
+    # Qwen2/2.5: Q/K/V biases, rope theta 1e6; tied (0.5B-3B) and untied (7B+)
+    "qwen2-gqa3-tied": dict(architecture="Qwen2ForCausalLM", num_attention_heads=6, num_key_value_heads=2,
+                            head_dim=32, hidden_size=192, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2-gqa2-untied": dict(architecture="Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=64, hidden_size=256, tie_word_embeddings=False, rope_theta=1e6),
+    # Qwen3: q/k RMSNorm, head_dim decoupled from hidden / heads (64 * 8 != 128)
+    "qwen3-gqa4-hd64": dict(architecture="Qwen3ForCausalLM", num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=64, hidden_size=128, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3-gqa2-untied": dict(architecture="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, hidden_size=96, tie_word_embeddings=False),
+    # Mistral: a window wider than any sequence the engine runs (max_model_len <= window)
+    "mistral-gqa4": dict(architecture="MistralForCausalLM", num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=32, hidden_size=256, sliding_window=4096, max_position_embeddings=4096),
 }
 
 
 def hf_model(config, weights):
-    hf_config = transformers.LlamaConfig(**config.to_hf_dict())
+    hf_dict = config.to_hf_dict()
+    hf_config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
     hf_config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model = getattr(transformers, config.architecture)(hf_config).eval()
     state = {name: torch.from_numpy(np.ascontiguousarray(w)) for name, w in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)

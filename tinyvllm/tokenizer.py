@@ -113,20 +113,22 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False, **template_kwargs: object) -> str | list[int]:
         """The conversation rendered with the model's chat template: text, or its token ids when tokenize=True.
         Unlike HF's, the defaults give text ready to generate from (tokenize=False, add_generation_prompt=True).
+        template_kwargs are more variables for the template, as in HF (Qwen3's enable_thinking=False).
         ValueError says why it cannot be rendered: the reason alone (a job prefixes it with "chat template
         failed")."""
         if tokenize:
-            return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt), templated=True)
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return self.encode_prompt(text, templated=True)
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass plain prompts instead of messages")
         _check_messages(messages)
         try:
-            return _render(_compile(self.chat_template), messages=messages,
-                           add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                           eos_token=self.eos_token or "")
+            return _render(_compile(self.chat_template), **{
+                **template_kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except Exception as e:  # a template may raise anything: raise_exception(), 1/0, content of the wrong type
             raise ValueError(str(e) or type(e).__name__) from e
 

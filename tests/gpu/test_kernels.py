@@ -12,7 +12,7 @@ import pytest
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
 from tinyvllm.backends.cuda.ops import prefill_tiles
-from tinyvllm.backends.numpy_backend import apply_rope, paged_attention, rms_norm, silu_and_mul
+from tinyvllm.backends.numpy_backend import apply_rope, paged_attention, qk_norm, rms_norm, silu_and_mul
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -279,3 +279,32 @@ def test_logprobs_match_numpy(cuda, ops, num_rows, k):
     if k:
         np.testing.assert_array_equal(gpu.get(top_ids, (num_rows, k), np.int32), ref.top_ids)
         np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 14, 2), (257, 128, 16, 8)])
+def test_add_qkv_bias(cuda, ops, tokens, head_dim, heads, kv_heads):
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
+    bias = bf16_round(rng.standard_normal(width, dtype=np.float32))
+    buf = gpu.bf16(qkv)
+    ops.add_qkv_bias(buf, gpu.bf16(bias), tokens, width)
+    assert rel_err(gpu.get_bf16(buf, (tokens, width)), qkv + bias) < BF16_TOL
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 128, 16, 8), (257, 64, 8, 2), (33, 128, 32, 4)])
+def test_qk_norm(cuda, ops, tokens, head_dim, heads, kv_heads):
+    """Q and K heads normalized on their own with their gains; V comes back untouched."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32) * rng.uniform(0.1, 10, (tokens, 1)))
+    q_w, k_w = (bf16_round(1 + 0.3 * rng.standard_normal(head_dim, dtype=np.float32)) for _ in range(2))
+    buf = gpu.bf16(qkv)
+    ops.qk_norm(buf, gpu.bf16(q_w), gpu.bf16(k_w), tokens, heads, kv_heads, head_dim, width, 1e-6)
+    got = gpu.get_bf16(buf, (tokens, width))
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    q, k = qk_norm(qkv[:, :q_end].reshape(tokens, heads, head_dim),
+                   qkv[:, q_end:k_end].reshape(tokens, kv_heads, head_dim), q_w, k_w, 1e-6)
+    assert rel_err(got[:, :q_end], q.reshape(tokens, -1)) < BF16_TOL
+    assert rel_err(got[:, q_end:k_end], k.reshape(tokens, -1)) < BF16_TOL
+    np.testing.assert_array_equal(got[:, k_end:], qkv[:, k_end:])

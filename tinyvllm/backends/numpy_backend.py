@@ -13,7 +13,7 @@ import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
-from tinyvllm.model.weights import pack_llama_weights
+from tinyvllm.model.weights import pack_weights
 
 
 # ---- the operations (each the twin of a CUDA kernel) -------------------------------------------------------------
@@ -22,6 +22,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) * weight over the last axis.  Twin: cuda/norm.cu rms_norm."""
     variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
     return (x / np.sqrt(variance + eps)) * weight
+
+
+def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
+            eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE).
+    Twin: cuda/qkv.cu qk_norm."""
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -101,25 +108,30 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 class NumpyBackend(Backend):
-    """Llama forward in float32 over a paged KV cache held in numpy arrays."""
+    """The decoder forward (Llama and the families of model/config.py) in float32 over a paged KV cache held in
+    numpy arrays."""
 
     name = "numpy"
 
     def __init__(self, model, engine_config: EngineConfig) -> None:
         self.config = cfg = model.config
         self.engine_config = engine_config
-        packed = pack_llama_weights(model.weights, cfg)
+        cfg.check_max_model_len(engine_config.max_model_len)
+        packed = pack_weights(model.weights, cfg)
 
         def matrix(w: np.ndarray) -> np.ndarray:  # [out, in] -> [in, out] float32: x @ w
             return np.ascontiguousarray(w.T, dtype=np.float32)
 
+        def vector(w: np.ndarray | None) -> np.ndarray | None:
+            return None if w is None else np.asarray(w, dtype=np.float32)
+
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
         self.lm_head_t = matrix(packed.lm_head)  # [hidden, vocab]
-        self.final_norm = packed.final_norm.astype(np.float32)
-        self.layers = [{"input_norm": layer.input_norm.astype(np.float32),
-                        "post_norm": layer.post_norm.astype(np.float32),
+        self.final_norm = vector(packed.final_norm)
+        self.layers = [{"input_norm": vector(layer.input_norm), "post_norm": vector(layer.post_norm),
                         "qkv": matrix(layer.qkv), "o": matrix(layer.o), "gate_up": matrix(layer.gate_up),
-                        "down": matrix(layer.down)} for layer in packed.layers]
+                        "down": matrix(layer.down), "qkv_bias": vector(layer.qkv_bias),
+                        "q_norm": vector(layer.q_norm), "k_norm": vector(layer.k_norm)} for layer in packed.layers]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.k_cache: list[np.ndarray] = []
@@ -151,9 +163,13 @@ class NumpyBackend(Backend):
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
             qkv = h @ layer["qkv"]
+            if layer["qkv_bias"] is not None:  # Qwen2.  Twin: cuda/qkv.cu add_qkv_bias
+                qkv += layer["qkv_bias"]
             q = qkv[:, : heads * d].reshape(-1, heads, d)
             k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(-1, kv_heads, d)
             v = qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d)
+            if layer["q_norm"] is not None:  # Qwen3
+                q, k = qk_norm(q, k, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale)

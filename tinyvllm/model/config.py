@@ -1,4 +1,4 @@
-"""ModelConfig: the Llama hyperparameters tinyvllm needs, read from HF config.json in either format."""
+"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3), read from HF config.json."""
 
 from __future__ import annotations
 
@@ -7,7 +7,25 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+
+
+class Family(NamedTuple):
+    """What a model family changes in the Llama decoder layer; the backends branch on these flags, not on names."""
+
+    model_type: str
+    attention_bias: bool  # biases on the Q, K and V projections (not on O)
+    qk_norm: bool  # a per-head RMSNorm on Q and on K before RoPE
+
+
+# HF architecture -> its family. Mistral is Llama with a sliding window (refused unless it never slides).
+FAMILIES = {
+    "LlamaForCausalLM": Family("llama", attention_bias=False, qk_norm=False),
+    "MistralForCausalLM": Family("mistral", attention_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True),
+}
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
@@ -34,8 +52,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
+    architecture: str = "LlamaForCausalLM"  # a key of FAMILIES
+    sliding_window: int | None = None  # attention span of a Mistral config; None: every position sees all before it
 
     def __post_init__(self) -> None:
+        if self.architecture not in FAMILIES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}: supported are {', '.join(FAMILIES)}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"invalid sliding_window={window!r:.40} in the model config: must be a positive integer")
         for name in DIMENSIONS:
             check_dimension(name, getattr(self, name))
         for name in ("rms_norm_eps", "rope_theta"):
@@ -56,17 +81,43 @@ class ModelConfig:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def attention_bias(self) -> bool:
+        return self.family.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """ValueError when a sequence of max_model_len tokens (None: the model's longest) would need the sliding
+        window, which tinyvllm does not implement."""
+        if self.sliding_window is not None and self.sliding_window < (max_model_len or self.max_position_embeddings):
+            raise ValueError(f"this {self.architecture} config attends over a sliding window of {self.sliding_window} "
+                             f"tokens, which tinyvllm does not implement: set max_model_len <= {self.sliding_window}")
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if archs != ["LlamaForCausalLM"]:
-            raise ValueError(f"unsupported architectures {archs}: only LlamaForCausalLM is supported")
-        if d.get("model_type", "llama") != "llama":
-            raise ValueError(f"unsupported model_type {d['model_type']!r}: only 'llama' is supported")
-        # Features HF Llama supports but tinyvllm's kernels do not: refuse rather than compute something else.
-        for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
+            raise ValueError(f"unsupported architectures {archs!r:.80}: supported are {', '.join(FAMILIES)}")
+        arch = archs[0]
+        family = FAMILIES[arch]
+        if d.get("model_type", family.model_type) != family.model_type:
+            raise ValueError(f"model_type {d['model_type']!r:.40} does not match {arch} "
+                             f"(expected {family.model_type!r})")
+        # Features HF supports in these families but tinyvllm's kernels do not: refuse rather than compute something
+        # else. Qwen2's Q/K/V biases are always on; elsewhere attention_bias would also put a bias on O.
+        required = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
+        if not family.attention_bias:
+            required["attention_bias"] = False
+        for key, ok in required.items():
             if d.get(key, ok) != ok:
-                raise ValueError(f"unsupported {key}={d[key]!r} (tinyvllm requires {ok!r})")
+                raise ValueError(f"unsupported {key}={d[key]!r:.40} in this {arch} config (tinyvllm requires {ok!r})")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if d.get(k) is None]
         if missing:
@@ -104,6 +155,9 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_list(eos),
             torch_dtype=dtype,
+            architecture=arch,
+            # Qwen configs carry a sliding_window that only use_sliding_window (refused above) turns on.
+            sliding_window=d.get("sliding_window") if family.model_type == "mistral" else None,
         )
 
     @classmethod
@@ -127,8 +181,8 @@ class ModelConfig:
         """config.json as hub checkpoints carry it (rope_theta + rope_scaling)."""
         eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": self.family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -145,6 +199,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos if self.eos_token_ids else None,
             "torch_dtype": self.torch_dtype,
+            "sliding_window": self.sliding_window,
         }
 
 

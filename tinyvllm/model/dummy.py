@@ -1,4 +1,4 @@
-"""Random Llama models (real shapes or tiny ones) saved as HF dirs, for tests and benchmarks without downloads."""
+"""Random models (real shapes or tiny ones) saved as HF dirs, for tests and benchmarks without downloads."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = rng.standard_normal(shape, dtype=np.float32)
-        if len(shape) == 1:
+        if name.endswith(".bias"):  # Qwen2's Q/K/V biases: as large as the projections' outputs
+            w *= np.float32(0.5)
+        elif len(shape) == 1:
             w = 1.0 + 0.1 * w
         else:
             w *= np.float32(1.0 / math.sqrt(shape[1]))

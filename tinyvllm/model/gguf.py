@@ -1,9 +1,11 @@
-"""GGUF (llama.cpp) Llama models: metadata -> ModelConfig, tensors -> float32 HF-named weights, vocab -> Tokenizer."""
+"""GGUF (llama.cpp) models (llama, qwen2, qwen3): metadata -> ModelConfig, tensors -> float32 HF-named weights,
+vocab -> Tokenizer."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import gguf
@@ -15,8 +17,11 @@ from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.gguf_file import read_gguf
 from tinyvllm.model.rope import rope_inv_freq
+from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
+# general.architecture -> HF architecture (convert_hf_to_gguf writes Mistral as "llama")
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -25,6 +30,8 @@ LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -49,7 +56,7 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4  # t
 SPM_SPACE = "\u2581"  # SentencePiece writes a space as this visible character
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokenizer]:
     try:
         meta, tensor_list = read_gguf(path)
     except ValueError as e:  # the gguf package's own checks ("GGUF magic invalid")
@@ -58,33 +65,51 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
         raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
     tensors = {t.name: t for t in tensor_list}
     config = config_from_gguf(meta, tensors)
-    weights: dict[str, np.ndarray] = {}
-    for name, t in tensors.items():
-        if name == "rope_freqs.weight":  # already folded into config.rope_scaling
-            continue
-        w = dequantize(t)
-        # llama.cpp stores Q/K rows interleaved per head (rotate-pairs RoPE); undo it for the rotate-half layout.
-        if name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.num_key_value_heads)
-        weights[hf_name(name)] = w
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return config, weights, tokenizer_from_gguf(meta)
+    # rope_freqs.weight is already folded into config.rope_scaling
+    by_hf_name = {hf_name(name): t for name, t in tensors.items() if name != "rope_freqs.weight"}
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in by_hf_name:
+        by_hf_name["lm_head.weight"] = by_hf_name["model.embed_tokens.weight"]
+    return config, GGUFWeights(by_hf_name, config), tokenizer_from_gguf(meta)
+
+
+class GGUFWeights(LazyWeights):
+    """A GGUF file's tensors by HF name, each dequantized to float32 when asked for (the file stays mapped)."""
+
+    def __init__(self, tensors: dict[str, Any], config: ModelConfig) -> None:
+        self.tensors = tensors
+        self.config = config
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        w = dequantize(self.tensors[name])
+        # llama.cpp stores Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undo it for the rotate-half
+        # layout. Qwen's it keeps as HF has them (llama.cpp runs those with rotate-half "NEOX" RoPE).
+        if self.config.architecture == "LlamaForCausalLM" and name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, self.config.num_attention_heads)
+        elif self.config.architecture == "LlamaForCausalLM" and name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, self.config.num_key_value_heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r:.40}: supported are {', '.join(GGUF_ARCHITECTURES)}")
 
     def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
         if get(key) is None:
-            raise ValueError(f"GGUF metadata is missing llama.{key}")
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
     if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
         raise ValueError("GGUF metadata is missing tokenizer.ggml.tokens (the vocabulary)")
     hidden, heads = get("embedding_length"), get("attention.head_count")
@@ -115,17 +140,18 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         torch_dtype=_storage_dtype(tensors),
+        architecture=GGUF_ARCHITECTURES[arch],
     )
 
 
 def hf_name(name: str) -> str:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     base = name.removesuffix(".weight")
     if name.endswith(".weight") and base in GLOBAL_NAMES:
         return GLOBAL_NAMES[base] + ".weight"
-    raise ValueError(f"unsupported GGUF tensor {name!r} (not a plain Llama model?)")
+    raise ValueError(f"unsupported GGUF tensor {name!r} (not a plain llama, qwen2 or qwen3 model?)")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,4 +1,8 @@
-"""load_model: an HF Llama checkpoint dir (safetensors) or a .gguf file -> float32 numpy weights + tokenizer.
+"""load_model: an HF checkpoint dir (safetensors) or a .gguf file -> config, weights and tokenizer.
+
+The weights of a checkpoint dir stay in their files until a backend packs them (SafetensorsWeights): only the
+headers are read at load, and each tensor is read when asked for, in its stored dtype (`stored`) or as float32 (`[]`).
+So the CUDA backend uploads bf16 checkpoints as they are, one tensor at a time, and no one holds the model on the host.
 
 Safetensors are read directly (8-byte little-endian header length, JSON header, raw little-endian data) because
 numpy has no bfloat16 and the safetensors numpy API refuses it; nothing is ever unpickled.
@@ -10,6 +14,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +22,7 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig, read_json_object
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # safetensors dtype -> (numpy storage dtype, config/torch name)
@@ -26,9 +32,78 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 
 
 @dataclass
+class TensorEntry:
+    """Where one tensor of a safetensors file lies."""
+
+    path: Path
+    code: str  # the safetensors dtype: F32, F16 or BF16
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    def read(self) -> np.ndarray:
+        """The tensor in its stored dtype (bf16 as uint16 bit patterns), read from the file into a new array."""
+        dtype = np.dtype(ST_DTYPES[self.code][0]).newbyteorder("<")
+        out = np.empty(self.shape, dtype)
+        # Read into a new array rather than mapped: touched pages of a map stay in the resident set while it is open.
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+                raise ValueError(f"{self.path} was truncated while the model was loaded")
+        return out
+
+
+class SafetensorsWeights(MutableMapping, LazyWeights):
+    """The tensors of a checkpoint's safetensors files by HF name, read lazily: `weights[name]` reads one as float32,
+    `weights.stored(name)` in its stored dtype. A tensor assigned here replaces the file's (tests zero a head)."""
+
+    def __init__(self, entries: dict[str, TensorEntry]) -> None:
+        self.entries = entries
+        self.replaced: dict[str, np.ndarray] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.replaced[name].shape if name in self.replaced else self.entries[name].shape
+
+    def stored(self, name: str) -> np.ndarray:
+        """float32, float16, or bfloat16 as uint16 bit patterns: the tensor as the file holds it."""
+        return self.replaced[name] if name in self.replaced else self.entries[name].read()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.replaced:
+            return self.replaced[name]
+        entry = self.entries[name]
+        data = entry.read()
+        return bf16_to_f32(data) if entry.code == "BF16" else data.astype(np.float32)
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self.replaced[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("the tensors of a checkpoint cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    """One tensor as bfloat16 bit patterns (uint16), what the CUDA backend uploads: a bf16 checkpoint's tensor as
+    read, with no float32 copy; float32 and float16 ones rounded."""
+    if isinstance(weights, SafetensorsWeights):
+        data = weights.stored(name)
+        if data.dtype == np.uint16:
+            return data
+        return f32_to_bf16(data.astype(np.float32))  # float32, or float16 (exact in float32): rounded once
+    return f32_to_bf16(weights[name])
+
+
+@dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, np.ndarray]  # float32, HF names and shapes ([out, in] for linears)
+    # HF names and shapes ([out, in] for linears) -> float32 arrays: a dict of arrays (random models), or LazyWeights
+    # that read each tensor from the model file when asked (SafetensorsWeights, gguf.GGUFWeights)
+    weights: Mapping[str, np.ndarray]
     tokenizer: Tokenizer
     source: str
 
@@ -60,7 +135,7 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama model needs, with its HF shape."""
+    """Every tensor the model needs, with its HF shape (the family's biases and q/k norms included)."""
     h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
@@ -77,25 +152,33 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
+                       p + "self_attn.k_norm.weight": (config.head_dim,)}
     return shapes
 
 
-def check_weights(weights: dict[str, np.ndarray], config: ModelConfig, source: str) -> None:
-    """ValueError naming the first missing, unexpected or misshapen tensor."""
+def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> None:
+    """ValueError naming the first missing, unexpected or misshapen tensor (a checkpoint's from its headers)."""
     shapes = weight_shapes(config)
+    lazy = isinstance(weights, LazyWeights)  # shapes from the file's header; its dtypes were checked at load
     for name, shape in shapes.items():
         if name not in weights:
             raise ValueError(f"{source}: tensor {name} is missing")
-        if weights[name].shape != shape:
-            raise ValueError(f"{source}: tensor {name} has shape {weights[name].shape}, expected {shape}")
-        if weights[name].dtype != np.float32:
+        got = weights.shape(name) if lazy else weights[name].shape
+        if got != shape:
+            raise ValueError(f"{source}: tensor {name} has shape {got}, expected {shape}")
+        if not lazy and weights[name].dtype != np.float32:
             raise ValueError(f"{source}: tensor {name} is {weights[name].dtype}, expected float32")
     extra = sorted(set(weights) - set(shapes))
     if extra:
         raise ValueError(f"{source}: unexpected tensors {extra[:5]} (unsupported model variant?)")
 
 
-def _load_hf_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")
@@ -110,22 +193,28 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     wanted = set(weight_shapes(config))
-    weights: dict[str, np.ndarray] = {}
+    entries: dict[str, TensorEntry] = {}
     for file in files:
-        for name, array in read_safetensors(path / file).items():
+        for name, entry in safetensors_entries(path / file).items():
             if name.endswith(IGNORED_SUFFIXES):
                 continue
             if name not in wanted:
                 raise ValueError(f"{path / file}: unexpected tensor {name} (unsupported model variant?)")
-            weights[name] = array
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+            entries[name] = entry
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in entries:
         # Tied: the output projection IS the embedding (some checkpoints also store a copy; HF ignores it too).
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return weights
+        entries["lm_head.weight"] = entries["model.embed_tokens.weight"]
+    return SafetensorsWeights(entries)
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of one .safetensors file, converted to float32."""
+    weights = SafetensorsWeights(safetensors_entries(path))
+    return {name: weights[name] for name in weights}
+
+
+def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Where each tensor of one .safetensors file lies, from its header (checked against the file's size)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file {path} not found")
@@ -142,17 +231,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
     data_len = size - 8 - header_len
-    raw = np.empty(0, np.uint8)  # np.memmap refuses an empty range
-    if data_len:
-        raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len))
-    out = {}
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (start, end) = _tensor_entry(path, name, info, data_len)
-        data = raw[start:end].view(dtype).reshape(shape)
-        out[name] = bf16_to_f32(data) if info["dtype"] == "BF16" else np.array(data, dtype=np.float32)
-    return out
+        _, shape, (start, _) = _tensor_entry(path, name, info, data_len)
+        entries[name] = TensorEntry(path, info["dtype"], tuple(shape), 8 + header_len + start)
+    return entries
 
 
 def _tensor_entry(path: Path, name: str, info: object, data_len: int) -> tuple[type, list[int], list[int]]:

@@ -1,9 +1,10 @@
-"""A Llama checkpoint's weights, packed the way both backends run them: Q/K/V fused into one matrix, gate/up into
-another, so that each is one GEMM instead of three (or two)."""
+"""A checkpoint's weights, packed the way both backends run them: Q/K/V fused into one matrix (and their biases into
+one vector), gate/up into another, so that each is one GEMM instead of three (or two)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,9 +12,19 @@ import numpy as np
 from tinyvllm.model.config import ModelConfig
 
 
+class LazyWeights(Mapping):
+    """Tensors by HF name, each read from the model file (as float32) only when asked for: a checkpoint's weights
+    pass through the host one at a time, on their way into a backend."""
+
+    @abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading it."""
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer; matrices [out, in] as the checkpoint stores them."""
+    """One decoder layer; matrices [out, in] as the checkpoint stores them. The optional parts are what the family
+    adds to Llama's layer (ModelConfig.attention_bias, ModelConfig.qk_norm); None where it has none."""
 
     input_norm: np.ndarray  # [hidden]
     post_norm: np.ndarray  # [hidden]
@@ -21,10 +32,13 @@ class LayerWeights:
     o: np.ndarray  # [hidden, heads * head_dim]
     gate_up: np.ndarray  # [2 * intermediate, hidden]: gate rows, then up
     down: np.ndarray  # [hidden, intermediate]
+    qkv_bias: np.ndarray | None = None  # [(heads + 2 * kv_heads) * head_dim], laid out as qkv's rows
+    q_norm: np.ndarray | None = None  # [head_dim], the same gain for every query head
+    k_norm: np.ndarray | None = None  # [head_dim]
 
 
 @dataclass
-class LlamaWeights:
+class ModelWeights:
     embed: np.ndarray  # [vocab, hidden]
     final_norm: np.ndarray  # [hidden]
     lm_head: np.ndarray  # [vocab, hidden]; the embedding itself when the model ties them
@@ -35,19 +49,30 @@ class LlamaWeights:
         return self.lm_head is self.embed
 
 
-def pack_llama_weights(weights: dict[str, np.ndarray], config: ModelConfig) -> LlamaWeights:
-    """The weights of a LoadedModel (Hugging Face names), packed for a backend."""
+def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
+                 get: Callable[[str], np.ndarray] | None = None) -> ModelWeights:
+    """The weights of a LoadedModel (Hugging Face names), packed for a backend, each tensor as `get(name)` gives it
+    (default: weights[name], float32). A lazy `weights` (SafetensorsWeights) is read layer by layer as the layers
+    are iterated."""
+    get = get or weights.__getitem__
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            yield LayerWeights(
-                input_norm=weights[p + "input_layernorm.weight"],
-                post_norm=weights[p + "post_attention_layernorm.weight"],
-                qkv=np.concatenate([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                o=weights[p + "self_attn.o_proj.weight"],
-                gate_up=np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                down=weights[p + "mlp.down_proj.weight"])
+            layer = LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                qkv=np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                o=get(p + "self_attn.o_proj.weight"),
+                gate_up=np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down=get(p + "mlp.down_proj.weight"))
+            if config.attention_bias:
+                layer.qkv_bias = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            if config.qk_norm:
+                layer.q_norm = get(p + "self_attn.q_norm.weight")
+                layer.k_norm = get(p + "self_attn.k_norm.weight")
+            yield layer
 
-    return LlamaWeights(weights["model.embed_tokens.weight"], weights["model.norm.weight"], weights["lm_head.weight"],
-                        layers())
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+    return ModelWeights(embed, get("model.norm.weight"), lm_head, layers())

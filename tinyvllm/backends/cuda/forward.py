@@ -1,11 +1,11 @@
-"""The Llama forward in bf16 on one NVIDIA GPU: weights, activations and the paged KV cache in device memory, and
-the launch sequence of a step.
+"""The decoder forward (Llama and the families of model/config.py) in bf16 on one NVIDIA GPU: weights, activations
+and the paged KV cache in device memory, and the launch sequence of a step.
 
-Per layer: rms_norm -> QKV GEMM -> rope -> reshape_and_cache -> attention -> O GEMM (+= residual) -> rms_norm ->
-gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up
-to 8 rows (linear.py), bf16 in and float32 compute; the residual stream stays float32 and the O and down GEMMs add
-into it (beta = 1). The LM head writes float32 logits that never leave the GPU: the sampler kernel returns token
-ids (and logprobs when asked).
+Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope -> reshape_and_cache ->
+attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear
+layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32 compute; the
+residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32 logits
+that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -26,9 +26,9 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
 from tinyvllm.config import EngineConfig
-from tinyvllm.model.dtypes import f32_to_bf16
+from tinyvllm.model.loader import as_bf16, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
-from tinyvllm.model.weights import pack_llama_weights
+from tinyvllm.model.weights import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class CudaForward:
     def __init__(self, model, engine_config: EngineConfig, stream: cuda.Stream, max_tokens: int) -> None:
         cfg = self.config = model.config
         self.engine_config = engine_config
+        cfg.check_max_model_len(engine_config.max_model_len)
         if cfg.head_dim not in HEAD_DIMS:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
@@ -87,24 +88,30 @@ class CudaForward:
         self._allocations.append(allocation)
         return int(allocation)
 
-    def _upload_weights(self, w: dict[str, np.ndarray]) -> None:
-        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them."""
-        packed = pack_llama_weights(w, self.config)
-        nbytes = 2 * sum(a.size for name, a in w.items() if not (packed.tied and name == "lm_head.weight"))
+    def _upload_weights(self, w: Mapping[str, np.ndarray]) -> None:
+        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them. Tensors are read (a
+        checkpoint's in its own dtype: bf16 as is), fused and uploaded one layer at a time; none stays on the host."""
+        tied = self.config.tie_word_embeddings
+        nbytes = 2 * sum(math.prod(shape) for name, shape in weight_shapes(self.config).items()
+                         if not (tied and name == "lm_head.weight"))
         free, total = cuda.mem_get_info()
         if nbytes > free:
             raise MemoryError(f"the model's bf16 weights need {nbytes / GIB:.2f} GiB but the GPU ({self.device_name})"
                               f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
-
-        def bf16(array: np.ndarray) -> int:
-            return self._to_device(f32_to_bf16(array))
-
+        packed = pack_weights(w, self.config, lambda name: as_bf16(w, name))
+        bf16 = self._to_device  # the packed arrays are bf16 bit patterns (uint16)
         self.embed = bf16(packed.embed)
         self.lm_head = self.embed if packed.tied else bf16(packed.lm_head)
         self.final_norm = bf16(packed.final_norm)
+
+        def optional(array: np.ndarray | None) -> int | None:  # a family's extra (Qwen2's biases, Qwen3's norms)
+            return None if array is None else bf16(array)
+
         self.layers = [{"input_norm": bf16(layer.input_norm), "post_norm": bf16(layer.post_norm),
                         "qkv": bf16(layer.qkv), "o": bf16(layer.o), "gate_up": bf16(layer.gate_up),
-                        "down": bf16(layer.down)} for layer in packed.layers]
+                        "down": bf16(layer.down), "qkv_bias": optional(layer.qkv_bias),
+                        "q_norm": optional(layer.q_norm), "k_norm": optional(layer.k_norm)}
+                       for layer in packed.layers]
         log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
 
     def num_splits(self, num_seqs: int) -> int:
@@ -189,6 +196,11 @@ class CudaForward:
         for i, layer in enumerate(self.layers):
             ops.rms_norm(b["h"], b["x"], layer["input_norm"], 0, n, hidden, eps)
             self.linear.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
+            if layer["qkv_bias"] is not None:
+                ops.add_qkv_bias(b["qkv"], layer["qkv_bias"], n, self.qkv_width)
+            if layer["q_norm"] is not None:
+                ops.qk_norm(b["qkv"], layer["q_norm"], layer["k_norm"], n, self.heads, self.kv_heads, self.head_dim,
+                            self.qkv_width, eps)
             ops.rope(b["qkv"], inp.ptr("positions"), self.cos_sin, n, self.heads + self.kv_heads, self.head_dim,
                      self.qkv_width)
             ops.reshape_and_cache(self.k_cache[i], self.v_cache[i], b["qkv"], inp.ptr("slot_mapping"), n,

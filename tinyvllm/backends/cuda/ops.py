@@ -37,7 +37,7 @@ GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per ite
 MAX_SPLITS = 32  # attention_decode: most context splits of one sequence
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul, logits processors: threads per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
-ROW_THREADS = 128  # rope, reshape_and_cache: threads per block (one token per block)
+ROW_THREADS = 128  # rope, reshape_and_cache, add_qkv_bias, qk_norm: threads per block (one token per block)
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,22 @@ class Ops:
         _require(head_dim % 2 == 0, f"rope: head_dim {head_dim} is odd")
         self.launch("rope", (num_tokens,), ROW_THREADS, qkv, positions, cos_sin, num_rotated_heads, head_dim,
                     row_stride)
+
+    @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
+    def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
+        """qkv [num_tokens, width] += bias [width] (Qwen2's Q/K/V biases, fused as the QKV weight's rows)."""
+        _require_vectors("add_qkv_bias", width=width)
+        self.launch("add_qkv_bias", (num_tokens,), ROW_THREADS, qkv, bias, width)
+
+    @kernel("qkv", "bf16* qkv, const bf16* q_weight, const bf16* k_weight, int num_heads, int num_kv_heads, "
+                   "int head_dim, int row_stride, float eps")
+    def qk_norm(self, qkv: int, q_weight: int, k_weight: int, num_tokens: int, num_heads: int, num_kv_heads: int,
+                head_dim: int, row_stride: int, eps: float) -> None:
+        """RMSNorm of each Q and K head of the fused qkv rows, in place (Qwen3), before rope."""
+        _require((num_heads + 2 * num_kv_heads) * head_dim <= row_stride,
+                 f"qk_norm: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of {row_stride}")
+        self.launch("qk_norm", (num_tokens,), ROW_THREADS, qkv, q_weight, k_weight, num_heads, num_kv_heads,
+                    head_dim, row_stride, eps)
 
     @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
     def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
