@@ -43,7 +43,7 @@ def test_family_logits_match_numpy(cuda, cuda_backend, name):
     seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (9, 100, 30)])
     bm = BlockManager(EngineConfig(block_size=16, enable_prefix_caching=False), 64)
     batch = prefill_batch(seqs, bm, 16)
-    errors, agree = [], []
+    errors, agree, tokens = [], [], None
     for step in range(6):  # the prefill, then decode steps fed the numpy backend's tokens (both caches alike)
         if step:
             batch = decode_batch(seqs, tokens, bm, 16)
