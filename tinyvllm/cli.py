@@ -170,7 +170,7 @@ def _check_report_input(output: Path) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
-@click.option("--cuda-graph-capture", type=click.Choice(GRAPH_CAPTURES), default="lazy", show_default=True,
+@click.option("--cuda-graph-capture", type=click.Choice(GRAPH_CAPTURES), default="eager", show_default=True,
               help="cuda: decode graphs captured at each batch size's first step, or all at start-up")
 @click.option("--startup", is_flag=True,
               help="instead: time each start-up phase of --model (default: the fetched default model), twice in "

@@ -95,8 +95,11 @@ class EngineConfig:
     dtype: str = setting("auto", "compute dtype; auto: the backend's own (numpy float32, cuda bfloat16), "
                          "others must match it", choices=DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
-    cuda_graph_capture: str = setting("lazy", "cuda: capture a batch size's decode graph at its first step (lazy), "
-                                      "or every batch size's at start-up (eager)", choices=GRAPH_CAPTURES)
+    # eager by default: lazy capture saves start-up time but cost W1 15% in a fresh process (2026-12-01,
+    # docs/PERFORMANCE.md): a job draining its batch meets a new batch size each step, each paying a capture.
+    cuda_graph_capture: str = setting("eager", "cuda: capture every batch size's decode graph at start-up (eager), "
+                                      "or each at its first step (lazy: faster start, slower first steps)",
+                                      choices=GRAPH_CAPTURES)
 
     def __post_init__(self) -> None:
         check_settings(self)

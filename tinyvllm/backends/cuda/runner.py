@@ -3,9 +3,9 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, captured at the bucket's first step (that step runs eagerly, then is captured; with
-cuda_graph_capture="eager", every bucket at start-up instead); each step copies its inputs into fixed device buffers
-with one host-to-device copy and replays the graph.
+batch-size bucket, all captured at start-up (cuda_graph_capture="eager", the default), or each at its bucket's first
+step ("lazy": that step runs eagerly, then is captured); each step copies its inputs into fixed device buffers with
+one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
