@@ -57,6 +57,8 @@ class JobConfig:
     chat_template_source: str | None = None  # the chat_template file's content (run_job reads it)
 
     def __post_init__(self) -> None:
+        if isinstance(self.chat_template, Path):  # a job file's paths are resolved to Paths
+            self.chat_template = str(self.chat_template)
         check_settings(self)
         if self.keep_columns is not None and self.drop_input_columns:
             raise ValueError("keep_columns and drop_input_columns contradict each other: give one")
