@@ -5,6 +5,7 @@ import datetime
 import decimal
 import json
 import math
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -425,3 +426,45 @@ def test_example_eval_rows(tiny_model_dir, tmp_path):
     by_id = {r["id"]: r for r in rows}
     assert len(by_id["pass-at-4"]["completions"]) == 4 and by_id["arith-2"]["top_logprobs"] is not None
     assert by_id["loglikelihood"]["prompt_logprobs"][0] is None and by_id["capital"]["chat"] is True
+
+
+def test_ray_job_carries_columns_and_request_fields(tiny_model_dir, tmp_path):
+    """Carried columns (typed), per-row chat options and n > 1 survive staging to Ray replicas: the output equals a
+    single-process run."""
+    ray = pytest.importorskip("ray")
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.jobs.config import JobConfig, RayConfig
+    from tinyvllm.jobs.ray_executor import RayExecutor
+    from tinyvllm.jobs.run import run_job
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "prompt": ["one", None, "three"],
+        "messages": [None, [{"role": "user", "content": "hi"}], None],
+        "chat_template_kwargs": [None, {"think": False}, None],
+        "n": [1, 1, 3],
+        "gold": pa.array([decimal.Decimal("1.5"), None, decimal.Decimal("2.0")], pa.decimal128(4, 1)),
+        "day": pa.array([datetime.date(2021, 5, 6)] * 3),
+        "meta": pa.array([{"k": 1}, {"k": 2}, None]),
+    }), src)
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+
+    def job(out: Path) -> JobConfig:
+        return JobConfig(input=src, output=out, model=tiny_model_dir, engine=EngineConfig(backend="numpy"),
+                         sampling={"max_tokens": 3, "temperature": 0.8}, chat_template=str(tmp_path / "t.jinja"),
+                         quiet=True)
+
+    run_job(job(tmp_path / "local.parquet"))
+    sigterm = signal.getsignal(signal.SIGTERM)
+    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False, logging_level="warning")
+    try:
+        run_job(job(tmp_path / "ray.parquet"), RayExecutor(RayConfig(num_replicas=1, batch_size=2)))
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)  # ray.init installed its own
+    local, remote = pq.read_table(tmp_path / "local.parquet"), pq.read_table(tmp_path / "ray.parquet")
+    assert remote.schema.remove_metadata() == local.schema.remove_metadata()
+    columns = ["prompt", "completion", "completions", "chat", "gold", "day", "meta"]
+    assert remote.select(columns).to_pylist() == local.select(columns).to_pylist()
+    assert local.column("prompt")[1].as_py() == "<user>hi</user><assistant>[no think]"
+    assert len(local.column("completions")[2].as_py()) == 3

@@ -47,7 +47,8 @@ class JobConfig:
                                        "[default: all]")
     drop_input_columns: bool = setting(False, "carry none of the input's columns to the output")
     output_token_ids: bool = setting(False, "add a completion_token_ids column")
-    logprobs: int | None = setting(None, "add logprob columns with the top N per token", low=0, high=1 << 20)
+    logprobs: int | None = setting(None, "rows' default logprobs: fill the logprob columns with the top N per token",
+                                   low=0, high=1 << 20)
     max_in_flight: int | None = setting(None, "requests in the engine at once [default: 4 x max_num_seqs]",
                                         low=1, high=1 << 24)
     piece_rows: int = setting(PIECE_ROWS, "rows per committed piece", low=1, high=1 << 24)
