@@ -1,4 +1,5 @@
-"""Job input and output: streaming readers (JSONL, Parquet, OpenAI batch) and the crash-safe writer (Parquet, or OpenAI batch output JSONL)."""
+"""Job input and output: streaming readers (JSONL, Parquet, OpenAI batch) and the crash-safe writer (Parquet, or
+the OpenAI batch output JSONL)."""
 
 from tinyvllm.errors import JobError
 from tinyvllm.io.readers import Row, count_rows, input_columns, read_rows

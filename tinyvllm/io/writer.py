@@ -53,8 +53,9 @@ def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> 
         cols += [("completion_token_ids", pa.list_(pa.int32()))]
     # The first completion's logprobs: the sampled token's per position, and the top ones (sampled included) at each;
     # the prompt's: each prompt token's (null for the first) and the top ones.
-    cols += [("cumulative_logprob", pa.float64()), ("logprobs", pa.list_(pa.float64())), ("top_logprobs", pa.list_(_TOP)),
-             ("prompt_logprobs", pa.list_(pa.float64())), ("prompt_top_logprobs", pa.list_(_TOP))]
+    cols += [("cumulative_logprob", pa.float64()), ("logprobs", pa.list_(pa.float64())),
+             ("top_logprobs", pa.list_(_TOP)), ("prompt_logprobs", pa.list_(pa.float64())),
+             ("prompt_top_logprobs", pa.list_(_TOP))]
     # n > 1: each completion's text, token count, finish reason and cumulative logprob (the first is `completion`).
     cols += [("completions", pa.list_(pa.string())), ("completions_tokens", pa.list_(pa.int32())),
              ("completions_finish_reasons", pa.list_(pa.string())),
@@ -425,8 +426,9 @@ def _openai_body(rec: dict, model: str, suffix: str) -> dict:
             choice["token_ids"] = rec["completion_token_ids"]  # vLLM's return_token_ids
         choices.append(choice)
     prompt_tokens = rec["prompt_tokens"] or 0
-    body = {"id": ("chatcmpl-" if chat else "cmpl-") + suffix, "object": "chat.completion" if chat else "text_completion",
-            "created": int(rec["finished_at"]), "model": model, "choices": choices,
+    body = {"id": ("chatcmpl-" if chat else "cmpl-") + suffix,
+            "object": "chat.completion" if chat else "text_completion", "created": int(rec["finished_at"]),
+            "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": rec["completion_tokens"],
                       "total_tokens": prompt_tokens + rec["completion_tokens"]},
             "metrics": {name: rec[name] for name in LATENCIES}}

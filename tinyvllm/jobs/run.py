@@ -156,8 +156,8 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
 def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, total: int, defaults: SamplingParams,
          manifest: dict, signals: StopSignals, before_commit: Callable[[], None]) -> dict:
     started = time.time()
-    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), started, total, piece_rows=cfg.piece_rows,
-                         guard=before_commit)
+    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), started, total,
+                         piece_rows=cfg.piece_rows, guard=before_commit)
     for damaged in writer.damaged:
         print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
     done = writer.committed_rows()
@@ -211,8 +211,8 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
                 "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
                 "chat": cfg.chat, "chat_template": cfg.chat_template,
-                "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
-                "start_time": manifest["started_at"], "end_time": _iso(time.time())}
+                "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
+                "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
     return writer.finalize(metadata, stats)
 
 
