@@ -18,6 +18,9 @@ from tinyvllm.cli import main
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BASE_COLUMNS = ["row", "id", "prompt", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                 "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms", "finished_at"]
+RESULT_COLUMNS = ["chat", "ignored_fields", "cumulative_logprob", "logprobs", "top_logprobs", "prompt_logprobs",
+                  "prompt_top_logprobs", "completions", "completions_tokens", "completions_finish_reasons",
+                  "completions_cumulative_logprobs"]
 
 
 def run(model, input_path, output, *args):
@@ -41,7 +44,9 @@ def metadata(table: pa.Table) -> dict:
 def test_run_jsonl(tiny_model_dir, tmp_path):
     out = tmp_path / "prompts.parquet"
     table = ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out, "--max-tokens", "6")
-    assert table.schema.names == BASE_COLUMNS
+    assert table.schema.names[:len(BASE_COLUMNS)] == BASE_COLUMNS
+    assert set(table.schema.names) - set(BASE_COLUMNS) == set(RESULT_COLUMNS)
+    assert all(table.column(name).null_count == 16 for name in RESULT_COLUMNS if name != "chat")  # none asked
     assert table.schema.field("id").type == pa.string()
     assert table.schema.field("completion_tokens").type == pa.int32()
     assert table.schema.field("e2e_ms").type == pa.float64()

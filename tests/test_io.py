@@ -65,14 +65,15 @@ def test_openai_batch_bad_rows(tmp_path):
         {**req, "custom_id": None},
         {**req, "custom_id": "b", "method": "GET"},
         {**req, "custom_id": "c", "body": "text"},
-        {**req, "custom_id": "d", "body": {"prompt": "x", "n": 2}},
+        {**req, "custom_id": "d", "body": {"prompt": "x", "tools": []}},
         {**req, "custom_id": "e", "body": {"prompt": "x", "max_completion_tokens": 0}},
         {**req, "custom_id": "a"},
     ]])
     errors = [r.error for r in read_rows(path)]
     assert errors[0] is None
     for error, expected in zip(errors[1:], ["missing custom_id", "unsupported method", "body must be",
-                                            "n=2 is not supported", "invalid max_tokens=0", "duplicate id 'a'"]):
+                                            "unsupported field 'tools' (tool calling is not supported)",
+                                            "invalid max_tokens=0", "duplicate id 'a'"], strict=True):
         assert expected in error
 
 
@@ -189,7 +190,7 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
     assert schema.field("id").type == pa.string() and schema.field("prompt_tokens").type == pa.int32()
     assert schema.field("ttft_ms").type == pa.float64()
     assert schema.field("completion_token_ids").type == pa.list_(pa.int32())
-    assert "logprobs" not in schema.names
+    assert table.column("logprobs").null_count == 8 and table.column("completions").null_count == 8  # not asked
     meta = {k.decode(): json.loads(v) for k, v in schema.metadata.items() if k.startswith(b"tinyvllm.")}
     assert meta["tinyvllm.model"] == "m" and meta["tinyvllm.sampling"] == {"x": 1}
     assert meta["tinyvllm.counts"]["rows"] == 8 and meta["tinyvllm.counts"]["error_rows"] == 2
@@ -207,7 +208,7 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
 
 def test_writer_empty_job(tmp_path):
     out = tmp_path / "empty.parquet"
-    summary = PartsWriter(out, output_schema(logprobs=True), run_started=0.0, num_rows=0).finalize({})
+    summary = PartsWriter(out, output_schema(), run_started=0.0, num_rows=0).finalize({})
     table = pq.read_table(out)
     assert table.num_rows == 0 and "top_logprobs" in table.schema.names
     assert summary["rows"] == 0 and summary["output_tok_per_s"] is None

@@ -85,10 +85,12 @@ def main() -> None:
 @main.command()
 @click.option("--input", "input_", required=True, type=click.Path(path_type=Path),
               help="prompts: .jsonl (plain or OpenAI batch) or .parquet")
-@click.option("--output", required=True, type=click.Path(path_type=Path), help="the .parquet file to write")
+@click.option("--output", required=True, type=click.Path(path_type=Path),
+              help="the file to write: .parquet, or .jsonl for the OpenAI Batch API's output format")
 @job_options
 def run(input_: Path, output: Path, **options) -> None:
-    """Run every row of INPUT through the model and write OUTPUT (Parquet) plus a .summary.json.
+    """Run every row of INPUT through the model and write OUTPUT (Parquet or OpenAI batch JSONL) plus a
+    .summary.json.
 
     Killed or interrupted? Run the same command again: it resumes where it stopped."""
     flags, sampling, ray = _split(options)

@@ -103,11 +103,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = False, lora_request: object = None, *,
-             error_outputs: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and complete it (errors as in generate())."""
+             use_tqdm: bool = False, lora_request: object = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, *, error_outputs: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the chat template and complete it (errors as in generate()).
+
+        As in vLLM: chat_template is a template's source, used instead of the model's; chat_template_kwargs are
+        extra template variables (e.g. {"enable_thinking": False}); continue_final_message=True (with
+        add_generation_prompt=False) makes the model continue the last message instead of answering it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
+        prompts = [self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            for conversation in conversations]
         return self._run(prompts, sampling_params, True, use_tqdm, lora_request, error_outputs)
 
     def _run(self, prompts: list, sampling_params, templated: bool, use_tqdm: bool, lora_request,

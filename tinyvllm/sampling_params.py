@@ -12,8 +12,13 @@ SEED_MAX = 2**64 - 1  # the sampler keys on a seed's 64 bits
 # is about as likely anyway, and the value must still fit a float32.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-2, 1e6
 
-# Fields a row of a job's input may override (validate() checks their values).
-OVERRIDABLE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+# Fields a row of a job's input may override (validate() checks their values): every field, each means something for
+# one request.
+OVERRIDABLE_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                      "ignore_eos", "min_tokens", "include_stop_str_in_output", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+                      "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+                      "spaces_between_special_tokens")
 MAX_N = 256  # completions per prompt
 
 

@@ -113,24 +113,48 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            tokenize: bool = False, **template_kwargs: object) -> str | list[int]:
-        """The conversation rendered with the model's chat template: text, or its token ids when tokenize=True.
-        Unlike HF's, the defaults give text ready to generate from (tokenize=False, add_generation_prompt=True).
-        template_kwargs are more variables for the template, as in HF (Qwen3's enable_thinking=False).
+                            tokenize: bool = False, chat_template: str | None = None,
+                            continue_final_message: bool = False, **kwargs) -> str | list[int]:
+        """The conversation rendered with the model's chat template (or `chat_template`, a template's source): text,
+        or its token ids when tokenize=True. Unlike HF's, the defaults give text ready to generate from
+        (tokenize=False, add_generation_prompt=True). continue_final_message: the text ends with the last message's
+        content, for the model to continue it (as in HF and vLLM; not with add_generation_prompt). Other keyword
+        arguments are template variables (chat_template_kwargs, e.g. enable_thinking=False).
         ValueError says why it cannot be rendered: the reason alone (a job prefixes it with "chat template
         failed")."""
         if tokenize:
-            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            text = self.apply_chat_template(messages, add_generation_prompt, chat_template=chat_template,
+                                            continue_final_message=continue_final_message, **kwargs)
             return self.encode_prompt(text, templated=True)
-        if not self.chat_template:
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template; pass plain prompts instead of messages")
         _check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "false")
+        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "bos_token", "eos_token"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {reserved[0]!r}")
         try:
-            return _render(_compile(self.chat_template), **{
-                **template_kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+            text = _render(_compile(template), **{
+                **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except Exception as e:  # a template may raise anything: raise_exception(), 1/0, content of the wrong type
             raise ValueError(str(e) or type(e).__name__) from e
+        return _up_to_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def _up_to_final_message(text: str, final: dict) -> str:
+    """The rendered chat cut right after the last message's content (what follows closes the turn)."""
+    content = final["content"]
+    if isinstance(content, list):  # content parts: the text ones, joined
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    for needle in (content, content.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise ValueError("continue_final_message: the template does not show the last message's content")
 
 
 class IncrementalDetokenizer:
@@ -333,6 +357,14 @@ def _render(template: jinja2.Template, **variables) -> str:
 
 
 _templates: dict[str, jinja2.Template] = {}
+
+
+def check_chat_template(source: str) -> None:
+    """ValueError unless `source` compiles as a chat template (in the bounded sandbox)."""
+    try:
+        _compile(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"line {e.lineno}: {e.message}") from None
 
 
 def _compile(source: str) -> jinja2.Template:

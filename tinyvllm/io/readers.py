@@ -2,9 +2,14 @@
 
 Formats (by extension): JSONL (.jsonl/.ndjson/.json, one object per line, blank lines skipped) and Parquet
 (.parquet/.pq, read by record batches). A record has `prompt` (text or token ids) or `messages` (chat), an
-optional `id` (default: its 0-based record number; only ids given must be unique) and optional sampling
-overrides. A file whose first object has `custom_id` is an OpenAI batch file: `custom_id` is the id and `body` holds
-the request.
+optional `id` (default: its 0-based record number; only ids given must be unique) and optional request fields
+(sampling overrides, chat-template options). A file whose first object has `custom_id` is an OpenAI batch file:
+`custom_id` is the id and `body` holds the request.
+
+Nothing is silently ignored: every request field is applied or refused (the row becomes an error row naming it;
+with allow_unknown_fields the field is dropped and listed in the row's `ignored_fields`). A plain row's other
+fields, and an OpenAI line's keys beside custom_id/method/url/body, are data: the job carries them to its output
+(input_columns() gives their Arrow types).
 """
 
 from __future__ import annotations
@@ -16,15 +21,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tinyvllm.config import INT32_MAX
 from tinyvllm.errors import JobError
 from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
-INT_FIELDS = ("max_tokens", "top_k", "seed")
+OPENAI_LINE_FIELDS = ("custom_id", "method", "url", "body")
+INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs")
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")  # SamplingParams.validate() checks the others
+# vLLM's LLM.chat options, per row (a job sets their defaults).
+CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+# OpenAI's names for SamplingParams fields: max_completion_tokens is max_tokens; chat's `logprobs: true` with
+# `top_logprobs: k` is logprobs=k (completions' integer `logprobs` is vLLM's already).
+OPENAI_ALIASES = ("max_completion_tokens", "top_logprobs")
+# Fields of an OpenAI request body that mean nothing for an offline generation: accepted and ignored.
+IGNORED_FIELDS = ("model", "user", "metadata", "store")
+# Request fields of OpenAI's and vLLM's APIs that tinyvllm cannot honour: a row giving one is refused (in a plain
+# row too, where other unknown fields are data columns).
+UNSUPPORTED_FIELDS = {
+    "stream": "outputs are written once complete; only stream: false",
+    "stream_options": "outputs are not streamed",
+    "response_format": "structured outputs are not supported yet",
+    "guided_json": "structured outputs are not supported yet",
+    "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet",
+    "guided_grammar": "structured outputs are not supported yet",
+    "structured_outputs": "structured outputs are not supported yet",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "tool calling is not supported",
+    "function_call": "tool calling is not supported",
+    "best_of": "no beam or best-of search",
+    "use_beam_search": "no beam or best-of search",
+    "length_penalty": "no beam or best-of search",
+    "echo": "the prompt is in the output's `prompt` column",
+    "suffix": "no fill-in-the-middle",
+    "chat_template": "one template per job: --chat-template",
+    "logits_processors": "custom logits processors are not supported",
+    "truncate_prompt_tokens": "prompts are never truncated",
+    "modalities": "text only",
+    "audio": "text only",
+    "prediction": "no predicted outputs",
+    "reasoning_effort": "no reasoning controls",
+    "service_tier": "no service tiers",
+}
+# Keys a plain row's request reads: never carried to the output as data.
+REQUEST_FIELDS = frozenset(("id", "prompt", "messages", *OVERRIDABLE_FIELDS, *OPENAI_ALIASES, *CHAT_FIELDS,
+                            *UNSUPPORTED_FIELDS))
+MESSAGE_FIELDS = ("role", "content", "name")  # `name` reaches the template, as in OpenAI's API
+JSON_TEXT = {b"tinyvllm.json_text": b"1"}  # metadata of a carried JSONL column whose values have no common type
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -33,18 +84,34 @@ class Row:
     index: int  # 0-based record number: the output's `row`, the key that resume skips by
     id: str
     prompt: str | list[int] | None = None  # text, or token ids
-    messages: list[dict] | None = None  # chat: [{role, content}], rendered later with the model's template
+    messages: list[dict] | None = None  # chat: [{role, content}], rendered later with the chat template
     overrides: dict = field(default_factory=dict)  # SamplingParams fields, already validated
+    chat_options: dict = field(default_factory=dict)  # CHAT_FIELDS given, checked
+    ignored_fields: list[str] = field(default_factory=list)  # unsupported fields dropped (allow_unknown_fields)
+    columns: dict = field(default_factory=dict)  # the input's other columns, carried to the output
     error: str | None = None  # set: the row is bad and becomes an error row with this reason
+
+
+@dataclass
+class Request:
+    """What a row asks for (parse_request's result)."""
+
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    overrides: dict
+    chat_options: dict
+    ignored_fields: list[str]
 
 
 class BadRow(ValueError):
     pass
 
 
-def read_rows(path: str | Path) -> Iterator[Row]:
-    """Rows of a JSONL or Parquet file, in file order. Raises JobError now if the file itself is unusable."""
-    return _rows(_records(Path(path)))
+def read_rows(path: str | Path, columns: pa.Schema | None = None,
+              allow_unknown_fields: bool = False) -> Iterator[Row]:
+    """Rows of a JSONL or Parquet file, in file order, carrying the input `columns` (from input_columns()).
+    Raises JobError now if the file itself is unusable."""
+    return _rows(_records(Path(path)), columns or pa.schema([]), allow_unknown_fields)
 
 
 def count_rows(path: str | Path) -> int:
@@ -54,6 +121,76 @@ def count_rows(path: str | Path) -> int:
         return pq.ParquetFile(path).metadata.num_rows
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
+
+
+def input_columns(path: str | Path, keep: list[str] | None = None, drop: bool = False) -> pa.Schema:
+    """The input's columns a job carries to its output: those no request reads (all, `keep` only, or none when
+    `drop`), with their Arrow types: a Parquet file's own; a JSONL key's from its values over the whole file (null
+    where a row lacks it; ints and floats make float64; values with no common type are carried as JSON text).
+    JobError: a `keep` column the input does not have."""
+    path = Path(path)
+    records = _records(path)  # checks the file
+    if drop:
+        return pa.schema([])
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        schema = pq.read_schema(path)
+        data = _data_fields(schema.names, "custom_id" in schema.names)
+        fields = [schema.field(name).remove_metadata() for name in data]
+    else:
+        fields = _jsonl_fields(records)
+    if keep is not None:
+        present = {f.name for f in fields}
+        missing = [name for name in keep if name not in present]
+        if missing:
+            raise JobError(f"--keep-columns: the input {path} has no data column {missing[0]!r} (columns: "
+                           f"{', '.join(sorted(present)) or 'none'}; request fields are not carried)")
+        fields = [f for f in fields if f.name in keep]
+    return pa.schema(fields)
+
+
+def _data_fields(names, openai: bool) -> list[str]:
+    """Of a record's keys, those that are data (carried), not request fields."""
+    request = OPENAI_LINE_FIELDS if openai else REQUEST_FIELDS
+    return [name for name in names if name not in request]
+
+
+def _jsonl_fields(records: Iterator[tuple[int, str, object, str | None]]) -> list[pa.Field]:
+    types: dict[str, pa.DataType | None] = {}  # None: no common type (carried as JSON text)
+    openai = None
+    for _, _, obj, problem in records:
+        if problem is not None or not isinstance(obj, dict):
+            continue
+        if openai is None:
+            openai = "custom_id" in obj
+        for name in _data_fields(obj, openai):
+            if name in types and types[name] is None:
+                continue
+            kind = _json_type(obj[name])
+            types[name] = kind if name not in types or kind is None else _common_type(types[name], kind)
+    return [pa.field(name, kind) if kind is not None else pa.field(name, pa.string(), metadata=JSON_TEXT)
+            for name, kind in types.items()]
+
+
+def _json_type(value: object) -> pa.DataType | None:
+    for kind, arrow in ((type(None), pa.null()), (bool, pa.bool_()), (str, pa.string()), (float, pa.float64())):
+        if isinstance(value, kind):
+            return arrow
+    if isinstance(value, int):
+        return pa.int64() if -(2**63) <= value < 2**63 else None
+    try:
+        return pa.array([value]).type
+    except (pa.ArrowException, OverflowError):  # a list of mixed types, an integer beyond 64 bits
+        return None
+
+
+def _common_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    if a == b:
+        return a
+    try:
+        return pa.unify_schemas([pa.schema([("x", a)]), pa.schema([("x", b)])],
+                                promote_options="permissive").field("x").type
+    except (pa.ArrowException, ValueError):
+        return None
 
 
 def _records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
@@ -107,13 +244,16 @@ def _parquet_records(parquet: pq.ParquetFile) -> Iterator[tuple[int, str, object
     index = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
         for obj in batch.to_pylist():
-            # pandas writes a missing number in a float column as NaN: treat it as absent, like null.
-            obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
+            # pandas writes a missing number in a float column as NaN: a request field's is absent, like null (data
+            # columns keep theirs).
+            obj = {k: (None if k in REQUEST_FIELDS and isinstance(v, float) and math.isnan(v) else v)
+                   for k, v in obj.items()}
             yield index, f"row {index}", obj, None
             index += 1
 
 
-def _rows(records: Iterator[tuple[int, str, object, str | None]]) -> Iterator[Row]:
+def _rows(records: Iterator[tuple[int, str, object, str | None]], columns: pa.Schema,
+          allow_unknown: bool) -> Iterator[Row]:
     seen: set[str] = set()
     openai: bool | None = None  # decided by the first object of the file
     for index, where, obj, problem in records:
@@ -122,28 +262,41 @@ def _rows(records: Iterator[tuple[int, str, object, str | None]]) -> Iterator[Ro
         if problem is not None:
             yield Row(index, str(index), error=f"{where}: {problem}")
             continue
+        carried = _carried(obj, columns)
         if openai is None:
             openai = "custom_id" in obj
         try:
             row_id = _row_id(obj, openai)
         except BadRow as e:
-            yield Row(index, str(index), error=f"{where}: {e}")
+            yield Row(index, str(index), columns=carried, error=f"{where}: {e}")
             continue
         # Ids given must be unique; a row without one is known by its row number, which no given id can clash with
         # (the output's `row` column tells them apart).
         if row_id is None:
             row_id = str(index)
         elif row_id in seen:
-            yield Row(index, row_id, error=f"{where}: duplicate id {row_id!r} (an earlier row has it)")
+            yield Row(index, row_id, columns=carried, error=f"{where}: duplicate id {row_id!r} (an earlier row has it)")
             continue
         else:
             seen.add(row_id)
         try:
-            prompt, messages, overrides = _parse_openai(obj) if openai else _parse_plain(obj)
+            request = _parse_openai(obj, allow_unknown) if openai else _parse_plain(obj, allow_unknown)
         except BadRow as e:
-            yield Row(index, row_id, error=f"{where}: {e}")
+            yield Row(index, row_id, columns=carried, error=f"{where}: {e}")
             continue
-        yield Row(index, row_id, prompt, messages, overrides)
+        yield Row(index, row_id, request.prompt, request.messages, request.overrides, request.chat_options,
+                  request.ignored_fields, carried)
+
+
+def _carried(obj: dict, columns: pa.Schema) -> dict:
+    """The row's values of the carried columns (null where it lacks one), as parsed."""
+    out = {}
+    for f in columns:
+        value = obj.get(f.name)
+        if f.metadata == JSON_TEXT and value is not None:
+            value = json.dumps(value, ensure_ascii=False)
+        out[f.name] = value
+    return out
 
 
 def _row_id(obj: dict, openai: bool) -> str | None:
@@ -159,40 +312,85 @@ def _row_id(obj: dict, openai: bool) -> str | None:
     return str(value)
 
 
-def parse_request(obj: dict) -> tuple[str | list[int] | None, list[dict] | None, dict]:
-    """(prompt, messages, sampling overrides) of one row object, plain or OpenAI batch (it has `custom_id`).
-    BadRow says what is wrong with it."""
-    return _parse_openai(obj) if "custom_id" in obj else _parse_plain(obj)
+def parse_request(obj: dict, allow_unknown_fields: bool = False) -> Request:
+    """What one row object asks for, plain or OpenAI batch (it has `custom_id`). BadRow says what is wrong."""
+    return _parse_openai(obj, allow_unknown_fields) if "custom_id" in obj else _parse_plain(obj, allow_unknown_fields)
 
 
-def _parse_plain(obj: dict) -> tuple[str | list[int] | None, list[dict] | None, dict]:
-    overrides = {k: obj[k] for k in OVERRIDABLE_FIELDS if obj.get(k) is not None}
-    return (*_prompt_or_messages(obj.get("prompt"), obj.get("messages")), _checked_overrides(overrides))
+def _parse_plain(obj: dict, allow_unknown: bool) -> Request:
+    fields = {k: v for k, v in obj.items() if k in REQUEST_FIELDS and k != "id" and v is not None}
+    return _request(fields, allow_unknown, chat=None)
 
 
-def _parse_openai(obj: dict) -> tuple[str | list[int] | None, list[dict] | None, dict]:
+def _parse_openai(obj: dict, allow_unknown: bool) -> Request:
     if obj.get("method", "POST") != "POST":
         raise BadRow(f"unsupported method {obj.get('method')!r:.40} (only POST)")
-    if obj.get("url") not in OPENAI_URLS:
-        raise BadRow(f"unsupported url {obj.get('url')!r:.80} (expected one of {', '.join(OPENAI_URLS)})")
+    url = obj.get("url")
+    if url not in OPENAI_URLS:
+        raise BadRow(f"unsupported url {url!r:.80} (expected one of {', '.join(OPENAI_URLS)})")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadRow("body must be a JSON object")
-    if body.get("n") not in (None, 1):
-        raise BadRow(f"n={body['n']!r:.20} is not supported (one completion per request)")
-    overrides = {k: body[k] for k in OVERRIDABLE_FIELDS if body.get(k) is not None}
-    if body.get("max_completion_tokens") is not None:  # the newer name wins, as in OpenAI's API
-        overrides["max_tokens"] = body["max_completion_tokens"]
-    return (*_prompt_or_messages(body.get("prompt"), body.get("messages")), _checked_overrides(overrides))
+    fields = {k: v for k, v in body.items() if v is not None and k not in IGNORED_FIELDS}
+    return _request(fields, allow_unknown, chat=url == "/v1/chat/completions")
 
 
-def _prompt_or_messages(prompt: object, messages: object) -> tuple[str | list[int] | None, list[dict] | None]:
+def _request(fields: dict, allow_unknown: bool, chat: bool | None) -> Request:
+    """A Request from a row's request fields (null ones left out). `chat`: an OpenAI body for the chat endpoint
+    (True) or the completions one (False), where every other field is refused; None: a plain row."""
+    ignored: list[str] = []
+
+    def refuse(name: str) -> None:
+        if not allow_unknown:
+            why = UNSUPPORTED_FIELDS.get(name)
+            raise BadRow(f"unsupported field {name!r}" + (f" ({why})" if why else ""))
+        if name not in ignored:
+            ignored.append(name)
+
+    if fields.get("stream") is False:
+        del fields["stream"]
+    overrides = {k: fields.pop(k) for k in OVERRIDABLE_FIELDS if k in fields}
+    if "max_completion_tokens" in fields:  # the newer name wins, as in OpenAI's API
+        overrides["max_tokens"] = fields.pop("max_completion_tokens")
+    top_logprobs = fields.pop("top_logprobs", None)
+    if overrides.get("logprobs") is True:
+        overrides["logprobs"] = top_logprobs if top_logprobs is not None else 0  # 0: the sampled token's only
+    elif overrides.get("logprobs") is False:
+        del overrides["logprobs"]
+        if top_logprobs is not None:
+            raise BadRow("top_logprobs needs logprobs: true")
+    elif top_logprobs is not None:
+        raise BadRow("top_logprobs needs logprobs: true")
+    chat_options = _checked_chat_options({k: fields.pop(k) for k in CHAT_FIELDS if k in fields})
+    prompt, messages = fields.pop("prompt", None), fields.pop("messages", None)
+    for name in sorted(fields):
+        refuse(name)
+    if chat is True and prompt is not None:
+        raise BadRow("/v1/chat/completions takes messages, not prompt")
+    if chat is False and messages is not None:
+        raise BadRow("/v1/completions takes prompt, not messages")
+    prompt, messages = _prompt_or_messages(prompt, messages, refuse)
+    return Request(prompt, messages, _checked_overrides(overrides), chat_options, ignored)
+
+
+def _checked_chat_options(options: dict) -> dict:
+    kwargs = options.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRow(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in options and not isinstance(options[name], bool):
+            raise BadRow(f"invalid {name}={options[name]!r:.40}: must be true or false")
+    return options
+
+
+def _prompt_or_messages(prompt: object, messages: object,
+                        refuse) -> tuple[str | list[int] | None, list[dict] | None]:
     if prompt is not None and messages is not None:
         raise BadRow("has both prompt and messages (give one)")
     if prompt is None and messages is None:
         raise BadRow("missing prompt or messages")
     if messages is not None:
-        return None, _checked_messages(messages)
+        return None, _checked_messages(messages, refuse)
     if isinstance(prompt, str):
         if not prompt:
             raise BadRow("prompt is empty")
@@ -206,13 +404,16 @@ def _prompt_or_messages(prompt: object, messages: object) -> tuple[str | list[in
     raise BadRow(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-def _checked_messages(messages: object) -> list[dict]:
+def _checked_messages(messages: object, refuse) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadRow("messages must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRow(f"messages[{i}] must be an object with role and content")
+        for name in sorted(set(m) - set(MESSAGE_FIELDS)):
+            if m[name] is not None:
+                refuse(f"messages[].{name}")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise BadRow(f"messages[{i}].role must be a non-empty string")
@@ -223,7 +424,11 @@ def _checked_messages(messages: object) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRow(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRow(f"messages[{i}].name must be a string")
+        out.append({"role": role, "content": content} if name is None else {"role": role, "content": content,
+                                                                            "name": name})
     return out
 
 
@@ -232,13 +437,18 @@ def _checked_overrides(overrides: dict) -> dict:
         value = overrides.get(name)
         if isinstance(value, float) and value.is_integer():
             overrides[name] = int(value)
+    for name in BOOL_FIELDS:
+        if name in overrides and not isinstance(overrides[name], bool):
+            raise BadRow(f"invalid {name}={overrides[name]!r:.40}: must be true or false")
     stop = overrides.get("stop")
     if isinstance(stop, str):
         overrides["stop"] = [stop]
     elif stop is not None and not isinstance(stop, list):
         raise BadRow(f"invalid stop={stop!r:.80}: must be a string or a list of strings")
     try:
-        SamplingParams().with_overrides(overrides)  # the one place that knows what is valid
+        # The one place that knows what is valid. The job's max_tokens is not known here: min_tokens is checked
+        # against it once the row's SamplingParams are made (prepare_request).
+        SamplingParams(max_tokens=INT32_MAX).with_overrides(overrides)
     except (ValueError, TypeError) as e:
         raise BadRow(str(e)) from None
     return overrides

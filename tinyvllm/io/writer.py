@@ -11,6 +11,7 @@ committed twice (a piece copied, two runs) is kept once."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import heapq
 import json
 import os
@@ -33,20 +34,42 @@ PIECE_SECONDS = 2.0  # ... and a finished row waits at most this long to be comm
 FINAL_BATCH_ROWS = 1024
 LATENCIES = ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms")
 _TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())]))
+# Output formats by the output's extension: Parquet, or the OpenAI Batch API's output JSONL.
+OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "openai"}
+OPENAI_LINE_KEYS = ("custom_id", "response")  # an OpenAI output line's keys besides `id` and `error`
 
 
-def output_schema(token_ids: bool = False, logprobs: bool = False) -> pa.Schema:
+def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> pa.Schema:
+    """The output's columns: the results (logprob and n > 1 columns always, null where a row did not ask),
+    completion_token_ids if `token_ids`, then the input's carried `columns`."""
     cols = [("row", pa.int64()), ("id", pa.string()), ("prompt", pa.string()), ("completion", pa.string()),
             ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
             ("error", pa.string())]
     cols += [(name, pa.float64()) for name in LATENCIES]
-    cols += [("finished_at", pa.float64())]  # unix seconds, for throughput over time
+    cols += [("finished_at", pa.float64()),  # unix seconds, for throughput over time
+             ("chat", pa.bool_()),  # the prompt is a chat rendered with the template
+             ("ignored_fields", pa.list_(pa.string()))]  # unsupported fields dropped (--allow-unknown-fields)
     if token_ids:
         cols += [("completion_token_ids", pa.list_(pa.int32()))]
-    if logprobs:  # the sampled token's logprob per position, and the top ones (sampled included) at each
-        cols += [("cumulative_logprob", pa.float64()), ("logprobs", pa.list_(pa.float64())),
-                 ("top_logprobs", pa.list_(_TOP))]
-    return pa.schema(cols)
+    # The first completion's logprobs: the sampled token's per position, and the top ones (sampled included) at each;
+    # the prompt's: each prompt token's (null for the first) and the top ones.
+    cols += [("cumulative_logprob", pa.float64()), ("logprobs", pa.list_(pa.float64())),
+             ("top_logprobs", pa.list_(_TOP)), ("prompt_logprobs", pa.list_(pa.float64())),
+             ("prompt_top_logprobs", pa.list_(_TOP))]
+    # n > 1: each completion's text, token count, finish reason and cumulative logprob (the first is `completion`).
+    cols += [("completions", pa.list_(pa.string())), ("completions_tokens", pa.list_(pa.int32())),
+             ("completions_finish_reasons", pa.list_(pa.string())),
+             ("completions_cumulative_logprobs", pa.list_(pa.float64()))]
+    return pa.schema(cols + list(columns or []))
+
+
+def output_format(output: Path) -> str:
+    """"parquet" or "openai" (the OpenAI Batch API's output JSONL), by the output's extension; JobError else."""
+    fmt = OUTPUT_FORMATS.get(output.suffix.lower())
+    if fmt is None:
+        raise JobError(f"unsupported output format {output.suffix or '(no extension)'!r}: use .parquet, or .jsonl "
+                       f"for the OpenAI Batch API's output format ({output})")
+    return fmt
 
 
 class RowSet:
@@ -79,9 +102,11 @@ class RowSet:
 
 
 def output_record(index: int, row_id: str, prompt: str | list[int] | None,
-                  out: RequestOutput | None = None, error: str | None = None) -> dict:
-    """One output row: from the engine's RequestOutput, or from a row that failed before reaching it."""
-    comp = out.outputs[0] if out is not None and out.outputs else None
+                  out: RequestOutput | None = None, error: str | None = None, *, extras: dict | None = None) -> dict:
+    """One output row: from the engine's RequestOutput, or from a row that failed before reaching it. `extras`:
+    further columns (the row's carried input columns, `chat`, `ignored_fields`)."""
+    comps = out.outputs if out is not None else []
+    comp = comps[0] if comps else None
     if error is None and out is not None:
         error = out.error or (None if comp else "engine returned no completion")
     ok = error is None
@@ -91,7 +116,7 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
         "completion": comp.text if ok else None,
         "finish_reason": comp.finish_reason if ok else "error",
         "prompt_tokens": len(out.prompt_token_ids) if out is not None and out.prompt_token_ids else None,
-        "completion_tokens": len(comp.token_ids) if ok else 0,
+        "completion_tokens": sum(len(c.token_ids) for c in comps) if ok else 0,  # all n, as OpenAI's usage
         "error": error, "finished_at": time.time(),
         "completion_token_ids": comp.token_ids if ok else None,
     }
@@ -99,9 +124,22 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
     if ok and comp.logprobs is not None:
         rec["cumulative_logprob"] = comp.cumulative_logprob
         rec["logprobs"] = [d.get(t) for t, d in zip(comp.token_ids, comp.logprobs)]
-        rec["top_logprobs"] = [[{"token_id": t, "logprob": p} for t, p in sorted(d.items(), key=lambda kv: -kv[1])]
-                               for d in comp.logprobs]
+        rec["top_logprobs"] = [_top(d) for d in comp.logprobs]
+    if ok and out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [d.get(t) if d is not None else None
+                                  for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+        rec["prompt_top_logprobs"] = [_top(d) if d is not None else None for d in out.prompt_logprobs]
+    if ok and len(comps) > 1:
+        rec["completions"] = [c.text for c in comps]
+        rec["completions_tokens"] = [len(c.token_ids) for c in comps]
+        rec["completions_finish_reasons"] = [c.finish_reason for c in comps]
+        rec["completions_cumulative_logprobs"] = [c.cumulative_logprob for c in comps]
+    rec.update(extras or {})
     return rec
+
+
+def _top(logprobs: dict[int, float]) -> list[dict]:
+    return [{"token_id": t, "logprob": p} for t, p in sorted(logprobs.items(), key=lambda kv: -kv[1])]
 
 
 def parts_dir(output: Path) -> Path:
@@ -114,8 +152,9 @@ def lock_path(output: Path) -> Path:
 
 
 def sibling(output: Path, suffix: str) -> Path:
-    """A file next to the output: out.parquet -> out<suffix>."""
-    name = output.name[: -len(".parquet")] if output.name.endswith(".parquet") else output.name
+    """A file next to the output: out.parquet (or out.jsonl) -> out<suffix>."""
+    name = next((output.name[: -len(ext)] for ext in (".parquet", ".jsonl") if output.name.endswith(ext)),
+                output.name)
     return output.with_name(name + suffix)
 
 
@@ -236,7 +275,7 @@ class PartsWriter:
         kv = {f"tinyvllm.{k}": json.dumps(v, default=str) for k, v in metadata.items()}
         schema = self.schema.with_metadata(kv)
 
-        def write(f: BinaryIO) -> None:
+        def write_parquet(f: BinaryIO) -> None:
             with pq.ParquetWriter(f, schema) as w:
                 batch = []
                 for rec in _merged(pieces):
@@ -246,8 +285,17 @@ class PartsWriter:
                         batch = []
                 w.write_table(pa.Table.from_pylist(batch, schema=schema))
 
+        def write_openai(f: BinaryIO) -> None:
+            model, token = str(metadata.get("model", "")), openai_token(metadata)
+            data = [name for name in self.schema.names if name not in output_schema(True).names]
+            for rec in _merged(pieces):
+                f.write(json.dumps(openai_line(rec, model, token, data), ensure_ascii=False, default=str).encode()
+                        + b"\n")
+
+        if output_format(self.output) == "openai":  # no key-value metadata in JSONL: the summary holds it
+            summary["metadata"] = json.loads(json.dumps(metadata, default=str))
         self._guard()  # a run that lost its lock never replaces the output
-        self._write(self.output, write)
+        self._write(self.output, write_openai if output_format(self.output) == "openai" else write_parquet)
         self._write(summary_path(self.output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"))
         self._guard()  # nor removes pieces that a run which took its lock is reading
         clear_parts(self.parts)
@@ -333,10 +381,10 @@ def clear_parts(parts: Path) -> None:
 
 
 def output_rows_problem(output: Path, num_rows: int) -> str | None:
-    """What is wrong with a finished output's `row` column (it must be 0..num_rows-1, in order), or None."""
+    """What is wrong with a finished output's rows (they must be 0..num_rows-1, in order), or None. Parquet: its
+    `row` column; OpenAI JSONL: the row number each line's id ends in."""
     expected = 0
-    for batch in pq.ParquetFile(output).iter_batches(columns=["row"], batch_size=1 << 16):
-        rows = batch.column(0).to_numpy(zero_copy_only=False)
+    for rows in _output_rows(output):
         wrong = np.flatnonzero(rows != np.arange(expected, expected + len(rows)))
         if len(wrong):
             at = int(wrong[0])
@@ -345,6 +393,72 @@ def output_rows_problem(output: Path, num_rows: int) -> str | None:
     if expected != num_rows:
         return f"it has {expected} rows for the input's {num_rows}"
     return None
+
+
+def openai_token(metadata: dict) -> str:
+    """A token of the job (the same in every run of it) that makes an OpenAI output's ids unique."""
+    return hashlib.sha256(json.dumps(metadata.get("job"), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def openai_line(rec: dict, model: str, token: str, data_columns: list[str]) -> dict:
+    """One line of the OpenAI Batch API's output file for an output record: `response` with a chat.completion or
+    text_completion body, or `error`; the carried input columns beside them. The id ends in the row number."""
+    line: dict = {"id": f"batch_req_{token}_{rec['row']}", "custom_id": rec["id"]}
+    if rec["error"] is not None:
+        line.update(response=None, error={"code": "invalid_request", "message": rec["error"]})
+    else:
+        line.update(response={"status_code": 200, "request_id": f"req_{token}_{rec['row']}",
+                              "body": _openai_body(rec, model, f"{token}-{rec['row']}")}, error=None)
+    line.update((name, rec[name]) for name in data_columns)
+    return line
+
+
+def _openai_body(rec: dict, model: str, suffix: str) -> dict:
+    chat = bool(rec["chat"])
+    texts = rec["completions"] or [rec["completion"]]
+    reasons = rec["completions_finish_reasons"] or [rec["finish_reason"]]
+    choices = []
+    for i, (text, reason) in enumerate(zip(texts, reasons)):
+        choice = {"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+        choice["logprobs"] = _openai_logprobs(rec, chat) if i == 0 and rec["logprobs"] is not None else None
+        choice["finish_reason"] = reason
+        if i == 0:
+            choice["token_ids"] = rec["completion_token_ids"]  # vLLM's return_token_ids
+        choices.append(choice)
+    prompt_tokens = rec["prompt_tokens"] or 0
+    body = {"id": ("chatcmpl-" if chat else "cmpl-") + suffix,
+            "object": "chat.completion" if chat else "text_completion", "created": int(rec["finished_at"]),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": rec["completion_tokens"],
+                      "total_tokens": prompt_tokens + rec["completion_tokens"]},
+            "metrics": {name: rec[name] for name in LATENCIES}}
+    if rec["prompt_logprobs"] is not None:
+        body["prompt_logprobs"] = rec["prompt_logprobs"]
+    return body
+
+
+def _openai_logprobs(rec: dict, chat: bool) -> dict:
+    """The first choice's logprobs in OpenAI's shape; tokens are named "token_id:N" (vLLM's
+    return_tokens_as_token_ids), since the pieces keep ids, not token strings."""
+    ids, own, tops = rec["completion_token_ids"], rec["logprobs"], rec["top_logprobs"]
+    if chat:
+        return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
+                             "top_logprobs": [{"token": f"token_id:{e['token_id']}", "logprob": e["logprob"],
+                                               "bytes": None} for e in top]}
+                            for t, lp, top in zip(ids, own, tops)]}
+    return {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": own,
+            "top_logprobs": [{f"token_id:{e['token_id']}": e["logprob"] for e in top} for top in tops],
+            "text_offset": None}
+
+
+def _output_rows(output: Path) -> Iterator[np.ndarray]:
+    if output_format(output) == "parquet":
+        for batch in pq.ParquetFile(output).iter_batches(columns=["row"], batch_size=1 << 16):
+            yield batch.column(0).to_numpy(zero_copy_only=False)
+        return
+    with open(output, "rb") as f:
+        for line in f:
+            yield np.array([int(json.loads(line)["id"].rsplit("_", 1)[1])])
 
 
 def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
@@ -376,7 +490,7 @@ def _merged(pieces: list[Path]) -> Iterator[dict]:
             heapq.heappush(heap, (following["row"], i, following, rows))
 
 
-SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", *LATENCIES]
+SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", "ignored_fields", *LATENCIES]
 
 
 def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
@@ -397,6 +511,9 @@ def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
         "wall_time_s": wall_time_s,
         "output_tok_per_s": round(out_tokens / wall_time_s, 2) if wall_time_s > 0 else None,
         "latency_ms": latency,
+        # rows per unsupported field dropped (--allow-unknown-fields)
+        "ignored_fields": dict(sorted((c["values"], c["counts"]) for c in
+                                      pc.value_counts(pc.list_flatten(table.column("ignored_fields"))).to_pylist())),
     }
 
 

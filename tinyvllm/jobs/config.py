@@ -6,6 +6,7 @@ job-file keys are derived from these fields and EngineConfig's (cli.py, jobs/fil
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -37,17 +38,54 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: dict = field(default_factory=dict)  # SamplingParams fields: the defaults every row starts from
     chat: bool = setting(False, "send each `prompt` text as one user chat message")
+    chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's")
+    chat_template_kwargs: str | None = setting(None, "template variables for every chat, a JSON object, e.g. "
+                                               "'{\"enable_thinking\": false}' (a row's own keys win)")
+    allow_unknown_fields: bool = setting(False, "drop unsupported request fields with one warning each, instead "
+                                         "of making their rows error rows")
+    keep_columns: str | None = setting(None, "carry only these input columns to the output (comma-separated) "
+                                       "[default: all]")
+    drop_input_columns: bool = setting(False, "carry none of the input's columns to the output")
     output_token_ids: bool = setting(False, "add a completion_token_ids column")
-    logprobs: int | None = setting(None, "add logprob columns with the top N per token", low=0, high=1 << 20)
+    logprobs: int | None = setting(None, "rows' default logprobs: fill the logprob columns with the top N per token",
+                                   low=0, high=1 << 20)
     max_in_flight: int | None = setting(None, "requests in the engine at once [default: 4 x max_num_seqs]",
                                         low=1, high=1 << 24)
     piece_rows: int = setting(PIECE_ROWS, "rows per committed piece", low=1, high=1 << 24)
     overwrite: bool = setting(False, "start over: drop committed rows, replace a finished output")
     quiet: bool = setting(False, "no progress bar or final line")
     ray: RayConfig | None = None  # set: run the engine work on Ray replicas
+    chat_template_source: str | None = None  # the chat_template file's content (run_job reads it)
 
     def __post_init__(self) -> None:
+        if isinstance(self.chat_template, Path):  # a job file's paths are resolved to Paths
+            self.chat_template = str(self.chat_template)
         check_settings(self)
+        if self.keep_columns is not None and self.drop_input_columns:
+            raise ValueError("keep_columns and drop_input_columns contradict each other: give one")
+        if self.keep_columns is not None and not self.kept_columns:
+            raise ValueError(f"invalid keep_columns={self.keep_columns!r}: name at least one column")
+        self.template_kwargs  # noqa: B018 (raises ValueError unless it is a JSON object)
+
+    @property
+    def kept_columns(self) -> list[str] | None:
+        """The input columns to carry, or None: all of them."""
+        if self.keep_columns is None:
+            return None
+        return [name.strip() for name in self.keep_columns.split(",") if name.strip()]
+
+    @property
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs as a dict; ValueError if it is not a JSON object."""
+        if self.chat_template_kwargs is None:
+            return {}
+        try:
+            kwargs = json.loads(self.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"invalid chat_template_kwargs: not JSON ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("invalid chat_template_kwargs: must be a JSON object")
+        return kwargs
 
     @property
     def in_flight_limit(self) -> int:

@@ -17,7 +17,7 @@ from tinyvllm.errors import JobError
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
 from tinyvllm.sampling_params import SamplingParams
 
-PATH_KEYS = ("input", "output", "model")
+PATH_KEYS = ("input", "output", "model", "chat_template")
 
 
 def _keys(cls, names=None) -> dict[str, type | tuple]:

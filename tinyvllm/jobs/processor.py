@@ -86,9 +86,9 @@ class _DatasetReplica(ray_executor.Replica):
         # As the Parquet reader does: pandas writes a missing number as NaN.
         obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
         try:
-            prompt, messages, overrides = parse_request(obj)
+            request = parse_request(obj)
         except BadRow as e:
             return Row(i, str(i), error=str(e))
-        if self.defaults.seed is None and "seed" not in overrides:
-            overrides["seed"] = int(self.rng.integers(1 << 62))
-        return Row(i, str(i), prompt, messages, overrides)
+        if self.defaults.seed is None and "seed" not in request.overrides:
+            request.overrides["seed"] = int(self.rng.integers(1 << 62))
+        return Row(i, str(i), request.prompt, request.messages, request.overrides, request.chat_options)

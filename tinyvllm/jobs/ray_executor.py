@@ -32,7 +32,7 @@ from tinyvllm.errors import JobError
 from tinyvllm.io import Row, output_record
 from tinyvllm.io.writer import output_schema
 from tinyvllm.jobs.config import JobConfig, RayConfig
-from tinyvllm.jobs.run import complete_rows, load_llm
+from tinyvllm.jobs.run import complete_rows, load_llm, record_extras
 from tinyvllm.sampling_params import SamplingParams
 
 __all__ = ["RayExecutor"]
@@ -63,7 +63,7 @@ class RayExecutor:
 
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterable[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
-            stopped: Callable[[], bool]) -> tuple[dict, dict]:
+            stopped: Callable[[], bool], columns: pa.Schema) -> tuple[dict, dict]:
         import ray
         import ray.data
 
@@ -74,7 +74,7 @@ class RayExecutor:
         batch_size = ray_cfg.batch_size or max(1, min(cfg.in_flight_limit, -(-num_rows // replicas)))
         reports: dict[str, dict] = {}
         try:
-            blocks, staged = _stage(rows, batch_size)
+            blocks, staged = _stage(rows, batch_size, columns)
             if blocks and not stopped():
                 log = ray.remote(num_cpus=0)(BatchLog).remote()
                 ds = map_replicas(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
@@ -90,21 +90,23 @@ class RayExecutor:
         return info, _merged_stats([r["stats"] for r in reports]) if reports else None
 
 
-def _stage(rows: Iterable[Row], batch_size: int) -> tuple[list, int]:
-    """Put the rows into the object store, `batch_size` a block. The blocks stay referenced (by the driver) until
-    the job ends: a batch whose replica dies is read again."""
+def _stage(rows: Iterable[Row], batch_size: int, columns: pa.Schema) -> tuple[list, int]:
+    """Put the rows into the object store, `batch_size` a block, their carried `columns` beside the request. The
+    blocks stay referenced (by the driver) until the job ends: a batch whose replica dies is read again."""
     import ray
 
+    schema = pa.schema(list(STAGED_SCHEMA) + list(columns))
     blocks, chunk, staged = [], [], 0
     for row in rows:
-        request = {"prompt": row.prompt, "messages": row.messages, "overrides": row.overrides}
-        chunk.append({"row": row.index, "id": row.id, "request": json.dumps(request)})
+        request = {"prompt": row.prompt, "messages": row.messages, "overrides": row.overrides,
+                   "chat_options": row.chat_options, "ignored_fields": row.ignored_fields}
+        chunk.append({"row": row.index, "id": row.id, "request": json.dumps(request), **row.columns})
         staged += 1
         if len(chunk) == batch_size:
-            blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=STAGED_SCHEMA)))
+            blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=schema)))
             chunk = []
     if chunk:
-        blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=STAGED_SCHEMA)))
+        blocks.append(ray.put(pa.Table.from_pylist(chunk, schema=schema)))
     return blocks, staged
 
 
@@ -181,7 +183,7 @@ class Replica:
         self.log = log  # a BatchLog actor
         self.llm = load_llm(cfg)
         self.info = self.llm.info()
-        self.schema = output_schema(cfg.output_token_ids, cfg.logprobs is not None)
+        self.schema = output_schema(cfg.output_token_ids)
 
     def complete(self, rows: list[Row]) -> list[dict]:
         """One output record per row, in order: the engine's completion, or an error record."""
@@ -218,7 +220,7 @@ class Replica:
                 row = chunk[0]
                 got = [output_record(row.index, row.id, None, error=(
                     f"the replica running this row died {attempt - 1} times (out of memory? a crash in the "
-                    "backend?); the row was run alone the last time"))]
+                    "backend?); the row was run alone the last time"), extras=record_extras(row))]
             else:
                 if size == 1:
                     ray.get(self.log.alone.remote(key, chunk[0].index))
@@ -236,8 +238,10 @@ class _JobReplica(Replica):
         self.replica = uuid.uuid4().hex  # per incarnation: a restarted actor's counters start again from zero
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = [Row(r["row"], r["id"], **json.loads(r["request"])) for r in batch.to_pylist()]
-        table = pa.Table.from_pylist(self.complete_logged(rows, rows[0].index), schema=self.schema)
+        carried = [f for f in batch.schema if f.name not in STAGED_SCHEMA.names]
+        rows = [Row(r.pop("row"), r.pop("id"), **json.loads(r.pop("request")), columns=r) for r in batch.to_pylist()]
+        table = pa.Table.from_pylist(self.complete_logged(rows, rows[0].index),
+                                     schema=pa.schema(list(self.schema) + carried))
         report = {"replica": self.replica, "info": self.info, "stats": self.llm.stats()}
         engine = [json.dumps(report, default=str)] + [None] * (table.num_rows - 1)
         return table.append_column(ENGINE_COLUMN, pa.array(engine, pa.string()))

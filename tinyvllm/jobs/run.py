@@ -24,14 +24,15 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
 from tinyvllm.errors import JobError
-from tinyvllm.io import PartsWriter, Row, count_rows, output_record, read_rows
-from tinyvllm.io.writer import (atomic_write, clear_parts, lock_path, output_rows_problem, output_schema, parts_dir,
-                                summarize_output, summary_path)
+from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
+from tinyvllm.io.writer import (OPENAI_LINE_KEYS, atomic_write, clear_parts, lock_path, output_format,
+                                output_rows_problem, output_schema, parts_dir, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
@@ -65,10 +66,11 @@ class LocalExecutor:
 
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterator[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
-            stopped: Callable[[], bool]) -> tuple[dict, dict]:
+            stopped: Callable[[], bool], columns: pa.Schema) -> tuple[dict, dict]:
         """Complete `rows` (about num_rows good rows not done yet), emit() one output record each as it finishes;
         call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
-        admitting once stopped(). Returns (engine info, engine stats)."""
+        admitting once stopped(). `columns`: the input columns the rows carry. Returns (engine info, engine
+        stats)."""
         llm = load_llm(cfg)
         complete_rows(llm, rows, defaults, cfg, emit, cfg.in_flight_limit, on_step=commit, stopped=stopped)
         return llm.info(), llm.stats()
@@ -81,43 +83,53 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
     finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
     no row is admitted and the requests in flight are abandoned."""
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
-    in_flight: dict[str, tuple[int, str, str | list[int]]] = {}  # request id -> (row, id, prompt sent)
+    in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
 
     def step() -> None:
         for out in engine.step():
-            index, row_id, prompt = in_flight.pop(out.request_id)
-            emit(output_record(index, row_id, prompt, out))
+            row, prompt, templated = in_flight.pop(out.request_id)
+            emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated)))
         on_step()
         if in_flight and not engine.has_unfinished_requests():
             raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
 
     for row in rows:
         if row.error is not None:
-            emit(output_record(row.index, row.id, None, error=row.error))
+            emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
             continue
         try:
             prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
         except ValueError as e:
-            emit(output_record(row.index, row.id, None, error=str(e)))
+            emit(output_record(row.index, row.id, None, error=str(e), extras=record_extras(row)))
             continue
         request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
         engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
-        in_flight[request_id] = (row.index, row.id, prompt)
+        in_flight[request_id] = (row, prompt, templated)
         while len(in_flight) >= max_in_flight and not stopped():
             step()
     while in_flight and not stopped():
         step()
 
 
+def record_extras(row: Row, chat: bool | None = None) -> dict:
+    """A row's output columns beyond the engine's result: its carried input columns, `chat`, `ignored_fields`."""
+    return {**row.columns, "chat": chat, "ignored_fields": row.ignored_fields or None}
+
+
 def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     """Run (or resume) the job to the end and return its summary; `summary["already_complete"]` when there was
     nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
     defaults = sampling_defaults(cfg)
-    cfg = replace(cfg, model=Path(cfg.model) if cfg.model is not None else _default_model())
-    if not cfg.model.exists():
-        raise JobError(f"model not found: {cfg.model}")
-    rows = read_rows(cfg.input)  # checks the input now, before the model loads
+    model = Path(cfg.model) if cfg.model is not None else _default_model()
+    if not model.exists():
+        raise JobError(f"model not found: {model}")
+    columns = input_columns(cfg.input, cfg.kept_columns, cfg.drop_input_columns)  # checks the input now
     _check_output(cfg.output, cfg.input)
+    _check_columns(columns, cfg.output)
+    # The OpenAI output names logprobs' tokens by id: its pieces keep the ids.
+    cfg = replace(cfg, model=model, chat_template_source=_chat_template_source(cfg),
+                  output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
+    rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields)
     total = count_rows(cfg.input)
     with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
         stamp = _input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
@@ -139,17 +151,18 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                 raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
                                "before: restore it and run the same command again, or pass --overwrite to start over")
 
-        return _run(cfg, executor, rows, total, defaults, manifest, signals, before_commit)
+        return _run(cfg, executor, rows, columns, total, defaults, manifest, signals, before_commit)
 
 
-def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: SamplingParams, manifest: dict,
-         signals: StopSignals, before_commit: Callable[[], None]) -> dict:
+def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, total: int, defaults: SamplingParams,
+         manifest: dict, signals: StopSignals, before_commit: Callable[[], None]) -> dict:
     started = time.time()
-    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, cfg.logprobs is not None), started, total,
+    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), started, total,
                          piece_rows=cfg.piece_rows, guard=before_commit)
     for damaged in writer.damaged:
         print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
     done = writer.committed_rows()
+    warned: set[str] = set()
     bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
     tokens = 0
 
@@ -170,8 +183,12 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: Sa
                 return
             if row.index in done:
                 continue
+            for name in set(row.ignored_fields) - warned:
+                warned.add(name)
+                tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
+                           "counts the rows that had it", file=sys.stderr)
             if row.error is not None:
-                emit(output_record(row.index, row.id, None, error=row.error))
+                emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
                 continue
             yield row
 
@@ -179,7 +196,7 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: Sa
         def commit(force: bool = False) -> None:
             writer.flush() if force else writer.maybe_flush()
 
-        info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped)
+        info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped, columns)
     finally:
         writer.flush()
         bar.close()
@@ -194,8 +211,9 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], total: int, defaults: Sa
                        "--overwrite to start over")
     metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
                 "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
-                "chat": cfg.chat, "input": str(cfg.input), "version": __version__, "job": manifest["job"],
-                "start_time": manifest["started_at"], "end_time": _iso(time.time())}
+                "chat": cfg.chat, "chat_template": cfg.chat_template,
+                "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
+                "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
     return writer.finalize(metadata, stats)
 
 
@@ -219,11 +237,44 @@ def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfi
     if messages is None and cfg.chat and isinstance(row.prompt, str):
         messages = [{"role": "user", "content": row.prompt}]
     if messages is None:
+        if row.chat_options:
+            raise ValueError(f"{next(iter(row.chat_options))} applies to a chat (messages, or --chat), not to a "
+                             "prompt")
         return row.prompt, False, params
+    options = row.chat_options
+    kwargs = {**cfg.template_kwargs, **options.get("chat_template_kwargs", {})}  # the row's own keys win
     try:
-        return tokenizer.apply_chat_template(messages), True, params
+        return tokenizer.apply_chat_template(
+            messages, options.get("add_generation_prompt", True), chat_template=cfg.chat_template_source,
+            continue_final_message=options.get("continue_final_message", False), **kwargs), True, params
     except Exception as e:  # a template may raise anything (jinja's raise_exception): it is this row's problem
         raise ValueError(f"chat template failed: {e}") from None
+
+
+def _chat_template_source(cfg: JobConfig) -> str | None:
+    """The --chat-template file's content, checked to compile; JobError (one line) if it cannot be used."""
+    if cfg.chat_template is None:
+        return None
+    from tinyvllm.tokenizer import check_chat_template
+
+    try:
+        source = Path(cfg.chat_template).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError(f"cannot read chat template {cfg.chat_template}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        check_chat_template(source)
+    except ValueError as e:
+        raise JobError(f"chat template {cfg.chat_template} is not a valid template: {e}") from None
+    return source
+
+
+def _check_columns(columns: pa.Schema, output: Path) -> None:
+    """The carried input columns must not take a result column's name."""
+    results = set(output_schema(True).names) | (set(OPENAI_LINE_KEYS) if output_format(output) == "openai" else set())
+    clash = [name for name in columns.names if name in results]
+    if clash:
+        raise JobError(f"the input column {clash[0]!r} has the name of a result column of the output: rename it, "
+                       "or leave it out with --keep-columns or --drop-input-columns")
 
 
 def _row_seed(seed: int, index: int) -> int:
@@ -237,7 +288,11 @@ def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
             "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
             "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
-            "logprobs": cfg.logprobs}
+            "logprobs": cfg.logprobs,
+            "chat_template_sha256": (hashlib.sha256(cfg.chat_template_source.encode()).hexdigest()
+                                     if cfg.chat_template_source is not None else None),
+            "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,
+            "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns}
 
 
 def _input_sha256(path: Path) -> str | None:
@@ -276,11 +331,14 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _finished_problem(output: Path, job: dict, num_rows: int) -> str | None:
     """None if `output` is this job's finished output (its metadata names this job; rows 0..num_rows-1 each once),
-    else what it is instead."""
+    else what it is instead. An OpenAI JSONL output's metadata is in its summary, written after it."""
     try:
-        previous = json.loads((pq.read_schema(output).metadata or {})[b"tinyvllm.job"])
-    except Exception:  # not Parquet, or not ours
-        return "and is not a tinyvllm output"
+        if output_format(output) == "parquet":
+            previous = json.loads((pq.read_schema(output).metadata or {})[b"tinyvllm.job"])
+        else:
+            previous = json.loads(summary_path(output).read_bytes())["metadata"]["job"]
+    except Exception:  # not Parquet, or not ours; a JSONL output without its summary
+        return "and is not a finished tinyvllm output"
     if previous != job:
         return f"from a different job ({_differences(previous, job)})"
     try:
@@ -361,6 +419,7 @@ def _check_output(output: Path, input_path: Path) -> None:
         raise JobError(f"output is a directory: {output}")
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise JobError(f"output directory is not writable: {output.parent}")
+    output_format(output)
 
 
 def _same_file(a: Path, b: Path) -> bool:
