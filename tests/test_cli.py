@@ -509,3 +509,35 @@ def test_a_setting_the_model_cannot_meet_is_a_settings_error(tiny_model_dir, tmp
     assert result.exit_code != 0 and len(result.stderr.strip().splitlines()) == 1
     assert "invalid max_model_len=100000: the model supports up to" in result.stderr
     assert "cannot load model" not in result.stderr
+
+
+def test_sampling_defaults_from_flags_and_job_files_equal_the_api(tiny_model_dir, tmp_path):
+    """vLLM's sampling fields as job-wide defaults: the same completions from flags, a job file and LLM.generate."""
+    from tinyvllm import LLM, SamplingParams
+
+    src = tmp_path / "in.jsonl"
+    prompts = ["Hello there", "The quick brown fox"]
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    fields = dict(max_tokens=6, temperature=0.8, seed=3, n=2, presence_penalty=0.5, frequency_penalty=0.3,
+                  repetition_penalty=1.2, min_tokens=2, ignore_eos=True, logit_bias={"77": 2.5},
+                  bad_words=["zz"], stop_token_ids=[5])
+    flags = ["--max-tokens", "6", "--temperature", "0.8", "--n", "2", "--presence-penalty", "0.5",
+             "--frequency-penalty", "0.3", "--repetition-penalty", "1.2", "--min-tokens", "2", "--ignore-eos",
+             "--logit-bias", '{"77": 2.5}', "--bad-words", "zz", "--stop-token-ids", "5"]
+    from_flags = ok_run(tiny_model_dir, src, tmp_path / "flags.parquet", *flags)
+    job = write_job(tmp_path / "j.toml", f'input = "in.jsonl"\noutput = "job.parquet"\nmodel = "{tiny_model_dir}"\n'
+                    'backend = "numpy"\nquiet = true\n[sampling]\nmax_tokens = 6\ntemperature = 0.8\nn = 2\n'
+                    'presence_penalty = 0.5\nfrequency_penalty = 0.3\nrepetition_penalty = 1.2\nmin_tokens = 2\n'
+                    'ignore_eos = true\nlogit_bias = {"77" = 2.5}\nbad_words = ["zz"]\nstop_token_ids = [5]\n')
+    result = CliRunner().invoke(main, ["job", str(job)])
+    assert result.exit_code == 0, result.output
+    from_file = pq.read_table(tmp_path / "job.parquet")
+    assert from_flags.column("completions").to_pylist() == from_file.column("completions").to_pylist()
+    meta = metadata(from_flags)["sampling"]
+    assert meta["n"] == 2 and meta["presence_penalty"] == 0.5 and meta["logit_bias"] == {"77": 2.5}
+    # The job seeds each row from the job seed and its row number; the API gets those seeds explicitly.
+    from tinyvllm.jobs.run import _row_seed
+
+    llm = LLM(tiny_model_dir, backend="numpy")
+    api = [llm.generate(p, SamplingParams(**{**fields, "seed": _row_seed(0, i)}))[0] for i, p in enumerate(prompts)]
+    assert from_flags.column("completions").to_pylist() == [[c.text for c in o.outputs] for o in api]

@@ -21,7 +21,42 @@ from tinyvllm.jobs.guard import OutputBusy
 from tinyvllm.jobs.run import JobInterrupted, run_job
 from tinyvllm.version import __version__
 
-# Sampling defaults set by flags (the engine's --seed is the job seed; a row's `seed` column sets its own).
+class JsonObject(click.ParamType):
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+        except ValueError as e:
+            self.fail(f"not JSON: {e}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("must be a JSON object", param, ctx)
+        return parsed
+
+
+# Defaults for every row's SamplingParams (a row's own fields win; SamplingParams checks the values). The engine's
+# --seed is the job seed (a row's `seed` sets its own); the job-level --logprobs adds the logprob columns.
+SAMPLING_OPTIONS = [
+    click.option("--max-tokens", type=int, help="default per row [default: 16]"),
+    click.option("--temperature", type=float, help="default per row; 0 = greedy [default: 1.0]"),
+    click.option("--top-p", type=float, help="default per row [default: 1.0]"),
+    click.option("--top-k", type=int, help="default per row; 0 = off [default: 0]"),
+    click.option("--min-p", type=float, help="default per row [default: 0.0]"),
+    click.option("--stop", multiple=True, help="stop string, repeatable (a row's `stop` replaces these)"),
+    click.option("--n", type=int, help="completions per row [default: 1]"),
+    click.option("--presence-penalty", type=float, help="[default: 0.0]"),
+    click.option("--frequency-penalty", type=float, help="[default: 0.0]"),
+    click.option("--repetition-penalty", type=float, help="[default: 1.0]"),
+    click.option("--min-tokens", type=int, help="EOS and stop token ids cannot end a completion before [default: 0]"),
+    click.option("--stop-token-ids", type=int, multiple=True, help="stop token id, repeatable"),
+    click.option("--ignore-eos", is_flag=True, default=None, help="generate past EOS, up to max_tokens"),
+    click.option("--include-stop-str-in-output", is_flag=True, default=None, help="keep the stop string in the text"),
+    click.option("--skip-special-tokens/--keep-special-tokens", "skip_special_tokens", default=None,
+                 help="leave special tokens out of the text [default: skip]"),
+    click.option("--logit-bias", type=JsonObject(), help='JSON {token id: bias in [-100, 100]}, e.g. \'{"42": -100}\''),
+    click.option("--allowed-token-ids", type=int, multiple=True, help="generate only these token ids, repeatable"),
+    click.option("--bad-words", multiple=True, help="a word never to generate, repeatable"),
+]
 SAMPLING_FLAGS = tuple(k for k in SAMPLING_DEFAULTS if k != "seed")
 
 
@@ -57,12 +92,7 @@ JOB_OPTIONS = [
     click.option("--model", type=click.Path(path_type=Path),
                  help="HF model dir or .gguf [default: the fetched default model]"),
     *_settings_options(EngineConfig),
-    click.option("--max-tokens", type=int, help="default per row [default: 16]"),
-    click.option("--temperature", type=float, help="default per row; 0 = greedy [default: 1.0]"),
-    click.option("--top-p", type=float, help="default per row [default: 1.0]"),
-    click.option("--top-k", type=int, help="default per row; 0 = off [default: 0]"),
-    click.option("--min-p", type=float, help="default per row [default: 0.0]"),
-    click.option("--stop", multiple=True, help="stop string, repeatable (a row's `stop` replaces these)"),
+    *SAMPLING_OPTIONS,
     *_settings_options(JobConfig),
     click.option("--ray", is_flag=True, default=None, help="run on a Ray cluster (pip install 'tinyvllm[ray]')"),
     *_settings_options(RayConfig, {"address": "--ray-address", "num_replicas": "--num-replicas",
@@ -251,7 +281,8 @@ def _split(options: dict) -> tuple[dict, dict, dict | None]:
     ray = {f.name: options.pop(f.name) for f in dataclasses.fields(RayConfig)}
     ray = {k: v for k, v in ray.items() if v is not None}
     sampling = {k: options.pop(k) for k in SAMPLING_FLAGS}
-    sampling["stop"] = list(sampling["stop"]) or None
+    for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):  # repeatable: () when not given
+        sampling[name] = list(sampling[name]) or None
     flags = {k: v for k, v in options.items() if v is not None}
     return flags, {k: v for k, v in sampling.items() if v is not None}, ray if use_ray or ray else None
 

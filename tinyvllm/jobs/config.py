@@ -14,7 +14,10 @@ from tinyvllm.config import EngineConfig, check_settings, setting
 from tinyvllm.io.writer import PIECE_ROWS
 
 # SamplingParams fields the CLI and job files set as defaults for every row (a row's own values win).
-SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                     "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "allowed_token_ids",
+                     "bad_words")
 
 
 @dataclass

@@ -26,7 +26,7 @@ def _keys(cls, names=None) -> dict[str, type | tuple]:
     out = {}
     for name in names or [f.name for f in dataclasses.fields(cls) if "help" in f.metadata]:
         text = str(hints[name])
-        kind = list if text.startswith("list") else setting_type(text)
+        kind = list if text.startswith("list") else dict if text.startswith("dict") else setting_type(text)
         out[name] = (int, float) if kind is float else kind
     return out
 
