@@ -240,15 +240,17 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
             index += 1
 
 
+def missing_as_none(obj: dict) -> dict:
+    """A tabular row's request fields with NaN as None: pandas writes a missing number in a float column as NaN,
+    and a missing request field is absent, like null (data columns keep theirs)."""
+    return {k: (None if k in REQUEST_FIELDS and isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
+
+
 def _parquet_records(parquet: pq.ParquetFile) -> Iterator[tuple[int, str, object, str | None]]:
     index = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
         for obj in batch.to_pylist():
-            # pandas writes a missing number in a float column as NaN: a request field's is absent, like null (data
-            # columns keep theirs).
-            obj = {k: (None if k in REQUEST_FIELDS and isinstance(v, float) and math.isnan(v) else v)
-                   for k, v in obj.items()}
-            yield index, f"row {index}", obj, None
+            yield index, f"row {index}", missing_as_none(obj), None
             index += 1
 
 

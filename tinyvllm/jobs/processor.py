@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pyarrow as pa
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.io import Row
-from tinyvllm.io.readers import BadRow, parse_request
+from tinyvllm.io.readers import BadRow, missing_as_none, parse_request
 from tinyvllm.jobs.config import JobConfig, job_config
 from tinyvllm.jobs import ray_executor
 from tinyvllm.sampling_params import SamplingParams
@@ -83,10 +82,8 @@ class _DatasetReplica(ray_executor.Replica):
         return batch
 
     def _row(self, i: int, obj: dict) -> Row:
-        # As the Parquet reader does: pandas writes a missing number as NaN.
-        obj = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in obj.items()}
         try:
-            request = parse_request(obj)
+            request = parse_request(missing_as_none(obj))
         except BadRow as e:
             return Row(i, str(i), error=str(e))
         if self.defaults.seed is None and "seed" not in request.overrides:
