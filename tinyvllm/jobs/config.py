@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tinyvllm.config import EngineConfig, check_settings, setting
 from tinyvllm.io.writer import PIECE_ROWS
+from tinyvllm.sampling_params import SamplingParams
 
 # SamplingParams fields the CLI and job files set as defaults for every row (a row's own values win).
 SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty",
@@ -89,6 +90,10 @@ class JobConfig:
         if not isinstance(kwargs, dict):
             raise ValueError("invalid chat_template_kwargs: must be a JSON object")
         return kwargs
+
+    def sampling_params(self) -> SamplingParams:
+        """The SamplingParams every row starts from (its own fields win); ValueError names a bad default."""
+        return SamplingParams(**self.sampling, logprobs=self.logprobs)
 
     @property
     def in_flight_limit(self) -> int:

@@ -45,7 +45,7 @@ class LLMProcessor:
         # JobConfig carries the engine and sampling settings; a processor has no input or output file of its own.
         sampling = options.pop("sampling", {})
         self.cfg = job_config({"input": Path(), "output": Path(), "model": Path(model), **options}, sampling, None)
-        self.defaults = SamplingParams(**self.cfg.sampling, logprobs=self.cfg.logprobs)  # ValueError now, not later
+        self.defaults = self.cfg.sampling_params()  # ValueError now, not later
         self.num_replicas, self.cpus_per_replica = num_replicas, cpus_per_replica
         self.batch_size = batch_size or self.cfg.in_flight_limit
 

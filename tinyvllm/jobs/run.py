@@ -220,7 +220,7 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:
     """The SamplingParams every row of the job starts from; JobError names a bad one."""
     try:
-        return SamplingParams(**cfg.sampling, logprobs=cfg.logprobs)
+        return cfg.sampling_params()
     except (TypeError, ValueError) as e:
         raise JobError(f"bad sampling defaults: {e}") from None
 
