@@ -95,3 +95,16 @@ extern "C" __global__ void copy_blocks(bf16* const* __restrict__ caches, const i
     uint4* dst = reinterpret_cast<uint4*>(cache + (int64_t)pairs[2 * blockIdx.x + 1] * block_elems);
     for (int i = threadIdx.x; i < block_elems / 8; i += blockDim.x) dst[i] = src[i];
 }
+
+// Structured outputs: row i of logits [S, vocab] keeps only the tokens that bitmask row bitmask_rows[i] allows (bit
+// t % 32 of word t / 32 of bitmask [C, words]); rows with bitmask_rows[i] < 0 are left alone.
+// Twin: sampler.apply_token_bitmask. Launch: grid (S), block 256.
+extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, int vocab, const int* __restrict__ bitmask,
+                                               int words, const int* __restrict__ bitmask_rows) {
+    const int m = bitmask_rows[blockIdx.x];
+    if (m < 0) return;
+    float* x = logits + (int64_t)blockIdx.x * vocab;
+    const int* bits = bitmask + (int64_t)m * words;
+    for (int t = threadIdx.x; t < vocab; t += blockDim.x)
+        if (!((bits[t >> 5] >> (t & 31)) & 1)) x[t] = -INFINITY;
+}

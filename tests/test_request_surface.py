@@ -91,7 +91,7 @@ def test_openai_body_fields_are_applied(body, overrides):
 
 
 @pytest.mark.parametrize("body,reason", [
-    ({"response_format": {"type": "json_object"}}, "unsupported field 'response_format' (structured outputs"),
+    ({"guided_decoding_backend": "xgrammar"}, "unsupported field 'guided_decoding_backend' (one structured-outputs"),
     ({"tools": [{"type": "function"}]}, "unsupported field 'tools' (tool calling"),
     ({"stream": True}, "unsupported field 'stream'"),
     ({"frobnicate": 1}, "unsupported field 'frobnicate'"),
@@ -112,7 +112,7 @@ def test_openai_body_fields_are_refused(body, reason):
 def test_plain_row_fields(tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "x", "n": 2, "logprobs": 1, "prompt_logprobs": 0, "answer": "B", "model": "m"},
-        {"id": "b", "prompt": "x", "response_format": {"type": "json_object"}, "answer": "C"},
+        {"id": "b", "prompt": "x", "prediction": {"type": "content", "content": "y"}, "answer": "C"},
         {"id": "c", "messages": [{"role": "user", "content": "hi", "name": "bob"}], "add_generation_prompt": False,
          "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}},
     ])
@@ -120,12 +120,12 @@ def test_plain_row_fields(tmp_path):
     assert columns.names == ["answer", "model"]  # data: carried, never read as a request field
     a, b, c = read_rows(path, columns)
     assert a.overrides == {"n": 2, "logprobs": 1, "prompt_logprobs": 0} and a.columns == {"answer": "B", "model": "m"}
-    assert "unsupported field 'response_format'" in b.error and b.columns == {"answer": "C", "model": None}
+    assert "unsupported field 'prediction'" in b.error and b.columns == {"answer": "C", "model": None}
     assert c.messages == [{"role": "user", "content": "hi", "name": "bob"}]
     assert c.chat_options == {"add_generation_prompt": False, "continue_final_message": True,
                               "chat_template_kwargs": {"enable_thinking": False}}
     _, b, _ = read_rows(path, columns, allow_unknown_fields=True)
-    assert b.error is None and b.ignored_fields == ["response_format"]
+    assert b.error is None and b.ignored_fields == ["prediction"]
 
 
 def test_input_columns_types(tmp_path):
@@ -196,7 +196,7 @@ def test_row_sampling_fields_equal_the_engine(tiny_model_dir, tmp_path):
 def test_unknown_fields_refused_or_allowed_with_one_warning(tiny_model_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"prompt": "a", "max_tokens": 2, "tools": [{"type": "function"}]},
-        {"prompt": "b", "max_tokens": 2, "tools": [], "response_format": {"type": "text"}},
+        {"prompt": "b", "max_tokens": 2, "tools": [], "prediction": {"type": "content", "content": "y"}},
         {"prompt": "c", "max_tokens": 2},
     ])
     ok_run(tiny_model_dir, src, tmp_path / "strict.parquet")
@@ -209,9 +209,9 @@ def test_unknown_fields_refused_or_allowed_with_one_warning(tiny_model_dir, tmp_
     assert len(warnings) == 2 and "'tools'" in warnings[0] + warnings[1]
     rows = pq.read_table(tmp_path / "lax.parquet").to_pylist()
     assert all(r["error"] is None for r in rows)
-    assert [r["ignored_fields"] for r in rows] == [["tools"], ["response_format", "tools"], None]
+    assert [r["ignored_fields"] for r in rows] == [["tools"], ["prediction", "tools"], None]
     summary = json.loads((tmp_path / "lax.summary.json").read_text())
-    assert summary["ignored_fields"] == {"response_format": 1, "tools": 2}
+    assert summary["ignored_fields"] == {"prediction": 1, "tools": 2}
 
 
 def test_carried_columns_round_trip_every_arrow_type_and_resume(tiny_model_dir, tmp_path, monkeypatch):
@@ -307,7 +307,10 @@ def test_openai_batch_output(tiny_model_dir, tmp_path, monkeypatch):
                     max_tokens=3, logprobs=True, top_logprobs=2, seed=1),
              openai("/v1/completions", "text-logprobs", prompt="one two", max_tokens=3, logprobs=1, temperature=0),
              openai("/v1/chat/completions", "refused", messages=[{"role": "user", "content": "hi"}],
-                    response_format={"type": "json_object"})]
+                    prediction={"type": "content", "content": "y"}),
+             openai("/v1/chat/completions", "json", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                    response_format={"type": "json_schema", "json_schema": {
+                        "name": "answer", "strict": True, "schema": {"type": "string", "enum": ["yes", "no"]}}})]
     src = write_jsonl(tmp_path / "batch.jsonl", rows)
     out = tmp_path / "results.jsonl"
     crash_before_finalize(tiny_model_dir, src, out, monkeypatch, "--piece-rows", "2")
@@ -318,7 +321,8 @@ def test_openai_batch_output(tiny_model_dir, tmp_path, monkeypatch):
         check_openai_line(line, set())
     by_id = {line["custom_id"]: line for line in lines}
     assert "unsupported url '/v1/embeddings'" in by_id["req-5"]["error"]["message"]
-    assert "unsupported field 'response_format'" in by_id["refused"]["error"]["message"]
+    assert "unsupported field 'prediction'" in by_id["refused"]["error"]["message"]
+    assert json.loads(by_id["json"]["response"]["body"]["choices"][0]["message"]["content"]) in ("yes", "no")
     assert by_id["req-1"]["response"]["body"]["object"] == "chat.completion"
     assert by_id["req-3"]["response"]["body"]["object"] == "text_completion"
     assert by_id["req-1"]["response"]["body"]["usage"]["completion_tokens"] <= 16

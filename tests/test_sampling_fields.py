@@ -115,9 +115,9 @@ def test_n_completions_share_one_prefill(tiny_model_dir):
     computed: list[int] = []  # positions of every token the backend computes
     execute = backend.execute
 
-    def counting(batch):
+    def counting(batch, *args):
         computed.extend(batch.positions.tolist())
-        return execute(batch)
+        return execute(batch, *args)
 
     backend.execute = counting
     prompt_len = len(llm.tokenizer.encode(PROMPT))
@@ -197,9 +197,9 @@ def test_n_beyond_max_num_seqs_still_prefills_each_prompt_once(tiny_model_dir):
     computed: list[int] = []
     execute = backend.execute
 
-    def counting(batch):
+    def counting(batch, *args):
         computed.extend(batch.positions.tolist())
-        return execute(batch)
+        return execute(batch, *args)
 
     backend.execute = counting
     prompts = [PROMPT, "Hello there, how are you today my friend?"]

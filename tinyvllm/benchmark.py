@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,8 +26,21 @@ WORKLOADS = {
     "W4": "prefill: 64 prompts x 1024 tokens, 1 out",
     "W5": "shared prefix: 1024 prompts = one 1024-token prefix + 64 unique tokens, 64 out",
     "W1P": "W1 with presence 0.5, frequency 0.5 and repetition 1.1 penalties on every request",
+    "W6": "structured outputs: 512 prompts x 256 random tokens in, one 6-field JSON schema, up to 256 out; then "
+          "the same requests unconstrained, each generating as many tokens as it did constrained",
 }
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+# An extraction schema: strings, a bounded integer, an array, a nested object, a boolean. (maxLength on every string
+# would cost the mask ~2.3x: docs/PERFORMANCE.md.)
+W6_SCHEMA = {"type": "object", "additionalProperties": False,
+             "required": ["name", "age", "email", "tags", "address", "active"],
+             "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                            "email": {"type": "string"},
+                            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+                            "address": {"type": "object", "additionalProperties": False,
+                                        "required": ["street", "city"],
+                                        "properties": {"street": {"type": "string"}, "city": {"type": "string"}}},
+                            "active": {"type": "boolean"}}}
 
 
 @dataclass
@@ -47,6 +60,8 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0)
     def prompt(length: int) -> list[int]:
         return rng.integers(0, vocab_size, length).tolist()
 
+    if name == "W6":
+        return [Request(prompt(n(256)), n(256), {"structured_outputs": {"json": W6_SCHEMA}}) for _ in range(n(512))]
     if name in ("W1", "W1P"):
         sampling = PENALTIES if name == "W1P" else {}
         return [Request(prompt(n(256)), n(256), sampling) for _ in range(n(512))]
@@ -63,16 +78,20 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0)
     raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
 
 
-def run_workload(llm, requests: list[Request], sequential: bool = False) -> dict:
-    """Generate every request (greedy, EOS ignored); return throughput and latency figures."""
+def run_workload(llm, requests: list[Request], sequential: bool = False, outputs: list | None = None) -> dict:
+    """Generate every request (greedy, EOS ignored); return throughput and latency figures (and append the
+    RequestOutputs to `outputs` if given)."""
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **r.sampling) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
     start = time.perf_counter()
     if sequential:  # W3: one request at a time
-        outputs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        done = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     else:
-        outputs = llm.generate(prompts, params)
+        done = llm.generate(prompts, params)
     wall = time.perf_counter() - start
+    if outputs is not None:
+        outputs.extend(done)
+    outputs = done
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
     ttft = [o.metrics.ttft_ms for o in outputs]
@@ -232,6 +251,8 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             _reset_prefix_cache(llm, True)
             result = run_workload(llm, requests)
             result["chunked_prefill" if not chunked else "unchunked"] = other
+        elif name == "W6":
+            result, requests = _structured_vs_free(llm, requests)
         else:
             _reset_prefix_cache(llm, True)
             result = run_workload(llm, requests, sequential=name == "W3")
@@ -249,6 +270,33 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             result["ms_per_token"] = result["wall_s"] * 1000 / result["output_tokens"]
         results["workloads"][name] = result
     return results
+
+
+def _structured_vs_free(llm, requests: list[Request]) -> tuple[dict, list[Request]]:
+    """W6: the constrained requests twice (the first run captures the forward-only decode graphs), then the same
+    prompts unconstrained, each row generating as many tokens as it did constrained: the identical work, so the
+    ratio of output tok/s is the constraint's cost. Also the host's mask fill and matcher time per step. Returns
+    the result and the requests as run (unconstrained, with their lengths: what the floor is computed on)."""
+    stats = llm.llm_engine.structured_outputs.stats
+    runs, outputs = [], []
+    for _ in range(2):
+        _reset_prefix_cache(llm, True)
+        before = replace(stats)
+        outputs.clear()
+        run = run_workload(llm, requests, outputs=outputs)
+        steps = max(1, stats.mask_steps - before.mask_steps)
+        run.update(mask_fill_ms_per_step=1000 * (stats.mask_seconds - before.mask_seconds) / steps,
+                   matcher_ms_per_step=1000 * (stats.consume_seconds - before.consume_seconds) / steps,
+                   constrained_steps=steps)
+        runs.append(run)
+    same = [Request(r.prompt_token_ids, len(o.outputs[0].token_ids)) for r, o in zip(requests, outputs)]
+    _reset_prefix_cache(llm, True)
+    free = run_workload(llm, same)
+    complete = sum(bool(o.outputs[0].structured_output_complete) for o in outputs)
+    result = {**runs[1], "first_run": runs[0], "unconstrained": free, "complete_outputs": complete,
+              "compile_s": stats.compile_seconds + stats.tokenizer_seconds,
+              "constrained_vs_unconstrained": runs[1]["output_tok_s"] / free["output_tok_s"]}
+    return result, same
 
 
 def _common_prefix_len(requests: list[Request]) -> int:
@@ -284,6 +332,11 @@ def format_results(results: dict) -> str:
         if "speedup_vs_cache_off" in r:
             notes.append(f"prefix cache {r['speedup_vs_cache_off']:.2f}x vs off "
                          f"({r['cache_off']['output_tok_s']:.0f} tok/s)")
+        if "constrained_vs_unconstrained" in r:
+            notes.append(f"{r['constrained_vs_unconstrained']:.0%} of unconstrained "
+                         f"({r['unconstrained']['output_tok_s']:.0f} tok/s, same lengths); mask fill "
+                         f"{r['mask_fill_ms_per_step']:.2f} ms/step, matchers {r['matcher_ms_per_step']:.2f} ms/step; "
+                         f"{r['complete_outputs']}/{r['requests']} complete; first run {r['first_run']['output_tok_s']:.0f}")
         ttft = f"{_fmt(r['ttft_p50_ms'])}/{_fmt(r['ttft_p99_ms'])}"
         tpot = f"{_fmt(r['tpot_p50_ms'])}/{_fmt(r['tpot_p99_ms'])}"
         lines.append(f"{name:<9}{r['output_tok_s']:>12.0f}{r['total_tok_s']:>13.0f}{ttft:>18}{tpot:>18}"

@@ -56,8 +56,16 @@ SAMPLING_OPTIONS = [
     click.option("--logit-bias", type=JsonObject(), help='JSON {token id: bias in [-100, 100]}, e.g. \'{"42": -100}\''),
     click.option("--allowed-token-ids", type=int, multiple=True, help="generate only these token ids, repeatable"),
     click.option("--bad-words", multiple=True, help="a word never to generate, repeatable"),
+    click.option("--structured-outputs", type=JsonObject(),
+                 help='constraint on every output, vLLM\'s fields: \'{"json": {schema}}\', regex, choice, grammar, '
+                      "json_object (pip install 'tinyvllm[structured]')"),
+    click.option("--json-schema", type=click.Path(dir_okay=False, path_type=Path),
+                 help="a JSON schema file every output must match (--structured-outputs '{\"json\": ...}')"),
+    click.option("--regex", help="a regex every output must match in full"),
+    click.option("--choice", help="every output is one of these strings, comma-separated"),
 ]
 SAMPLING_FLAGS = tuple(k for k in SAMPLING_DEFAULTS if k != "seed")
+STRUCTURED_FLAGS = ("structured_outputs", "json_schema", "regex", "choice")  # at most one of these
 
 
 def _setting_option(f: dataclasses.Field, annotation: str, flag: str | None = None):
@@ -280,11 +288,30 @@ def _split(options: dict) -> tuple[dict, dict, dict | None]:
     use_ray = options.pop("ray")
     ray = {f.name: options.pop(f.name) for f in dataclasses.fields(RayConfig)}
     ray = {k: v for k, v in ray.items() if v is not None}
-    sampling = {k: options.pop(k) for k in SAMPLING_FLAGS}
+    structured = _structured_flag({k: options.pop(k) for k in STRUCTURED_FLAGS})
+    sampling = {k: options.pop(k) for k in SAMPLING_FLAGS if k != "structured_outputs"}
+    sampling["structured_outputs"] = structured
     for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):  # repeatable: () when not given
         sampling[name] = list(sampling[name]) or None
     flags = {k: v for k, v in options.items() if v is not None}
     return flags, {k: v for k, v in sampling.items() if v is not None}, ray if use_ray or ray else None
+
+
+def _structured_flag(given: dict) -> dict | None:
+    """The structured_outputs default from whichever one of its flags was given."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise click.UsageError(f"give one of {', '.join('--' + k.replace('_', '-') for k in given)}")
+    if "json_schema" in given:
+        try:
+            return {"json": json.loads(given["json_schema"].read_text())}
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise click.UsageError(f"--json-schema {given['json_schema']}: {e}") from None
+    if "regex" in given:
+        return {"regex": given["regex"]}
+    if "choice" in given:
+        return {"choice": [c for c in given["choice"].split(",") if c]}
+    return given.get("structured_outputs")
 
 
 def _run(cfg: JobConfig) -> None:
@@ -310,6 +337,9 @@ def _run(cfg: JobConfig) -> None:
         tps = summary["output_tok_per_s"]
         click.echo(f"wrote {summary['rows']} rows ({summary['error_rows']} errors) to {cfg.output} in "
                    f"{summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s", err=True)
+        if summary.get("structured_output_incomplete"):
+            click.echo(f"{summary['structured_output_incomplete']} rows ran out of max_tokens (or met a stop string) "
+                       "before their structured output was complete: see structured_output_complete", err=True)
 
 
 def _plots(output: Path) -> list[Path]:

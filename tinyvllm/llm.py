@@ -88,8 +88,13 @@ class LLM:
     def stats(self) -> dict:
         """Counters of the engine so far, for job summaries."""
         engine = self.llm_engine
+        compiled = engine.structured_outputs.stats
         return {"prefix_cache_hit_rate": round(engine.block_manager.prefix_cache_hit_rate, 4),
-                "num_preemptions": engine.scheduler.num_preemptions, "num_steps": engine.num_steps}
+                "num_preemptions": engine.scheduler.num_preemptions, "num_steps": engine.num_steps,
+                # structured outputs: distinct constraints compiled, and the seconds that took (the vocabulary's
+                # tokenizer for llguidance, built once, included)
+                "structured_output_grammars": compiled.grammars,
+                "structured_output_compile_s": round(compiled.compile_seconds + compiled.tokenizer_seconds, 3)}
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,

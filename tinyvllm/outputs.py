@@ -15,6 +15,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With a structured_outputs constraint: whether the output is complete (matches it in full); False when it ran
+    # out of max_tokens or was cut by a stop string first. None without a constraint.
+    structured_output_complete: bool | None = None
 
 
 @dataclass

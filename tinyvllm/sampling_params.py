@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+import json as json_module
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from tinyvllm.config import INT32_MAX
 
@@ -18,8 +19,71 @@ OVERRIDABLE_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p
                       "ignore_eos", "min_tokens", "include_stop_str_in_output", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
                       "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
-                      "spaces_between_special_tokens")
+                      "spaces_between_special_tokens", "structured_outputs")
 MAX_N = 256  # completions per prompt
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of json (a JSON schema, as an object
+    or its text), regex, choice (the output is one of these strings), grammar (Lark in llguidance's dialect, or
+    GBNF) and json_object (any JSON object). Enforced token by token by llguidance (pip install
+    'tinyvllm[structured]')."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact output)
+    disable_additional_properties: bool = False  # JSON: objects take only the properties the schema names
+    whitespace_pattern: str | None = None  # JSON: the regex whitespace between tokens must match
+    # vLLM falls back between grammar libraries; tinyvllm has one, so there is never a fallback to disable.
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of " + ", ".join(STRUCTURED_KINDS)
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema: an object or its text")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false")
+
+    @classmethod
+    def from_value(cls, value: object) -> StructuredOutputsParams:
+        """From an instance, a dict of its fields, or that dict's JSON text (a Parquet string column)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json_module.loads(value)
+            except ValueError:
+                raise ValueError("structured_outputs must be an object (or its JSON text)") from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be an object with one of " + ", ".join(STRUCTURED_KINDS))
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """The constraint as canonical text: equal constraints share one compiled grammar."""
+        return json_module.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -52,6 +116,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the text
     # Kept for vLLM scripts: it changes only HF's slow tokenizers; tinyvllm's, like the fast ones, add no spaces.
     spaces_between_special_tokens: bool = True
+    # The output must match this constraint (JSON schema, regex, choice, grammar); its logprobs are those of the
+    # distribution with the tokens it forbids removed.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +132,8 @@ class SamplingParams:
                 self.logit_bias = {int(t): v for t, v in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
                 raise ValueError(f"invalid logit_bias={self.logit_bias!r}: must map token ids to numbers") from None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -86,6 +86,9 @@ class Batch:
     logits_processing: LogitsProcessing | None = None  # None: no row of the step has a logits processor
     # int32 [P, 2]: (source, destination) KV blocks to copy before the step (a forked sequence's last partial block).
     block_copies: np.ndarray | None = None
+    # int32 [S] or None: where >= 0, row i samples under a structured-output constraint whose token bitmask is row
+    # bitmask_rows[i] of QueuedStep.bitmask, filled once the step's forward is queued (see Backend.submit).
+    bitmask_rows: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -113,8 +116,27 @@ class SamplerOutput:
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass
+class QueuedStep:
+    """A step submitted to a backend. result() waits for its output.
+
+    A step with bitmask rows has queued only its forward: the caller fills `bitmask` (int32 [C, ceil(V / 32)]; bit
+    t % 32 of word t // 32 of row c allows token t for the rows whose bitmask_rows is c) while the forward runs, then
+    calls sample(), before submitting the next step."""
+
+    result: Callable[[], SamplerOutput]
+    bitmask: np.ndarray | None = None
+    sample: Callable[[], None] | None = None
+
+
 class Backend(ABC):
     name: str
+    vocab_size: int
     max_logprobs: int | None = None  # most top logprobs per token it can return (None: no limit)
     _last_sampled = np.zeros(0, np.int32)  # the default submit(): the previous step's sampled ids
 
@@ -124,18 +146,27 @@ class Backend(ABC):
         blocks."""
 
     @abstractmethod
-    def execute(self, batch: Batch) -> SamplerOutput:
-        """Run the model over the batch (writing its K/V into the cache) and sample one token per sequence."""
+    def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Run the model over the batch (writing its K/V into the cache) and sample one token per sequence (rows
+        with bitmask_rows >= 0 among the tokens their bitmask row allows)."""
 
-    def submit(self, batch: Batch) -> Callable[[], SamplerOutput]:
-        """Start a step and return a function that waits for its output. Steps run in submission order, so the
-        host can prepare the next one while this one runs. This default runs the step at once."""
+    def submit(self, batch: Batch) -> QueuedStep:
+        """Start a step (see QueuedStep). Steps run in submission order, so the host can prepare the next one while
+        this one runs. This default runs the step at once, or at sample() when it has bitmask rows."""
         if batch.token_sources is not None:
             rows = batch.token_sources >= 0
             batch.token_ids[rows] = self._last_sampled[batch.token_sources[rows]]
-        output = self.execute(batch)
-        self._last_sampled = output.sampled_token_ids
-        return lambda: output
+        outputs = []
+
+        def run(bitmask: np.ndarray | None = None) -> None:
+            outputs.append(self.execute(batch, bitmask))
+            self._last_sampled = outputs[0].sampled_token_ids
+
+        if batch.bitmask_rows is None:
+            run()
+            return QueuedStep(lambda: outputs[0])
+        bitmask = np.full((int(batch.bitmask_rows.max()) + 1, bitmask_words(self.vocab_size)), -1, np.int32)
+        return QueuedStep(lambda: outputs[0], bitmask, lambda: run(bitmask))
 
     def describe(self) -> dict:
         """Facts worth logging and storing in job metadata."""

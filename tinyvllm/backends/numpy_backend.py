@@ -115,6 +115,7 @@ class NumpyBackend(Backend):
 
     def __init__(self, model, engine_config: EngineConfig) -> None:
         self.config = cfg = model.config
+        self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
         cfg.check_max_model_len(engine_config.max_model_len)
         packed = pack_weights(model.weights, cfg)
@@ -179,7 +180,7 @@ class NumpyBackend(Backend):
         h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
         return h @ self.lm_head_t
 
-    def execute(self, batch: Batch) -> SamplerOutput:
+    def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:
             bs = self.engine_config.block_size
             for cache in (*self.k_cache, *self.v_cache):
@@ -190,15 +191,19 @@ class NumpyBackend(Backend):
         prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i] + len(targets))
                        for i, targets in batch.prompt_logprob_targets.items()]
         logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
-        return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:], self.token_counts)
+        return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:], self.token_counts,
+                                  bitmask)
 
 
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None,
-                       token_counts: sampler.TokenCounts | None = None) -> SamplerOutput:
-    """Apply the batch's logits processors (in place), sample one token per sequence and gather the logprobs the
-    batch asks for: the numpy backend's sampling, and the reference the GPU tests compare with.
+                       token_counts: sampler.TokenCounts | None = None,
+                       bitmask: np.ndarray | None = None) -> SamplerOutput:
+    """Apply the batch's token bitmask and logits processors (in place), sample one token per sequence and gather
+    the logprobs the batch asks for: the numpy backend's sampling, and the reference the GPU tests compare with.
 
     prompt_logits holds, for each entry of batch.prompt_logprob_targets in order, the logits of its positions."""
+    if batch.bitmask_rows is not None:
+        sampler.apply_token_bitmask(logits, bitmask, batch.bitmask_rows)
     proc = batch.logits_processing
     if proc is not None:
         token_counts.init_slots(proc.slot_inits)

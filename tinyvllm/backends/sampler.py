@@ -112,6 +112,16 @@ def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> Logpro
     return Logprobs(logp[rows, token_ids].astype(np.float32), top_ids.astype(np.int32), top_lp.astype(np.float32))
 
 
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows: np.ndarray) -> None:
+    """Set to -inf, in place, the logits [S, V] of the tokens that row i's bitmask row (bitmask[bitmask_rows[i]],
+    int32 words, bit t % 32 of word t // 32 allowing token t) forbids; rows with bitmask_rows[i] < 0 are left alone.
+    Twin of cuda/structured_outputs.cu."""
+    rows = np.flatnonzero(bitmask_rows >= 0)
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask[bitmask_rows[rows]].view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    logits[rows] = np.where(allowed.astype(bool), logits[rows], -np.inf)
+
+
 class TokenCounts:
     """The token-count table of LogitsProcessing's penalties: per slot, output counts and a prompt mask [V].
     The twin of the cuda backend's table (cuda/logits_processors.cu); allocated on first use."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.backends.base import Backend, Batch, Logprobs, SamplerOutput
+from tinyvllm.backends.base import Backend, Batch, Logprobs, QueuedStep
 from tinyvllm.backends.sampler import seed_key
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
@@ -17,9 +18,12 @@ from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_process
 from tinyvllm.engine.model_inputs import build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class InFlightStep:
     batch: Batch
     starts: list[int]  # per row: the sequence's computed tokens before this step
     sample_index: list[int]  # per row: where in token_ids the sampled token goes (-1: a prompt chunk, none)
-    wait: Callable[[], SamplerOutput]
+    queued: QueuedStep | None = None  # once submitted
 
 
 class LLMEngine:
@@ -74,9 +78,13 @@ class LLMEngine:
         self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
-        self._in_flight: InFlightStep | None = None  # the step queued on the backend whose tokens are not read yet
+        # Steps queued on the backend whose tokens are not read yet: the last one (whose sampling may still wait for
+        # its token masks), and the one before it.
+        self._in_flight: InFlightStep | None = None
+        self._unread: InFlightStep | None = None
         self.num_steps = 0
 
     # ---- requests in -----------------------------------------------------------------------------------------------
@@ -107,25 +115,31 @@ class LLMEngine:
                                 "one token left to generate)")
         try:
             processors = request_processors(params, self.tokenizer, self.eos_token_ids, self.config.vocab_size)
+            # compiled (once per distinct constraint) and checked here
+            constraint = (None if params.structured_outputs is None
+                          else self.structured_outputs.constraint(params.structured_outputs))
         except ValueError as exc:
             return self._reject(request_id, text, token_ids, metrics, str(exc))
         seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 63))
         group = SequenceGroup(request_id, text, token_ids, seed, metrics.arrival_time, [None] * params.n, [])
-        seq = self._new_sequence(group, 0, params, processors, metrics)
+        seq = self._new_sequence(group, 0, params, processors, metrics, constraint)
         seq.forks_left = params.n - 1
         self.scheduler.add(seq)
         return None
 
     def _new_sequence(self, group: SequenceGroup, index: int, params: SamplingParams, processors,
-                      metrics: RequestMetrics) -> Sequence:
+                      metrics: RequestMetrics, constraint: OutputConstraint | None = None) -> Sequence:
         """Completion `index` of the group's request. Its seed: the request's for the first, one derived from it
-        (seeded requests stay reproducible) or drawn afresh for the others."""
+        (seeded requests stay reproducible) or drawn afresh for the others. Its structured-output constraint
+        starts afresh (`constraint`, or a new one)."""
         seed = group.seed if index == 0 else (_derived_seed(params.seed, index) if params.seed is not None
                                                else int(self.rng.integers(1 << 63)))
         seq = Sequence(group.request_id, self._arrivals, group.prompt, group.prompt_token_ids, params, seed,
                        seed_key(seed), metrics)
         self._arrivals += 1
         seq.index, seq.group, seq.processors = index, group, processors
+        if params.structured_outputs is not None:
+            seq.constraint = constraint or self.structured_outputs.constraint(params.structured_outputs)
         seq.max_len = min(self.max_seq_len, seq.num_prompt_tokens + params.max_tokens)
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
@@ -183,29 +197,44 @@ class LLMEngine:
                 seq.forks_left = 0
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
+        return (bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
+                or self._unread is not None)
 
     # ---- one step --------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Queue the next step on the backend, then read the previous step's tokens while this one runs; return
-        the requests that finished.
+        """One turn of the loop, while the GPU runs the last step's forward: read the tokens of the step before it,
+        fill the last step's token masks (constrained rows: their last tokens are known now), schedule and prepare
+        the next step, then queue the last step's sampling (if it waited for masks) and the next step back to
+        back. Return the requests that finished.
 
-        Running one step ahead hides the host's work (scheduling, input preparation, output processing) behind the
-        GPU's. Its cost: a sequence that stops on a sampled token (EOS, stop string) has already been given one more
-        step, whose token is dropped; one that reaches its length limit is not (the scheduler knows that limit).
+        Running one step ahead hides the host's work (scheduling, input preparation, output processing, masks)
+        behind the GPU's. Its cost: a sequence that stops on a sampled token (EOS, stop string) has already been
+        given one more step, whose token is dropped; one that reaches its length limit is not (the scheduler knows
+        that limit).
         """
         finished, self._rejected = self._rejected, []
+        if self._unread is not None:
+            finished += self._process(self._unread)
+        last = self._in_flight
+        deferred = last is not None and last.queued.sample is not None
+        if deferred:
+            self._fill_bitmask(last)
         self._fork()
         step = self.scheduler.schedule()
         for seq in step.preempted:
             self.penalty_slots.release(seq)  # its counts are rebuilt when it runs again
-        previous, self._in_flight = self._in_flight, self._launch(step) if step.seqs else None
-        if previous is not None:
-            finished += self._process(previous)
+        following = self._prepare(step) if step.seqs else None
+        if deferred:
+            last.queued.sample()
+        if following is not None:
+            following.queued = self.backend.submit(following.batch)
+            self.num_steps += 1
+        self._unread, self._in_flight = last, following
         return finished
 
-    def _launch(self, step: ScheduledStep) -> InFlightStep:
+    def _prepare(self, step: ScheduledStep) -> InFlightStep:
+        """The step's batch, with the sequences advanced as if it had run (its sampled tokens pending)."""
         now = time.time()
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
@@ -213,6 +242,10 @@ class LLMEngine:
         batch = build_batch(step, self.engine_config.block_size)
         samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(step.seqs, step.num_new_tokens)]
         batch.logits_processing = build_logits_processing(step.seqs, samples, self.penalty_slots)
+        constrained = [i for i, (seq, sampled) in enumerate(zip(step.seqs, samples)) if sampled and seq.constraint]
+        if constrained:
+            batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
+            batch.bitmask_rows[constrained] = np.arange(len(constrained))
         starts, sample_index = [], []
         for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
             starts.append(seq.num_computed_tokens)
@@ -224,15 +257,31 @@ class LLMEngine:
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.sample_row = row
-        wait = self.backend.submit(batch)
-        self.num_steps += 1
-        return InFlightStep(step, batch, starts, sample_index, wait)
+        return InFlightStep(step, batch, starts, sample_index)
+
+    def _fill_bitmask(self, launched: InFlightStep) -> None:
+        """The token bitmask of each constrained row of the launched step: what its matcher allows next (every
+        token for a sequence that has finished meanwhile: its row is dropped)."""
+        bitmask, rows = launched.queued.bitmask, launched.batch.bitmask_rows
+        constrained = []
+        for seq, row in zip(launched.step.seqs, rows):
+            if row >= 0:
+                assert seq.is_finished or seq.num_pending == 1, "its matcher has every token but this step's"
+                if seq.is_finished:
+                    bitmask[row] = -1
+                else:
+                    constrained.append((seq.constraint, int(row)))
+        self.structured_outputs.fill_bitmask(bitmask, constrained)
 
     def _process(self, launched: InFlightStep) -> list[RequestOutput]:
-        result = launched.wait()
+        result = launched.queued.result()
         now = time.time()
         finished = []
         step, batch = launched.step, launched.batch
+        # the constraints' matchers take their sequences' new tokens all at once, in parallel
+        broken = self.structured_outputs.advance(
+            [(seq.constraint, int(result.sampled_token_ids[i])) for i, (seq, index) in
+             enumerate(zip(step.seqs, launched.sample_index)) if index >= 0 and seq.constraint and not seq.is_finished])
         for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
             if seq.is_finished:
                 continue  # it stopped at the previous step: this step's work for it is dropped
@@ -254,6 +303,10 @@ class LLMEngine:
                 entry = _logprob_dicts(result.logprobs, [token], seq.params.logprobs, row=i)[0]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
+            if broken and seq.constraint in broken:
+                # only if other processors (allowed_token_ids, a -100 bias, bad_words) banned all it allowed
+                log.warning("request %s: token %d breaks its structured_outputs constraint; it ends here",
+                            seq.request_id, token)
             if self._check_stop(seq, token, index + 1):
                 del seq.token_ids[index + 1:]  # the next step's pending token, if it was queued
                 seq.num_pending = 0
@@ -268,8 +321,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
         """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
-        reasons. Up to min_tokens output tokens, only the length limit ends it (as vLLM: EOS and stop tokens are
-        banned from sampling then, stop strings not looked for)."""
+        reasons. Up to min_tokens output tokens, only the length limit (and a complete structured output) ends it
+        (as vLLM: EOS and stop tokens are banned from sampling then, stop strings not looked for)."""
         params = seq.params
         stops_allowed = length - seq.num_prompt_tokens > params.min_tokens
         if stops_allowed and token in params.stop_token_ids:
@@ -279,6 +332,9 @@ class LLMEngine:
             seq.finish_reason = "stop"
             return True
         if seq.detokenizer is not None and self._stop_string_hit(seq, token, stops_allowed):
+            return True
+        if seq.constraint is not None and seq.constraint.done:  # the constraint allows nothing more
+            seq.finish_reason = "stop"
             return True
         if length >= seq.max_len:
             seq.finish_reason = "length"
@@ -306,14 +362,15 @@ class LLMEngine:
         """Record a finished sequence's completion; its request's output once all n are done."""
         group = seq.group
         if seq.detokenizer is None and seq.params.detokenize:
-            # the EOS or stop token that ended it is not text
-            ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            # the EOS or stop token that ended it is not text (the last token of a complete structured output is)
+            ended_by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
+                seq.stop_reason is None and seq.output_token_ids[-1] in self.eos_token_ids))
             text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
             seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids,
                                            seq.params.skip_special_tokens)
-        group.completions[seq.index] = CompletionOutput(seq.index, seq.text, seq.output_token_ids,
-                                                        seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
-                                                        seq.stop_reason)
+        group.completions[seq.index] = CompletionOutput(
+            seq.index, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
+            seq.stop_reason, None if seq.constraint is None else seq.constraint.complete)
         if seq.forks_left:
             # It ended before all could fork (no room yet): a running sibling holds the same prompt KV and forks the
             # rest; with none left, they start from scratch.
@@ -341,11 +398,13 @@ class LLMEngine:
 
 
 def _logprob_dicts(logprobs: Logprobs, token_ids, k: int, row: int | None = None) -> list[dict[int, float]]:
-    """{token: logprob} per position: the actual token's and the top-k (k of this request, the batch may have more)."""
+    """{token: logprob} per position: the actual token's and the top-k (k of this request, the batch may have more)
+    that a logits processor or constraint left possible (fewer than k when it forbade the rest)."""
     rows = range(len(token_ids)) if row is None else [row]
     out = []
     for r, token in zip(rows, token_ids):
-        entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])}
+        entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])
+                 if lp > -np.inf}
         entry[int(token)] = float(logprobs.token_logprobs[r])
         out.append(entry)
     return out

@@ -48,6 +48,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: object = None
     processors: object = None  # logits_processing.RequestProcessors, or None: no logits processing
+    constraint: object = None  # structured_outputs.OutputConstraint: its structured output's state, or None
     penalty_slot: int = -1  # its slot in the backend's token-count table while it runs with penalties
     index: int = 0  # which of its request's n completions this is
     forks_left: int = 0  # completions still to fork from this one (the first of n) once its prompt is computed

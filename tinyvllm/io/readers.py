@@ -39,6 +39,10 @@ CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_
 # OpenAI's names for SamplingParams fields: max_completion_tokens is max_tokens; chat's `logprobs: true` with
 # `top_logprobs: k` is logprobs=k (completions' integer `logprobs` is vLLM's already).
 OPENAI_ALIASES = ("max_completion_tokens", "top_logprobs")
+# Other names of structured_outputs: OpenAI's response_format, and the guided_* fields of vLLM's OpenAI server.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+STRUCTURED_ALIASES = ("response_format", *GUIDED_FIELDS)
 # Fields of an OpenAI request body that mean nothing for an offline generation: accepted and ignored.
 IGNORED_FIELDS = ("model", "user", "metadata", "store")
 # Request fields of OpenAI's and vLLM's APIs that tinyvllm cannot honour: a row giving one is refused (in a plain
@@ -46,12 +50,8 @@ IGNORED_FIELDS = ("model", "user", "metadata", "store")
 UNSUPPORTED_FIELDS = {
     "stream": "outputs are written once complete; only stream: false",
     "stream_options": "outputs are not streamed",
-    "response_format": "structured outputs are not supported yet",
-    "guided_json": "structured outputs are not supported yet",
-    "guided_regex": "structured outputs are not supported yet",
-    "guided_choice": "structured outputs are not supported yet",
-    "guided_grammar": "structured outputs are not supported yet",
-    "structured_outputs": "structured outputs are not supported yet",
+    "guided_decoding_backend": "one structured-outputs library: llguidance",
+    "structural_tag": "no structural tags: use structured_outputs (json, regex, choice or grammar)",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
@@ -72,8 +72,8 @@ UNSUPPORTED_FIELDS = {
     "service_tier": "no service tiers",
 }
 # Keys a plain row's request reads: never carried to the output as data.
-REQUEST_FIELDS = frozenset(("id", "prompt", "messages", *OVERRIDABLE_FIELDS, *OPENAI_ALIASES, *CHAT_FIELDS,
-                            *UNSUPPORTED_FIELDS))
+REQUEST_FIELDS = frozenset(("id", "prompt", "messages", *OVERRIDABLE_FIELDS, *OPENAI_ALIASES, *STRUCTURED_ALIASES,
+                            *CHAT_FIELDS, *UNSUPPORTED_FIELDS))
 MESSAGE_FIELDS = ("role", "content", "name")  # `name` reaches the template, as in OpenAI's API
 JSON_TEXT = {b"tinyvllm.json_text": b"1"}  # metadata of a carried JSONL column whose values have no common type
 PARQUET_BATCH_ROWS = 1024
@@ -363,6 +363,10 @@ def _request(fields: dict, allow_unknown: bool, chat: bool | None) -> Request:
             raise BadRow("top_logprobs needs logprobs: true")
     elif top_logprobs is not None:
         raise BadRow("top_logprobs needs logprobs: true")
+    structured = _structured_outputs(overrides.pop("structured_outputs", None),
+                                     {k: fields.pop(k) for k in STRUCTURED_ALIASES if k in fields})
+    if structured is not None:
+        overrides["structured_outputs"] = structured
     chat_options = _checked_chat_options({k: fields.pop(k) for k in CHAT_FIELDS if k in fields})
     prompt, messages = fields.pop("prompt", None), fields.pop("messages", None)
     for name in sorted(fields):
@@ -373,6 +377,43 @@ def _request(fields: dict, allow_unknown: bool, chat: bool | None) -> Request:
         raise BadRow("/v1/completions takes prompt, not messages")
     prompt, messages = _prompt_or_messages(prompt, messages, refuse)
     return Request(prompt, messages, _checked_overrides(overrides), chat_options, ignored)
+
+
+def _structured_outputs(given: object, aliases: dict) -> object:
+    """The row's structured_outputs, from that field or one of its other names (at most one way)."""
+    ways = (["structured_outputs"] if given is not None else []) + (["response_format"] if "response_format" in
+                                                                   aliases else [])
+    guided = {GUIDED_FIELDS[k]: v for k, v in aliases.items() if k in GUIDED_FIELDS}
+    if guided:
+        ways.append("guided_*")
+    if len(ways) > 1:
+        raise BadRow(f"give one of {' and '.join(ways)}: both constrain the output")
+    if "response_format" in aliases:
+        return _response_format(aliases["response_format"])
+    return guided or given
+
+
+def _response_format(fmt: object) -> dict | None:
+    """OpenAI's response_format as structured_outputs (None: plain text)."""
+    if isinstance(fmt, str):  # a Parquet string column holds it as JSON text
+        try:
+            fmt = json.loads(fmt)
+        except ValueError:
+            raise BadRow("response_format must be an object (or its JSON text)") from None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise BadRow("response_format of type json_schema needs json_schema.schema")
+        unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+        if unknown:
+            raise BadRow(f"unsupported response_format.json_schema field(s): {', '.join(unknown)}")
+        return {"json": spec["schema"]}  # strict or not, the schema is enforced
+    raise BadRow(f"unsupported response_format {fmt!r:.60}: its type must be text, json_object or json_schema")
 
 
 def _checked_chat_options(options: dict) -> dict:

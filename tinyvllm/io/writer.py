@@ -48,7 +48,10 @@ def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> 
     cols += [(name, pa.float64()) for name in LATENCIES]
     cols += [("finished_at", pa.float64()),  # unix seconds, for throughput over time
              ("chat", pa.bool_()),  # the prompt is a chat rendered with the template
-             ("ignored_fields", pa.list_(pa.string()))]  # unsupported fields dropped (--allow-unknown-fields)
+             ("ignored_fields", pa.list_(pa.string())),  # unsupported fields dropped (--allow-unknown-fields)
+             # with a structured_outputs constraint: the output matches it in full (false: max_tokens or a stop
+             # string ended it first); null without one
+             ("structured_output_complete", pa.bool_())]
     if token_ids:
         cols += [("completion_token_ids", pa.list_(pa.int32()))]
     # The first completion's logprobs: the sampled token's per position, and the top ones (sampled included) at each;
@@ -119,6 +122,7 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
         "completion_tokens": sum(len(c.token_ids) for c in comps) if ok else 0,  # all n, as OpenAI's usage
         "error": error, "finished_at": time.time(),
         "completion_token_ids": comp.token_ids if ok else None,
+        "structured_output_complete": comp.structured_output_complete if ok else None,
     }
     rec.update({name: getattr(metrics, name) if metrics else None for name in LATENCIES})
     if ok and comp.logprobs is not None:
@@ -490,7 +494,8 @@ def _merged(pieces: list[Path]) -> Iterator[dict]:
             heapq.heappush(heap, (following["row"], i, following, rows))
 
 
-SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", "ignored_fields", *LATENCIES]
+SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", "ignored_fields",
+                   "structured_output_complete", *LATENCIES]
 
 
 def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
@@ -511,6 +516,9 @@ def summarize(table: pa.Table, wall_time_s: float, output: Path) -> dict:
         "wall_time_s": wall_time_s,
         "output_tok_per_s": round(out_tokens / wall_time_s, 2) if wall_time_s > 0 else None,
         "latency_ms": latency,
+        # rows whose structured output ran out of max_tokens (or met a stop string) before it was complete
+        "structured_output_incomplete": int(pc.sum(pc.invert(table.column("structured_output_complete"))).as_py()
+                                            or 0),
         # rows per unsupported field dropped (--allow-unknown-fields)
         "ignored_fields": dict(sorted((c["values"], c["counts"]) for c in
                                       pc.value_counts(pc.list_flatten(table.column("ignored_fields"))).to_pylist())),

@@ -18,7 +18,7 @@ from tinyvllm.sampling_params import SamplingParams
 SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "allowed_token_ids",
-                     "bad_words")
+                     "bad_words", "structured_outputs")
 
 
 @dataclass

@@ -33,7 +33,8 @@ def _keys(cls, names=None) -> dict[str, type | tuple]:
 
 ENGINE_KEYS = _keys(EngineConfig)
 JOB_KEYS = {**{k: str for k in PATH_KEYS}, **_keys(JobConfig)}
-SAMPLING_KEYS = _keys(SamplingParams, SAMPLING_DEFAULTS)
+SAMPLING_KEYS = {**_keys(SamplingParams, [k for k in SAMPLING_DEFAULTS if k != "structured_outputs"]),
+                 "structured_outputs": dict}  # a table of StructuredOutputsParams' fields
 RAY_KEYS = _keys(RayConfig)
 JOB_FILE_KEYS: dict[str, type | tuple] = {**JOB_KEYS, **ENGINE_KEYS, **{f"sampling.{k}": v for k, v in SAMPLING_KEYS.items()},
                                           **{f"ray.{k}": v for k, v in RAY_KEYS.items()}}

@@ -145,7 +145,8 @@ def _merged_stats(stats: list[dict]) -> dict:
     """The replicas' LLM.stats() as one: counters summed, the prefix-cache hit rate averaged over engine steps."""
     steps = sum(s["num_steps"] for s in stats)
     rate = sum(s["prefix_cache_hit_rate"] * s["num_steps"] for s in stats) / steps if steps else 0.0
-    return {"prefix_cache_hit_rate": round(rate, 4), "num_preemptions": sum(s["num_preemptions"] for s in stats),
+    summed = ("num_preemptions", "structured_output_grammars", "structured_output_compile_s")
+    return {"prefix_cache_hit_rate": round(rate, 4), **{k: sum(s[k] for s in stats) for k in summed},
             "num_steps": steps, "replicas": len(stats)}
 
 

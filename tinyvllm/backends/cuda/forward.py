@@ -212,12 +212,20 @@ class CudaForward:
             ops.silu_and_mul(b["act"], b["gate_up"], n, inter)
             self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
 
-    def _sample(self, n: int, hidden_rows: int, inp: Buffers, out: Buffers, proc: Buffers, last_tokens: int) -> None:
-        """LM head on n final-normed rows, the logits processors (proc: LogitsProcessing's arrays; rows without
-        any return at once), then one sampled token per row into out["ids"], counted in the token-count table for
-        rows that keep it. last_tokens: each row's last input token (device int32 [n])."""
-        cfg, b, vocab = self.config, self.buf, self.config.vocab_size
-        self.linear.gemm(b["logits"], hidden_rows, self.lm_head, n, vocab, cfg.hidden_size, out_fp32=True)
+    def compute_logits(self, n: int, hidden_rows: int) -> None:
+        """The logits of n final-normed rows (device bf16 [n, hidden]) into buf["logits"]."""
+        self.linear.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, self.config.vocab_size,
+                         self.config.hidden_size, out_fp32=True)
+
+    def sample_logits(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, last_tokens: int,
+                      masks: Buffers | None = None) -> None:
+        """From n rows of logits: structured outputs' token masks (masks: "bitmask" and per-row "bitmask_rows";
+        None: no row has one), the logits processors (proc: LogitsProcessing's arrays; rows without any return at
+        once), then one sampled token per row into out["ids"], counted in the token-count table for rows that keep
+        it. last_tokens: each row's last input token (device int32 [n])."""
+        b, vocab = self.buf, self.config.vocab_size
+        if masks is not None:
+            self.ops.apply_token_bitmask(b["logits"], n, vocab, masks.ptr("bitmask"), masks.ptr("bitmask_rows"))
         # out["ids"] still holds the previous step's tokens here: a last input token not known to the host is there
         self.ops.apply_logits_processors(b["logits"], n, vocab, last_tokens, proc.ptr("last_src"), out.ptr("ids"),
                                          proc.ptr("penalty_slots"), proc.ptr("presence"), proc.ptr("frequency"),
@@ -228,8 +236,9 @@ class CudaForward:
                         inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
         self.ops.count_tokens(b["token_counts"], vocab, out.ptr("ids"), proc.ptr("count_slots"), n)
 
-    def decode(self, n: int, inp: Buffers, out: Buffers, proc: Buffers) -> None:
-        """One decode step of n (bucket-padded) sequences, sampled ids into out: what a graph captures."""
+    def decode(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, sample: bool = True) -> None:
+        """One decode step of n (bucket-padded) sequences, sampled ids into out (sample=False: up to the logits):
+        what a graph captures."""
         b = self.buf
         splits = self.num_splits(n)
 
@@ -241,7 +250,9 @@ class CudaForward:
 
         self._layers(n, inp, out, attention)
         self.ops.rms_norm(b["h"], b["x"], self.final_norm, 0, n, self.config.hidden_size, self.config.rms_norm_eps)
-        self._sample(n, b["h"], inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
+        self.compute_logits(n, b["h"])
+        if sample:
+            self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
 
     def prefill(self, n: int, inp: Buffers, out: Buffers, num_tiles: int, bt_width: int) -> None:
         """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""
@@ -263,9 +274,10 @@ class CudaForward:
         self.ops.rms_norm(self.buf["sample_hidden"] + first_seq * cfg.hidden_size * 2, self.buf["x"],
                           self.final_norm, rows, count, cfg.hidden_size, cfg.rms_norm_eps)
 
-    def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers, proc: Buffers) -> None:
-        """Sample one token per sequence from its sample_hidden row."""
-        self._sample(num_seqs, self.buf["sample_hidden"], inp, out, proc, proc.ptr("last_tokens"))
+    def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers, proc: Buffers,
+                       masks: Buffers | None = None) -> None:
+        """Sample one token per sequence from the logits of its sample_hidden row (compute_logits first)."""
+        self.sample_logits(num_seqs, inp, out, proc, proc.ptr("last_tokens"), masks)
 
     def logprobs(self, n: int, token_ids: int, k: int, out: Buffers) -> None:
         """Logprobs of token_ids (device int32 [n]) and the top k of the last n rows of logits, into out."""
@@ -276,6 +288,6 @@ class CudaForward:
         """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""
         cfg, buf = self.config, self.buf
         self.ops.rms_norm(buf["h"], buf["x"], self.final_norm, rows, m, cfg.hidden_size, cfg.rms_norm_eps)
-        self.linear.gemm(buf["logits"], buf["h"], self.lm_head, m, cfg.vocab_size, cfg.hidden_size, out_fp32=True)
+        self.compute_logits(m, buf["h"])
         self.logprobs(m, targets, k, out)
 

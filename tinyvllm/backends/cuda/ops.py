@@ -255,6 +255,13 @@ class Ops:
                     sampled, penalty_slots, presence, frequency, repetition, counts, prompt_mask, allowed_ptr,
                     allowed_ids, bias_ptr, bias)
 
+    @kernel("logits_processors", "float* logits, int vocab, const int* bitmask, int words, const int* bitmask_rows")
+    def apply_token_bitmask(self, logits: int, num_rows: int, vocab: int, bitmask: int, bitmask_rows: int) -> None:
+        """Structured outputs' masks on num_rows rows of logits, in place: row i keeps the tokens that bitmask row
+        bitmask_rows[i] (int32 words [C, ceil(vocab / 32)]) allows; rows with bitmask_rows[i] < 0 are untouched."""
+        self.launch("apply_token_bitmask", (num_rows,), ELEMENTWISE_THREADS, logits, vocab, bitmask,
+                    -(-vocab // 32), bitmask_rows)
+
     @kernel("logits_processors", "int* counts, int vocab, const int* sampled, const int* count_slots, int n")
     def count_tokens(self, counts: int, vocab: int, sampled: int, count_slots: int, n: int) -> None:
         self.launch("count_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, counts, vocab, sampled,

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import numpy as np
 import pycuda.driver as cuda
 
-from tinyvllm.backends.base import Backend, Batch, LogitsProcessing, Logprobs, SamplerOutput, SamplingBatch
+from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, QueuedStep, SamplerOutput,
+                                    SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.forward import GIB, CudaForward
 from tinyvllm.backends.cuda.graphs import Graph
@@ -139,6 +140,7 @@ class CudaBackend(Backend):
 
     def __init__(self, model, engine_config: EngineConfig, use_graphs: bool = True) -> None:
         self.config = model.config
+        self.vocab_size = model.config.vocab_size
         self.engine_config = engine_config
         self.use_graphs = use_graphs
         self.stream = cuda.Stream()
@@ -160,7 +162,9 @@ class CudaBackend(Backend):
         self.copies_in = Staging({"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
         self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (self.max_tokens, np.int32),
                                  "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
-        self.graphs: dict[int, Graph] = {}
+        self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
+        self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
+        self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
 
     def _allocate_staging(self) -> None:
@@ -202,9 +206,7 @@ class CudaBackend(Backend):
                 f"no room for a KV cache of {max(num_blocks, 1)} blocks ({block_bytes} bytes each): "
                 f"{free / GIB:.2f} of {total / GIB:.2f} GiB free after weights and buffers, "
                 f"gpu_memory_utilization={ec.gpu_memory_utilization}")
-        for graph in self.graphs.values():  # they point at the old cache
-            graph.close()
-        self.graphs = {}
+        self._close_graphs()  # they point at the old cache
         self.startup_times["KV cache allocation"] = _seconds(lambda: self.forward.allocate_kv_cache(num_blocks))
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
@@ -220,19 +222,27 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         """Release graphs, the cuBLAS handle and device memory now rather than at garbage collection."""
-        for graph in self.graphs.values():
-            graph.close()
-        self.graphs = {}
+        self._close_graphs()
         self.forward.close()
+
+    def _close_graphs(self) -> None:
+        for graph in (*self.graphs.values(), *self.forward_graphs.values()):
+            graph.close()
+        self.graphs, self.forward_graphs = {}, {}
 
     # ---- steps -----------------------------------------------------------------------------------------------------
 
-    def execute(self, batch: Batch) -> SamplerOutput:
-        return self.submit(batch)()
+    def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
+        queued = self.submit(batch)
+        if queued.sample is not None:
+            queued.bitmask[:] = bitmask
+            queued.sample()
+        return queued.result()
 
-    def submit(self, batch: Batch) -> Callable[[], SamplerOutput]:
+    def submit(self, batch: Batch) -> QueuedStep:
         """Queue the step on the stream and return at once (unless prompt logprobs are asked: they are read back
-        chunk by chunk); the returned function waits for this step alone and reads its output."""
+        chunk by chunk); its result() waits for this step alone and reads its output. With bitmask rows, the
+        forward is queued up to the logits; the sampling is queued by sample(), after the masks."""
         if batch.num_seqs > self.max_seqs:
             raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_seqs}")
         if batch.block_tables.shape[1] > self.max_blocks:
@@ -244,20 +254,29 @@ class CudaBackend(Backend):
         self.out_copy ^= 1
         if batch.block_copies is not None:
             self._copy_blocks(batch.block_copies)
-        self._stage_processing(batch, n if batch.is_prefill else next(b for b in self.buckets if b >= n))
+        rows = n if batch.is_prefill else next(b for b in self.buckets if b >= n)
+        self._stage_processing(batch, rows)
+        deferred = batch.bitmask_rows is not None
         if batch.is_prefill:
             prompt_lps = self._prefill(batch, copy)
             what = f"prefill step ({n} sequences, {len(batch.token_ids)} tokens)"
         else:
             prompt_lps = {}
             what = f"decode step ({n} sequences)"
-            self._decode(batch)
-        if k >= 0:
-            self.forward.logprobs(n, out.ptr("ids"), k, out)
-            self._download_logprobs(n, k, copy)
-        out.download(self.stream, "ids", n, copy)
+            self._decode(batch, sample=not deferred)
         ready = self.out_ready[copy]
-        ready.record(self.stream)
+
+        def sample(masks: Staging | None = None) -> None:
+            if batch.is_prefill:
+                self.forward.sample_prefill(n, self.prefill_in, out, self.proc, masks)
+            elif masks is not None:  # else the decode graph sampled
+                self.forward.sample_logits(rows, self.decode_in, out, self.proc, self.decode_in.ptr("token_ids"),
+                                           masks)
+            if k >= 0:
+                self.forward.logprobs(n, out.ptr("ids"), k, out)
+                self._download_logprobs(n, k, copy)
+            out.download(self.stream, "ids", n, copy)
+            ready.record(self.stream)
 
         def wait() -> SamplerOutput:
             try:
@@ -269,7 +288,30 @@ class CudaBackend(Backend):
                 result.logprobs = self._read_logprobs(n, k, copy)
             return result
 
-        return wait
+        if not deferred:
+            sample()
+            return QueuedStep(wait)
+        masks, bitmask = self._stage_bitmask_rows(batch.bitmask_rows, rows)
+
+        def sample_with_masks() -> None:
+            masks.upload(self.stream, "bitmask", bitmask.size)
+            sample(masks)
+
+        return QueuedStep(wait, bitmask, sample_with_masks)
+
+    def _stage_bitmask_rows(self, bitmask_rows: np.ndarray, rows: int) -> tuple[Staging, np.ndarray]:
+        """Stage the rows' bitmask indices (padding rows: -1) and hand out the host bitmask for the caller to fill:
+        [C, words] in the same pinned buffer, uploaded with them."""
+        words = bitmask_words(self.vocab_size)
+        if self.masks is None:
+            self.masks = Staging({"bitmask_rows": (self.max_seqs, np.int32),
+                                  "bitmask": (self.max_seqs * words, np.int32)})
+        masks = self.masks
+        masks.wait()  # the previous step's upload has left the buffer
+        masks["bitmask_rows"][: len(bitmask_rows)] = bitmask_rows
+        masks["bitmask_rows"][len(bitmask_rows): rows] = -1
+        num_masks = int(bitmask_rows.max()) + 1
+        return masks, masks["bitmask"][: num_masks * words].reshape(num_masks, words)
 
     def _download_logprobs(self, n: int, k: int, copy: int) -> None:
         """Queue the copy of n rows of logprobs (top k) into host copy `copy` of the outputs."""
@@ -295,19 +337,22 @@ class CudaBackend(Backend):
             inp[name][:n] = getattr(sampling, name)
             inp[name][n:total] = pad
 
-    def _decode(self, batch: Batch) -> None:
+    def _decode(self, batch: Batch, sample: bool) -> None:
+        """Queue a decode step: through sampling, or (sample=False) up to the logits. The forward-only graphs are
+        captured at their bucket's first step, as the others are with cuda_graph_capture="lazy"."""
         bucket = next(b for b in self.buckets if b >= batch.num_seqs)  # eager pads too: graph and eager agree
         self._stage_decode(batch, bucket)
-        graph = self.graphs.get(bucket) if self.use_graphs else None
+        graphs = self.graphs if sample else self.forward_graphs
+        graph = graphs.get(bucket) if self.use_graphs else None
         if graph is not None:
             graph.launch(self.stream.handle)
         else:
-            self._decode_forward(bucket)
+            self._decode_forward(bucket, sample)
             if self.use_graphs:  # the eager run warmed cuBLAS up for this shape; capture it for the next steps
-                self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
+                graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample))
 
-    def _decode_forward(self, bucket: int) -> None:
-        self.forward.decode(bucket, self.decode_in, self.out, self.proc)
+    def _decode_forward(self, bucket: int, sample: bool = True) -> None:
+        self.forward.decode(bucket, self.decode_in, self.out, self.proc, sample)
 
     def _copy_blocks(self, pairs: np.ndarray) -> None:
         """Forks' KV block copies, queued before the step that reads them."""
@@ -333,9 +378,7 @@ class CudaBackend(Backend):
                 for staging in (self.proc.rows, self.proc.allowed, self.proc.bias):
                     staging.wait()
                 self.proc = ProcessorBuffers(self.max_seqs, needed)
-                for graph in self.graphs.values():  # they read the old arrays
-                    graph.close()
-                self.graphs = {}
+                self._close_graphs()  # they read the old arrays
         last = batch.query_start_loc[1:] - 1
         sources = batch.token_sources[last] if batch.token_sources is not None else -1
         self.proc.stage(self.stream, proc, batch.token_ids[last], sources, rows)
@@ -397,7 +440,8 @@ class CudaBackend(Backend):
         inp.upload(self.stream, "block_tables", bucket * width)
 
     def _prefill(self, batch: Batch, copy: int) -> dict[int, Logprobs]:
-        """Queue the prefill (chunk by chunk) and its sampling; return the prompt logprobs, if asked."""
+        """Queue the prefill (chunk by chunk) up to the logits of its sampled rows; return the prompt logprobs,
+        if asked."""
         total = int(batch.query_start_loc[-1])
         # Prompt logprobs: the first len(targets) new positions of sequence s predict `targets`.
         qsl, targets = batch.query_start_loc, sorted(batch.prompt_logprob_targets.items())  # rows ascending
@@ -408,7 +452,7 @@ class CudaBackend(Backend):
             end = min(total, start + self.max_tokens)
             in_chunk = (lp_rows >= start) & (lp_rows < end)
             self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps, copy)
-        self.forward.sample_prefill(batch.num_seqs, self.prefill_in, self.out, self.proc)
+        self.forward.compute_logits(batch.num_seqs, self.forward.buf["sample_hidden"])
         result = {}
         if prompt_lps:  # rows came out in lp_rows order; cut them back into sequences
             merged = [np.concatenate([getattr(p, f) for p in prompt_lps])
