@@ -18,7 +18,15 @@ class LazyWeights(Mapping):
 
     @abstractmethod
     def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape, without reading it."""
+        """The tensor's shape, without reading it (KeyError for a name it does not have)."""
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own `in` reads the tensor (self[name]): checking a checkpoint's names read all of it.
+        try:
+            self.shape(name)
+        except KeyError:
+            return False
+        return True
 
 
 @dataclass
