@@ -2,7 +2,8 @@
 
 The weights of a checkpoint dir stay in their files until a backend packs them (SafetensorsWeights): only the
 headers are read at load, and each tensor is read when asked for, in its stored dtype (`stored`) or as float32 (`[]`).
-So the CUDA backend uploads bf16 checkpoints as they are, one tensor at a time, and no one holds the model on the host.
+So the CUDA backend streams a bf16 checkpoint to the device as stored, piece by piece (Bf16Bytes, stream_bf16), and
+no one holds the model on the host.
 
 Safetensors are read directly (8-byte little-endian header length, JSON header, raw little-endian data) because
 numpy has no bfloat16 and the safetensors numpy API refuses it; nothing is ever unpickled.
