@@ -126,10 +126,11 @@ class CudaForward:
             cuda.memcpy_htod_async(address, staging[i][:nbytes], self.stream)
             sent[i].record(self.stream)
 
-        # a generator: each part is opened (or converted) only when its turn comes
-        stream_bf16(((address, Bf16Bytes(w, name)) for address, name in parts), staging,
-                    lambda i: sent[i].synchronize(), send)
-        self.stream.synchronize()  # before the staging buffers are freed
+        try:  # a generator: each part is opened (or converted) only when its turn comes
+            stream_bf16(((address, Bf16Bytes(w, name)) for address, name in parts), staging,
+                        lambda i: sent[i].synchronize(), send)
+        finally:
+            self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
         log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
 
     def num_splits(self, num_seqs: int) -> int:
