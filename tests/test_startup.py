@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
+from test_gguf import write_gguf
 
 from tinyvllm.benchmark import format_startup, startup_phases
 from tinyvllm.cli import main
 from tinyvllm.config import EngineConfig
+from tinyvllm.model import gguf as gguf_model
+from tinyvllm.model import loader
+from tinyvllm.model.dummy import random_weights, tiny_config
 from tinyvllm.model.gguf import dequantize
 from tinyvllm.model.gguf_file import read_gguf
 
@@ -117,3 +121,19 @@ def test_gguf_header_reader_refuses_cut_files(tmp_path, default_model_path, cut)
         path.write_bytes(f.read(cut if cut > 0 else os.path.getsize(default_model_path) + cut))
     with pytest.raises((ValueError, struct.error)):
         read_gguf(path)
+
+
+def test_load_model_reads_no_tensor(make_model_dir, tmp_path, monkeypatch):
+    """Loading checks names and shapes from the headers: no tensor is read or dequantized until a backend packs it
+    (Mapping's own `in` read each one: a 1B checkpoint was read and converted to float32 at load)."""
+    def refuse(*args):
+        raise AssertionError("a tensor was read at load")
+
+    bf16_dir = make_model_dir(dtype="bfloat16")
+    gguf_path = tmp_path / "m.gguf"
+    write_gguf(gguf_path, tiny_config(), random_weights(tiny_config()))
+    monkeypatch.setattr(loader.TensorEntry, "read", refuse)
+    monkeypatch.setattr(gguf_model, "dequantize", refuse)
+    for path in (bf16_dir, gguf_path):
+        weights = loader.load_model(path).weights
+        assert "model.norm.weight" in weights and "model.nothing" not in weights

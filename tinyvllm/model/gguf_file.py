@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 MAGIC = b"GGUF"
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+LENGTH = struct.Struct("<Q")  # of a string, before its UTF-8 bytes
 PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 
 
@@ -49,6 +50,18 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        buf, pos, length, out = self.buf, self.pos, LENGTH.unpack_from, []
+        for _ in range(count):
+            n = length(buf, pos)[0]
+            pos += 8
+            out.append(str(buf[pos: pos + n], "utf-8"))
+            pos += n
+        if pos > len(buf):
+            raise ValueError("truncated or damaged")
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == STRING:
             return self.string()
@@ -59,6 +72,8 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
                 self.pos += count * dtype.itemsize
                 return values
+            if item == STRING:  # a vocabulary and its merges: ~100k strings, so the loop is kept tight
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         if kind not in SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")

@@ -2,7 +2,8 @@
 
 The weights of a checkpoint dir stay in their files until a backend packs them (SafetensorsWeights): only the
 headers are read at load, and each tensor is read when asked for, in its stored dtype (`stored`) or as float32 (`[]`).
-So the CUDA backend uploads bf16 checkpoints as they are, one tensor at a time, and no one holds the model on the host.
+So the CUDA backend streams a bf16 checkpoint to the device as stored, piece by piece (Bf16Bytes, stream_bf16), and
+no one holds the model on the host.
 
 Safetensors are read directly (8-byte little-endian header length, JSON header, raw little-endian data) because
 numpy has no bfloat16 and the safetensors numpy API refuses it; nothing is ever unpickled.
@@ -14,7 +15,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +41,23 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(ST_DTYPES[self.code][0]).itemsize
+
     def read(self) -> np.ndarray:
         """The tensor in its stored dtype (bf16 as uint16 bit patterns), read from the file into a new array."""
-        dtype = np.dtype(ST_DTYPES[self.code][0]).newbyteorder("<")
-        out = np.empty(self.shape, dtype)
-        # Read into a new array rather than mapped: touched pages of a map stay in the resident set while it is open.
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
-                raise ValueError(f"{self.path} was truncated while the model was loaded")
+        out = np.empty(self.shape, np.dtype(ST_DTYPES[self.code][0]).newbyteorder("<"))
+        self.read_into(0, out.reshape(-1).view(np.uint8))
         return out
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Bytes start.. of the tensor's data into `out` (contiguous uint8), straight from the file. Read rather
+        than mapped: touched pages of a map stay in the resident set while it is open."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start)
+            if f.readinto(memoryview(out)) != out.nbytes:
+                raise ValueError(f"{self.path} was truncated while the model was loaded")
 
 
 class SafetensorsWeights(MutableMapping, LazyWeights):
@@ -66,6 +74,11 @@ class SafetensorsWeights(MutableMapping, LazyWeights):
     def stored(self, name: str) -> np.ndarray:
         """float32, float16, or bfloat16 as uint16 bit patterns: the tensor as the file holds it."""
         return self.replaced[name] if name in self.replaced else self.entries[name].read()
+
+    def bf16_entry(self, name: str) -> TensorEntry | None:
+        """Where the file holds the tensor, if it holds it as bf16 (and no tensor replaced it)."""
+        entry = None if name in self.replaced else self.entries[name]
+        return entry if entry is not None and entry.code == "BF16" else None
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self.replaced:
@@ -96,6 +109,40 @@ def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
             return data
         return f32_to_bf16(data.astype(np.float32))  # float32, or float16 (exact in float32): rounded once
     return f32_to_bf16(weights[name])
+
+
+class Bf16Bytes:
+    """One tensor as bfloat16 bytes, read piece by piece into a caller's buffer (the CUDA backend's pinned staging
+    buffers): a bf16 checkpoint's straight from its file, never whole on the host; any other converted once here
+    (as_bf16)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], name: str) -> None:
+        self.entry = weights.bf16_entry(name) if isinstance(weights, SafetensorsWeights) else None
+        self.array = None if self.entry is not None else as_bf16(weights, name).reshape(-1).view(np.uint8)
+        self.nbytes = self.entry.nbytes if self.entry is not None else self.array.nbytes
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Bytes start..start + out.nbytes into `out` (contiguous uint8)."""
+        if self.entry is not None:
+            self.entry.read_into(start, out)
+        else:
+            out[:] = self.array[start:start + out.nbytes]
+
+
+def stream_bf16(tensors: Iterable[tuple[int, Bf16Bytes]], buffers: Sequence[np.ndarray],
+                wait: Callable[[int], None], send: Callable[[int, int, int], None]) -> None:
+    """Hand each (destination address, tensor) to `send` piece by piece through the staging buffers in turn, so
+    that filling one buffer overlaps sending the others: wait(i) returns once buffer i's last send is done (it may be
+    refilled), send(i, nbytes, address) starts sending its first nbytes to address (an asynchronous copy)."""
+    size, turn = len(buffers[0]), 0
+    for address, tensor in tensors:
+        for start in range(0, tensor.nbytes, size):
+            i = turn % len(buffers)
+            turn += 1
+            piece = buffers[i][:min(size, tensor.nbytes - start)]
+            wait(i)
+            tensor.read_into(start, piece)
+            send(i, piece.nbytes, address + start)
 
 
 @dataclass

@@ -18,7 +18,15 @@ class LazyWeights(Mapping):
 
     @abstractmethod
     def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape, without reading it."""
+        """The tensor's shape, without reading it (KeyError for a name it does not have)."""
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own `in` reads the tensor (self[name]): checking a checkpoint's names read all of it.
+        try:
+            self.shape(name)
+        except KeyError:
+            return False
+        return True
 
 
 @dataclass
@@ -49,6 +57,20 @@ class ModelWeights:
         return self.lm_head is self.embed
 
 
+def layer_parts(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Layer i's packed tensors (LayerWeights' fields; the family's extras only where it has them) -> the HF
+    tensors whose rows each one stacks, in order."""
+    p = f"model.layers.{i}."
+    parts = {"input_norm": [p + "input_layernorm.weight"], "post_norm": [p + "post_attention_layernorm.weight"],
+             "qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"], "o": [p + "self_attn.o_proj.weight"],
+             "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "down": [p + "mlp.down_proj.weight"]}
+    if config.attention_bias:
+        parts["qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if config.qk_norm:
+        parts["q_norm"], parts["k_norm"] = [p + "self_attn.q_norm.weight"], [p + "self_attn.k_norm.weight"]
+    return parts
+
+
 def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
                  get: Callable[[str], np.ndarray] | None = None) -> ModelWeights:
     """The weights of a LoadedModel (Hugging Face names), packed for a backend, each tensor as `get(name)` gives it
@@ -56,22 +78,12 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
     are iterated."""
     get = get or weights.__getitem__
 
+    def stack(names: list[str]) -> np.ndarray:
+        return get(names[0]) if len(names) == 1 else np.concatenate([get(name) for name in names])
+
     def layers() -> Iterator[LayerWeights]:
         for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            layer = LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                qkv=np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                o=get(p + "self_attn.o_proj.weight"),
-                gate_up=np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down=get(p + "mlp.down_proj.weight"))
-            if config.attention_bias:
-                layer.qkv_bias = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            if config.qk_norm:
-                layer.q_norm = get(p + "self_attn.q_norm.weight")
-                layer.k_norm = get(p + "self_attn.k_norm.weight")
-            yield layer
+            yield LayerWeights(**{field: stack(names) for field, names in layer_parts(config, i).items()})
 
     embed = get("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")

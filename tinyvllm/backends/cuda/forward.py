@@ -13,6 +13,7 @@ device buffers that the step driver (runner.py) fills, so a decode step's launch
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -26,14 +27,17 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
 from tinyvllm.config import EngineConfig
-from tinyvllm.model.loader import as_bf16, weight_shapes
+from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
-from tinyvllm.model.weights import pack_weights
+from tinyvllm.model.weights import layer_parts
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace, fixed so that captured GEMMs never allocate
+# Pinned host buffers the weights pass through: two suffice to overlap reading one with copying the other (the
+# copy is the faster), a third absorbs jitter; pieces of 32 MiB make the per-piece costs negligible.
+STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 
 
 class Buffers(Protocol):
@@ -89,29 +93,44 @@ class CudaForward:
         return int(allocation)
 
     def _upload_weights(self, w: Mapping[str, np.ndarray]) -> None:
-        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them. Tensors are read (a
-        checkpoint's in its own dtype: bf16 as is), fused and uploaded one layer at a time; none stays on the host."""
-        tied = self.config.tie_word_embeddings
-        nbytes = 2 * sum(math.prod(shape) for name, shape in weight_shapes(self.config).items()
-                         if not (tied and name == "lm_head.weight"))
+        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them: a packed tensor is its parts'
+        rows one after another in device memory, so the parts are copied to their offsets and never fused on the
+        host. Each part goes from the model file (a bf16 checkpoint's as stored, with no host copy of the tensor)
+        through a few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces."""
+        cfg, shapes = self.config, weight_shapes(self.config)
+        tied = cfg.tie_word_embeddings
+        nbytes = 2 * sum(math.prod(shape) for name, shape in shapes.items() if not (tied and name == "lm_head.weight"))
         free, total = cuda.mem_get_info()
         if nbytes > free:
             raise MemoryError(f"the model's bf16 weights need {nbytes / GIB:.2f} GiB but the GPU ({self.device_name})"
                               f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
-        packed = pack_weights(w, self.config, lambda name: as_bf16(w, name))
-        bf16 = self._to_device  # the packed arrays are bf16 bit patterns (uint16)
-        self.embed = bf16(packed.embed)
-        self.lm_head = self.embed if packed.tied else bf16(packed.lm_head)
-        self.final_norm = bf16(packed.final_norm)
+        parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
 
-        def optional(array: np.ndarray | None) -> int | None:  # a family's extra (Qwen2's biases, Qwen3's norms)
-            return None if array is None else bf16(array)
+        def place(names: list[str]) -> int:
+            """Device memory for one packed tensor, the named parts at their offsets in it."""
+            sizes = [2 * math.prod(shapes[name]) for name in names]
+            address = self._alloc(sum(sizes))
+            parts.extend(zip(itertools.accumulate(sizes[:-1], initial=address), names))
+            return address
 
-        self.layers = [{"input_norm": bf16(layer.input_norm), "post_norm": bf16(layer.post_norm),
-                        "qkv": bf16(layer.qkv), "o": bf16(layer.o), "gate_up": bf16(layer.gate_up),
-                        "down": bf16(layer.down), "qkv_bias": optional(layer.qkv_bias),
-                        "q_norm": optional(layer.q_norm), "k_norm": optional(layer.k_norm)}
-                       for layer in packed.layers]
+        self.embed = place(["model.embed_tokens.weight"])
+        self.lm_head = self.embed if tied else place(["lm_head.weight"])
+        self.final_norm = place(["model.norm.weight"])
+        self.layers = [{"qkv_bias": None, "q_norm": None, "k_norm": None}  # a family's extras (Qwen2, Qwen3)
+                       | {field: place(names) for field, names in layer_parts(cfg, i).items()}
+                       for i in range(cfg.num_hidden_layers)]
+        staging = [cuda.pagelocked_empty(STAGING_BYTES, np.uint8) for _ in range(STAGING_BUFFERS)]
+        sent = [cuda.Event() for _ in staging]  # one not yet recorded counts as done
+
+        def send(i: int, nbytes: int, address: int) -> None:
+            cuda.memcpy_htod_async(address, staging[i][:nbytes], self.stream)
+            sent[i].record(self.stream)
+
+        try:  # a generator: each part is opened (or converted) only when its turn comes
+            stream_bf16(((address, Bf16Bytes(w, name)) for address, name in parts), staging,
+                        lambda i: sent[i].synchronize(), send)
+        finally:
+            self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
         log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
 
     def num_splits(self, num_seqs: int) -> int:
