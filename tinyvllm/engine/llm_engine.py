@@ -214,17 +214,24 @@ class LLMEngine:
         that limit).
         """
         finished, self._rejected = self._rejected, []
+        advance: list[tuple[OutputConstraint, int]] = []
         if self._unread is not None:
-            finished += self._process(self._unread)
+            finished += self._process(self._unread, advance)
         last = self._in_flight
         deferred = last is not None and last.queued.sample is not None
-        if deferred:
-            self._fill_bitmask(last)
+        # The constraints take their new tokens, then the last step's masks are filled, on a worker thread (the
+        # library releases the GIL) while this one schedules and prepares the next step.
+        background = (self.structured_outputs.start(advance, *(self._bitmask_rows(last) if deferred else ()))
+                      if advance or deferred else None)
         self._fork()
         step = self.scheduler.schedule()
         for seq in step.preempted:
             self.penalty_slots.release(seq)  # its counts are rebuilt when it runs again
         following = self._prepare(step) if step.seqs else None
+        if background is not None:
+            for _ in self.structured_outputs.finish(background):
+                # only if other processors (allowed_token_ids, a -100 bias, bad_words) banned all it allowed
+                log.warning("a sampled token broke its sequence's structured_outputs constraint: it ends there")
         if deferred:
             last.queued.sample()
         if following is not None:
@@ -259,32 +266,36 @@ class LLMEngine:
             seq.sample_row = row
         return InFlightStep(step, batch, starts, sample_index)
 
-    def _fill_bitmask(self, launched: InFlightStep) -> None:
-        """The token bitmask of each constrained row of the launched step: what its matcher allows next (every
-        token for a sequence that has finished meanwhile: its row is dropped)."""
+    def _bitmask_rows(self, launched: InFlightStep) -> tuple[np.ndarray, list[tuple[OutputConstraint, int]]]:
+        """The launched step's bitmask, and the constraint whose mask goes in each of its rows (a sequence that has
+        finished meanwhile gets every token: its row is dropped)."""
         bitmask, rows = launched.queued.bitmask, launched.batch.bitmask_rows
         constrained = []
         for seq, row in zip(launched.step.seqs, rows):
             if row >= 0:
-                assert seq.is_finished or seq.num_pending == 1, "its matcher has every token but this step's"
+                assert seq.is_finished or seq.num_pending == 1, "all its tokens but this step's are read"
                 if seq.is_finished:
                     bitmask[row] = -1
                 else:
                     constrained.append((seq.constraint, int(row)))
-        self.structured_outputs.fill_bitmask(bitmask, constrained)
+        return bitmask, constrained
 
-    def _process(self, launched: InFlightStep) -> list[RequestOutput]:
+    def _process(self, launched: InFlightStep, advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
+        """Read a step's tokens into its sequences; finish those that stop. The constrained sequences that go on
+        leave their tokens in `advance`, for their constraints to take."""
         result = launched.queued.result()
         now = time.time()
         finished = []
         step, batch = launched.step, launched.batch
-        # the constraints' matchers take their sequences' new tokens all at once, in parallel
-        broken = self.structured_outputs.advance(
-            [(seq.constraint, int(result.sampled_token_ids[i])) for i, (seq, index) in
-             enumerate(zip(step.seqs, launched.sample_index)) if index >= 0 and seq.constraint and not seq.is_finished])
         for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
             if seq.is_finished:
                 continue  # it stopped at the previous step: this step's work for it is dropped
+            if index >= 0 and seq.constraint is not None and seq.constraint.done:
+                # Complete with the token before (it has taken every token up to this one): this one, EOS or
+                # whatever its mask allowed once nothing more could follow, is dropped.
+                seq.finish_reason = "stop"
+                self._end(seq, index, now, finished)
+                continue
             if i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
                                          seq.params.prompt_logprobs)
@@ -303,26 +314,31 @@ class LLMEngine:
                 entry = _logprob_dicts(result.logprobs, [token], seq.params.logprobs, row=i)[0]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
-            if broken and seq.constraint in broken:
-                # only if other processors (allowed_token_ids, a -100 bias, bad_words) banned all it allowed
-                log.warning("request %s: token %d breaks its structured_outputs constraint; it ends here",
-                            seq.request_id, token)
             if self._check_stop(seq, token, index + 1):
-                del seq.token_ids[index + 1:]  # the next step's pending token, if it was queued
-                seq.num_pending = 0
-                seq.metrics.finished_time = now
-                seq.metrics.num_generated_tokens = seq.num_output_tokens
-                self.scheduler.finish(seq)
-                self.penalty_slots.release(seq)
-                output = self._finish(seq)
-                if output is not None:
-                    finished.append(output)
+                if seq.constraint is not None:
+                    self.structured_outputs.take(seq.constraint, token)  # for `complete`
+                self._end(seq, index + 1, now, finished)
+            elif seq.constraint is not None:
+                advance.append((seq.constraint, token))
         return finished
+
+    def _end(self, seq: Sequence, length: int, now: float, finished: list[RequestOutput]) -> None:
+        """Finish the sequence at `length` tokens (dropping the next step's pending token, if it was queued)."""
+        del seq.token_ids[length:]
+        seq.num_pending = 0
+        seq.metrics.finished_time = now
+        seq.metrics.num_generated_tokens = seq.num_output_tokens
+        self.scheduler.finish(seq)
+        self.penalty_slots.release(seq)
+        output = self._finish(seq)
+        if output is not None:
+            finished.append(output)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
         """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
-        reasons. Up to min_tokens output tokens, only the length limit (and a complete structured output) ends it
-        (as vLLM: EOS and stop tokens are banned from sampling then, stop strings not looked for)."""
+        reasons. Up to min_tokens output tokens, only the length limit ends it (as vLLM: EOS and stop tokens are
+        banned from sampling then, stop strings not looked for). A complete structured output ends at the next
+        token read (_process)."""
         params = seq.params
         stops_allowed = length - seq.num_prompt_tokens > params.min_tokens
         if stops_allowed and token in params.stop_token_ids:
@@ -332,9 +348,6 @@ class LLMEngine:
             seq.finish_reason = "stop"
             return True
         if seq.detokenizer is not None and self._stop_string_hit(seq, token, stops_allowed):
-            return True
-        if seq.constraint is not None and seq.constraint.done:  # the constraint allows nothing more
-            seq.finish_reason = "stop"
             return True
         if length >= seq.max_len:
             seq.finish_reason = "length"

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import time
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,7 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 log = logging.getLogger(__name__)
 
 MISSING = "structured outputs need llguidance: pip install 'tinyvllm[structured]'"
+WORKER_SWITCH_INTERVAL = 1e-4  # seconds: see StructuredOutputManager.start
 MAX_GRAMMARS = 1024  # distinct compiled constraints kept (a job with a schema per row must not grow without bound)
 
 
@@ -55,6 +58,15 @@ class OutputConstraint:
         return self.matcher.is_accepting() and not self.matcher.is_error()
 
 
+@dataclass
+class ConstraintWork:
+    """Work on constraints running on the worker thread (StructuredOutputManager.start)."""
+
+    future: Future
+    constraints: list[OutputConstraint]  # those fed a token, in the order of the future's results
+    switch_interval: float  # the interpreter's, restored by finish()
+
+
 class StructuredOutputManager:
     """Compiles each distinct constraint once (cached by content) and gives each sequence its own matcher; fills
     a step's masks and feeds the matchers their tokens, all matchers in parallel.
@@ -69,10 +81,13 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.stats = StructuredOutputStats()
-        self.num_threads = max(1, min(32, len(os.sched_getaffinity(0)) - 1))  # one core left to the engine loop
+        # llguidance's workers (a core each left to the engine loop and to the thread that drives them). More than 8
+        # slowed the engine loop more than they sped up the masks (W6 on the H200's 16 cores: 4, 8, 14 tried).
+        self.num_threads = max(1, min(8, len(os.sched_getaffinity(0)) - 2))
         self._llg = None
         self._ll_tokenizer = None
         self._executor = None
+        self._worker: ThreadPoolExecutor | None = None
         self._templates: dict[str, list] = {}  # constraint key -> matchers in their start state
         self._handed_out = 0
 
@@ -116,24 +131,50 @@ class StructuredOutputManager:
             templates.append(matcher)
         return OutputConstraint(templates[family].deep_copy(), family)
 
-    def fill_bitmask(self, bitmask: np.ndarray, rows: list[tuple[OutputConstraint, int]]) -> None:
-        """Row r of bitmask (int32 [R, bitmask_words]) := the tokens allowed next by the constraint given with r."""
+    def start(self, tokens: list[tuple[OutputConstraint, int]], bitmask: np.ndarray | None = None,
+              rows: list[tuple[OutputConstraint, int]] = ()) -> ConstraintWork:
+        """On a worker thread: feed each constraint the token its sequence sampled, then fill row r of bitmask
+        (int32 [R, bitmask_words]) with the tokens allowed next by the constraint given with r (if a bitmask is
+        given). Nothing else may touch these constraints until finish(): the caller's thread goes on meanwhile.
+
+        The worker needs the GIL only between llguidance's calls (which release it); while it waits for it, the
+        interpreter hands the GIL over every WORKER_SWITCH_INTERVAL instead of every 5 ms."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-structured-outputs")
+        tokens = sorted(tokens, key=lambda pair: pair[0].family)
+        rows = sorted(rows, key=lambda pair: pair[0].family)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, WORKER_SWITCH_INTERVAL))
+        future = self._worker.submit(self._advance_and_fill, [(c.matcher, t) for c, t in tokens], bitmask,
+                                     [(c.matcher, r) for c, r in rows])
+        return ConstraintWork(future, [c for c, _ in tokens], switch_interval)
+
+    def finish(self, work: ConstraintWork) -> list[OutputConstraint]:
+        """Wait for the work start() began; return the constraints that forbade their token."""
+        try:
+            accepted = work.future.result()
+        finally:
+            sys.setswitchinterval(work.switch_interval)
+        return [c for c, ok in zip(work.constraints, accepted) if not ok]
+
+    def _advance_and_fill(self, tokens: list[tuple[object, int]], bitmask: np.ndarray | None,
+                          rows: list[tuple[object, int]]) -> list[bool]:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         start = time.perf_counter()
-        if rows:
-            rows = sorted(rows, key=lambda row: row[0].family)
-            fill_next_token_bitmask_par(self._executor, [(c.matcher, r) for c, r in rows], bitmask)
-        self.stats.mask_seconds += time.perf_counter() - start
-        self.stats.mask_steps += 1
+        accepted = self._executor.consume_token_par(tokens) if tokens else []
+        filled = time.perf_counter()
+        self.stats.consume_seconds += filled - start
+        if bitmask is not None:
+            if rows:
+                fill_next_token_bitmask_par(self._executor, rows, bitmask)
+            self.stats.mask_seconds += time.perf_counter() - filled
+            self.stats.mask_steps += 1
+        return accepted
 
-    def advance(self, tokens: list[tuple[OutputConstraint, int]]) -> list[OutputConstraint]:
-        """Feed each constraint the token its sequence sampled; return those that forbade theirs."""
-        start = time.perf_counter()
-        tokens = sorted(tokens, key=lambda pair: pair[0].family)
-        accepted = self._executor.consume_token_par([(c.matcher, t) for c, t in tokens]) if tokens else []
-        self.stats.consume_seconds += time.perf_counter() - start
-        return [c for (c, _), ok in zip(tokens, accepted) if not ok]
+    def take(self, constraint: OutputConstraint, token: int) -> None:
+        """Feed one constraint its token now (a sequence that ends with it)."""
+        constraint.matcher.consume_token(token)
 
 
 def _grammar(llg, params: StructuredOutputsParams) -> str:
