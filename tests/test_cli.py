@@ -18,7 +18,7 @@ from tinyvllm.cli import main
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BASE_COLUMNS = ["row", "id", "prompt", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                 "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms", "finished_at"]
-RESULT_COLUMNS = ["chat", "ignored_fields", "cumulative_logprob", "logprobs", "top_logprobs", "prompt_logprobs",
+RESULT_COLUMNS = ["chat", "ignored_fields", "structured_output_complete", "cumulative_logprob", "logprobs", "top_logprobs", "prompt_logprobs",
                   "prompt_top_logprobs", "completions", "completions_tokens", "completions_finish_reasons",
                   "completions_cumulative_logprobs"]
 

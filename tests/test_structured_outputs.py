@@ -1,6 +1,6 @@
 """Issue 13: structured outputs (JSON schema, regex, choice, grammar) enforced token by token through llguidance, on
 the numpy backend; the mask's numpy twin; the request surface (SamplingParams, rows, response_format, CLI, job files).
-The cuda kernel is checked against the twin in tests/gpu/test_logits_processors.py."""
+The cuda kernel is checked against the twin in tests/gpu/test_token_bitmask.py."""
 
 from __future__ import annotations
 
