@@ -239,3 +239,29 @@ def test_stops_and_preemption_while_a_step_is_in_flight(tiny_model_dir):
     assert [o.outputs[0].finish_reason for o in together] == ["stop"] * len(PROMPTS)
     assert tight.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert_no_leaks(tight)
+
+
+def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_model_dir):
+    """A prompt-logprob request that asks only from index `start` on takes the blocks before it from the prefix cache:
+    those positions are not computed again, the logprobs it asks for equal a cold run's, the others are None."""
+    rng = np.random.default_rng(3)
+    context, tail = rng.integers(3, 500, 37).tolist(), rng.integers(3, 500, 5).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2, prompt_logprobs_start=len(context))
+    cold = llm_for(tiny_model_dir, block_size=4, enable_prefix_caching=False).generate([context + tail], params)[0]
+    llm = llm_for(tiny_model_dir, block_size=4)
+    llm.generate([context], SamplingParams(max_tokens=1))  # caches the context's 9 full blocks
+    computed: list[int] = []
+    execute = llm.backend.execute
+
+    def counting(batch, *args):
+        computed.extend(batch.positions.tolist())
+        return execute(batch, *args)
+
+    llm.backend.execute = counting
+    warm = llm.generate([context + tail], params)[0]
+    assert min(computed) == 36 // 4 * 4, "positions before the last block that predicts no asked token come cached"
+    assert warm.prompt_logprobs[: len(context)] == [None] * len(context) == cold.prompt_logprobs[: len(context)]
+    for a, b in zip(warm.prompt_logprobs[len(context):], cold.prompt_logprobs[len(context):]):
+        assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
+    everything = llm.generate([context + tail], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert everything.prompt_logprobs[0] is None and all(e is not None for e in everything.prompt_logprobs[1:])

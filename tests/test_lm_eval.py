@@ -85,3 +85,33 @@ def test_tinyvllm_eval_command_bad_model_args_one_line(tiny_model_dir):
                                        "--tasks", "tinyvllm_mc", "--include_path", str(TASKS_DIR)])
     assert result.exit_code == 1 and "tensor_parallel_size=2 is not supported" in result.output
     assert "Traceback" not in result.output
+
+
+def test_choices_of_an_item_share_its_context(tiny_model_dir):
+    """The loglikelihoods of four choices after one 60-token context: its full blocks are computed once (the choices
+    find them in the prefix cache), and the results equal those computed without the cache."""
+    from tinyvllm.eval.lm_eval_model import TinyvllmLM
+
+    rng = __import__("numpy").random.default_rng(0)
+    context = rng.integers(3, 500, 60).tolist()
+    requests = [(None, context, rng.integers(3, 500, n).tolist()) for n in (1, 2, 3, 4)]
+    results = {}
+    for caching in (True, False):
+        model = TinyvllmLM(str(tiny_model_dir), backend="numpy", block_size=4, enable_prefix_caching=caching)
+        computed: list[int] = []
+        execute = model.llm.backend.execute
+
+        def counting(batch, *args, computed=computed, execute=execute):
+            computed.extend(batch.positions.tolist())
+            return execute(batch, *args)
+
+        model.llm.backend.execute = counting
+        results[caching] = model._loglikelihood_tokens(requests)
+        if caching:
+            assert computed.count(0) == 1 and computed.count(55) == 1, "the context's full blocks computed once"
+            # the context once (60), then per choice its last partial block (56..59) and its own tokens
+            assert len(computed) == 60 + sum(4 + len(c) for _, _, c in requests)
+        else:
+            assert computed.count(0) == len(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(results[True], results[False]):
+        assert abs(a - b) < 1e-4 and greedy_a == greedy_b

@@ -18,7 +18,7 @@ TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-2, 1e6
 OVERRIDABLE_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                       "ignore_eos", "min_tokens", "include_stop_str_in_output", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
-                      "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+                      "logprobs", "prompt_logprobs", "prompt_logprobs_start", "detokenize", "skip_special_tokens",
                       "spaces_between_special_tokens", "structured_outputs")
 MAX_N = 256  # completions per prompt
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -112,6 +112,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logprobs: int | None = None  # number of top logprobs returned per generated token
     prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token (besides its own)
+    # tinyvllm's: prompt logprobs only for the prompt tokens from this index on (the entries before it are None), so
+    # the tokens before it may come from the prefix cache (a few-shot context shared by an item's choices).
+    prompt_logprobs_start: int = 0
     detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
     skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the text
     # Kept for vLLM scripts: it changes only HF's slow tokenizers; tinyvllm's, like the fast ones, add no spaces.
@@ -184,6 +187,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
                 bad(name, f"must be an integer in [0, {INT32_MAX}] or None (at most the vocabulary's size)")
+        if not _is_int(self.prompt_logprobs_start) or not 0 <= self.prompt_logprobs_start <= INT32_MAX:
+            bad("prompt_logprobs_start", f"must be an integer in [0, {INT32_MAX}]")
         for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

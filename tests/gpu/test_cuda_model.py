@@ -309,6 +309,40 @@ def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
     llm.backend.close()
 
 
+def test_prompt_logprobs_after_a_prefix_cache_hit(model_dir):
+    """Prompt logprobs asked from the continuation on, with the context's blocks served by the prefix cache (and
+    chunked prefill): the entries equal a cold run's (bf16 distance) and the context positions are not recomputed."""
+    rng = np.random.default_rng(8)
+    context = rng.integers(3, 49152, 70).tolist()
+    prompts = [context + p for p in random_prompts(rng, 4, 49152, 2, 9)]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, prompt_logprobs_start=len(context))
+    cold = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
+               enable_prefix_caching=False)
+    want = cold.generate(prompts, params)
+    cold.backend.close()
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024,
+              max_num_batched_tokens=32)
+    llm.generate([context], SamplingParams(max_tokens=1))
+    computed = []
+    submit = llm.backend.submit
+
+    def counting(batch):
+        computed.extend(batch.positions.tolist())
+        return submit(batch)
+
+    llm.backend.submit = counting
+    got = llm.generate(prompts, params)
+    assert min(computed) == 64, "the context's first four blocks of 16 came from the cache"
+    worst = 0.0
+    for prompt, a, b in zip(prompts, want, got):
+        assert a.prompt_logprobs[: len(context)] == b.prompt_logprobs[: len(context)] == [None] * len(context)
+        for token, x, y in list(zip(prompt, a.prompt_logprobs, b.prompt_logprobs))[len(context):]:
+            worst = max(worst, abs(x[token] - y[token]))
+    print(f"REPORT prompt logprobs after a prefix-cache hit: worst difference to a cold run {worst:.4f}")
+    assert worst < 0.05
+    llm.backend.close()
+
+
 def test_measure_limits_and_describe(model_dir):
     # the KV cache sized from the memory budget: half the GPU for weights, buffers and cache
     llm = LLM(model_dir, backend="cuda", max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.5)

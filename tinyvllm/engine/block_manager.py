@@ -50,11 +50,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks holding the sequence's leading full blocks (at least one token is left to compute)."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+        """The cached blocks holding the sequence's leading full blocks (at least one token is left to compute;
+        with prompt logprobs, every position that predicts a token whose logprob is asked)."""
+        if not self.enable_prefix_caching:
+            return []
+        reusable = len(seq) - 1
+        if seq.params.prompt_logprobs is not None:
+            reusable = min(reusable, seq.params.prompt_logprobs_start - 1)  # position p predicts token p + 1
         blocks = []
-        for index in range((len(seq) - 1) // self.block_size):
+        for index in range(max(0, reusable) // self.block_size):
             block = self.cached.get(self._block_hash(seq, index))
             if block is None:
                 break
@@ -82,7 +86,7 @@ class BlockManager:
                 seq.block_table.append(block)
             seq.num_hashed_blocks = len(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
-            if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            if self.enable_prefix_caching:
                 self.num_queried_tokens += seq.num_prompt_tokens
                 self.num_hit_tokens += min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self.grow(seq, num_tokens)

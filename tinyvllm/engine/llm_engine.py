@@ -299,8 +299,10 @@ class LLMEngine:
             if i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
                                          seq.params.prompt_logprobs)
-                # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known.
-                seq.prompt_logprobs.extend(entries[max(0, len(seq.prompt_logprobs) - start - 1):])
+                # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
+                # positions a prefix-cache hit skipped have none.
+                seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
+                seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
             if index >= 0:
                 token = int(result.sampled_token_ids[i])
                 seq.token_ids[index] = token
@@ -405,6 +407,9 @@ class LLMEngine:
                                      min(m.first_token_time for m in all_metrics),
                                      max(m.finished_time for m in all_metrics),
                                      max(m.num_generated_tokens for m in all_metrics))
+        if first.prompt_logprobs is not None:  # the same entries whether a prefix-cache hit skipped them or not
+            skipped = min(first.params.prompt_logprobs_start, len(first.prompt_logprobs))
+            first.prompt_logprobs[:skipped] = [None] * skipped
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, list(group.completions), True,
                              metrics, prompt_logprobs=first.prompt_logprobs,
                              extra={"num_preemptions": sum(s.num_preemptions for s in group.seqs)})

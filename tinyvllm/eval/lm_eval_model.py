@@ -6,9 +6,9 @@ cannot load this one: `tinyvllm eval ARGS` imports it and then runs lm-eval's ow
 `lm_eval.simple_evaluate(model="tinyvllm", model_args="pretrained=PATH,...", tasks=[...])`.
 
 Every request of one lm-eval call goes to the one engine in one generate(), which batches them itself:
-- loglikelihood: context + continuation as one prompt with prompt_logprobs=1; the continuation's logprobs are
-  summed, and it is greedy when each of its tokens is the most likely one. (The engine computes prompt logprobs
-  outside the prefix cache, so the choices of an item do not share the KV blocks of their context.)
+- loglikelihood: context + continuation as one prompt with prompt_logprobs=1 from the continuation on; its
+  logprobs are summed, and it is greedy when each of its tokens is the most likely one. A context that several
+  requests share (an item's choices) is computed once first, so they find its KV blocks in the prefix cache.
 - loglikelihood_rolling: lm-eval's disjoint rolling windows over the text, each scored as above.
 - generate_until: the task's gen_kwargs as SamplingParams, stopped at its `until` strings and at EOS.
 Tokenization, stop handling and truncation follow lm-eval's `hf` model, so results agree with it.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -109,7 +110,9 @@ class TinyvllmLM(TemplateLM):
             tokens = (context + continuation)[-limit:]  # over-long: the context loses its oldest tokens
             prompts.append(tokens)
             starts.append(max(1, len(tokens) - len(continuation)))
-        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, detokenize=False)
+        self._cache_shared_contexts(prompts, starts)
+        params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_start=start,
+                                 detokenize=False) for start in starts]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     use_tqdm=not disable_tqdm)
         results = []
@@ -122,6 +125,16 @@ class TinyvllmLM(TemplateLM):
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)
         return results
+
+    def _cache_shared_contexts(self, prompts: list[list[int]], starts: list[int]) -> None:
+        """Compute once each context that several requests share and that fills a KV block: the prefix cache then
+        serves it to all of them (scored together, they would be admitted in one step, before any had it cached)."""
+        block = self.llm.engine_config.block_size
+        counts = Counter(tuple(p[:start]) for p, start in zip(prompts, starts) if start > block)
+        shared = [list(context) for context, count in counts.items() if count > 1]
+        if shared and self.llm.engine_config.enable_prefix_caching:
+            self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in shared],
+                              SamplingParams(max_tokens=1, temperature=0, detokenize=False), use_tqdm=False)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []

@@ -32,7 +32,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 OPENAI_LINE_FIELDS = ("custom_id", "method", "url", "body")
-INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs")
+INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")  # SamplingParams.validate() checks the others
 # vLLM's LLM.chat options, per row (a job sets their defaults).
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
