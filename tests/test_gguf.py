@@ -1,5 +1,6 @@
 import io
 import json
+import re
 from dataclasses import replace
 
 import gguf
@@ -323,3 +324,19 @@ def test_sentencepiece_gguf_model_runs(tmp_path, sentencepiece_model):
     # (random weights pick byte pieces too: an incomplete UTF-8 sequence at the end is left out of the text)
     text = sp.decode(out.outputs[0].token_ids).rstrip("\ufffd")
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text == text
+
+
+def test_structured_outputs_on_a_sentencepiece_gguf(tmp_path, sentencepiece_model):
+    """llguidance's view of the vocabulary comes from the GGUF's pieces (byte fallback included): a constrained
+    output of a random model matches its regex and choice."""
+    pytest.importorskip("llguidance")
+    sp, meta = sentencepiece_model
+    config = tiny_config(vocab_size=len(meta["tokenizer.ggml.tokens"]), bos_token_id=1, eos_token_ids=[2])
+    path = write_gguf(tmp_path / "spm.gguf", config, random_weights(config), add_bos=True, spm=meta)
+    llm = LLM(str(path), backend="numpy")
+    outs = llm.generate(["The capital of France is"] * 2,
+                        [SamplingParams(max_tokens=30, temperature=0, structured_outputs={"regex": "(yes|no) é[0-9]{2}"}),
+                         SamplingParams(max_tokens=30, temperature=0.8, seed=3,
+                                        structured_outputs={"choice": ["Paris", "Lyon ünd Nice"]})])
+    assert re.fullmatch("(yes|no) é[0-9]{2}", outs[0].outputs[0].text), outs[0].outputs[0].text
+    assert outs[1].outputs[0].text in ("Paris", "Lyon ünd Nice")
