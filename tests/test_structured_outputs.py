@@ -248,11 +248,19 @@ def test_cli_flags_and_job_files_set_the_default_constraint(tiny_model_dir, tmp_
     result = _run("run", *common, "--output", tmp_path / "schema.parquet", "--json-schema", schema_file,
                   "--max-tokens", "80")
     assert result.exit_code == 0, result.output
-    for row in pq.read_table(tmp_path / "schema.parquet").to_pylist()[:1]:
-        if row["finish_reason"] == "stop":
-            jsonschema.validate(json.loads(row["completion"]), PERSON)
-        else:
-            assert row["structured_output_complete"] is False
+    rows = pq.read_table(tmp_path / "schema.parquet").to_pylist()
+    if rows[0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(rows[0]["completion"]), PERSON)
+    else:
+        assert rows[0]["structured_output_complete"] is False
+    summary = json.loads((tmp_path / "schema.summary.json").read_text())
+    assert summary["structured_output_incomplete"] == sum(r["structured_output_complete"] is False for r in rows)
+    short = _run("run", *common, "--output", tmp_path / "short.parquet", "--json-schema", schema_file,
+                 "--max-tokens", "2")
+    assert short.exit_code == 0, short.output
+    assert json.loads((tmp_path / "short.summary.json").read_text())["structured_output_incomplete"] == 1
+    assert [r["structured_output_complete"] for r in pq.read_table(tmp_path / "short.parquet").to_pylist()] == \
+        [False, True, None]  # the row's own choice "zz" fits in 2 tokens; the bad schema is an error row
 
     job = tmp_path / "job.toml"
     job.write_text(f'input = "in.jsonl"\noutput = "job.parquet"\nmodel = "{tiny_model_dir}"\nbackend = "numpy"\n'
