@@ -265,3 +265,10 @@ def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_mode
         assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
     everything = llm.generate([context + tail], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert everything.prompt_logprobs[0] is None and all(e is not None for e in everything.prompt_logprobs[1:])
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match="prompt_logprobs_start"):
+            SamplingParams(prompt_logprobs=1, prompt_logprobs_start=bad)
+    from tinyvllm.io.readers import BadRow, parse_request
+    assert parse_request({"prompt": "x", "prompt_logprobs_start": 4.0}).overrides["prompt_logprobs_start"] == 4
+    with pytest.raises(BadRow, match="prompt_logprobs_start"):
+        parse_request({"prompt": "x", "prompt_logprobs_start": -2})

@@ -192,6 +192,24 @@ def test_a_constraint_the_argmax_already_meets_changes_nothing(tiny_model_dir):
         assert constrained.outputs[0].token_ids == free.outputs[0].token_ids
 
 
+def test_disable_additional_properties_closes_every_object_schema():
+    from tinyvllm.engine.structured_outputs import _no_additional_properties
+
+    schema = {"type": "object", "properties": {
+        "type": {"type": "string"}, "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+        "anyOf": [{"type": "object"}, {"type": "string"}], "$defs": {"d": {"type": "object", "additionalProperties": True}}}
+    out = _no_additional_properties(schema)
+    assert out["additionalProperties"] is False
+    assert set(out["properties"]) == {"type", "properties", "list"}, "property names are data, not keywords"
+    assert out["properties"]["type"] == {"type": "string"}
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+    assert out["anyOf"] == [{"type": "object", "additionalProperties": False}, {"type": "string"}]
+    assert out["$defs"]["d"]["additionalProperties"] is True  # set by the schema: kept
+    assert "additionalProperties" not in schema, "the caller's schema is not modified"
+
+
 def test_invalid_constraints_are_error_rows(tiny_model_dir):
     llm = llm_for(tiny_model_dir)
     bad = [{"json": {"type": "objectx"}}, {"json": "{not json"}, {"regex": "a("}, {"grammar": "start: nothing_here"}]
@@ -274,6 +292,18 @@ def test_cli_flags_and_job_files_set_the_default_constraint(tiny_model_dir, tmp_
     assert result.exit_code == 2 and "give one of" in result.output
     result = _run("run", *common, "--output", tmp_path / "x.parquet", "--json-schema", tmp_path / "missing.json")
     assert result.exit_code == 2 and "missing.json" in result.output
+    (tmp_path / "bad.json").write_text("{not json")
+    result = _run("run", *common, "--output", tmp_path / "x.parquet", "--json-schema", tmp_path / "bad.json")
+    assert result.exit_code == 2 and "bad.json" in result.output and "Traceback" not in result.output
+    for flags, why in [(["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "exactly one"),
+                       (["--choice", ","], "structured_outputs.choice"),
+                       (["--structured-outputs", "[1]"], "must be a JSON object")]:
+        result = _run("run", *common, "--output", tmp_path / "x.parquet", *flags)
+        assert result.exit_code != 0 and why in result.output and "Traceback" not in result.output, result.output
+    bad_job = tmp_path / "bad.toml"
+    bad_job.write_text('input = "in.jsonl"\noutput = "bad.parquet"\n[sampling.structured_outputs]\nregex = 3\n')
+    result = _run("job", bad_job)
+    assert result.exit_code == 1 and "structured_outputs.regex must be a non-empty string" in result.output
 
 
 # ---- the real model -----------------------------------------------------------------------------------------------------

@@ -205,11 +205,25 @@ def _grammar(llg, params: StructuredOutputsParams) -> str:
         raise ValueError(f"invalid structured_outputs.{kind}: {exc}") from None
 
 
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
 def _no_additional_properties(schema: dict) -> dict:
-    """The schema with additionalProperties: false on every object that does not set it (vLLM's option)."""
-    out = {k: _no_additional_properties(v) if isinstance(v, dict)
-           else [_no_additional_properties(x) if isinstance(x, dict) else x for x in v] if isinstance(v, list)
-           else v for k, v in schema.items()}
+    """The schema with additionalProperties: false on every object schema that does not set it (vLLM's option),
+    following the keywords that hold subschemas (not data: a property named "type" stays a property)."""
+    out = dict(schema)
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _no_additional_properties(sub) if isinstance(sub, dict) else sub
+                        for name, sub in out[key].items()}
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_no_additional_properties(sub) if isinstance(sub, dict) else sub for sub in out[key]]
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = _no_additional_properties(out[key])
     if out.get("type") == "object" or "properties" in out:
         out.setdefault("additionalProperties", False)
     return out
