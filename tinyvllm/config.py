@@ -95,10 +95,9 @@ class EngineConfig:
     dtype: str = setting("auto", "compute dtype; auto: the backend's own (numpy float32, cuda bfloat16), "
                          "others must match it", choices=DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
-    # eager by default: lazy capture saves start-up time but cost W1 15% in a fresh process (2026-12-01,
-    # docs/PERFORMANCE.md): a job draining its batch meets a new batch size each step, each paying a capture.
-    cuda_graph_capture: str = setting("eager", "cuda: capture every batch size's decode graph at start-up (eager), "
-                                      "or each at its first step (lazy: faster start, slower first steps)",
+    cuda_graph_capture: str = setting("lazy", "cuda: capture each batch size's decode graph while the GPU computes a "
+                                      "prefill step or at its first step (lazy), or all at start-up (eager: "
+                                      "slower start)",
                                       choices=GRAPH_CAPTURES)
 
     def __post_init__(self) -> None:

@@ -3,9 +3,10 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured at start-up (cuda_graph_capture="eager", the default), or each at its bucket's first
-step ("lazy": that step runs eagerly, then is captured); each step copies its inputs into fixed device buffers with
-one host-to-device copy and replays the graph.
+batch-size bucket, all captured at start-up (cuda_graph_capture="eager"), or not before they can be captured for free
+("lazy", the default): while the GPU computes a prefill step, largest batch first, and otherwise at the bucket's first
+step. A capture records and runs nothing, so it can happen between queued steps. Each step copies its inputs into
+fixed device buffers with one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -164,6 +165,7 @@ class CudaBackend(Backend):
                                  "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
         self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
         self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
+        self.uncaptured: list[int] = []  # lazy capture: buckets of `graphs` still to capture, the largest last
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
 
@@ -229,6 +231,8 @@ class CudaBackend(Backend):
         for graph in (*self.graphs.values(), *self.forward_graphs.values()):
             graph.close()
         self.graphs, self.forward_graphs = {}, {}
+        lazy = self.use_graphs and self.engine_config.cuda_graph_capture == "lazy"
+        self.uncaptured = list(self.buckets) if lazy else []
 
     # ---- steps -----------------------------------------------------------------------------------------------------
 
@@ -279,6 +283,8 @@ class CudaBackend(Backend):
             ready.record(self.stream)
 
         def wait() -> SamplerOutput:
+            if batch.is_prefill:
+                self._capture_while_busy(ready)
             try:
                 ready.synchronize()
             except cuda.Error as exc:
@@ -338,18 +344,33 @@ class CudaBackend(Backend):
             inp[name][n:total] = pad
 
     def _decode(self, batch: Batch, sample: bool) -> None:
-        """Queue a decode step: through sampling, or (sample=False) up to the logits. The forward-only graphs are
-        captured at their bucket's first step, as the others are with cuda_graph_capture="lazy"."""
+        """Queue a decode step: through sampling, or (sample=False) up to the logits. A bucket's graph not captured
+        yet is captured now, then replayed (the forward-only graphs always so)."""
         bucket = next(b for b in self.buckets if b >= batch.num_seqs)  # eager pads too: graph and eager agree
         self._stage_decode(batch, bucket)
-        graphs = self.graphs if sample else self.forward_graphs
-        graph = graphs.get(bucket) if self.use_graphs else None
-        if graph is not None:
-            graph.launch(self.stream.handle)
-        else:
+        if not self.use_graphs:
             self._decode_forward(bucket, sample)
-            if self.use_graphs:  # the eager run warmed cuBLAS up for this shape; capture it for the next steps
-                graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample))
+            return
+        graphs = self.graphs if sample else self.forward_graphs
+        if bucket not in graphs:
+            graphs[bucket] = self._capture(bucket, sample)
+        graphs[bucket].launch(self.stream.handle)
+
+    def _capture(self, bucket: int, sample: bool = True) -> Graph:
+        """The decode graph of one bucket. Capturing records the launches without running them (cuBLAS has its
+        fixed workspace, and the driver loads a kernel not loaded yet during capture), so it can be taken while
+        earlier steps are queued."""
+        return Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample))
+
+    def _capture_while_busy(self, ready: cuda.Event) -> None:
+        """Lazy capture's head start: while the GPU computes the prefill step that `ready` ends (a long one takes
+        tens of ms, a capture a few), capture the decode graphs still missing, largest batch first: the sizes a
+        job meets as its batch drains. Decode steps (a millisecond or two) get no captures, which would hold up
+        the next step."""
+        while self.uncaptured and not ready.query():
+            bucket = self.uncaptured.pop()
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
 
     def _decode_forward(self, bucket: int, sample: bool = True) -> None:
         self.forward.decode(bucket, self.decode_in, self.out, self.proc, sample)
@@ -405,18 +426,12 @@ class CudaBackend(Backend):
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
-        capture (~10 ms each; a job whose batch shrinks as requests finish meets many buckets), at the price of a
-        slower start: for each, an eager warm-up step on padding rows only, then the capture."""
+        capture (a few ms each; a job whose batch shrinks as requests finish meets many buckets), at the price of a
+        slower start."""
         start = time.perf_counter()
-        none, no_floats = np.zeros(0, np.int32), np.zeros(0, np.float32)
-        idle = Batch(False, none, none, none, np.zeros(1, np.int32), none, np.zeros((0, 1), np.int32),
-                     SamplingBatch(no_floats, no_floats, none, no_floats, np.zeros(0, np.uint32)))
         for bucket in self.buckets:
             if bucket not in self.graphs:
-                self._stage_decode(idle, bucket)
-                self._decode_forward(bucket)
-                self.graphs[bucket] = Graph(self.stream.handle, lambda: self._decode_forward(bucket))
-        self._sync("capturing the decode graphs")
+                self.graphs[bucket] = self._capture(bucket)
         log.info("cuda: captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     def _stage_decode(self, batch: Batch, bucket: int) -> None:
