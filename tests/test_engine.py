@@ -272,3 +272,40 @@ def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_mode
     assert parse_request({"prompt": "x", "prompt_logprobs_start": 4.0}).overrides["prompt_logprobs_start"] == 4
     with pytest.raises(BadRow, match="prompt_logprobs_start"):
         parse_request({"prompt": "x", "prompt_logprobs_start": -2})
+
+
+def test_block_tables_follow_growth_replacement_and_release():
+    """The engine's persistent block-table rows equal the sequences' lists through growth (past the array's first
+    width and row count), a table replaced after preemption (also a shorter one), and rows released and reused."""
+    from tinyvllm.engine.model_inputs import BlockTables
+    from tinyvllm.engine.sequence import Sequence
+    from tinyvllm.outputs import RequestMetrics
+
+    rng = np.random.default_rng(0)
+    seqs = [Sequence(str(i), i, None, [1, 2], SamplingParams(), 0, 0, RequestMetrics(0.0)) for i in range(20)]
+    tables = BlockTables()
+
+    def check(batch):
+        got = tables.gather(batch)
+        width = max(len(s.block_table) for s in batch)
+        want = np.zeros((len(batch), width), np.int32)
+        for row, s in enumerate(batch):
+            want[row, : len(s.block_table)] = s.block_table
+        np.testing.assert_array_equal(got, want)
+
+    for step in range(60):
+        for s in seqs:
+            if rng.random() < 0.3:
+                s.block_table.append(int(rng.integers(1000)))
+            if rng.random() < 0.03:  # preempted and allocated again: a new list, maybe shorter
+                s.block_table = [int(b) for b in rng.integers(1000, size=rng.integers(1, 4))]
+        if step % 7 == 3:
+            gone = seqs.pop(int(rng.integers(len(seqs))))
+            tables.release(gone)
+            assert gone.table_row == -1
+            seqs.append(Sequence("new", 99, None, [1], SamplingParams(), 0, 0, RequestMetrics(0.0),
+                                 block_table=[int(b) for b in rng.integers(1000, size=3)]))
+        batch = [s for s in seqs if s.block_table and rng.random() < 0.8]
+        if batch:
+            check(batch)
+    assert len({s.table_row for s in seqs if s.table_row >= 0}) == sum(s.table_row >= 0 for s in seqs)

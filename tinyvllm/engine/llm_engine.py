@@ -15,7 +15,7 @@ from tinyvllm.backends.sampler import seed_key
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_processing, request_processors
-from tinyvllm.engine.model_inputs import build_batch
+from tinyvllm.engine.model_inputs import BlockTables, build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
@@ -78,6 +78,7 @@ class LLMEngine:
         self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
+        self.block_tables = BlockTables()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
@@ -194,6 +195,7 @@ class LLMEngine:
             if seq.request_id in ids:
                 self.scheduler.finish(seq)  # a step in flight skips it, as it skips one that stopped
                 self.penalty_slots.release(seq)
+                self.block_tables.release(seq)
                 seq.forks_left = 0
 
     def has_unfinished_requests(self) -> bool:
@@ -246,8 +248,8 @@ class LLMEngine:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        batch = build_batch(step, self.engine_config.block_size)
-        samples = [seq.num_computed_tokens + n == len(seq) for seq, n in zip(step.seqs, step.num_new_tokens)]
+        batch = build_batch(step, self.engine_config.block_size, self.block_tables)
+        samples = [seq.num_computed_tokens + n == len(seq.token_ids) for seq, n in zip(step.seqs, step.num_new_tokens)]
         batch.logits_processing = build_logits_processing(step.seqs, samples, self.penalty_slots)
         constrained = [i for i, (seq, sampled) in enumerate(zip(step.seqs, samples)) if sampled and seq.constraint]
         if constrained:
@@ -257,10 +259,11 @@ class LLMEngine:
         for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
             starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < len(seq):
+            length = len(seq.token_ids)
+            if seq.num_computed_tokens < length:
                 sample_index.append(-1)  # a prompt chunk: no token is sampled until the whole prompt is cached
                 continue
-            sample_index.append(len(seq))
+            sample_index.append(length)
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.sample_row = row
@@ -287,8 +290,10 @@ class LLMEngine:
         now = time.time()
         finished = []
         step, batch = launched.step, launched.batch
+        sampled = result.sampled_token_ids.tolist()
+        block_size = self.engine_config.block_size
         for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # it stopped at the previous step: this step's work for it is dropped
             if index >= 0 and seq.constraint is not None and seq.constraint.done:
                 # Complete with the token before (it has taken every token up to this one): this one, EOS or
@@ -296,7 +301,7 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 self._end(seq, index, now, finished)
                 continue
-            if i in result.prompt_logprobs:
+            if result.prompt_logprobs and i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
                                          seq.params.prompt_logprobs)
                 # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
@@ -304,10 +309,11 @@ class LLMEngine:
                 seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
                 seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
             if index >= 0:
-                token = int(result.sampled_token_ids[i])
+                token = sampled[i]
                 seq.token_ids[index] = token
                 seq.num_pending -= 1
-            self.block_manager.commit_full_blocks(seq)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
+                self.block_manager.commit_full_blocks(seq)
             if index < 0:
                 continue  # a prompt chunk: nothing sampled
             if seq.metrics.first_token_time is None:
@@ -332,6 +338,7 @@ class LLMEngine:
         seq.metrics.num_generated_tokens = seq.num_output_tokens
         self.scheduler.finish(seq)
         self.penalty_slots.release(seq)
+        self.block_tables.release(seq)
         output = self._finish(seq)
         if output is not None:
             finished.append(output)

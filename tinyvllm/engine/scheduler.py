@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
@@ -104,25 +105,35 @@ class Scheduler:
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         # Decodes first (one token each), then prompts part-way through their prefill: a long prompt waits, they don't.
-        queue = deque(sorted((s for s in self.running if len(s) < s.max_len),
-                             key=lambda s: (s.num_computed_tokens < s.num_prompt_tokens, s.arrival_index)))
+        by_arrival = attrgetter("arrival_index")
+        live = [s for s in self.running if len(s.token_ids) < s.max_len]
+        queue = deque(sorted((s for s in live if s.num_computed_tokens >= s.num_prompt_tokens), key=by_arrival))
+        queue.extend(sorted((s for s in live if s.num_computed_tokens < s.num_prompt_tokens), key=by_arrival))
+        block_size = self.block_manager.block_size
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new):
-                victim = max(queue, key=lambda s: s.arrival_index, default=seq)
-                if victim is not seq:
-                    queue.remove(victim)
-                self._preempt(victim)
-                step.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
-                step.seqs.append(seq)
-                step.num_new_tokens.append(num_new)
-                budget -= num_new
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + num_new
+            if len(seq.block_table) * block_size < end and not self._make_room(seq, end, queue, step):
+                continue  # it was preempted itself
+            step.seqs.append(seq)
+            step.num_new_tokens.append(num_new)
+            budget -= num_new
         return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, queue: deque[Sequence], step: ScheduledStep) -> bool:
+        """Grow the sequence's block table to num_tokens tokens, preempting the latest arrivals still queued (or
+        itself, last) while the blocks are missing; False if it was preempted."""
+        while not self.block_manager.can_grow(seq, num_tokens):
+            victim = max(queue, key=lambda s: s.arrival_index, default=seq)
+            if victim is not seq:
+                queue.remove(victim)
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq, num_tokens)
+        return True
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         if self.policy == "static" and not self.static_batch and not self.running:
