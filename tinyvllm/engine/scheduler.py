@@ -97,7 +97,8 @@ class Scheduler:
         # without chunked prefill a prompt larger than the budget runs alone
         assert num_tokens <= self.max_num_batched_tokens or (not self.enable_chunked_prefill and len(step.seqs) == 1), \
             f"{num_tokens} tokens scheduled"
-        if __debug__ and sum(len(seq.block_table) for seq in self.running) <= DEBUG_CHECK_MAX_BLOCKS:
+        if __debug__ and len(self.running) <= DEBUG_CHECK_MAX_BLOCKS \
+                and sum(len(seq.block_table) for seq in self.running) <= DEBUG_CHECK_MAX_BLOCKS:
             block_size = self.block_manager.block_size
             assert all(len(seq.block_table) * block_size >= seq.num_computed_tokens + n
                        for seq, n in zip(step.seqs, step.num_new_tokens)), "a scheduled token has no cache slot"
