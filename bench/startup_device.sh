@@ -3,7 +3,8 @@
 #   1. the per-phase breakdown of LLM(...) (`tinyvllm bench --startup`: cold, then warm kernel cache) for
 #      Llama-3.2-1B-shaped random bf16 safetensors, the file in the page cache;
 #   2. the same with the file dropped from the page cache (what a first run after boot reads from disk);
-#   3. a 16-row job (64 tokens out): wall time to its first row and to its end, eager and lazy graph capture.
+#   3. a 16-row job (64 tokens out): wall time to its first row and to its end, eager and lazy graph capture;
+#   4. W1 and W3 with eager and lazy graph capture, alternating, two fresh processes each (lazy must not slow them).
 #
 #   bench/startup_device.sh [RESULTS_DIR]     (default $OUT if set, else bench/results)
 #
@@ -52,3 +53,12 @@ for capture in eager lazy; do
     --input examples/prompts.jsonl --output /tmp/startup-job.parquet --max-tokens 64 --overwrite \
     --cuda-graph-capture "$capture"
 done 2>&1 | tee "$RESULTS/startup-job-llama-1b.txt"
+
+echo "== 4. W1 and W3, eager vs lazy graph capture, alternating fresh processes"
+for round in 1 2; do
+  for capture in eager lazy; do
+    echo "-- round $round, --cuda-graph-capture $capture"
+    "$PYTHON" -m tinyvllm bench --backend cuda --model "$MODEL" --workloads W1,W3 --cuda-graph-capture "$capture" \
+      --json "$RESULTS/capture-ab-$capture-$round.json"
+  done
+done 2>&1 | tee "$RESULTS/capture-ab.txt"

@@ -12,7 +12,7 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tinyvllm.config import GRAPH_CAPTURES, EngineConfig, setting_type
+from tinyvllm.config import EngineConfig, setting_type
 from tinyvllm.errors import JobError
 from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
@@ -210,8 +210,7 @@ def _check_report_input(output: Path) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
-@click.option("--cuda-graph-capture", type=click.Choice(GRAPH_CAPTURES), default="eager", show_default=True,
-              help="cuda: decode graphs captured at each batch size's first step, or all at start-up")
+@_settings_options(EngineConfig, {"cuda_graph_capture": "--cuda-graph-capture"})[0]
 @click.option("--startup", is_flag=True,
               help="instead: time each start-up phase of --model (default: the fetched default model), twice in "
                    "fresh processes, the first with an empty kernel cache")
@@ -229,7 +228,8 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
 
     loaded = load_model(model) if model else dummy_model(dummy_weights)
     llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=min(4096, loaded.config.max_position_embeddings), cuda_graph_capture=cuda_graph_capture)
+              max_model_len=min(4096, loaded.config.max_position_embeddings),
+              **({"cuda_graph_capture": cuda_graph_capture} if cuda_graph_capture else {}))
     results = run_benchmark(llm, workloads.split(","), scale)
     click.echo(format_results(results))
     if json_path:
