@@ -15,6 +15,10 @@
 // num_splits parts (grid.z) so that small batches still fill the GPU; with num_splits == 1 the block writes the
 // final output itself, otherwise its normalized partial output and (m, l), merged by attention_combine.
 //
+// An fp8 cache (Cache = e4m3, the _fp8 kernels) moves half the bytes: each tile's codes land in the tail of the
+// warp's bf16 tile, are widened to bf16 in place (exact), and the rest runs as for bf16. The K scale of the KV head
+// folds into the softmax scale, the V scale into the output (both are powers of two: exact).
+//
 // Compiled with -DNWARPS (warps per block) from backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
@@ -34,16 +38,20 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
 // out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
-template <int D, int ROWS>
+// fp8: k_scales, v_scales are this layer's [num_kv_heads] (unused for bf16).
+template <int D, int ROWS, class Cache>
 __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ partial_o,
                                  float2* __restrict__ partial_ml, const bf16* __restrict__ q,
-                                 const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                                 const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
                                  const int* __restrict__ block_tables, const int* __restrict__ bt_stride,
                                  const int* __restrict__ context_lens, float scale, int num_heads, int num_kv_heads,
-                                 int block_size, int row_stride, int num_splits) {
+                                 int block_size, int row_stride, int num_splits, const float* __restrict__ k_scales,
+                                 const float* __restrict__ v_scales) {
+    constexpr bool FP8 = sizeof(Cache) == 1;
+    constexpr int VEC = 16 / sizeof(Cache);        // cache entries per 16-byte copy
     constexpr int TILE = 2048 / D;                 // keys per warp step: 4 KB of K and 4 KB of V
     constexpr int LD = D + 8;                      // padded smem row: ldmatrix without bank conflicts
-    constexpr int PIECES = TILE * D / 8 / 32;      // 16-byte pieces of a K (or V) tile per lane
+    constexpr int PIECES = TILE * D / VEC / 32;    // 16-byte pieces of a K (or V) tile per lane
     constexpr int HALVES = ROWS / 8;               // row halves of the mma tile in use
     __shared__ __align__(16) bf16 kv_s[NWARPS][2][TILE * LD];
     __shared__ float2 ml_s[NWARPS][ROWS];
@@ -66,9 +74,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     // arrives during that tile's softmax and P V) and its V once P V is done; the block-table lookups of a tile are
     // issued before the wait for the previous one. This lane always moves the same 8 dims (`part`) of keys
     // row0 + i * ROW_STEP of a tile; slot[] holds their cache slots (-1 past `end`: zero-filled).
-    constexpr int ROW_STEP = 32 / (D / 8);
-    const int part = lane % (D / 8), row0 = lane / (D / 8);
-    const int64_t dim0 = (int64_t)kvh * D + part * 8;
+    constexpr int ROW_STEP = 32 / (D / VEC);
+    const int part = lane % (D / VEC), row0 = lane / (D / VEC);
+    const int64_t dim0 = (int64_t)kvh * D + part * VEC;
     int slot[PIECES];
     auto find_slots = [&](int tile0) {
 #pragma unroll
@@ -77,12 +85,34 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             slot[i] = tok < end ? table[tok / block_size] * block_size + tok % block_size : -1;
         }
     };
-    auto fetch = [&](bf16* dst, const bf16* cache) {
+    // fp8 codes land as dense rows [TILE][D] in the tail of the bf16 tile, which widen() then fills from the head.
+    constexpr int CODES_OFFSET = TILE * LD * 2 - TILE * D;  // bytes
+    auto piece = [&](bf16* tile, int i) -> void* {
+        const int row = row0 + i * ROW_STEP;
+        if constexpr (FP8) return reinterpret_cast<uint8_t*>(tile) + CODES_OFFSET + row * D + part * VEC;
+        return &tile[row * LD + part * VEC];
+    };
+    auto fetch = [&](bf16* dst, const Cache* cache) {
 #pragma unroll
         for (int i = 0; i < PIECES; ++i)
-            cp_async16(&dst[(row0 + i * ROW_STEP) * LD + part * 8], cache + max(slot[i], 0) * kv_stride + dim0,
-                       slot[i] >= 0);
+            cp_async16(piece(dst, i), cache + max(slot[i], 0) * kv_stride + dim0, slot[i] >= 0);
         cp_async_commit();
+    };
+    // fp8: this lane's landed pieces (its own copies: visible to it after the wait) -> bf16 rows of the tile.
+    auto widen = [&](bf16* tile) {
+        if constexpr (FP8) {
+            uint4 codes[PIECES];
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) codes[i] = *reinterpret_cast<const uint4*>(piece(tile, i));
+            __syncwarp();  // every lane has read its codes before any overwrites them
+#pragma unroll
+            for (int i = 0; i < PIECES; ++i) {
+                uint4* dst = reinterpret_cast<uint4*>(&tile[(row0 + i * ROW_STEP) * LD + part * VEC]);
+                dst[0] = e4m3x8_to_bf16x8(make_uint2(codes[i].x, codes[i].y));
+                dst[1] = e4m3x8_to_bf16x8(make_uint2(codes[i].z, codes[i].w));
+            }
+            __syncwarp();
+        }
     };
     int base = start + warp * TILE;
     if (base < end) {
@@ -105,7 +135,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
 
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f * (FP8 ? k_scales[kvh] : 1.f);
+    const float v_scale = FP8 ? v_scales[kvh] : 1.f;
     float m[HALVES], l[HALVES], o[D / 8][4];
     int key_end[HALVES];  // every row sees the keys before `end`
 #pragma unroll
@@ -118,6 +149,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         if (next < end) find_slots(next);  // the table loads overlap the wait below
         cp_async_wait<1>();  // this tile's K has landed (its V may still be in flight)
         __syncwarp();
+        widen(k_s);
 
         // S = Q K^T: 16 rows x TILE keys, as n-blocks of 8 keys.
         float sacc[TILE / 8][4];
@@ -134,6 +166,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             cp_async_wait<0>();
         }
         __syncwarp();
+        widen(v_s);
         // O += P V, 16 keys per k-step (rows 8-15 of P are zero when only 8 are in use).
 #pragma unroll
         for (int kk = 0; kk < TILE / 16; ++kk) {
@@ -176,7 +209,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             sum += o_s[(w * ROWS + g) * D + d] * weight;
             l_total += ml.y * weight;
         }
-        const float o_final = l_total > 0.f ? sum / l_total : 0.f;
+        const float o_final = l_total > 0.f ? sum / l_total * v_scale : 0.f;
         if (num_splits == 1) {
             out[((int64_t)s * num_heads + h) * D + d] = __float2bfloat16(o_final);
         } else {
@@ -211,9 +244,18 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits) {                                       \
-        attention_decode<D, ROWS>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,      \
-                                  context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,          \
-                                  num_splits);                                                                    \
+        attention_decode<D, ROWS, bf16>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
+                                        context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
+                                        num_splits, nullptr, nullptr);                                            \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_fp8_d##D##_r##ROWS(                \
+        bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
+        const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
+        int num_kv_heads, int block_size, int row_stride, int num_splits, const float* k_scales,                  \
+        const float* v_scales) {                                                                                  \
+        attention_decode<D, ROWS, e4m3>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
+                                        context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
+                                        num_splits, k_scales, v_scales);                                          \
     }
 DECODE_KERNEL(64, 8)
 DECODE_KERNEL(64, 16)

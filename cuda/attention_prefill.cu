@@ -7,6 +7,9 @@
 // a chunk of a long prompt. Grouped-query attention: the rows of a tile are (query, head) pairs of the `group`
 // query heads of one KV head, token-major, so each K/V tile loaded into shared memory serves all of them.
 //
+// An fp8 cache (Cache = e4m3, the _fp8 kernels) is widened to bf16 (exactly) as its tiles are staged; the KV head's
+// K scale folds into the softmax scale and its V scale into the output (powers of two: exact).
+//
 // Compiled with -DBLOCK_M (rows, i.e. (query, head) pairs, per block: 16 per warp) from backends/cuda/ops.py, which
 // also lists the tiles and launches the kernels.
 #include "common.cuh"
@@ -18,14 +21,17 @@
 // tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs,
 // row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8] (padding keeps
 // ldmatrix conflict-free).
-// qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D].
-template <int D>
+// qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D]. fp8: k_scales,
+// v_scales are this layer's [num_kv_heads] (unused for bf16).
+template <int D, class Cache>
 __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                                  const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                                  const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
                                   const int* __restrict__ block_tables, int bt_stride,
                                   const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
                                   const int* __restrict__ tile_seq, const int* __restrict__ tile_row0, float scale,
-                                  int num_heads, int num_kv_heads, int block_size, int row_stride) {
+                                  int num_heads, int num_kv_heads, int block_size, int row_stride,
+                                  const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+    constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int LD = D + 8;
     __shared__ __align__(16) bf16 k_s[BLOCK_N * LD];
     __shared__ __align__(16) bf16 v_s[BLOCK_N * LD];
@@ -60,7 +66,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     for (int h = 0; h < 2; ++h) pos[h] = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
     const int key_end[2] = {pos[0] + 1, pos[1] + 1};  // each row sees the keys up to its position
     const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;  // keys any row of the tile sees
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f * (FP8 ? k_scales[kvh] : 1.f);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
 #pragma unroll
@@ -75,8 +81,13 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
             if (tok < kv_end) {
                 const int64_t slot = (int64_t)table[tok / block_size] * block_size + tok % block_size;
                 const int64_t off = slot * kv_stride + kvh * D + part * 8;
-                kv = *reinterpret_cast<const uint4*>(k_cache + off);
-                vv = *reinterpret_cast<const uint4*>(v_cache + off);
+                if constexpr (FP8) {
+                    kv = e4m3x8_to_bf16x8(*reinterpret_cast<const uint2*>(k_cache + off));
+                    vv = e4m3x8_to_bf16x8(*reinterpret_cast<const uint2*>(v_cache + off));
+                } else {
+                    kv = *reinterpret_cast<const uint4*>(k_cache + off);
+                    vv = *reinterpret_cast<const uint4*>(v_cache + off);
+                }
             }
             *reinterpret_cast<uint4*>(&k_s[j * LD + part * 8]) = kv;
             *reinterpret_cast<uint4*>(&v_s[j * LD + part * 8]) = vv;
@@ -111,7 +122,7 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         if (row >= num_rows) continue;
         const int i = row / group, head = kvh * group + row % group;
         bf16* dst = out + ((int64_t)(q_start + i) * num_heads + head) * D + (lane % 4) * 2;
-        const float inv_l = 1.f / l[h];
+        const float inv_l = (FP8 ? v_scales[kvh] : 1.f) / l[h];
 #pragma unroll
         for (int nd = 0; nd < D / 8; ++nd)
             *reinterpret_cast<__nv_bfloat162*>(dst + nd * 8) =
@@ -124,8 +135,18 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
         const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride) {       \
-        attention_prefill<D>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, \
-                             tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size, row_stride);        \
+        attention_prefill<D, bf16>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
+                                   context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
+                                   row_stride, nullptr, nullptr);                                                  \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_fp8_d##D(                  \
+        bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, const int* block_tables,             \
+        int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
+        const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,         \
+        const float* k_scales, const float* v_scales) {                                                            \
+        attention_prefill<D, e4m3>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
+                                   context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
+                                   row_stride, k_scales, v_scales);                                                \
     }
 PREFILL_KERNEL(64)
 PREFILL_KERNEL(128)

@@ -1,9 +1,11 @@
-// Helpers shared by the kernels: 16-byte bf16 vectors and warp/block reductions.
+// Helpers shared by the kernels: 16-byte bf16 vectors, fp8 (e4m3) conversions and warp/block reductions.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 typedef __nv_bfloat16 bf16;
+typedef uint8_t e4m3;  // an fp8 KV cache entry: its e4m3 code (twin: model/dtypes.py)
 
 // Eight bf16 (16 bytes): the unit of every vectorized global load and store.
 __device__ __forceinline__ void load8(const bf16* p, float out[8]) {
@@ -23,6 +25,28 @@ __device__ __forceinline__ void store8(bf16* p, const float in[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
     *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// Eight e4m3 codes (8 bytes) -> eight bf16, exactly: every e4m3 value (subnormals too) is a half and a bf16.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 codes) {
+    uint4 out;
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        h[i] = __float22bfloat162_rn(__half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3))));
+    return out;
+}
+
+// Eight floats times `scale` -> eight e4m3 codes, rounded to nearest even and saturated to +-448 (satfinite).
+__device__ __forceinline__ uint2 f32x8_to_e4m3x8(const float x[8], float scale) {
+    uint2 out;
+    __nv_fp8x2_storage_t* pairs = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(x[2 * i] * scale, x[2 * i + 1] * scale), __NV_SATFINITE,
+                                            __NV_E4M3);
+    return out;
 }
 
 // Reductions over a warp or a block, of an operation given as a type: Sum or Max.

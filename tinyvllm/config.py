@@ -18,6 +18,7 @@ BACKENDS = ("auto", "numpy", "cuda")
 BATCHING_POLICIES = ("continuous", "static")
 GRAPH_CAPTURES = ("lazy", "eager")
 DTYPES = ("auto", "float32", "bfloat16")  # each backend computes in one: numpy float32, cuda bfloat16
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spellings of e4m3; e5m2 is not implemented
 INT32_MAX = 2**31 - 1  # sizes end up in int32 arrays and kernel arguments
 
 
@@ -94,6 +95,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps so decodes keep running")
     dtype: str = setting("auto", "compute dtype; auto: the backend's own (numpy float32, cuda bfloat16), "
                          "others must match it", choices=DTYPES)
+    kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
+                                  "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
     cuda_graph_capture: str = setting("lazy", "cuda: capture each batch size's decode graph while the GPU computes a "
                                       "prefill step or at its first step (lazy), or all at start-up (eager: "
@@ -102,6 +105,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     @property
     def cpu_kv_cache_bytes(self) -> int:

@@ -12,6 +12,8 @@ import numpy as np
 import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.config import EngineConfig
+from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
+from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 from tinyvllm.model.weights import pack_weights
 
@@ -45,12 +47,23 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (1.0 + np.exp(-gate)) * up
 
 
+KVScales = tuple[np.ndarray, np.ndarray]  # an fp8 cache's K and V scales of one layer, float32 [kv_heads] each
+
+
 def write_kv_cache(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                   slot_mapping: np.ndarray) -> None:
-    """Store each token's K/V [T, kv_heads, head_dim] at its slot of the cache [slots, kv_heads, head_dim].
-    Twin: cuda/cache.cu reshape_and_cache."""
+                   slot_mapping: np.ndarray, scales: KVScales | None = None) -> None:
+    """Store each token's K/V [T, kv_heads, head_dim] at its slot of the cache [slots, kv_heads, head_dim]; an fp8
+    cache (uint8, with `scales`) holds the e4m3 codes of value / scale (model/kv_scales.py).
+    Twins: cuda/cache.cu reshape_and_cache, reshape_and_cache_fp8."""
+    if scales is not None:
+        k, v = (f32_to_e4m3(x / scale[:, None]) for x, scale in zip((k, v), scales))
     k_cache[slot_mapping] = k
     v_cache[slot_mapping] = v
+
+
+def read_kv_cache(cache: np.ndarray, slots: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """The cache's entries at `slots` [...] -> [..., kv_heads, head_dim] float32 (fp8 codes times their scale)."""
+    return cache[slots] if scale is None else e4m3_to_f32(cache[slots]) * scale[:, None]
 
 
 def context_slots(block_table: np.ndarray, context_len: int, block_size: int) -> np.ndarray:
@@ -60,23 +73,24 @@ def context_slots(block_table: np.ndarray, context_len: int, block_size: int) ->
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, block_size: int,
-                    scale: float) -> np.ndarray:
+                    scale: float, kv_scales: KVScales | None = None) -> np.ndarray:
     """Causal attention of each sequence's new queries over its whole context, read from the paged cache.
 
     q [T, heads, head_dim] -> [T, heads, head_dim]. A query at position p sees keys at positions <= p. Grouped-query
-    attention: query head h reads KV head h // (heads / kv_heads).
+    attention: query head h reads KV head h // (heads / kv_heads). kv_scales: those of an fp8 cache.
     Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many).
     """
     group = q.shape[1] // k_cache.shape[1]
+    k_scale, v_scale = kv_scales or (None, None)
     if not batch.is_prefill:
-        return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group)
+        return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group, k_scale, v_scale)
     out = np.empty_like(q)
     for i in range(batch.num_seqs):
         start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
         ctx = int(batch.context_lens[i])
         slots = context_slots(batch.block_tables[i], ctx, block_size)
-        k = np.repeat(k_cache[slots], group, axis=1)  # [ctx, heads, d]
-        v = np.repeat(v_cache[slots], group, axis=1)
+        k = np.repeat(read_kv_cache(k_cache, slots, k_scale), group, axis=1)  # [ctx, heads, d]
+        v = np.repeat(read_kv_cache(v_cache, slots, v_scale), group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q[start:end], k) * scale
         query_pos = batch.positions[start:end]
         scores = np.where(np.arange(ctx)[None, None, :] <= query_pos[None, :, None], scores, -np.inf)
@@ -84,13 +98,14 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, scale: float, group: int) -> np.ndarray:
+def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, scale: float, group: int, k_scale,
+                      v_scale) -> np.ndarray:
     # One query per sequence: pad every context to the longest and mask, so the whole batch is one einsum.
     max_ctx = int(batch.context_lens.max())
     positions = np.arange(max_ctx)
     blocks = batch.block_tables[:, np.minimum(positions // block_size, batch.block_tables.shape[1] - 1)]
     slots = blocks * block_size + positions % block_size  # [S, max_ctx]
-    k, v = k_cache[slots], v_cache[slots]  # [S, max_ctx, kv_heads, d]
+    k, v = read_kv_cache(k_cache, slots, k_scale), read_kv_cache(v_cache, slots, v_scale)  # [S, max_ctx, kv_heads, d]
     s, kv_heads, d = q.shape[0], k.shape[2], q.shape[2]
     qg = q.reshape(s, kv_heads, group, d)
     scores = np.einsum("sgjd,skgd->sgjk", qg, k) * scale  # [S, kv_heads, group, max_ctx]
@@ -135,12 +150,17 @@ class NumpyBackend(Backend):
                         "q_norm": vector(layer.q_norm), "k_norm": vector(layer.k_norm)} for layer in packed.layers]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
+        self.kv_scales: list[KVScales | None] = [None] * cfg.num_hidden_layers  # per layer, for an fp8 cache
+        if engine_config.fp8_kv_cache:
+            self.kv_scales = list(zip(*kv_cache_scales(model.weights, cfg)))
+        self.kv_dtype = np.uint8 if engine_config.fp8_kv_cache else np.float32
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.config
-        return 2 * cfg.num_hidden_layers * self.engine_config.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+        return (2 * cfg.num_hidden_layers * self.engine_config.block_size * cfg.num_key_value_heads * cfg.head_dim
+                * np.dtype(self.kv_dtype).itemsize)
 
     def init_kv_cache(self) -> int:
         ec, cfg = self.engine_config, self.config
@@ -150,8 +170,8 @@ class NumpyBackend(Backend):
             wanted = ec.max_num_seqs * -(-ec.max_model_len // ec.block_size)
             num_blocks = max(1, min(wanted, ec.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
         shape = (num_blocks * ec.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
+        self.k_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
 
     def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
@@ -161,7 +181,7 @@ class NumpyBackend(Backend):
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
         scale = 1.0 / float(np.sqrt(d))  # a Python float: a numpy float64 scalar would upcast float32 to float64
         x = self.embed[batch.token_ids]  # [T, hidden]
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+        for layer, k_cache, v_cache, kv_scales in zip(self.layers, self.k_cache, self.v_cache, self.kv_scales):
             h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
             qkv = h @ layer["qkv"]
             if layer["qkv_bias"] is not None:  # Qwen2.  Twin: cuda/qkv.cu add_qkv_bias
@@ -172,8 +192,8 @@ class NumpyBackend(Backend):
             if layer["q_norm"] is not None:  # Qwen3
                 q, k = qk_norm(q, k, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale)
+            write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping, kv_scales)
+            attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale, kv_scales)
             x = x + attn.reshape(len(x), heads * d) @ layer["o"]
             h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
             x = x + silu_and_mul(h @ layer["gate_up"]) @ layer["down"]

@@ -27,6 +27,7 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
 from tinyvllm.config import EngineConfig
+from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 from tinyvllm.model.weights import layer_parts
@@ -72,6 +73,13 @@ class CudaForward:
         self.max_tokens, self.max_seqs = max_tokens, engine_config.max_num_seqs
 
         self._allocations: list[cuda.DeviceAllocation] = []
+        self.kv_entry_bytes = 1 if engine_config.fp8_kv_cache else 2  # e4m3 codes or bf16
+        # an fp8 cache's (K, V) scales of each layer: device float32 [kv_heads] each (model/kv_scales.py)
+        self.kv_scales: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
+        if engine_config.fp8_kv_cache:
+            k_scales, v_scales = (self._to_device(s) for s in kv_cache_scales(model.weights, cfg))
+            row = 4 * self.kv_heads
+            self.kv_scales = [(k_scales + i * row, v_scales + i * row) for i in range(cfg.num_hidden_layers)]
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES)
@@ -163,10 +171,11 @@ class CudaForward:
         self.cos_sin = self._to_device(np.stack([cos, sin], axis=-1))  # float2 [max_model_len, d / 2]
 
     def kv_bytes_per_block(self) -> int:
-        return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * 2
+        return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * self.kv_entry_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 each, in one allocation.
+        """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 (or e4m3 codes) each, in one
+        allocation.
 
         Only block 0 is zeroed (zeroing ~120 GB took 38 ms on an H200): attention reads a slot only after the step
         that owns it wrote it (keys before a row's context end; reshape_and_cache runs before attention; past the
@@ -174,19 +183,20 @@ class CudaForward:
         output is dropped, and rows never mix, but zeros keep them finite."""
         nbytes = num_blocks * self.kv_bytes_per_block()
         base = self._alloc(nbytes)
-        layer_bytes = num_blocks * self.engine_config.block_size * self.kv_width * 2
+        block_bytes = self.engine_config.block_size * self.kv_width * self.kv_entry_bytes  # of one layer's K (or V)
+        layer_bytes = num_blocks * block_bytes
         layers = range(self.config.num_hidden_layers)
         self.k_cache = [base + 2 * i * layer_bytes for i in layers]
         self.v_cache = [base + (2 * i + 1) * layer_bytes for i in layers]
         for cache in (*self.k_cache, *self.v_cache):
-            cuda.memset_d32(cache, 0, self.engine_config.block_size * self.kv_width // 2)
+            cuda.memset_d32(cache, 0, block_bytes // 4)
         self.kv_caches = self._to_device(np.array([base + c * layer_bytes for c in range(2 * len(layers))],
                                                   np.uint64))  # for copy_blocks
 
     def copy_blocks(self, pairs: int, num_pairs: int) -> None:
         """Copy KV blocks (source, destination) (pairs: device int32 [num_pairs, 2]) in every layer's K and V."""
         self.ops.copy_blocks(self.kv_caches, 2 * len(self.k_cache), pairs, num_pairs,
-                             self.engine_config.block_size * self.kv_width)
+                             self.engine_config.block_size * self.kv_width * self.kv_entry_bytes // 2)
 
     def init_token_slots(self, slots: int, num_slots: int, tokens: int, token_slots: int, num_tokens: int) -> None:
         """Reset the token-count slots `slots` (device int32 [num_slots]) to `tokens`, token i going to slot
@@ -223,7 +233,7 @@ class CudaForward:
             ops.rope(b["qkv"], inp.ptr("positions"), self.cos_sin, n, self.heads + self.kv_heads, self.head_dim,
                      self.qkv_width)
             ops.reshape_and_cache(self.k_cache[i], self.v_cache[i], b["qkv"], inp.ptr("slot_mapping"), n,
-                                  self.q_width, self.kv_width, self.qkv_width)
+                                  self.q_width, self.kv_width, self.qkv_width, self.kv_scales[i], self.head_dim)
             attention(i)
             self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
             ops.rms_norm(b["h"], b["x"], layer["post_norm"], 0, n, hidden, eps)
@@ -265,7 +275,8 @@ class CudaForward:
             self.ops.attention_decode(b["attn"], b["partial_o"], b["partial_ml"], b["qkv"], self.k_cache[i],
                                       self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
                                       inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
-                                      self.head_dim, self.engine_config.block_size, self.qkv_width, splits)
+                                      self.head_dim, self.engine_config.block_size, self.qkv_width, splits,
+                                      self.kv_scales[i])
 
         self._layers(n, inp, out, attention)
         self.ops.rms_norm(b["h"], b["x"], self.final_norm, 0, n, self.config.hidden_size, self.config.rms_norm_eps)
@@ -282,7 +293,7 @@ class CudaForward:
                                        inp.ptr("block_tables"), bt_width, inp.ptr("query_start_loc"),
                                        inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
                                        num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
-                                       self.engine_config.block_size, self.qkv_width)
+                                       self.engine_config.block_size, self.qkv_width, self.kv_scales[i])
 
         self._layers(n, inp, out, attention)
 

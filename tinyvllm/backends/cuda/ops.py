@@ -106,6 +106,9 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, group: int) -> int:
     return num_tokens * group // PREFILL_BLOCK_M + num_seqs + 1
 
 
+FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
+
+
 class Ops:
     """The launchers, on one stream. `kernels` maps a kernel name to a callable(grid, block, stream, *args)."""
 
@@ -163,30 +166,48 @@ class Ops:
 
     @kernel("cache", "bf16* k_cache, bf16* v_cache, const bf16* qkv, const int* slot_mapping, int q_width, "
                      "int kv_width, int row_stride")
+    @kernel("cache", "e4m3* k_cache, e4m3* v_cache, const bf16* qkv, const int* slot_mapping, int q_width, "
+                     "int kv_width, int row_stride" + FP8_SCALES + ", int head_dim", "reshape_and_cache_fp8")
     def reshape_and_cache(self, k_cache: int, v_cache: int, qkv: int, slot_mapping: int, num_tokens: int,
-                          q_width: int, kv_width: int, row_stride: int) -> None:
+                          q_width: int, kv_width: int, row_stride: int, kv_scales: tuple[int, int] | None = None,
+                          head_dim: int = 0) -> None:
+        """kv_scales: an fp8 cache's K and V scales of this layer (device float32 [kv_heads] each), whose heads are
+        head_dim wide; None: a bf16 cache."""
         _require_vectors("reshape_and_cache", q_width=q_width, kv_width=kv_width, row_stride=row_stride)
-        self.launch("reshape_and_cache", (num_tokens,), ROW_THREADS, k_cache, v_cache, qkv, slot_mapping, q_width,
-                    kv_width, row_stride)
+        args = (k_cache, v_cache, qkv, slot_mapping, q_width, kv_width, row_stride)
+        if kv_scales is None:
+            self.launch("reshape_and_cache", (num_tokens,), ROW_THREADS, *args)
+        else:
+            _require_vectors("reshape_and_cache_fp8", head_dim=head_dim)
+            self.launch("reshape_and_cache_fp8", (num_tokens,), ROW_THREADS, *args, *kv_scales, head_dim)
 
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, "
                                 "const bf16* v_cache, const int* block_tables, const int* bt_stride, "
                                 "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
                                 "int block_size, int row_stride, int num_splits",
             *(f"attention_decode_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
+    @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, "
+                                "const e4m3* v_cache, const int* block_tables, const int* bt_stride, "
+                                "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
+                                "int block_size, int row_stride, int num_splits" + FP8_SCALES,
+            *(f"attention_decode_fp8_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
     def attention_decode(self, out: int, partial_o: int, partial_ml: int, q: int, k_cache: int, v_cache: int,
                          block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
                          num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
-                         num_splits: int) -> None:
+                         num_splits: int, kv_scales: tuple[int, int] | None = None) -> None:
         """Decode attention of num_seqs sequences; with num_splits > 1 through partial_o [num_seqs * num_heads *
-        num_splits, head_dim] float32 and partial_ml [same rows] float2, merged by attention_combine."""
+        num_splits, head_dim] float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an
+        fp8 cache's K and V scales of this layer (device float32 [kv_heads] each); None: a bf16 cache."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
-        self.launch(f"attention_decode_d{head_dim}_r{rows}", (num_kv_heads * -(-group // rows), num_seqs, num_splits),
+        fp8 = "" if kv_scales is None else "fp8_"
+        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}", (num_kv_heads * -(-group // rows), num_seqs,
+                                                                   num_splits),
                     DECODE_WARPS * 32, out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
-                    context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits)
+                    context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits,
+                    *(kv_scales or ()))
         if num_splits > 1:
             self.attention_combine(out, partial_o, partial_ml, num_seqs, num_heads, head_dim, num_splits)
 
@@ -200,15 +221,22 @@ class Ops:
                                  "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
                                  "int num_heads, int num_kv_heads, int block_size, int row_stride",
             *(f"attention_prefill_d{d}" for d in HEAD_DIMS))
+    @kernel("attention_prefill", "bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, "
+                                 "const int* block_tables, int bt_stride, const int* query_start_loc, "
+                                 "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
+                                 "int num_heads, int num_kv_heads, int block_size, int row_stride" + FP8_SCALES,
+            *(f"attention_prefill_fp8_d{d}" for d in HEAD_DIMS))
     def attention_prefill(self, out: int, qkv: int, k_cache: int, v_cache: int, block_tables: int, bt_stride: int,
                           query_start_loc: int, context_lens: int, tile_seq: int, tile_row0: int, num_tiles: int,
                           scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          row_stride: int) -> None:
-        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles)."""
+                          row_stride: int, kv_scales: tuple[int, int] | None = None) -> None:
+        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles). kv_scales: as
+        attention_decode's."""
         _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
-        self.launch(f"attention_prefill_d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out, qkv,
-                    k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
-                    scale, num_heads, num_kv_heads, block_size, row_stride)
+        fp8 = "" if kv_scales is None else "fp8_"
+        self.launch(f"attention_prefill_{fp8}d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out,
+                    qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
+                    scale, num_heads, num_kv_heads, block_size, row_stride, *(kv_scales or ()))
 
     @kernel("sampling", "int* out, const float* logits, int vocab, const float* temperature, const float* top_p, "
                         "const int* top_k, const float* min_p, const uint32_t* noise_keys")
@@ -284,6 +312,6 @@ class Ops:
     @kernel("logits_processors", "bf16* const* caches, const int* pairs, int block_elems")
     def copy_blocks(self, caches: int, num_caches: int, pairs: int, num_pairs: int, block_elems: int) -> None:
         """Copy KV blocks pairs[p] = (source, destination) in each of num_caches caches (a device array of
-        pointers)."""
+        pointers); block_elems counts 2-byte units (an fp8 block of n entries is n / 2 of them)."""
         _require_vectors("copy_blocks", block_elems=block_elems)
         self.launch("copy_blocks", (num_pairs, num_caches), ELEMENTWISE_THREADS, caches, pairs, block_elems)

@@ -195,7 +195,8 @@ class CudaBackend(Backend):
         return self.forward.kv_bytes_per_block()
 
     def init_kv_cache(self) -> int:
-        """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 each, in one allocation."""
+        """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 (or e4m3) each, in one
+        allocation."""
         ec = self.engine_config
         block_bytes = self.kv_bytes_per_block()
         free, total = cuda.mem_get_info()
@@ -220,6 +221,7 @@ class CudaBackend(Backend):
     def describe(self) -> dict:
         return {"backend": self.name, "device": self.forward.device_name, "kv_blocks": self.num_blocks,
                 "kv_cache_gib": round(self.num_blocks * self.kv_bytes_per_block() / GIB, 3), "dtype": "bfloat16",
+                "kv_cache_dtype": "fp8_e4m3" if self.engine_config.fp8_kv_cache else "bfloat16",
                 "cuda_graphs": self.use_graphs}
 
     def close(self) -> None:
