@@ -34,6 +34,7 @@ from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_reco
 from tinyvllm.io.writer import (OPENAI_LINE_KEYS, atomic_write, clear_parts, lock_path, output_format,
                                 output_rows_problem, output_schema, parts_dir, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.dummy import DUMMY_PREFIX, PRESETS, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -56,7 +57,11 @@ class LocalExecutor:
     """Runs a job's rows through one LLM in this process. (ray_runner.RayExecutor spreads them over a cluster.)
 
     An executor is a context (what it holds, e.g. a cluster connection, lives from before the job's lock and signal
-    handlers until after) with one method, run()."""
+    handlers until after) with one method, run(). `llm`: an LLM already built to run the rows on (a benchmark's),
+    instead of loading the job's model and engine settings."""
+
+    def __init__(self, llm=None) -> None:
+        self.llm = llm
 
     def __enter__(self) -> LocalExecutor:
         return self
@@ -71,7 +76,7 @@ class LocalExecutor:
         call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
         admitting once stopped(). `columns`: the input columns the rows carry. Returns (engine info, engine
         stats)."""
-        llm = load_llm(cfg)
+        llm = self.llm or load_llm(cfg)
         complete_rows(llm, rows, defaults, cfg, emit, cfg.in_flight_limit, on_step=commit, stopped=stopped)
         return llm.info(), llm.stats()
 
@@ -121,7 +126,10 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
     defaults = sampling_defaults(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
-    if not model.exists():
+    if is_dummy(model):
+        if str(model)[len(DUMMY_PREFIX):] not in PRESETS:
+            raise JobError(f"unknown dummy model {model}: choose from {', '.join(DUMMY_PREFIX + p for p in PRESETS)}")
+    elif not model.exists():
         raise JobError(f"model not found: {model}")
     columns = input_columns(cfg.input, cfg.kept_columns, cfg.drop_input_columns)  # checks the input now
     _check_output(cfg.output, cfg.input)
@@ -285,7 +293,7 @@ def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
     (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
     return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
-            "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
+            "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
             "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs,
@@ -464,7 +472,7 @@ def load_llm(cfg: JobConfig):
     from tinyvllm.llm import LLM  # heavy: only once the job is known to be runnable
 
     try:
-        return LLM(cfg.model, **asdict(cfg.engine))
+        return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
     except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
         raise JobError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
