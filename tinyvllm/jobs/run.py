@@ -12,6 +12,7 @@ Job files (jobs/*.toml) are read by jobs/file.py.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -20,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +45,7 @@ __all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prep
            "sampling_defaults"]
 
 _request_ids = itertools.count()
+PREPARE_AHEAD = 256  # rows rendered and tokenized ahead of the engine
 
 
 class JobInterrupted(JobError):
@@ -86,9 +89,22 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
                   stopped: Callable[[], bool] = lambda: False) -> None:
     """The row loop of every executor: emit() one output record per row (an error record for a bad one) as it
     finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
-    no row is admitted and the requests in flight are abandoned."""
+    no row is admitted and the requests in flight are abandoned.
+
+    A worker thread renders and tokenizes the rows ahead (PREPARE_AHEAD of them), while this thread runs the engine:
+    tokenizing releases the GIL, and the rest runs while this thread waits for the device. Rows are admitted as they
+    are ready, so the engine starts on the first rows instead of waiting for max_in_flight to be prepared."""
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
     in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
+
+    def prepare(row: Row) -> tuple[str | list[int], bool, SamplingParams, list[int]] | str:
+        """What to send for the row and its token ids; or the reason it is an error row."""
+        try:
+            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
+        except ValueError as e:
+            return str(e)
+        return prompt, templated, params, (llm.tokenizer.encode_prompt(prompt, templated) if isinstance(prompt, str)
+                                          else prompt)
 
     def step() -> None:
         for out in engine.step():
@@ -98,22 +114,36 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
         if in_flight and not engine.has_unfinished_requests():
             raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
 
-    for row in rows:
-        if row.error is not None:
-            emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
-            continue
-        try:
-            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
-        except ValueError as e:
-            emit(output_record(row.index, row.id, None, error=str(e), extras=record_extras(row)))
-            continue
+    def admit(row: Row, prepared: tuple | str) -> None:
+        if isinstance(prepared, str):
+            emit(output_record(row.index, row.id, None, error=prepared, extras=record_extras(row)))
+            return
+        prompt, templated, params, token_ids = prepared
         request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
-        engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+        # The text was tokenized as the engine would (Tokenizer.encode_prompt): the engine gets the ids.
+        engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
         in_flight[request_id] = (row, prompt, templated)
-        while len(in_flight) >= max_in_flight and not stopped():
-            step()
-    while in_flight and not stopped():
-        step()
+
+    ahead: collections.deque[tuple[Row, Future | None]] = collections.deque()  # in row order
+    source = iter(rows)
+    with ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-prepare") as worker:
+        try:
+            while not stopped():
+                while len(ahead) < PREPARE_AHEAD and (row := next(source, None)) is not None:
+                    ahead.append((row, worker.submit(prepare, row) if row.error is None else None))
+                if not ahead and not in_flight:
+                    return
+                # Admit every row that is ready; wait for one only when the engine has nothing else to do.
+                while ahead and len(in_flight) < max_in_flight and (
+                        ahead[0][1] is None or ahead[0][1].done() or not in_flight):
+                    row, future = ahead.popleft()
+                    admit(row, future.result() if future is not None else row.error)
+                if in_flight:
+                    step()
+        finally:
+            for _, future in ahead:
+                if future is not None:
+                    future.cancel()
 
 
 def record_extras(row: Row, chat: bool | None = None) -> dict:
