@@ -1,6 +1,6 @@
 """`make bench`: tinyvllm's workloads, the machine's measured limits and HF transformers' peers, in one run.
 
-    python bench/run.py [--dummy-weights llama-3.2-1b | --model PATH] [--backend cuda] [--workloads W1,W3]
+    python bench/run.py [--dummy-weights llama-3.2-1b | --model PATH] [--backend cuda] [--workloads W1,W3,J1]
                         [--scale 1.0] [--peers static,compiled,generate_batch] [--json out.json]
 
 Peers (bench/hf_peers.py) run the identical requests on the same weights (W1 and W3: the workloads HF's static
@@ -60,7 +60,9 @@ def main() -> None:
 
     peers = run_peers(args) if args.peers else {}
     t0 = time.perf_counter()
-    model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed)
+    # J1 decodes the text of every generated id: dummy weights get a tokenizer covering their vocabulary
+    model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed,
+                                                                  text="J1" in args.workloads.split(","))
     llm = LLM(model, backend=args.backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=min(4096, model.config.max_position_embeddings))

@@ -2,7 +2,7 @@
 
 from tinyvllm import LLM
 from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, make_workload, matmul_params,
-                                run_benchmark, weight_bytes)
+                                run_benchmark, run_j1, weight_bytes)
 from tinyvllm.model.dummy import llama_3_2_1b_config
 
 
@@ -43,3 +43,15 @@ def test_run_benchmark_on_the_cpu():
     assert work["W5"]["fraction_of_limit"] < 1, "the floor must count the prefix cache's savings"
     assert llm.llm_engine.block_manager.enable_prefix_caching and llm.llm_engine.scheduler.enable_chunked_prefill
     assert "W5" in format_results(results)
+
+
+def test_j1_job_and_engine_give_the_same_tokens():
+    """J1's plumbing at a tiny scale: the job (text rows through run_job) and the engine (token ids) get the same
+    requests and greedy outputs; max_num_seqs 2 keeps the job's in-flight limit (8) below its 20 rows."""
+    llm = LLM(dummy_model("tiny", text=True), backend="numpy", max_num_seqs=2)
+    result, requests = run_j1(llm, num_rows=20, max_tokens=4, num_words=12, output_token_ids=True)
+    assert result["requests"] == len(requests) == 20 and result["same_outputs"] == 20
+    assert result["output_tokens"] == result["engine"]["output_tokens"] == 80
+    assert result["input_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
+    assert result["output_tok_s"] > 0 and result["job_vs_engine"] > 0 and result["finalize_s"] >= 0
+

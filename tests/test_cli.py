@@ -135,6 +135,7 @@ def test_chat_flag_and_greedy_repeatable(tiny_model_dir, tmp_path):
     ("missing input", ["--input", "{tmp}/nope.jsonl"], "input not found"),
     ("bad extension", ["--input", "{tmp}/in.txt"], "unsupported input format '.txt'"),
     ("missing model", ["--model", "{tmp}/no-model"], "model not found"),
+    ("unknown dummy model", ["--model", "dummy:llama-9b"], "unknown dummy model dummy:llama-9b: choose from"),
     ("unreadable model", ["--model", "{tmp}/in.txt"], "cannot load model"),
     ("output dir is a file", ["--output", "{tmp}/in.txt/out.parquet"], "cannot create output directory"),
     ("bad default", ["--temperature", "-1"], "bad sampling defaults: invalid temperature=-1"),
@@ -148,6 +149,16 @@ def test_job_level_errors(tiny_model_dir, tmp_path, case, args, message):
     assert result.exit_code != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_dummy_model(tmp_path):
+    """`--model dummy:PRESET`: random weights, no file; the tokenizer covers the vocabulary, so the text decodes."""
+    table = ok_run("dummy:tiny", EXAMPLES / "chat.jsonl", tmp_path / "o.parquet", "--max-tokens", "8",
+                   "--ignore-eos", "--output-token-ids")
+    assert table.num_rows == 6 and table.column("error").null_count == 6
+    assert all(ids and text for ids, text in zip(table.column("completion_token_ids").to_pylist(),
+                                                  table.column("completion").to_pylist()))
+    assert metadata(table)["model"] == "dummy:tiny" and metadata(table)["job"]["model"] == "dummy:tiny"
 
 
 def test_no_default_model(tmp_path, monkeypatch):

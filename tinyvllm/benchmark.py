@@ -1,6 +1,7 @@
-"""Benchmark workloads (W1-W5), their measurement, and the physical floor each is compared with.
+"""Benchmark workloads (W1-W6, J1), their measurement, and the physical floor each is compared with.
 
-Workloads use random token ids and ignore EOS, so every run generates exactly the planned tokens. The floors come
+Workloads use random token ids and ignore EOS, so every run generates exactly the planned tokens; J1 is a job of text
+rows through the CLI's runner, set against the same requests as token ids through the engine. The floors come
 from two rates measured on the same machine (memory bandwidth and dense GEMM FLOP/s): a step cannot be faster than
 reading its bytes (weights + KV) or doing its FLOPs.
 """
@@ -10,12 +11,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
+from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.dummy import dummy_model, english_text
+from tinyvllm.jobs.run import LocalExecutor, run_job
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.sampling_params import SamplingParams
 
@@ -28,6 +35,9 @@ WORKLOADS = {
     "W1P": "W1 with presence 0.5, frequency 0.5 and repetition 1.1 penalties on every request",
     "W6": "structured outputs: 512 prompts x 256 random tokens in, one 6-field JSON schema, up to 256 out; then "
           "the same requests unconstrained, each generating as many tokens as it did constrained",
+    "J1": "a job: 20,000 JSONL rows, each a chat of English text (~200 tokens), 128 out, greedy, through the CLI's job "
+          "runner (read, template, tokenize, detokenize, Parquet commits); vs the same requests as token ids through "
+          "LLM.generate",
 }
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 # An extraction schema: strings, a bounded integer, an array, a nested object, a boolean. (maxLength on every string
@@ -208,21 +218,6 @@ def _cuda_limits(stream, blas) -> dict:
     return {"bandwidth_bytes_s": 2 * copy_bytes / copy_s, "gemm_flops": 2 * n ** 3 / gemm_s}
 
 
-def dummy_model(preset: str, seed: int = 0):
-    """A LoadedModel with random weights of a known model's shapes (no download), and a small stand-in tokenizer."""
-    from tinyvllm.model import dummy
-    from tinyvllm.model.loader import LoadedModel
-    from tinyvllm.tokenizer import Tokenizer
-
-    presets = {"llama-3.2-1b": dummy.llama_3_2_1b_config, "smollm2-135m": dummy.smollm2_135m_config,
-               "tiny": dummy.tiny_config}
-    if preset not in presets:
-        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(presets)}")
-    config = presets[preset]()
-    tokenizer = Tokenizer(dummy.build_tokenizer(min(config.vocab_size, 1024)), eos_tokens=[])
-    return LoadedModel(config, dummy.random_weights(config, seed), tokenizer, f"dummy:{preset}")
-
-
 def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
                   limits: dict | None = None) -> dict:
     """Run each workload on the LLM and set it against the floor from the measured limits.
@@ -233,7 +228,7 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
     limits = limits or measure_limits(llm.backend)
     results = {"limits": limits, "workloads": {}}
     for name in workloads:
-        requests = make_workload(name, config.vocab_size, scale, seed)
+        requests = make_workload(name, config.vocab_size, scale, seed) if name != "J1" else []
         if name == "W5":
             runs = {}
             for caching in (False, True):
@@ -253,6 +248,8 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             result["chunked_prefill" if not chunked else "unchunked"] = other
         elif name == "W6":
             result, requests = _structured_vs_free(llm, requests)
+        elif name == "J1":
+            result, requests = run_j1(llm, max(1, round(20000 * scale)), max(1, round(128 * scale)), seed=seed)
         else:
             _reset_prefix_cache(llm, True)
             result = run_workload(llm, requests, sequential=name == "W3")
@@ -299,6 +296,71 @@ def _structured_vs_free(llm, requests: list[Request]) -> tuple[dict, list[Reques
     return result, same
 
 
+J1_SYSTEM = "You are a helpful assistant. Answer briefly, in plain English."
+
+
+def make_j1_rows(num_rows: int, num_words: int = 150, seed: int = 0) -> list[dict]:
+    """J1's input rows: a chat each, one system message shared by all and a user's text of num_words words (with the
+    Llama 3 template about 200 tokens)."""
+    rng = np.random.default_rng(seed)
+    return [{"id": f"j1-{i}", "messages": [
+        {"role": "system", "content": J1_SYSTEM},
+        {"role": "user", "content": "Summarize this text in one paragraph:\n\n" + english_text(rng, num_words)}]}
+        for i in range(num_rows)]
+
+
+class _TimedExecutor(LocalExecutor):
+    """LocalExecutor on a given LLM, noting when the last row is committed (before the output is assembled)."""
+
+    def run(self, cfg, defaults, rows, num_rows, emit, commit, stopped, columns):
+        result = super().run(cfg, defaults, rows, num_rows, emit, commit, stopped, columns)
+        commit(force=True)
+        self.committed_at = time.perf_counter()
+        return result
+
+
+def run_j1(llm, num_rows: int = 20000, max_tokens: int = 128, num_words: int = 150, seed: int = 0,
+           output_token_ids: bool = False, workdir: Path | None = None) -> tuple[dict, list[Request]]:
+    """J1: the rows through the job runner the CLI uses (run_job, in this process, on this LLM), timed from the call
+    to the last row committed; and the same requests as token ids through LLM.generate. Returns the result (the
+    job's figures, the engine's under "engine", their ratio, how many rows came out the same) and the requests as
+    token ids. The LLM's tokenizer must cover the model's vocabulary (dummy weights: dummy_model(text=True))."""
+    if llm.tokenizer.vocab_size < llm.model_config.vocab_size:
+        raise ValueError(f"J1 needs a tokenizer covering the model's {llm.model_config.vocab_size} ids (the "
+                         f"tokenizer has {llm.tokenizer.vocab_size}): a real model, or dummy_model(text=True)")
+    rows = make_j1_rows(num_rows, num_words, seed)
+    tokenizer = llm.tokenizer
+    requests = [Request(tokenizer.encode_prompt(tokenizer.apply_chat_template(r["messages"]), templated=True),
+                        max_tokens) for r in rows]
+    _reset_prefix_cache(llm, True)
+    outputs: list = []
+    engine = run_workload(llm, requests, outputs=outputs)
+    with tempfile.TemporaryDirectory(prefix="tinyvllm-j1-", dir=workdir) as tmp:
+        source = Path(tmp) / "j1.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg = JobConfig(source, Path(tmp) / "j1.parquet", Path(llm.model.source), engine=llm.engine_config,
+                        sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                        output_token_ids=output_token_ids, quiet=True)
+        executor = _TimedExecutor(llm)
+        _reset_prefix_cache(llm, True)
+        start = time.perf_counter()
+        summary = run_job(cfg, executor)
+        end = time.perf_counter()
+        columns = ["completion", "completion_tokens"] + (["completion_token_ids"] if output_token_ids else [])
+        table = pq.read_table(cfg.output, columns=columns).to_pydict()
+    wall = executor.committed_at - start
+    same = sum(text == o.outputs[0].text and (not output_token_ids or ids == o.outputs[0].token_ids)
+               for text, ids, o in zip(table["completion"], table.get("completion_token_ids", table["completion"]),
+                                       outputs))
+    out_tokens = summary["output_tokens"]
+    result = {"requests": len(rows), "input_tokens": engine["input_tokens"], "output_tokens": out_tokens,
+              "wall_s": wall, "output_tok_s": out_tokens / wall,
+              "total_tok_s": (engine["input_tokens"] + out_tokens) / wall, "finalize_s": end - executor.committed_at,
+              "job_vs_engine": out_tokens / wall / engine["output_tok_s"], "same_outputs": same, "engine": engine,
+              **{f"{name}_{q}_ms": summary["latency_ms"][name][q] for name in ("ttft", "tpot") for q in ("p50", "p99")}}
+    return result, requests
+
+
 def _common_prefix_len(requests: list[Request]) -> int:
     first = requests[0].prompt_token_ids
     return min(next((i for i, (a, b) in enumerate(zip(first, r.prompt_token_ids)) if a != b), len(first))
@@ -332,6 +394,10 @@ def format_results(results: dict) -> str:
         if "speedup_vs_cache_off" in r:
             notes.append(f"prefix cache {r['speedup_vs_cache_off']:.2f}x vs off "
                          f"({r['cache_off']['output_tok_s']:.0f} tok/s)")
+        if "job_vs_engine" in r:
+            notes.append(f"{r['job_vs_engine']:.0%} of the engine on token ids ({r['engine']['output_tok_s']:.0f} "
+                         f"tok/s); output assembled in {r['finalize_s']:.1f} s more; {r['same_outputs']}/"
+                         f"{r['requests']} rows the same")
         if "constrained_vs_unconstrained" in r:
             notes.append(f"{r['constrained_vs_unconstrained']:.0%} of unconstrained "
                          f"({r['unconstrained']['output_tok_s']:.0f} tok/s, same lengths); mask fill "

@@ -216,7 +216,7 @@ def _check_report_input(output: Path) -> None:
                    "fresh processes, the first with an empty kernel cache")
 def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, scale: float, max_num_seqs: int,
           max_num_batched_tokens: int, json_path: Path | None, cuda_graph_capture: str, startup: bool) -> None:
-    """Throughput and latency workloads (W1-W5) against the machine's measured limits.
+    """Throughput and latency workloads (W1-W6, J1) against the machine's measured limits.
 
     HF transformers peers in the same run: `make bench` (bench/run.py)."""
     if startup:
@@ -226,7 +226,7 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
     from tinyvllm.llm import LLM
     from tinyvllm.model.loader import load_model
 
-    loaded = load_model(model) if model else dummy_model(dummy_weights)
+    loaded = load_model(model) if model else dummy_model(dummy_weights, text="J1" in workloads.split(","))
     llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=min(4096, loaded.config.max_position_embeddings),
               **({"cuda_graph_capture": cuda_graph_capture} if cuda_graph_capture else {}))

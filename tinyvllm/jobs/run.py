@@ -12,6 +12,7 @@ Job files (jobs/*.toml) are read by jobs/file.py.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -20,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +36,7 @@ from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_reco
 from tinyvllm.io.writer import (OPENAI_LINE_KEYS, atomic_write, clear_parts, lock_path, output_format,
                                 output_rows_problem, output_schema, parts_dir, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.dummy import DUMMY_PREFIX, PRESETS, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -42,6 +45,7 @@ __all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prep
            "sampling_defaults"]
 
 _request_ids = itertools.count()
+PREPARE_AHEAD = 256  # rows rendered and tokenized ahead of the engine
 
 
 class JobInterrupted(JobError):
@@ -56,7 +60,11 @@ class LocalExecutor:
     """Runs a job's rows through one LLM in this process. (ray_runner.RayExecutor spreads them over a cluster.)
 
     An executor is a context (what it holds, e.g. a cluster connection, lives from before the job's lock and signal
-    handlers until after) with one method, run()."""
+    handlers until after) with one method, run(). `llm`: an LLM already built to run the rows on (a benchmark's),
+    instead of loading the job's model and engine settings."""
+
+    def __init__(self, llm=None) -> None:
+        self.llm = llm
 
     def __enter__(self) -> LocalExecutor:
         return self
@@ -71,7 +79,7 @@ class LocalExecutor:
         call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
         admitting once stopped(). `columns`: the input columns the rows carry. Returns (engine info, engine
         stats)."""
-        llm = load_llm(cfg)
+        llm = self.llm or load_llm(cfg)
         complete_rows(llm, rows, defaults, cfg, emit, cfg.in_flight_limit, on_step=commit, stopped=stopped)
         return llm.info(), llm.stats()
 
@@ -81,9 +89,22 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
                   stopped: Callable[[], bool] = lambda: False) -> None:
     """The row loop of every executor: emit() one output record per row (an error record for a bad one) as it
     finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
-    no row is admitted and the requests in flight are abandoned."""
+    no row is admitted and the requests in flight are abandoned.
+
+    A worker thread renders and tokenizes the rows ahead (PREPARE_AHEAD of them), while this thread runs the engine:
+    tokenizing releases the GIL, and the rest runs while this thread waits for the device. Rows are admitted as they
+    are ready, so the engine starts on the first rows instead of waiting for max_in_flight to be prepared."""
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
     in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
+
+    def prepare(row: Row) -> tuple[str | list[int], bool, SamplingParams, list[int]] | str:
+        """What to send for the row and its token ids; or the reason it is an error row."""
+        try:
+            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
+        except ValueError as e:
+            return str(e)
+        return prompt, templated, params, (llm.tokenizer.encode_prompt(prompt, templated) if isinstance(prompt, str)
+                                          else prompt)
 
     def step() -> None:
         for out in engine.step():
@@ -93,22 +114,36 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
         if in_flight and not engine.has_unfinished_requests():
             raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
 
-    for row in rows:
-        if row.error is not None:
-            emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
-            continue
-        try:
-            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
-        except ValueError as e:
-            emit(output_record(row.index, row.id, None, error=str(e), extras=record_extras(row)))
-            continue
+    def admit(row: Row, prepared: tuple | str) -> None:
+        if isinstance(prepared, str):
+            emit(output_record(row.index, row.id, None, error=prepared, extras=record_extras(row)))
+            return
+        prompt, templated, params, token_ids = prepared
         request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
-        engine.add_request(request_id, prompt, params, prompt_is_templated=templated)
+        # The text was tokenized as the engine would (Tokenizer.encode_prompt): the engine gets the ids.
+        engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
         in_flight[request_id] = (row, prompt, templated)
-        while len(in_flight) >= max_in_flight and not stopped():
-            step()
-    while in_flight and not stopped():
-        step()
+
+    ahead: collections.deque[tuple[Row, Future | None]] = collections.deque()  # in row order
+    source = iter(rows)
+    with ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-prepare") as worker:
+        try:
+            while not stopped():
+                while len(ahead) < PREPARE_AHEAD and (row := next(source, None)) is not None:
+                    ahead.append((row, worker.submit(prepare, row) if row.error is None else None))
+                if not ahead and not in_flight:
+                    return
+                # Admit every row that is ready; wait for one only when the engine has nothing else to do.
+                while ahead and len(in_flight) < max_in_flight and (
+                        ahead[0][1] is None or ahead[0][1].done() or not in_flight):
+                    row, future = ahead.popleft()
+                    admit(row, future.result() if future is not None else row.error)
+                if in_flight:
+                    step()
+        finally:
+            for _, future in ahead:
+                if future is not None:
+                    future.cancel()
 
 
 def record_extras(row: Row, chat: bool | None = None) -> dict:
@@ -121,7 +156,10 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
     defaults = sampling_defaults(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
-    if not model.exists():
+    if is_dummy(model):
+        if str(model)[len(DUMMY_PREFIX):] not in PRESETS:
+            raise JobError(f"unknown dummy model {model}: choose from {', '.join(DUMMY_PREFIX + p for p in PRESETS)}")
+    elif not model.exists():
         raise JobError(f"model not found: {model}")
     columns = input_columns(cfg.input, cfg.kept_columns, cfg.drop_input_columns)  # checks the input now
     _check_output(cfg.output, cfg.input)
@@ -285,7 +323,7 @@ def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
     (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
     return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
-            "model": str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
+            "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
             "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs,
@@ -464,7 +502,7 @@ def load_llm(cfg: JobConfig):
     from tinyvllm.llm import LLM  # heavy: only once the job is known to be runnable
 
     try:
-        return LLM(cfg.model, **asdict(cfg.engine))
+        return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
     except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
         raise JobError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a

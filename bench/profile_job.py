@@ -1,0 +1,159 @@
+"""Where a job's host time goes beyond the engine's, per row: J1's rows with the model replaced by a backend that
+answers at once, so what is left is the host's work alone (runs on a CPU; no weights are made).
+
+    python bench/profile_job.py [--rows 4000] [--max-tokens 128] [--stop STRING] [--cprofile]
+
+Times J1's requests as token ids through LLM.generate, then the same rows as a job through the CLI's runner (run_job,
+in process), and prints both walls, their difference per row, and the inclusive time of each phase of the job path
+per row (phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template).
+--stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import inspect
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import tinyvllm.engine.llm_engine as engine_module
+import tinyvllm.llm
+from tinyvllm import LLM
+from tinyvllm.backends.base import Backend, SamplerOutput
+from tinyvllm.benchmark import Request, make_j1_rows, run_workload
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.io import readers, writer
+from tinyvllm.jobs import run as job_run
+from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.dummy import text_tokenizer
+from tinyvllm.model.dummy import llama_3_2_1b_config
+from tinyvllm.model.loader import LoadedModel
+from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TOTAL: dict[str, float] = collections.defaultdict(float)
+CALLS: dict[str, int] = collections.defaultdict(int)
+
+
+class InstantBackend(Backend):
+    """Samples uniformly random regular token ids at once: the engine and job without a model."""
+
+    name = "instant"
+
+    def __init__(self, model, config) -> None:
+        self.vocab_size, self.config = model.config.vocab_size, config
+        self.rng = np.random.default_rng(0)
+
+    def init_kv_cache(self) -> int:
+        return self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
+
+    def execute(self, batch, bitmask=None) -> SamplerOutput:
+        return SamplerOutput(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
+
+
+def timed(owner, name: str, label: str | None = None) -> None:
+    """Replace owner.name with a call that adds its time to TOTAL[label]; a generator's time is that of its
+    resumptions."""
+    inner = getattr(owner, name)
+    label = label or name
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TOTAL[label] += time.perf_counter() - start
+            CALLS[label] += 1
+
+    def generator(*args, **kwargs):
+        items = inner(*args, **kwargs)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                TOTAL[label] += time.perf_counter() - start
+            yield item
+
+    setattr(owner, name, generator if inspect.isgeneratorfunction(inner) else wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--stop", help="a stop string on every row")
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+
+    tinyvllm.llm.create_backend = InstantBackend  # the one place the model is left out
+    config = llama_3_2_1b_config()
+    model = LoadedModel(config, {}, text_tokenizer(config.vocab_size), "dummy:llama-3.2-1b")
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
+    tokenizer = llm.tokenizer
+    rows = make_j1_rows(args.rows)
+    if args.stop:
+        for row in rows:
+            row["stop"] = [args.stop]
+    requests = [Request(tokenizer.encode_prompt(tokenizer.apply_chat_template(r["messages"]), templated=True),
+                        args.max_tokens, {"stop": [args.stop]} if args.stop else {}) for r in rows]
+    run_workload(llm, requests[: args.max_num_seqs])  # warm-up
+    engine = run_workload(llm, requests)
+    print(f"engine, token ids: {engine['wall_s']:.2f} s = {1e6 * engine['wall_s'] / len(rows):.0f} us/row "
+          f"({engine['output_tokens']} tokens)")
+
+    def run_job(profiler: cProfile.Profile | None = None) -> tuple[float, dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "j1.jsonl"
+            source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            cfg = JobConfig(source, Path(tmp) / "out.parquet", Path(model.source), engine=llm.engine_config,
+                            sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
+                            quiet=True)
+            start = time.perf_counter()
+            if profiler:
+                profiler.enable()
+            summary = job_run.run_job(cfg, job_run.LocalExecutor(llm))
+            if profiler:
+                profiler.disable()
+            return time.perf_counter() - start, summary
+
+    wall, summary = run_job()  # uninstrumented: the wall
+    for name in ("apply_chat_template", "encode_prompt"):
+        timed(Tokenizer, name)
+    timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
+    timed(engine_module, "decode_continuation", "detokenize (once, at the end)")
+    timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
+    timed(job_run, "output_record", "output_record")
+    timed(readers, "_jsonl_records", "read + json.loads")
+    timed(readers, "_rows", "read + parse rows (all)")
+    timed(writer.PartsWriter, "flush", "Parquet commit (flush)")
+    timed(writer.PartsWriter, "finalize", "finalize (merge pieces into the output)")
+    timed(LLMEngine, "add_request", "engine.add_request (tokenize inside)")
+    timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
+    profiler = cProfile.Profile() if args.cprofile else None
+    run_job(profiler)
+    finalize = TOTAL["finalize (merge pieces into the output)"]
+    print(f"job, text rows:    {wall:.2f} s = {1e6 * wall / len(rows):.0f} us/row ({summary['output_tokens']} tokens), "
+          f"of which finalize {finalize:.2f} s")
+    extra = wall - finalize - engine["wall_s"]
+    print(f"job - engine, to the last commit: {1e6 * extra / len(rows):.0f} us/row = "
+          f"{1e6 * extra / summary['output_tokens']:.2f} us/output token")
+    print("phases of the job path, inclusive, per row:")
+    for name, seconds in sorted(TOTAL.items(), key=lambda item: -item[1]):
+        print(f"  {name:<45} {1e6 * seconds / len(rows):9.1f} us")
+    if profiler:
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
