@@ -276,7 +276,8 @@ def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_mode
 
 def test_block_tables_follow_growth_replacement_and_release():
     """The engine's persistent block-table rows equal the sequences' lists through growth (past the array's first
-    width and row count), a table replaced after preemption (also a shorter one), and rows released and reused."""
+    width and row count), a table replaced after preemption (also a shorter one), rows released and reused, and
+    other instances gathering the same sequences."""
     from tinyvllm.engine.model_inputs import BlockTables
     from tinyvllm.engine.sequence import Sequence
     from tinyvllm.outputs import RequestMetrics
@@ -286,12 +287,15 @@ def test_block_tables_follow_growth_replacement_and_release():
     tables = BlockTables()
 
     def check(batch):
-        got = tables.gather(batch)
         width = max(len(s.block_table) for s in batch)
         want = np.zeros((len(batch), width), np.int32)
         for row, s in enumerate(batch):
             want[row, : len(s.block_table)] = s.block_table
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(tables.gather(batch), want)
+        # a throwaway instance (as build_batch makes without one) on the same sequences: their rows elsewhere are
+        # no claim on its rows
+        np.testing.assert_array_equal(BlockTables().gather(batch[::-1]), want[::-1])
+        np.testing.assert_array_equal(tables.gather(batch), want)
 
     for step in range(60):
         for s in seqs:

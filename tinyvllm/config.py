@@ -98,9 +98,10 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
                                   "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
-    cuda_graph_capture: str = setting("lazy", "cuda: capture each batch size's decode graph while the GPU computes a "
-                                      "prefill step or at its first step (lazy), or all at start-up (eager: "
-                                      "slower start)",
+    # eager by default: lazy capture saves start-up time but cost W1 14-17% in fresh processes (2026-12-01,
+    # docs/PERFORMANCE.md), also when the captures were taken while prefill steps computed.
+    cuda_graph_capture: str = setting("eager", "cuda: capture every batch size's decode graph at start-up (eager), "
+                                      "or each at its first step (lazy: faster start, slower first steps)",
                                       choices=GRAPH_CAPTURES)
 
     def __post_init__(self) -> None:

@@ -243,39 +243,6 @@ def test_graph_replay_matches_eager(model_dir):
     assert runs[0] == runs[1] == runs[2]
 
 
-class BusyFor:
-    """A stand-in for a prefill step's `ready` event that reports the GPU busy for `polls` queries."""
-
-    def __init__(self, polls: int) -> None:
-        self.polls = polls
-
-    def query(self) -> bool:
-        self.polls -= 1
-        return self.polls < 0
-
-
-def test_lazy_capture_takes_the_largest_buckets_while_the_gpu_is_busy(model_dir):
-    """While a prefill step computes, lazy capture takes missing decode graphs, largest first, one per poll that
-    finds the GPU busy; replaying them gives what eager steps give."""
-    rng = np.random.default_rng(5)
-    prompts = random_prompts(rng, 32, 49152, 3, 40)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    subsets = (32, 12, 6)  # decode buckets 32 and 16 (captured while "busy"), 8 (in a prefill wait or at first use)
-    eager = LLM(model_dir, backend="cuda", max_num_seqs=32, num_kv_blocks=128, max_model_len=512, enforce_eager=True)
-    expected = [token_ids(eager.generate(prompts[:n], params)) for n in subsets]
-    eager.backend.close()
-    llm = LLM(model_dir, backend="cuda", max_num_seqs=32, num_kv_blocks=128, max_model_len=512)
-    backend = llm.backend
-    assert backend.graphs == {} and backend.uncaptured == backend.buckets
-    backend._capture_while_busy(BusyFor(3))
-    assert sorted(backend.graphs) == backend.buckets[-3:] == [16, 24, 32]
-    backend._capture_while_busy(BusyFor(0))  # the step is done: nothing more now
-    assert len(backend.graphs) == 3
-    assert [token_ids(llm.generate(prompts[:n], params)) for n in subsets] == expected
-    assert 8 in backend.graphs and set(backend.graphs) <= set(backend.buckets)
-    backend.close()
-
-
 def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):
     rng = np.random.default_rng(4)
     prompts = random_prompts(rng, 12, 49152, 3, 60)

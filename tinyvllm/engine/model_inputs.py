@@ -18,6 +18,7 @@ class BlockTables:
 
     def __init__(self) -> None:
         self.rows = np.zeros((8, 8), np.int32)
+        self.owners: list[Sequence | None] = [None] * 8  # Sequence.table_row is only a hint: this says whose it is
         self.tables: list[list[int] | None] = [None] * 8  # the list each row was copied from
         self.lengths = [0] * 8  # how much of it
         self.free = list(range(7, -1, -1))
@@ -28,15 +29,17 @@ class BlockTables:
         return self.rows[rows, :width]
 
     def release(self, seq: Sequence) -> None:
-        if seq.table_row >= 0:
-            self.tables[seq.table_row] = None
-            self.free.append(seq.table_row)
-            seq.table_row = -1
+        row = seq.table_row
+        if 0 <= row < len(self.owners) and self.owners[row] is seq:
+            self.owners[row] = self.tables[row] = None
+            self.free.append(row)
+        seq.table_row = -1
 
     def _update(self, seq: Sequence) -> int:
         row, table = seq.table_row, seq.block_table
-        if row < 0:
+        if not (0 <= row < len(self.owners) and self.owners[row] is seq):
             row = seq.table_row = self._take()
+            self.owners[row] = seq
         known, length = self.lengths[row], len(table)
         if self.tables[row] is not table or length < known:
             self.tables[row], known = table, 0
@@ -50,8 +53,9 @@ class BlockTables:
 
     def _take(self) -> int:
         if not self.free:
-            n = len(self.tables)
+            n = len(self.owners)
             self.rows = np.pad(self.rows, ((0, n), (0, 0)))
+            self.owners += [None] * n
             self.tables += [None] * n
             self.lengths += [0] * n
             self.free = list(range(2 * n - 1, n - 1, -1))

@@ -3,10 +3,9 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured at start-up (cuda_graph_capture="eager"), or not before they can be captured for free
-("lazy", the default): while the GPU computes a prefill step, largest batch first, and otherwise at the bucket's first
-step. A capture records and runs nothing, so it can happen between queued steps. Each step copies its inputs into
-fixed device buffers with one host-to-device copy and replays the graph.
+batch-size bucket, all captured at start-up (cuda_graph_capture="eager", the default), or each at its bucket's first
+step ("lazy"; a capture records and runs nothing, so it can happen between queued steps). Each step copies its inputs
+into fixed device buffers with one host-to-device copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -165,7 +164,6 @@ class CudaBackend(Backend):
                                  "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
         self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
         self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
-        self.uncaptured: list[int] = []  # lazy capture: buckets of `graphs` still to capture, the largest last
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
 
@@ -233,8 +231,6 @@ class CudaBackend(Backend):
         for graph in (*self.graphs.values(), *self.forward_graphs.values()):
             graph.close()
         self.graphs, self.forward_graphs = {}, {}
-        lazy = self.use_graphs and self.engine_config.cuda_graph_capture == "lazy"
-        self.uncaptured = list(self.buckets) if lazy else []
 
     # ---- steps -----------------------------------------------------------------------------------------------------
 
@@ -285,8 +281,6 @@ class CudaBackend(Backend):
             ready.record(self.stream)
 
         def wait() -> SamplerOutput:
-            if batch.is_prefill:
-                self._capture_while_busy(ready)
             try:
                 ready.synchronize()
             except cuda.Error as exc:
@@ -363,16 +357,6 @@ class CudaBackend(Backend):
         fixed workspace, and the driver loads a kernel not loaded yet during capture), so it can be taken while
         earlier steps are queued."""
         return Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample))
-
-    def _capture_while_busy(self, ready: cuda.Event) -> None:
-        """Lazy capture's head start: while the GPU computes the prefill step that `ready` ends (a long one takes
-        tens of ms, a capture a few), capture the decode graphs still missing, largest batch first: the sizes a
-        job meets as its batch drains. Decode steps (a millisecond or two) get no captures, which would hold up
-        the next step."""
-        while self.uncaptured and not ready.query():
-            bucket = self.uncaptured.pop()
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
 
     def _decode_forward(self, bucket: int, sample: bool = True) -> None:
         self.forward.decode(bucket, self.decode_in, self.out, self.proc, sample)
