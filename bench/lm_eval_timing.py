@@ -76,14 +76,12 @@ def timed_evaluate(name: str, make_lm, items: int, task_manager: TaskManager) ->
               "acc": run["results"][TASK]["acc,none"], "acc_norm": run["results"][TASK]["acc_norm,none"]}
     if isinstance(lm, TinyvllmLM) and hasattr(lm.llm.backend, "close"):
         lm.llm.backend.close()  # the cuda backend's device memory, now rather than at garbage collection
-    del lm, loglikelihood, timed_loglikelihood
-    free_gpu_memory()
     return result, samples
 
 
 def free_gpu_memory() -> None:
-    """Collect the last model (it is in a reference cycle) and hand torch's cached blocks back to the GPU: the next
-    model then finds that memory free (tinyvllm sizes its KV cache from what is free)."""
+    """Collect the last model (timed_evaluate left it in a reference cycle) and hand torch's cached blocks back to
+    the GPU: the next model then finds that memory free (tinyvllm sizes its KV cache from what is free)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -127,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     results["hf"], hf_samples = timed_evaluate(
         "hf", lambda: HFLM(pretrained=str(model_dir), dtype=dtype, device=args.device, batch_size=hf_batch),
         args.items, task_manager)
+    free_gpu_memory()
     results["tinyvllm"], our_samples = timed_evaluate(
         "tinyvllm", lambda: TinyvllmLM(str(model_dir), **tinyvllm_args), args.items, task_manager)
 
