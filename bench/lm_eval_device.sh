@@ -10,9 +10,15 @@
 # TIMING_ARGS replaces part 2's arguments (default: the 1B run above; `--device cpu --preset tiny --items 20` checks
 # the script on a machine without a GPU, where part 1 skips).
 #
-# The host has no network and no lm-eval: the wheels of .whl/ (pycuda, ...) and .whl-eval/ (lm-eval and what the
-# host lacks of its import chain; README, Evaluation) are carried and installed into $SITE (default /tmp/site),
-# which goes on PYTHONPATH with the repository root. Both parts run even when the first fails; the exit status says.
+# The host has no network and no lm-eval: the wheels of .whl/ (pycuda, ...) and .whl-eval/ are carried and installed
+# into $SITE (default /tmp/site), which goes on PYTHONPATH with the repository root. .whl-eval/ holds lm-eval and the
+# part of its import chain (`hf` model, CLI table) that the host's image lacks, 11 MiB, all pure Python; made with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl-eval \
+#     lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytablewriter==1.2.1 DataProperty==1.1.1 \
+#     mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1 \
+#     pytz==2026.6
+# (found by running both models under a Python 3.12 venv holding only the host's packages at its versions).
+# Both parts run even when the first fails; the exit status says.
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
