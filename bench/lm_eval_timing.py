@@ -71,8 +71,8 @@ def timed_evaluate(name: str, make_lm, items: int, task_manager: TaskManager) ->
     samples = sorted(run["samples"][TASK], key=lambda s: s["doc_id"])
     if len(samples) != items:
         raise SystemExit(f"{name} scored {len(samples)} items, not {items}")
-    result = {"load_s": round(load_s, 2), "eval_s": round(eval_s, 2), "items_per_s": round(items / eval_s, 1),
-              "model_s": round(model_s, 2), "model_items_per_s": round(items / model_s, 1),
+    result = {"load_s": round(load_s, 2), "eval_s": round(eval_s, 3), "items_per_s": round(items / eval_s, 2),
+              "model_s": round(model_s, 3), "model_items_per_s": round(items / model_s, 2),
               "acc": run["results"][TASK]["acc,none"], "acc_norm": run["results"][TASK]["acc_norm,none"]}
     if isinstance(lm, TinyvllmLM) and hasattr(lm.llm.backend, "close"):
         lm.llm.backend.close()  # the cuda backend's device memory, now rather than at garbage collection
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "task": TASK, "items": args.items, "choices": len(ours), "model": model_name, "device": args.device,
         "dtype": dtype, "hf_batch_size": hf_batch, "tinyvllm_args": tinyvllm_args, **results,
-        "speedup": round(results["tinyvllm"]["items_per_s"] / results["hf"]["items_per_s"], 2),
-        "model_speedup": round(results["tinyvllm"]["model_items_per_s"] / results["hf"]["model_items_per_s"], 2),
+        "speedup": round(results["hf"]["eval_s"] / results["tinyvllm"]["eval_s"], 2),  # = the items/s ratio
+        "model_speedup": round(results["hf"]["model_s"] / results["tinyvllm"]["model_s"], 2),
         "loglikelihood_abs_diff": {"mean": sum(distances) / len(distances), "median": distances[len(distances) // 2],
                                    "max": distances[-1]},
         "items_picked_differently": sum(a != b for a, b in zip(picks, hf_picks)),
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'':10} {'load s':>8} {'eval s':>8} {'items/s':>9} {'model s':>8} {'items/s':>9} {'acc':>6}")
     for name in ("hf", "tinyvllm"):
         r = results[name]
-        print(f"{name:10} {r['load_s']:8.1f} {r['eval_s']:8.1f} {r['items_per_s']:9.1f} {r['model_s']:8.1f} "
-              f"{r['model_items_per_s']:9.1f} {r['acc']:6.3f}")
+        print(f"{name:10} {r['load_s']:8.1f} {r['eval_s']:8.1f} {r["items_per_s"]:9.2f} {r['model_s']:8.1f} "
+              f"{r["model_items_per_s"]:9.2f} {r['acc']:6.3f}")
     diff = summary["loglikelihood_abs_diff"]
     print(f"tinyvllm / hf items/s: {summary['speedup']:.2f}x (model time alone: {summary['model_speedup']:.2f}x)")
     print(f"loglikelihoods |tinyvllm - hf|: mean {diff['mean']:.2e},"
