@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'':10} {'load s':>8} {'eval s':>8} {'items/s':>9} {'model s':>8} {'items/s':>9} {'acc':>6}")
     for name in ("hf", "tinyvllm"):
         r = results[name]
-        print(f"{name:10} {r['load_s']:8.1f} {r['eval_s']:8.1f} {r["items_per_s"]:9.2f} {r['model_s']:8.1f} "
-              f"{r["model_items_per_s"]:9.2f} {r['acc']:6.3f}")
+        print(f"{name:10} {r['load_s']:8.1f} {r['eval_s']:8.1f} {r['items_per_s']:9.2f} {r['model_s']:8.1f} "
+              f"{r['model_items_per_s']:9.2f} {r['acc']:6.3f}")
     diff = summary["loglikelihood_abs_diff"]
     print(f"tinyvllm / hf items/s: {summary['speedup']:.2f}x (model time alone: {summary['model_speedup']:.2f}x)")
     print(f"loglikelihoods |tinyvllm - hf|: mean {diff['mean']:.2e},"
