@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,13 +42,18 @@ from tinyvllm.model.dummy import save_hf_model_dir  # noqa: E402
 
 
 def write_dummy_model(preset: str, path: Path, dtype: str) -> Path:
-    if (path / "config.json").exists():
+    """The dummy model as an HF dir at `path`, written once (beside it first, so an interrupted write is not reused)."""
+    if path.exists():
         return path
     model = dummy_model(preset)
-    return save_hf_model_dir(path, model.config, model.weights, dtype=dtype)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_hf_model_dir(partial, model.config, model.weights, dtype=dtype)
+    partial.rename(path)
+    return path
 
 
-def timed_evaluate(name: str, make_lm, items: int, task_manager: TaskManager) -> tuple[dict, dict]:
+def timed_evaluate(name: str, make_lm, items: int, task_manager: TaskManager) -> tuple[dict, list[dict]]:
     """Load the model, run the task on it; the timings, and the per-item samples."""
     start = time.perf_counter()
     lm = make_lm()
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--preset", default="llama-3.2-1b", help="dummy model shapes (default llama-3.2-1b)")
     source.add_argument("--model", type=Path, help="an HF model dir instead of a dummy model")
     parser.add_argument("--model-dir", type=Path,
-                        help="where --preset's model is written (default /tmp/lm-eval-PRESET)")
+                        help="where --preset's model is written (default /tmp/lm-eval-PRESET-DTYPE)")
     parser.add_argument("--items", type=int, default=1000, help="items of the task to score (at most 1000)")
     parser.add_argument("--hf-batch-size", default="64", help="lm-eval hf's batch_size (a number, or auto)")
     parser.add_argument("--tinyvllm-args", default="", help="more TinyvllmLM/LLM arguments, as lm-eval model_args")
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is not None:
         model_dir, model_name = args.model, str(args.model)
     else:
-        model_dir = args.model_dir or Path(f"/tmp/lm-eval-{args.preset}")
+        model_dir = args.model_dir or Path(f"/tmp/lm-eval-{args.preset}-{dtype}")
         start = time.perf_counter()
         write_dummy_model(args.preset, model_dir, dtype)
         print(f"model: dummy {args.preset} ({dtype}) at {model_dir}, ready in {time.perf_counter() - start:.1f} s")
