@@ -118,8 +118,15 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 def weight_bytes(config: ModelConfig, bytes_per_param: int = 2) -> int:
-    embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    return (matmul_params(config) + embed) * bytes_per_param
+    """Bytes of weights a decode step reads: every GEMM's (the LM head included), the norm gains and the biases.
+    Not an untied embedding table, of which a step gathers only its tokens' rows."""
+    h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    per_layer = 2 * h  # the two RMSNorm gains
+    if config.attention_bias:
+        per_layer += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    if config.qk_norm:
+        per_layer += 2 * d
+    return (matmul_params(config) + layers * per_layer + h) * bytes_per_param
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
@@ -209,18 +216,17 @@ def _cuda_limits(stream, blas) -> dict:
 
 
 def dummy_model(preset: str, seed: int = 0):
-    """A LoadedModel with random weights of a known model's shapes (no download), and a small stand-in tokenizer."""
+    """A LoadedModel with random bf16 weights of a known model's shapes (no download), each tensor made when a
+    backend asks for it (dummy.RandomBf16Weights: no float32 copy of an 8B model), and a small stand-in tokenizer."""
     from tinyvllm.model import dummy
     from tinyvllm.model.loader import LoadedModel
     from tinyvllm.tokenizer import Tokenizer
 
-    presets = {"llama-3.2-1b": dummy.llama_3_2_1b_config, "smollm2-135m": dummy.smollm2_135m_config,
-               "tiny": dummy.tiny_config}
-    if preset not in presets:
-        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(presets)}")
-    config = presets[preset]()
+    if preset not in dummy.PRESETS:
+        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(dummy.PRESETS)}")
+    config = dummy.PRESETS[preset]()
     tokenizer = Tokenizer(dummy.build_tokenizer(min(config.vocab_size, 1024)), eos_tokens=[])
-    return LoadedModel(config, dummy.random_weights(config, seed), tokenizer, f"dummy:{preset}")
+    return LoadedModel(config, dummy.RandomBf16Weights(config, seed), tokenizer, f"dummy:{preset}")
 
 
 def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,

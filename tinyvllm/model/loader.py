@@ -101,9 +101,9 @@ class SafetensorsWeights(MutableMapping, LazyWeights):
 
 
 def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    """One tensor as bfloat16 bit patterns (uint16), what the CUDA backend uploads: a bf16 checkpoint's tensor as
-    read, with no float32 copy; float32 and float16 ones rounded."""
-    if isinstance(weights, SafetensorsWeights):
+    """One tensor as bfloat16 bit patterns (uint16), what the CUDA backend uploads: a bf16 checkpoint's (or random
+    model's) tensor as stored, with no float32 copy; float32 and float16 ones rounded."""
+    if isinstance(weights, LazyWeights):
         data = weights.stored(name)
         if data.dtype == np.uint16:
             return data
