@@ -9,8 +9,8 @@ from tinyvllm import LLM
 from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, kv_bytes_per_token, make_workload,
                                 matmul_params, run_benchmark, weight_bytes)
 from tinyvllm.model.dtypes import bf16_to_f32
-from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, tiny_config
-from tinyvllm.model.loader import Bf16Bytes, as_bf16, weight_shapes
+from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
+from tinyvllm.model.loader import Bf16Bytes, as_bf16, load_model, weight_shapes
 
 
 def test_workload_shapes():
@@ -121,3 +121,23 @@ def test_random_bf16_weights_in_chunks(monkeypatch):
     assert np.isfinite(values).all() and abs(values.std() * 8 - 1) < 0.03
     tails = values.reshape(-1)[-1000:], values.reshape(-1)[:1000]
     assert abs(tails[0].std() - tails[1].std()) < 0.02 and not np.array_equal(*tails)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_random_bf16_checkpoint_is_written_as_made(tmp_path, shards):
+    """bench/load_8b.py's checkpoint: RandomBf16Weights saved as bf16 hold exactly the weights the dummy model runs,
+    in files any safetensors reader takes."""
+    config = tiny_config(architecture="Qwen2ForCausalLM", tie_word_embeddings=True)
+    weights = RandomBf16Weights(config, seed=4)
+    path = save_hf_model_dir(tmp_path / "m", config, weights, dtype="bfloat16", shards=shards)
+    loaded = load_model(path)
+    assert loaded.config.torch_dtype == "bfloat16" and set(loaded.weights) == set(weights)
+    for name in weights:
+        np.testing.assert_array_equal(loaded.weights.stored(name), weights.stored(name), err_msg=name)
+    st_torch = pytest.importorskip("safetensors.torch")
+    theirs = {}
+    for file in path.glob("*.safetensors"):
+        theirs |= st_torch.load_file(str(file))
+    assert "lm_head.weight" not in theirs and len(theirs) == len(weights) - 1
+    name = "model.layers.1.self_attn.v_proj.bias"
+    np.testing.assert_array_equal(theirs[name].float().numpy(), weights[name])
