@@ -5,7 +5,7 @@
 Writes the checkpoint (random bf16 weights, written as made: no float32) to CHECKPOINT_DIR unless it already holds
 one of that shape, then measures in this run:
 - the time to read every shard file sequentially into one buffer, with the files evicted from the page cache
-  (fsync, then posix_fadvise DONTNEED; the share of their pages still cached is reported) and again warm;
+  (fdatasync, then posix_fadvise DONTNEED; the share of their pages still cached is reported) and again warm;
 - LLM(CHECKPOINT_DIR, backend=...) to ready, evicted and warm, each in a fresh interpreter: seconds per start-up
   phase, and the peak host RSS above the resident set just before loading (VmHWM - VmRSS; the CUDA context and the
   imports are in the baseline, as tests/test_loader.py's RSS test counts them).
@@ -73,12 +73,11 @@ def write_checkpoint(path: Path, shape: str, shards: int) -> dict:
     wanted = {"shape": shape, "shards": shards}
     if marker.is_file() and json.loads(marker.read_text()) == wanted and shard_files(path):
         return {"written": False}
+    for stale in [*shard_files(path), path / "model.safetensors.index.json"]:  # another shape's or shard count's
+        stale.unlink(missing_ok=True)
     start = time.perf_counter()
     save_hf_model_dir(path, config, RandomBf16Weights(config), dtype="bfloat16", shards=shards)
     marker.write_text(json.dumps(wanted))
-    for file in shard_files(path):  # on the disk, so that eviction can drop every page
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
     return {"written": True, "write_s": time.perf_counter() - start}
 
 
@@ -87,7 +86,7 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def evict(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache (they are clean: written with fsync)."""
+    """Drop the files' pages from the page cache (written to the disk first: only clean pages can be dropped)."""
     for file in files:
         fd = os.open(file, os.O_RDONLY)
         try:

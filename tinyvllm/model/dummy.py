@@ -214,7 +214,7 @@ def save_hf_model_dir(
 
 
 def write_bf16_safetensors(path: str | os.PathLike, weights: RandomBf16Weights, names: list[str]) -> None:
-    """One safetensors file of the named tensors in bfloat16, each made and written in turn."""
+    """One safetensors file of the named tensors in bfloat16, each made while the one before is written."""
     header, offset = {}, 0
     for name in names:
         nbytes = 2 * math.prod(weights.shape(name))
@@ -222,10 +222,13 @@ def write_bf16_safetensors(path: str | os.PathLike, weights: RandomBf16Weights, 
         offset += nbytes
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # tensor data 8-byte aligned, as the format asks
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as ahead:
         f.write(struct.pack("<Q", len(head)) + head)
-        for name in names:
-            weights.stored(name).astype("<u2", copy=False).tofile(f)
+        pending = ahead.submit(weights.stored, names[0]) if names else None
+        for following in [*names[1:], None]:  # two tensors on the host at a time: one written, one being made
+            tensor = pending.result()
+            pending = ahead.submit(weights.stored, following) if following else None
+            tensor.astype("<u2", copy=False).tofile(f)
 
 
 def build_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
