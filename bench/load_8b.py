@@ -7,8 +7,9 @@ one of that shape, then measures in this run:
 - the time to read every shard file sequentially into one buffer, with the files evicted from the page cache
   (fdatasync, then posix_fadvise DONTNEED; the share of their pages still cached is reported) and again warm;
 - LLM(CHECKPOINT_DIR, backend=...) to ready, evicted and warm, each in a fresh interpreter: seconds per start-up
-  phase, and the peak host RSS above the resident set just before loading (VmHWM - VmRSS; the CUDA context and the
-  imports are in the baseline, as tests/test_loader.py's RSS test counts them).
+  phase (the weights' part, load_model + the upload, also on its own: without KV allocation or graph capture), and
+  the peak host RSS above the resident set just before loading (VmHWM - VmRSS; the CUDA context and the imports are
+  in the baseline, as tests/test_loader.py's RSS test counts them).
 Goals (issue 14): load <= 2x the sequential read of the same files; peak RSS <= 2 GiB above the baseline.
 Prints a table and writes OUT_DIR/load_8b.json. A tiny shape on the numpy backend tries it on a CPU:
 
@@ -61,7 +62,8 @@ parts = getattr(llm.backend, "startup_times", {})
 phases.update(parts)
 phases["LLM, the rest"] = ready - sum(parts.values())
 load = phases["load_model (headers, tokenizer)"] + ready
-print(json.dumps({"phases": phases, "load_s": load, "rss_baseline": baseline,
+weights = phases["load_model (headers, tokenizer)"] + parts.get("weights upload", ready)
+print(json.dumps({"phases": phases, "load_s": load, "weights_s": weights, "rss_baseline": baseline,
                   "rss_peak_above_baseline": status_bytes("VmHWM") - baseline}))
 """
 
@@ -157,7 +159,8 @@ def measure(path: Path, backend: str) -> dict:
             evict(files)
         results[f"cached_before_load_{state}"] = cached_fraction(files)
         results[f"load_{state}"] = load_in_child(path, backend)
-        results[f"load_{state}"]["vs_read"] = results[f"load_{state}"]["load_s"] / results[f"read_{state}"]["seconds"]
+        load, read = results[f"load_{state}"], results[f"read_{state}"]["seconds"]
+        load["vs_read"], load["weights_vs_read"] = load["load_s"] / read, load["weights_s"] / read
     return results
 
 
@@ -179,6 +182,8 @@ def format_table(r: dict) -> str:
                      f"{warm['phases'].get(name, float('nan')):>12.2f}")
     lines += [f"{'load (load_model + LLM), s':<36}{cold['load_s']:>12.2f}{warm['load_s']:>12.2f}",
               f"{'load / sequential read (goal <= 2)':<36}{cold['vs_read']:>12.2f}{warm['vs_read']:>12.2f}",
+              f"{'load_model + upload, s':<36}{cold['weights_s']:>12.2f}{warm['weights_s']:>12.2f}",
+              f"{'  / sequential read':<36}{cold['weights_vs_read']:>12.2f}{warm['weights_vs_read']:>12.2f}",
               f"{'peak RSS above baseline, GiB (<= 2)':<36}{cold['rss_peak_above_baseline'] / GIB:>12.2f}"
               f"{warm['rss_peak_above_baseline'] / GIB:>12.2f}",
               f"{'baseline RSS, GiB':<36}{cold['rss_baseline'] / GIB:>12.2f}{warm['rss_baseline'] / GIB:>12.2f}"]

@@ -53,7 +53,8 @@ def test_run_benchmark_on_the_cpu():
 
 
 # Published parameter counts (embedding included, once when tied) and KV bytes per token in bf16.
-BIG_PRESETS = {"llama-3.1-8b": (8_030_261_248, 2 * 32 * 8 * 128 * 2), "qwen2.5-7b": (7_615_616_512, 2 * 28 * 4 * 128 * 2)}
+BIG_PRESETS = {"llama-3.1-8b": (8_030_261_248, 2 * 32 * 8 * 128 * 2),
+               "qwen2.5-7b": (7_615_616_512, 2 * 28 * 4 * 128 * 2)}
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
