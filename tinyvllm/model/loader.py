@@ -107,7 +107,7 @@ def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
         data = weights.stored(name)
         if data.dtype == np.uint16:
             return data
-        return f32_to_bf16(data.astype(np.float32))  # float32, or float16 (exact in float32): rounded once
+        return f32_to_bf16(data.astype(np.float32, copy=False))  # float32, or float16 (exact in float32): rounded once
     return f32_to_bf16(weights[name])
 
 
