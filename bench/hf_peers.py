@@ -29,18 +29,42 @@ PEERS = ("static", "compiled", "generate_batch")
 
 
 def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sdpa"):
-    """A LlamaForCausalLM holding the same weights as a tinyvllm LoadedModel."""
-    config = transformers.LlamaConfig(**loaded.config.to_hf_dict())
+    """The HF transformers model of the LoadedModel's family (Llama, Mistral, Qwen2, Qwen3) holding its weights.
+
+    Built in `dtype` directly on `device` (HF's own random init runs there, then is overwritten), and each weight is
+    copied in as stored (bf16 bit patterns for a bf16 checkpoint or a dummy model), one tensor at a time: an 8B
+    model costs no float32 copy and no host copy of the whole model."""
+    hf_dict = loaded.config.to_hf_dict()
+    config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
     config.eos_token_id = None  # random weights: never stop early
     config._attn_implementation = attn
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(dtype)
-    state = {name: torch.from_numpy(np.ascontiguousarray(w)) for name, w in loaded.weights.items()}
-    model.load_state_dict(state, strict=False)  # copies (and casts) into the model's own tensors
-    model.tie_weights()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as from_pretrained(dtype=...) does: parameters made in dtype, not cast later
+    try:
+        with torch.device(device):
+            model = getattr(transformers, loaded.config.architecture)(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    params = dict(model.named_parameters())  # a tied head is the embedding: listed once
+    ours = {name for name in loaded.weights if not (name == "lm_head.weight" and loaded.config.tie_word_embeddings)}
+    if set(params) != ours:
+        raise ValueError(f"HF {loaded.config.architecture} and tinyvllm disagree on the tensors: "
+                         f"{sorted(set(params) ^ ours)[:5]}")
+    stored = getattr(loaded.weights, "stored", loaded.weights.__getitem__)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(_as_torch(stored(name)))  # to the device, cast to dtype if stored otherwise
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    """A host tensor sharing the array's memory; bfloat16 bit patterns (uint16) as torch.bfloat16."""
+    array = np.ascontiguousarray(array)
+    if array.dtype == np.uint16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _sync(device: str) -> None:

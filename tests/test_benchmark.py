@@ -1,9 +1,16 @@
 """The benchmark's workloads and floors on the numpy backend (speed itself is measured by `make bench`, not here)."""
 
+import math
+
+import numpy as np
+import pytest
+
 from tinyvllm import LLM
-from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, make_workload, matmul_params,
-                                run_benchmark, run_j1, weight_bytes)
-from tinyvllm.model.dummy import llama_3_2_1b_config
+from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, kv_bytes_per_token, make_workload,
+                                matmul_params, run_benchmark, run_j1, weight_bytes)
+from tinyvllm.model.dtypes import bf16_to_f32
+from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
+from tinyvllm.model.loader import Bf16Bytes, as_bf16, load_model, weight_shapes
 
 
 def test_workload_shapes():
@@ -55,3 +62,94 @@ def test_j1_job_and_engine_give_the_same_tokens():
     assert result["input_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
     assert result["output_tok_s"] > 0 and result["job_vs_engine"] > 0 and result["finalize_s"] >= 0
 
+
+# Published parameter counts (embedding included, once when tied) and KV bytes per token in bf16.
+BIG_PRESETS = {"llama-3.1-8b": (8_030_261_248, 2 * 32 * 8 * 128 * 2),
+               "qwen2.5-7b": (7_615_616_512, 2 * 28 * 4 * 128 * 2)}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_dummy_presets_floors(preset):
+    config = PRESETS[preset]()
+    shapes = weight_shapes(config)
+    params = sum(math.prod(shape) for name, shape in shapes.items()
+                 if not (name == "lm_head.weight" and config.tie_word_embeddings))
+    embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    # A decode step reads every tensor but an untied embedding table (it gathers its rows)
+    assert weight_bytes(config) == 2 * (params - embed)
+    linear = sum(math.prod(shape) for name, shape in shapes.items() if len(shape) == 2 and "embed" not in name)
+    assert matmul_params(config) == linear
+    if preset in BIG_PRESETS:
+        assert (params, kv_bytes_per_token(config)) == BIG_PRESETS[preset]
+        assert not config.tie_word_embeddings
+
+
+def test_big_presets_shapes():
+    llama, qwen = PRESETS["llama-3.1-8b"](), PRESETS["qwen2.5-7b"]()
+    assert llama.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert (llama.rope_theta, llama.rms_norm_eps, llama.attention_bias) == (500000.0, 1e-5, False)
+    assert qwen.attention_bias and not qwen.qk_norm and qwen.rope_scaling is None
+    assert (qwen.rope_theta, qwen.rms_norm_eps) == (1e6, 1e-6)
+    model = dummy_model("qwen2.5-7b")  # made lazily: nothing of 7.6 B parameters is generated here
+    assert isinstance(model.weights, RandomBf16Weights) and model.weights.shape("lm_head.weight") == (152064, 3584)
+    assert model.weights.shape("model.layers.27.self_attn.k_proj.bias") == (512,)
+
+
+def test_random_bf16_weights(monkeypatch):
+    config = tiny_config(architecture="Qwen2ForCausalLM", tie_word_embeddings=True, intermediate_size=1000)
+    weights = RandomBf16Weights(config, seed=5)
+    assert set(weights) == set(weight_shapes(config)) and len(weights) == len(weight_shapes(config))
+    name = "model.layers.1.mlp.down_proj.weight"  # [64, 1000]
+    bits = weights.stored(name)
+    assert bits.dtype == np.uint16 and bits.shape == (64, 1000)
+    np.testing.assert_array_equal(weights[name], bf16_to_f32(bits))
+    np.testing.assert_array_equal(RandomBf16Weights(config, seed=5).stored(name), bits)  # in every process alike
+    assert not np.array_equal(RandomBf16Weights(config, seed=6).stored(name), bits)
+    assert not np.array_equal(weights.stored("model.layers.0.mlp.down_proj.weight"), bits)
+    np.testing.assert_array_equal(weights.stored("lm_head.weight"), weights.stored("model.embed_tokens.weight"))
+    # The CUDA upload takes the bit patterns as they are: never the float32 view
+    with monkeypatch.context() as patch:
+        patch.setattr(RandomBf16Weights, "__getitem__", lambda self, name: pytest.fail("float32 copy"))
+        np.testing.assert_array_equal(as_bf16(weights, name), bits)
+        piece = np.empty(100, np.uint8)
+        Bf16Bytes(weights, name).read_into(300, piece)
+        np.testing.assert_array_equal(piece, bits.reshape(-1).view(np.uint8)[300:400])
+    # Scaled as random_weights scales them: 1/sqrt(fan_in), norm gains near 1, biases 0.5
+    assert abs(weights[name].std() * math.sqrt(1000) - 1) < 0.02 and abs(weights[name].mean()) < 0.002
+    gains = weights["model.layers.0.input_layernorm.weight"]
+    assert abs(gains.mean() - 1) < 0.05 and 0.05 < gains.std() < 0.15
+    assert 0.35 < weights["model.layers.0.self_attn.q_proj.bias"].std() < 0.65
+
+
+def test_random_bf16_weights_in_chunks(monkeypatch):
+    """A tensor of several generator chunks (filled by threads) is the same on every call and fully written."""
+    monkeypatch.setattr(RandomBf16Weights, "CHUNK", 1000)
+    weights = RandomBf16Weights(tiny_config(), seed=1)
+    name = "model.embed_tokens.weight"  # 512 x 64: 33 chunks, the last one partial
+    bits = weights.stored(name)
+    np.testing.assert_array_equal(weights.stored(name), bits)
+    values = bf16_to_f32(bits)
+    assert np.isfinite(values).all() and abs(values.std() * 8 - 1) < 0.03
+    tails = values.reshape(-1)[-1000:], values.reshape(-1)[:1000]
+    assert abs(tails[0].std() - tails[1].std()) < 0.02 and not np.array_equal(*tails)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_random_bf16_checkpoint_is_written_as_made(tmp_path, shards):
+    """bench/load_8b.py's checkpoint: RandomBf16Weights saved as bf16 hold exactly the weights the dummy model runs,
+    in files any safetensors reader takes."""
+    config = tiny_config(architecture="Qwen2ForCausalLM", tie_word_embeddings=True)
+    weights = RandomBf16Weights(config, seed=4)
+    path = save_hf_model_dir(tmp_path / "m", config, weights, dtype="bfloat16", shards=shards)
+    loaded = load_model(path)
+    assert loaded.config.torch_dtype == "bfloat16" and set(loaded.weights) == set(weights)
+    for name in weights:
+        np.testing.assert_array_equal(loaded.weights.stored(name), weights.stored(name), err_msg=name)
+    st_torch = pytest.importorskip("safetensors.torch")
+    theirs = {}
+    for file in path.glob("*.safetensors"):
+        theirs |= st_torch.load_file(str(file))
+    assert "lm_head.weight" not in theirs and len(theirs) == len(weights) - 1
+    name = "model.layers.1.self_attn.v_proj.bias"
+    np.testing.assert_array_equal(theirs[name].float().numpy(), weights[name])

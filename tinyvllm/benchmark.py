@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tinyvllm.jobs.config import JobConfig
-from tinyvllm.jobs.dummy import dummy_model, english_text
+from tinyvllm.jobs.dummy import dummy_model, english_text  # noqa: F401  (dummy_model: the benchmarks import it here)
 from tinyvllm.jobs.run import LocalExecutor, run_job
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.sampling_params import SamplingParams
@@ -128,8 +128,15 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 def weight_bytes(config: ModelConfig, bytes_per_param: int = 2) -> int:
-    embed = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    return (matmul_params(config) + embed) * bytes_per_param
+    """Bytes of weights a decode step reads: every GEMM's (the LM head included), the norm gains and the biases.
+    Not an untied embedding table, of which a step gathers only its tokens' rows."""
+    h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    per_layer = 2 * h  # the two RMSNorm gains
+    if config.attention_bias:
+        per_layer += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+    if config.qk_norm:
+        per_layer += 2 * d
+    return (matmul_params(config) + layers * per_layer + h) * bytes_per_param
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:

@@ -202,7 +202,7 @@ def _check_report_input(output: Path) -> None:
 @main.command()
 @click.option("--model", type=click.Path(exists=True, path_type=Path), help="a real model instead of dummy weights")
 @click.option("--dummy-weights", default="llama-3.2-1b", show_default=True,
-              help="random weights of a known shape: llama-3.2-1b, smollm2-135m or tiny")
+              help="random weights of a known shape: llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m or tiny")
 @click.option("--backend", type=click.Choice(["auto", "numpy", "cuda"]), default="auto", show_default=True)
 @click.option("--workloads", default="W1,W2,W3,W4,W5", show_default=True, help="comma-separated subset")
 @click.option("--scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
@@ -226,7 +226,10 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
     from tinyvllm.llm import LLM
     from tinyvllm.model.loader import load_model
 
-    loaded = load_model(model) if model else dummy_model(dummy_weights, text="J1" in workloads.split(","))
+    try:
+        loaded = load_model(model) if model else dummy_model(dummy_weights, text="J1" in workloads.split(","))
+    except ValueError as e:  # an unknown --dummy-weights, or a model that does not load
+        raise click.ClickException(str(e)) from None
     llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=min(4096, loaded.config.max_position_embeddings),
               **({"cuda_graph_capture": cuda_graph_capture} if cuda_graph_capture else {}))

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from tinyvllm.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
-# preset -> its config in tinyvllm.model.dummy (imported only to build one: the CLI starts without the model code)
-PRESETS = {"llama-3.2-1b": "llama_3_2_1b_config", "smollm2-135m": "smollm2_135m_config", "tiny": "tiny_config"}
 # Llama 3's special tokens and their offsets above the regular vocabulary (128000 + offset in Llama 3).
 SPECIAL_OFFSETS = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<|start_header_id|>": 6, "<|end_header_id|>": 7,
                    "<|eom_id|>": 8, "<|eot_id|>": 9}
@@ -65,12 +63,13 @@ def dummy_model(preset: str, seed: int = 0, text: bool = False) -> LoadedModel:
     from tinyvllm.model.loader import LoadedModel
     from tinyvllm.tokenizer import Tokenizer
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(PRESETS)}")
-    config = getattr(dummy, PRESETS[preset])()
+    if preset not in dummy.PRESETS:
+        raise ValueError(f"unknown dummy model {preset!r}: choose from {', '.join(dummy.PRESETS)}")
+    config = dummy.PRESETS[preset]()
     tokenizer = (text_tokenizer(config.vocab_size) if text
                  else Tokenizer(dummy.build_tokenizer(min(config.vocab_size, 1024)), eos_tokens=[]))
-    return LoadedModel(config, dummy.random_weights(config, seed), tokenizer, f"{DUMMY_PREFIX}{preset}")
+    # bf16 made when a backend asks for each tensor: no float32 copy of an 8B model
+    return LoadedModel(config, dummy.RandomBf16Weights(config, seed), tokenizer, f"{DUMMY_PREFIX}{preset}")
 
 
 def load_dummy(spec: str) -> LoadedModel:

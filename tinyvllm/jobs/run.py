@@ -36,7 +36,7 @@ from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_reco
 from tinyvllm.io.writer import (OPENAI_LINE_KEYS, atomic_write, clear_parts, lock_path, output_format,
                                 output_rows_problem, output_schema, parts_dir, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
-from tinyvllm.jobs.dummy import DUMMY_PREFIX, PRESETS, is_dummy, load_dummy
+from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -157,6 +157,8 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     defaults = sampling_defaults(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
     if is_dummy(model):
+        from tinyvllm.model.dummy import PRESETS  # only for a dummy model: the CLI starts without the model code
+
         if str(model)[len(DUMMY_PREFIX):] not in PRESETS:
             raise JobError(f"unknown dummy model {model}: choose from {', '.join(DUMMY_PREFIX + p for p in PRESETS)}")
     elif not model.exists():

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +16,9 @@ import numpy as np
 import tokenizers
 
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.loader import weight_shapes, write_safetensors
+from tinyvllm.model.weights import LazyWeights
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 CHATML_TEMPLATE = (
@@ -62,6 +68,41 @@ def smollm2_135m_config() -> ModelConfig:
     )
 
 
+def llama_3_1_8b_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_ids=[128001, 128008, 128009], torch_dtype="bfloat16",
+    )
+
+
+def qwen2_5_7b_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=[151645, 151643], torch_dtype="bfloat16",
+        architecture="Qwen2ForCausalLM",
+    )
+
+
+# --dummy-weights names -> the config of that model's shapes
+PRESETS = {"llama-3.1-8b": llama_3_1_8b_config, "qwen2.5-7b": qwen2_5_7b_config, "llama-3.2-1b": llama_3_2_1b_config,
+           "smollm2-135m": smollm2_135m_config, "tiny": tiny_config}
+
+
+def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(mean, std) of a random tensor: std 1/sqrt(fan_in) so activations and logits stay O(1); norm gains 1 + small
+    noise; Qwen2's Q/K/V biases as large as the projections' outputs."""
+    if name.endswith(".bias"):
+        return 0.0, 0.5
+    if len(shape) == 1:
+        return 1.0, 0.1
+    return 0.0, 1.0 / math.sqrt(shape[1])
+
+
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """float32 weights, std 1/sqrt(fan_in) so activations and logits stay O(1); norm gains 1 + small noise."""
     rng = np.random.default_rng(seed)
@@ -69,26 +110,75 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     for name, shape in weight_shapes(config).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        mean, std = _init_scale(name, shape)
         w = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith(".bias"):  # Qwen2's Q/K/V biases: as large as the projections' outputs
-            w *= np.float32(0.5)
-        elif len(shape) == 1:
-            w = 1.0 + 0.1 * w
-        else:
-            w *= np.float32(1.0 / math.sqrt(shape[1]))
-        weights[name] = w
+        w *= np.float32(std)
+        weights[name] = w + np.float32(mean) if mean else w
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
 
 
+class RandomBf16Weights(LazyWeights):
+    """Random bf16 weights of a config's shapes, each tensor made when asked for (`stored`: bit patterns, what the
+    CUDA backend uploads as they are; `[name]`: float32), so that an 8B model costs no float32 copy and no host copy
+    of the whole model. A tensor is the same on every call and in every process (its generators are seeded from
+    `seed` and its name): bench/hf_peers.py rebuilds the model tinyvllm runs.
+
+    Each value is a random pick among 2^16 normal samples scaled as random_weights scales them (_init_scale), which
+    is random bits and one table lookup per value: fast enough to make 16 GB in seconds, in parallel chunks."""
+
+    CHUNK = 1 << 22  # values per generator; a tensor is the same whatever the number of threads
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        self.config = config
+        self.seed = seed
+        self.shapes = weight_shapes(config)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def stored(self, name: str) -> np.ndarray:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        shape = self.shapes[name]
+        key = [self.seed, zlib.crc32(name.encode())]
+        mean, std = _init_scale(name, shape)
+        table = f32_to_bf16(np.float32(mean) + np.float32(std) * np.random.default_rng(key).standard_normal(
+            1 << 16, dtype=np.float32))
+        out = np.empty(math.prod(shape), np.uint16)
+
+        def fill(chunk: int) -> None:
+            part = out[chunk * self.CHUNK:(chunk + 1) * self.CHUNK]
+            bits = np.random.Generator(np.random.SFC64([*key, chunk])).bit_generator.random_raw(-(-part.size // 4))
+            part[:] = table[bits.view(np.uint16)[:part.size]]
+
+        chunks = range(-(-out.size // self.CHUNK))
+        if len(chunks) == 1:
+            fill(0)
+        else:  # numpy's generators and fancy indexing release the GIL
+            with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1, 16)) as pool:
+                list(pool.map(fill, chunks))
+        return out.reshape(shape)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return bf16_to_f32(self.stored(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def save_hf_model_dir(
-    path: str | os.PathLike, config: ModelConfig, weights: dict, dtype: str = "float32", shards: int = 1
+    path: str | os.PathLike, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: str = "float32",
+    shards: int = 1,
 ) -> Path:
     """Write an HF-style model dir (config, safetensors, byte-level BPE tokenizer, ChatML template).
 
     `dtype` is the storage dtype of the safetensors; `shards` > 1 writes model-0000i-of-0000n files + index.
-    """
+    RandomBf16Weights saved as bfloat16 are written as made, one tensor at a time (an 8B checkpoint in seconds)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = replace(config, torch_dtype=dtype)
@@ -96,18 +186,24 @@ def save_hf_model_dir(
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
-    tensors = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
-    if shards == 1:
-        write_safetensors(path / "model.safetensors", tensors, dtype)
+    names = [k for k in weights if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if isinstance(weights, RandomBf16Weights) and dtype == "bfloat16":
+        def write(file: Path, part: list[str]) -> None:
+            write_bf16_safetensors(file, weights, part)
     else:
-        names = list(tensors)
+        def write(file: Path, part: list[str]) -> None:
+            write_safetensors(file, {k: weights[k] for k in part}, dtype)
+    if shards == 1:
+        write(path / "model.safetensors", names)
+    else:
         weight_map = {}
         for i in range(shards):
             file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
             part = names[i::shards]
-            write_safetensors(path / file, {k: tensors[k] for k in part}, dtype)
+            write(path / file, part)
             weight_map |= dict.fromkeys(part, file)
-        index = {"metadata": {"total_size": sum(v.size for v in tensors.values())}, "weight_map": weight_map}
+        sizes = [math.prod(weights.shape(k)) if isinstance(weights, LazyWeights) else weights[k].size for k in names]
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     build_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
@@ -115,6 +211,24 @@ def save_hf_model_dir(
                   "chat_template": CHATML_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     return path
+
+
+def write_bf16_safetensors(path: str | os.PathLike, weights: RandomBf16Weights, names: list[str]) -> None:
+    """One safetensors file of the named tensors in bfloat16, each made while the one before is written."""
+    header, offset = {}, 0
+    for name in names:
+        nbytes = 2 * math.prod(weights.shape(name))
+        header[name] = {"dtype": "BF16", "shape": list(weights.shape(name)), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # tensor data 8-byte aligned, as the format asks
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as ahead:
+        f.write(struct.pack("<Q", len(head)) + head)
+        pending = ahead.submit(weights.stored, names[0]) if names else None
+        for following in [*names[1:], None]:  # two tensors on the host at a time: one written, one being made
+            tensor = pending.result()
+            pending = ahead.submit(weights.stored, following) if following else None
+            tensor.astype("<u2", copy=False).tofile(f)
 
 
 def build_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:

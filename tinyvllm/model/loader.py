@@ -101,13 +101,13 @@ class SafetensorsWeights(MutableMapping, LazyWeights):
 
 
 def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    """One tensor as bfloat16 bit patterns (uint16), what the CUDA backend uploads: a bf16 checkpoint's tensor as
-    read, with no float32 copy; float32 and float16 ones rounded."""
-    if isinstance(weights, SafetensorsWeights):
+    """One tensor as bfloat16 bit patterns (uint16), what the CUDA backend uploads: a bf16 checkpoint's (or random
+    model's) tensor as stored, with no float32 copy; float32 and float16 ones rounded."""
+    if isinstance(weights, LazyWeights):
         data = weights.stored(name)
         if data.dtype == np.uint16:
             return data
-        return f32_to_bf16(data.astype(np.float32))  # float32, or float16 (exact in float32): rounded once
+        return f32_to_bf16(data.astype(np.float32, copy=False))  # float32, or float16 (exact in float32): rounded once
     return f32_to_bf16(weights[name])
 
 

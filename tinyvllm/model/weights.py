@@ -20,6 +20,11 @@ class LazyWeights(Mapping):
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, without reading it (KeyError for a name it does not have)."""
 
+    def stored(self, name: str) -> np.ndarray:
+        """The tensor as its source holds it: float32, float16, or bfloat16 as uint16 bit patterns (which the CUDA
+        backend uploads as they are, with no float32 copy)."""
+        return self[name]
+
     def __contains__(self, name: object) -> bool:
         # Mapping's own `in` reads the tensor (self[name]): checking a checkpoint's names read all of it.
         try:
