@@ -409,7 +409,8 @@ def format_results(results: dict) -> str:
             notes.append(f"{r['constrained_vs_unconstrained']:.0%} of unconstrained "
                          f"({r['unconstrained']['output_tok_s']:.0f} tok/s, same lengths); mask fill "
                          f"{r['mask_fill_ms_per_step']:.2f} ms/step, matchers {r['matcher_ms_per_step']:.2f} ms/step; "
-                         f"{r['complete_outputs']}/{r['requests']} complete; first run {r['first_run']['output_tok_s']:.0f}")
+                         f"{r['complete_outputs']}/{r['requests']} complete; "
+                         f"first run {r['first_run']['output_tok_s']:.0f}")
         ttft = f"{_fmt(r['ttft_p50_ms'])}/{_fmt(r['ttft_p99_ms'])}"
         tpot = f"{_fmt(r['tpot_p50_ms'])}/{_fmt(r['tpot_p99_ms'])}"
         lines.append(f"{name:<9}{r['output_tok_s']:>12.0f}{r['total_tok_s']:>13.0f}{ttft:>18}{tpot:>18}"
