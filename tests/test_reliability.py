@@ -456,3 +456,30 @@ def test_the_worker_reads_rows_and_hands_them_over_in_order(tmp_path):
     with pytest.raises(JobError, match="after row 299"):
         complete_rows(llm, rows(600, fail_after=300), SamplingParams(max_tokens=4), cfg, emit, max_in_flight=1000)
     assert {r["row"] for r in emitted} >= {i for i in range(300) if i % 5 == 2}  # the error rows before it
+
+
+def test_commits_run_on_their_own_thread_and_their_errors_reach_the_caller(tmp_path, monkeypatch):
+    """A piece is written on the writer's thread while the caller goes on; a failed write is raised by the caller's
+    next commit, and `committed` counts only the rows of pieces on disk."""
+    from tinyvllm.io import writer as writer_module
+
+    real, threads = writer_module.atomic_write, []
+
+    def second_write_fails(path, write, temp_dir):
+        threads.append(threading.get_ident())
+        if len(threads) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, write, temp_dir)
+
+    monkeypatch.setattr(writer_module, "atomic_write", second_write_fails)
+    writer = PartsWriter(tmp_path / "out.parquet", output_schema(), 0.0, num_rows=9, piece_rows=3)
+    for record in records(range(6)):  # two pieces started; the second fails
+        writer.add(record)
+    with pytest.raises(JobError, match="No space left on device"):
+        for record in records(range(6, 9)):  # the third commit raises the second's error
+            writer.add(record)
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert writer.committed == 3
+    writer.flush()  # rows 6..8, still buffered, are committed; rows 3..5 are not done: a resume redoes them
+    assert writer.committed == 6
+    assert sorted(r for p in writer.pieces() for r in pq.read_table(p).column("row").to_pylist()) == [0, 1, 2, 6, 7, 8]
