@@ -216,15 +216,15 @@ def test_refuses_to_write_over_the_input(tiny_model_dir, tmp_path, case):
 
 def rewrite_input_after(monkeypatch, src: Path, commits: int) -> None:
     """Rewrite `src` (same size, other content) once the run has committed `commits` pieces."""
-    flush, done = PartsWriter.flush, []
+    commit, done = PartsWriter._commit_piece, []
 
-    def flush_then_rewrite(self):
-        flush(self)
+    def commit_then_rewrite(self, *args):
+        commit(self, *args)
         done.append(1)
         if len(done) == commits:
             src.write_bytes(PROMPTS.read_bytes().replace(b"France", b"Spain!"))
 
-    monkeypatch.setattr(PartsWriter, "flush", flush_then_rewrite)
+    monkeypatch.setattr(PartsWriter, "_commit_piece", commit_then_rewrite)
 
 
 def test_an_input_rewritten_during_the_run_stops_it(tiny_model_dir, tmp_path, monkeypatch, greedy_reference):
