@@ -4,8 +4,11 @@ answers at once, so what is left is the host's work alone (runs on a CPU; no wei
     python bench/profile_job.py [--rows 4000] [--max-tokens 128] [--stop STRING] [--cprofile]
 
 Times J1's requests as token ids through LLM.generate, then the same rows as a job through the CLI's runner (run_job,
-in process), and prints both walls, their difference per row, and the inclusive time of each phase of the job path
-per row (phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template).
+in process), and prints both walls, their difference per row, the main thread's CPU time per row in each (on a GPU
+the main thread runs the engine: what the job adds there is what cannot overlap the device; the worker threads' time
+shows in the wall only where they take the GIL), and the inclusive time of each phase of the job path per row
+(phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template; with no
+device to wait for, the threads' phases include waits for the GIL).
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
 """
 
@@ -19,6 +22,7 @@ import json
 import pstats
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +44,7 @@ from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TOTAL: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
+THREADS: dict[str, set[str]] = collections.defaultdict(set)  # "main" and/or "worker": where the phase ran
 
 
 class InstantBackend(Backend):
@@ -59,29 +64,33 @@ class InstantBackend(Backend):
 
 
 def timed(owner, name: str, label: str | None = None) -> None:
-    """Replace owner.name with a call that adds its time to TOTAL[label]; a generator's time is that of its
-    resumptions."""
+    """Replace owner.name with a call that adds the CPU time of the thread running it to TOTAL[label] (waits for the
+    GIL left out) and notes that thread; a generator's time is that of its resumptions."""
     inner = getattr(owner, name)
     label = label or name
 
+    def note(start: float) -> None:
+        TOTAL[label] += time.thread_time() - start
+        THREADS[label].add("main" if threading.current_thread() is threading.main_thread() else "worker")
+
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             return inner(*args, **kwargs)
         finally:
-            TOTAL[label] += time.perf_counter() - start
+            note(start)
             CALLS[label] += 1
 
     def generator(*args, **kwargs):
         items = inner(*args, **kwargs)
         while True:
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 item = next(items)
             except StopIteration:
                 return
             finally:
-                TOTAL[label] += time.perf_counter() - start
+                note(start)
             yield item
 
     setattr(owner, name, generator if inspect.isgeneratorfunction(inner) else wrapper)
@@ -108,26 +117,28 @@ def main() -> None:
     requests = [Request(tokenizer.encode_prompt(tokenizer.apply_chat_template(r["messages"]), templated=True),
                         args.max_tokens, {"stop": [args.stop]} if args.stop else {}) for r in rows]
     run_workload(llm, requests[: args.max_num_seqs])  # warm-up
+    cpu = time.thread_time()
     engine = run_workload(llm, requests)
+    engine_cpu = time.thread_time() - cpu
     print(f"engine, token ids: {engine['wall_s']:.2f} s = {1e6 * engine['wall_s'] / len(rows):.0f} us/row "
-          f"({engine['output_tokens']} tokens)")
+          f"({engine['output_tokens']} tokens); main thread CPU {1e6 * engine_cpu / len(rows):.0f} us/row")
 
-    def run_job(profiler: cProfile.Profile | None = None) -> tuple[float, dict]:
+    def run_job(profiler: cProfile.Profile | None = None) -> tuple[float, float, dict]:
         with tempfile.TemporaryDirectory() as tmp:
             source = Path(tmp) / "j1.jsonl"
             source.write_text("".join(json.dumps(r) + "\n" for r in rows))
             cfg = JobConfig(source, Path(tmp) / "out.parquet", Path(model.source), engine=llm.engine_config,
                             sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
                             quiet=True)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             if profiler:
                 profiler.enable()
             summary = job_run.run_job(cfg, job_run.LocalExecutor(llm))
             if profiler:
                 profiler.disable()
-            return time.perf_counter() - start, summary
+            return time.perf_counter() - start, time.thread_time() - cpu, summary
 
-    wall, summary = run_job()  # uninstrumented: the wall
+    wall, job_cpu, summary = run_job()  # uninstrumented: the wall
     for name in ("apply_chat_template", "encode_prompt"):
         timed(Tokenizer, name)
     timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
@@ -136,21 +147,24 @@ def main() -> None:
     timed(job_run, "output_record", "output_record")
     timed(readers, "_jsonl_records", "read + json.loads")
     timed(readers, "_rows", "read + parse rows (all)")
-    timed(writer.PartsWriter, "flush", "Parquet commit (flush)")
+    timed(writer.PartsWriter, "_start_commit", "Parquet commit: hand over (guard)")
+    timed(writer.PartsWriter, "_commit_piece", "Parquet commit: to Arrow, write, fsync")
     timed(writer.PartsWriter, "finalize", "finalize (merge pieces into the output)")
     timed(LLMEngine, "add_request", "engine.add_request (tokenize inside)")
     timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
-    profiler = cProfile.Profile() if args.cprofile else None
+    profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # the main thread's CPU time
     run_job(profiler)
     finalize = TOTAL["finalize (merge pieces into the output)"]
     print(f"job, text rows:    {wall:.2f} s = {1e6 * wall / len(rows):.0f} us/row ({summary['output_tokens']} tokens), "
-          f"of which finalize {finalize:.2f} s")
+          f"of which finalize {finalize:.2f} s; main thread CPU {1e6 * job_cpu / len(rows):.0f} us/row")
+    print(f"main thread CPU, job - engine, to the last commit: {1e6 * (job_cpu - finalize - engine_cpu) / len(rows):.0f}"
+          " us/row")
     extra = wall - finalize - engine["wall_s"]
     print(f"job - engine, to the last commit: {1e6 * extra / len(rows):.0f} us/row = "
           f"{1e6 * extra / summary['output_tokens']:.2f} us/output token")
-    print("phases of the job path, inclusive, per row:")
+    print("phases of the job path, inclusive CPU time per row, and the threads they ran on:")
     for name, seconds in sorted(TOTAL.items(), key=lambda item: -item[1]):
-        print(f"  {name:<45} {1e6 * seconds / len(rows):9.1f} us")
+        print(f"  {name:<45} {1e6 * seconds / len(rows):9.1f} us  {'+'.join(sorted(THREADS[name]))}")
     if profiler:
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 

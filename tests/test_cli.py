@@ -210,12 +210,15 @@ def test_hostile_input(tiny_model_dir, tmp_path):
 
 
 def make_input(path: Path, n: int) -> Path:
-    """n rows: mostly greedy, some sampled without a seed (reproducible through the job's per-row seeds)."""
+    """n rows: mostly greedy, some sampled without a seed (reproducible through the job's per-row seeds), every
+    tenth malformed and every eleventh refused (error rows among the good ones)."""
     with open(path, "w") as f:
         for i in range(n):
             row = {"id": f"r{i}", "prompt": f"Item {i}: " + "abc " * (i % 7), "max_tokens": 4 + i % 13}
             row["temperature"] = 0.8 if i % 5 == 0 else 0
-            f.write(json.dumps(row) + "\n")
+            if i % 11 == 6:
+                row["best_of"] = 2
+            f.write("{malformed\n" if i % 10 == 9 else json.dumps(row) + "\n")
     return path
 
 
@@ -265,6 +268,9 @@ def test_sigkill_and_resume_exactly_once(tiny_model_dir, reference, tmp_path, ki
     table = pq.read_table(out)
     assert table.column("id").to_pylist() == ref.column("id").to_pylist()  # every row exactly once, in order
     assert table.column("completion").to_pylist() == ref.column("completion").to_pylist()
+    assert table.column("error").to_pylist() == ref.column("error").to_pylist()
+    bad = [i for i in range(ref.num_rows) if i % 10 == 9 or i % 11 == 6]
+    assert [i for i, error in enumerate(ref.column("error").to_pylist()) if error is not None] == bad
     assert not parts.exists()
 
 

@@ -170,6 +170,7 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
         tokens, finish = ((1, 2, 3, 4), "length") if i == 6 else ((5, 6), "stop")
         writer.add(output_record(i, f"id{i}", f"p{i}", fake_output(str(i), f"t{i}", tokens, finish)) |
                    {"finished_at": first_run})
+    writer.flush()  # nothing buffered: waits for the second piece, committed on the writer's thread
     assert len(writer.pieces()) == 2 and set(writer.committed_rows()) == {0, 1, 2, 3, 5, 6}
     (parts_dir(out) / "piece-00000099.parquet.tmp").write_bytes(b"half a piece")  # a crash mid-write
     writer = PartsWriter(out, output_schema(token_ids=True), time.time() - 1, 8, piece_rows=3)  # resumed

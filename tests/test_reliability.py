@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,8 +18,12 @@ import pytest
 from test_cli import EXAMPLES, cli, job_args, ok_run, reference, run  # noqa: F401 (reference: a fixture)
 
 from tinyvllm.errors import JobError
-from tinyvllm.io import PartsWriter, output_record
+from tinyvllm.io import PartsWriter, Row, output_record
 from tinyvllm.io.writer import output_schema, parts_dir, remove_dead_temps, summary_path
+from tinyvllm.jobs.config import JobConfig
+from tinyvllm.jobs.run import complete_rows
+from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
 
 PROMPTS = EXAMPLES / "prompts.jsonl"
 GREEDY = ("--temperature", "0", "--max-tokens", "4", "--piece-rows", "3")
@@ -210,15 +216,15 @@ def test_refuses_to_write_over_the_input(tiny_model_dir, tmp_path, case):
 
 def rewrite_input_after(monkeypatch, src: Path, commits: int) -> None:
     """Rewrite `src` (same size, other content) once the run has committed `commits` pieces."""
-    flush, done = PartsWriter.flush, []
+    commit, done = PartsWriter._commit_piece, []
 
-    def flush_then_rewrite(self):
-        flush(self)
+    def commit_then_rewrite(self, *args):
+        commit(self, *args)
         done.append(1)
         if len(done) == commits:
             src.write_bytes(PROMPTS.read_bytes().replace(b"France", b"Spain!"))
 
-    monkeypatch.setattr(PartsWriter, "flush", flush_then_rewrite)
+    monkeypatch.setattr(PartsWriter, "_commit_piece", commit_then_rewrite)
 
 
 def test_an_input_rewritten_during_the_run_stops_it(tiny_model_dir, tmp_path, monkeypatch, greedy_reference):
@@ -390,3 +396,90 @@ def test_a_parquet_input_with_corrupt_data_pages(tiny_model_dir, tmp_path):
         pq.read_table(src)
     error = one_line_error(run(tiny_model_dir, src, out, "--max-tokens", "1", "--max-num-seqs", "64"))
     assert "cannot read input" in error and "damaged" in error and not out.exists()
+
+
+# ---- 11. the row loop's worker thread ----
+
+class FakeEngine:
+    """Finishes each request one step after it was added, the latest first; notes the thread of every call."""
+
+    def __init__(self) -> None:
+        self.added, self.waiting, self.threads = [], [], set()
+
+    def add_request(self, request_id, token_ids, params, prompt_is_templated=False) -> None:
+        self.threads.add(threading.get_ident())
+        self.added.append(token_ids[0])
+        self.waiting.append((request_id, token_ids))
+
+    def step(self) -> list[RequestOutput]:
+        self.threads.add(threading.get_ident())
+        done, self.waiting = self.waiting[::-1], []
+        return [RequestOutput(request_id, None, ids, [CompletionOutput(0, "x", [1], finish_reason="length")], True,
+                              RequestMetrics(0.0)) for request_id, ids in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+
+def test_the_worker_reads_rows_and_hands_them_over_in_order(tmp_path):
+    """complete_rows takes the rows on its worker thread (a reader parses the input there) and hands each over in row
+    order, error rows included: the rows the input or their preparation made bad become error records, emit() and
+    the engine run on the caller's thread only, and an error the reader raises comes after the rows before it."""
+    engine = FakeEngine()
+    llm = SimpleNamespace(llm_engine=engine, engine_config=SimpleNamespace(max_model_len=64), tokenizer=None)
+    cfg = JobConfig(tmp_path / "in.jsonl", tmp_path / "out.parquet")
+    main, read_on, emitted = threading.get_ident(), set(), []
+
+    def rows(n: int, fail_after: int | None = None):
+        for i in range(n):
+            read_on.add(threading.get_ident())
+            if i == fail_after:
+                raise JobError(f"cannot read input after row {i - 1}")
+            if i % 5 == 2:
+                yield Row(i, str(i), error=f"line {i + 1}: malformed JSON")
+            else:  # every 7th asks for more than max_model_len: bad once prepared, in the worker
+                yield Row(i, str(i), prompt=[i], overrides={"max_tokens": 100} if i % 7 == 3 else {})
+
+    def emit(record: dict) -> None:
+        assert threading.get_ident() == main
+        emitted.append(record)
+
+    complete_rows(llm, rows(600), SamplingParams(max_tokens=4), cfg, emit, max_in_flight=8)
+    assert read_on and main not in read_on and engine.threads == {main}
+    assert sorted(r["row"] for r in emitted) == list(range(600))  # each row once
+    bad = {r["row"]: r["error"] for r in emitted if r["error"] is not None}
+    assert bad == {i: "line %d: malformed JSON" % (i + 1) if i % 5 == 2 else
+                   "invalid max_tokens=100: more than max_model_len=64" for i in range(600) if i % 5 == 2 or i % 7 == 3}
+    assert engine.added == [i for i in range(600) if i not in bad]  # admitted in row order
+
+    emitted.clear()
+    with pytest.raises(JobError, match="after row 299"):
+        complete_rows(llm, rows(600, fail_after=300), SamplingParams(max_tokens=4), cfg, emit, max_in_flight=1000)
+    assert {r["row"] for r in emitted} >= {i for i in range(300) if i % 5 == 2}  # the error rows before it
+
+
+def test_commits_run_on_their_own_thread_and_their_errors_reach_the_caller(tmp_path, monkeypatch):
+    """A piece is written on the writer's thread while the caller goes on; a failed write is raised by the caller's
+    next commit, and `committed` counts only the rows of pieces on disk."""
+    from tinyvllm.io import writer as writer_module
+
+    real, threads = writer_module.atomic_write, []
+
+    def second_write_fails(path, write, temp_dir):
+        threads.append(threading.get_ident())
+        if len(threads) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, write, temp_dir)
+
+    monkeypatch.setattr(writer_module, "atomic_write", second_write_fails)
+    writer = PartsWriter(tmp_path / "out.parquet", output_schema(), 0.0, num_rows=9, piece_rows=3)
+    for record in records(range(6)):  # two pieces started; the second fails
+        writer.add(record)
+    with pytest.raises(JobError, match="No space left on device"):
+        for record in records(range(6, 9)):  # the third commit raises the second's error
+            writer.add(record)
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert writer.committed == 3
+    writer.flush()  # rows 6..8, still buffered, are committed; rows 3..5 are not done: a resume redoes them
+    assert writer.committed == 6
+    assert sorted(r for p in writer.pieces() for r in pq.read_table(p).column("row").to_pylist()) == [0, 1, 2, 6, 7, 8]

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
@@ -169,6 +170,10 @@ def summary_path(output: Path) -> Path:
 class PartsWriter:
     """Buffers finished rows and commits them as pieces; finalize() assembles the output file.
 
+    A commit (the rows to an Arrow table, the piece written and fsynced) runs on a thread of its own, one at a time,
+    so the caller's thread goes on running the engine; flush() returns once every commit is durable, and an error
+    of one is raised by the next maybe_flush(), flush() or finalize(). `committed` counts only durable rows.
+
     `num_rows` is the input's row count: a piece holding other rows is set aside, and finalize() refuses to write an
     output without every row 0..num_rows-1. `guard()` runs before every commit and raises if this run may no longer
     write (it lost its lock)."""
@@ -189,6 +194,8 @@ class PartsWriter:
         self._seq = 0
         self._buffer: list[dict] = []
         self._oldest = 0.0
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-commit")
+        self._commit: Future | None = None  # the commit in flight
         self.committed = 0  # rows committed by this run
 
     def pieces(self) -> list[Path]:
@@ -243,21 +250,36 @@ class PartsWriter:
     def maybe_flush(self) -> None:
         if self._buffer and (len(self._buffer) >= self.piece_rows
                              or time.monotonic() - self._oldest >= self.piece_seconds):
-            self.flush()
+            self._start_commit()
 
     def flush(self) -> None:
+        """Commit the rows buffered; return once every commit is durable."""
+        self._start_commit()
+        self._wait()
+
+    def _start_commit(self) -> None:
+        self._wait()  # one commit at a time: its error is raised here, before more rows are handed over
         if not self._buffer:
             return
         records, self._buffer = self._buffer, []  # if the commit fails these rows are not done: a resume redoes them
-        self._guard()
+        self._guard()  # here: the rows were all read before it passes
+        self._commit = self._committer.submit(self._commit_piece, records, self._seq)
+        self._seq += 1
+
+    def _wait(self) -> None:
+        commit, self._commit = self._commit, None
+        if commit is not None:
+            commit.result()
+
+    def _commit_piece(self, records: list[dict], seq: int) -> None:
         records.sort(key=lambda r: r["row"])  # sorted pieces let finalize() merge instead of sort
         table = pa.Table.from_pylist(records, schema=self.schema)
-        self._write(self.parts / f"piece-{self.run_id}-{self._seq:06d}.parquet", lambda f: pq.write_table(table, f))
-        self._seq += 1
+        self._write(self.parts / f"piece-{self.run_id}-{seq:06d}.parquet", lambda f: pq.write_table(table, f))
         self.committed += len(records)
 
     def discard(self) -> int:
         """Remove the pieces this run committed (the next run computes their rows again); return their row count."""
+        self._wait()
         for piece in self.parts.glob(f"piece-{self.run_id}-*.parquet"):
             piece.unlink()
         return self.committed

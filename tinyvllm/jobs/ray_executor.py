@@ -74,7 +74,7 @@ class RayExecutor:
         batch_size = ray_cfg.batch_size or max(1, min(cfg.in_flight_limit, -(-num_rows // replicas)))
         reports: dict[str, dict] = {}
         try:
-            blocks, staged = _stage(rows, batch_size, columns)
+            blocks, staged = _stage(rows, batch_size, columns, emit)
             if blocks and not stopped():
                 log = ray.remote(num_cpus=0)(BatchLog).remote()
                 ds = map_replicas(ray.data.from_arrow_refs(blocks), _JobReplica, cfg, defaults, min(replicas, len(blocks)),
@@ -90,14 +90,19 @@ class RayExecutor:
         return info, _merged_stats([r["stats"] for r in reports]) if reports else None
 
 
-def _stage(rows: Iterable[Row], batch_size: int, columns: pa.Schema) -> tuple[list, int]:
-    """Put the rows into the object store, `batch_size` a block, their carried `columns` beside the request. The
-    blocks stay referenced (by the driver) until the job ends: a batch whose replica dies is read again."""
+def _stage(rows: Iterable[Row], batch_size: int, columns: pa.Schema,
+           emit: Callable[[dict], None]) -> tuple[list, int]:
+    """Put the good rows into the object store, `batch_size` a block, their carried `columns` beside the request;
+    emit() the error rows' records. The blocks stay referenced (by the driver) until the job ends: a batch whose
+    replica dies is read again."""
     import ray
 
     schema = pa.schema(list(STAGED_SCHEMA) + list(columns))
     blocks, chunk, staged = [], [], 0
     for row in rows:
+        if row.error is not None:
+            emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
+            continue
         request = {"prompt": row.prompt, "messages": row.messages, "overrides": row.overrides,
                    "chat_options": row.chat_options, "ignored_fields": row.ignored_fields}
         chunk.append({"row": row.index, "id": row.id, "request": json.dumps(request), **row.columns})

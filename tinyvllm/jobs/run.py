@@ -12,16 +12,16 @@ Job files (jobs/*.toml) are read by jobs/file.py.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import itertools
 import json
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +45,8 @@ __all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prep
            "sampling_defaults"]
 
 _request_ids = itertools.count()
-PREPARE_AHEAD = 256  # rows rendered and tokenized ahead of the engine
+PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
+_END = object()  # the worker's last item: no rows left
 
 
 class JobInterrupted(JobError):
@@ -75,7 +76,8 @@ class LocalExecutor:
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterator[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
             stopped: Callable[[], bool], columns: pa.Schema) -> tuple[dict, dict]:
-        """Complete `rows` (about num_rows good rows not done yet), emit() one output record each as it finishes;
+        """Complete `rows` (about num_rows rows not done yet; those with an error become error records), emit() one
+        output record each as it finishes;
         call commit() now and then (emitted rows are committed once enough wait; commit(force=True): now); stop
         admitting once stopped(). `columns`: the input columns the rows carry. Returns (engine info, engine
         stats)."""
@@ -91,9 +93,11 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
     finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
     no row is admitted and the requests in flight are abandoned.
 
-    A worker thread renders and tokenizes the rows ahead (PREPARE_AHEAD of them), while this thread runs the engine:
-    tokenizing releases the GIL, and the rest runs while this thread waits for the device. Rows are admitted as they
-    are ready, so the engine starts on the first rows instead of waiting for max_in_flight to be prepared."""
+    A worker thread takes the rows from `rows` (a reader reads and parses the input there), renders and tokenizes
+    them PREPARE_AHEAD ahead of this thread, which runs the engine (the worker's Python runs while this thread waits
+    for the device). It hands them over through one queue, in row order, error rows included, so emit() and the engine are only ever
+    called from this thread; an error the reader raises comes through the queue after the rows before it. Rows are
+    admitted as they are ready, so the engine starts on the first rows instead of waiting for max_in_flight."""
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
     in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
 
@@ -124,26 +128,52 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
         engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
         in_flight[request_id] = (row, prompt, templated)
 
-    ahead: collections.deque[tuple[Row, Future | None]] = collections.deque()  # in row order
-    source = iter(rows)
-    with ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-prepare") as worker:
+    ready: queue.Queue = queue.Queue(PREPARE_AHEAD)  # (row, prepared), in row order; then _END or the error
+    cancelled = threading.Event()
+
+    def offer(item) -> bool:
+        """Queue the item unless the loop has ended; False once it has."""
+        while not cancelled.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce() -> None:
         try:
-            while not stopped():
-                while len(ahead) < PREPARE_AHEAD and (row := next(source, None)) is not None:
-                    ahead.append((row, worker.submit(prepare, row) if row.error is None else None))
-                if not ahead and not in_flight:
+            for row in rows:  # reading and parsing the input runs here too, when `rows` is a reader
+                if not offer((row, row.error if row.error is not None else prepare(row))):
                     return
-                # Admit every row that is ready; wait for one only when the engine has nothing else to do.
-                while ahead and len(in_flight) < max_in_flight and (
-                        ahead[0][1] is None or ahead[0][1].done() or not in_flight):
-                    row, future = ahead.popleft()
-                    admit(row, future.result() if future is not None else row.error)
-                if in_flight:
-                    step()
-        finally:
-            for _, future in ahead:
-                if future is not None:
-                    future.cancel()
+            offer(_END)
+        except Exception as e:  # the loop raises it, after the rows before it
+            offer(e)
+
+    worker = threading.Thread(target=produce, name="tinyvllm-prepare", daemon=True)
+    worker.start()
+    exhausted = False
+    try:
+        while not stopped():
+            # Admit every row that is ready; wait for one only when the engine has nothing else to do.
+            while not exhausted and len(in_flight) < max_in_flight:
+                try:
+                    item = ready.get(block=not in_flight)
+                except queue.Empty:
+                    break
+                if item is _END:
+                    exhausted = True
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    admit(*item)
+            if in_flight:
+                step()
+            elif exhausted:
+                return
+    finally:
+        cancelled.set()
+        worker.join()
 
 
 def record_extras(row: Row, chat: bool | None = None) -> dict:
@@ -217,7 +247,8 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
         return signals.received is not None
 
     def pending() -> Iterator[Row]:
-        """The rows still to do; rows that failed to parse become error rows right here."""
+        """The rows still to do, those that failed to parse included (the executor emits their error records). It
+        may run on the executor's worker thread: it touches nothing but `warned` and what does not change."""
         for row in _readable(rows, cfg.input):
             if stopped():
                 return
@@ -227,9 +258,6 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
                 warned.add(name)
                 tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
                            "counts the rows that had it", file=sys.stderr)
-            if row.error is not None:
-                emit(output_record(row.index, row.id, None, error=row.error, extras=record_extras(row)))
-                continue
             yield row
 
     try:
