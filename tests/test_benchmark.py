@@ -153,3 +153,13 @@ def test_random_bf16_checkpoint_is_written_as_made(tmp_path, shards):
     assert "lm_head.weight" not in theirs and len(theirs) == len(weights) - 1
     name = "model.layers.1.self_attn.v_proj.bias"
     np.testing.assert_array_equal(theirs[name].float().numpy(), weights[name])
+
+
+def test_bench_refuses_an_unknown_dummy_model_in_one_line():
+    from click.testing import CliRunner
+
+    from tinyvllm.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--dummy-weights", "llama-9b", "--backend", "numpy"])
+    assert result.exit_code == 1
+    assert "unknown dummy model 'llama-9b': choose from" in result.output and "Traceback" not in result.output

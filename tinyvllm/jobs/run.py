@@ -95,9 +95,10 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
 
     A worker thread takes the rows from `rows` (a reader reads and parses the input there), renders and tokenizes
     them PREPARE_AHEAD ahead of this thread, which runs the engine (the worker's Python runs while this thread waits
-    for the device). It hands them over through one queue, in row order, error rows included, so emit() and the engine are only ever
-    called from this thread; an error the reader raises comes through the queue after the rows before it. Rows are
-    admitted as they are ready, so the engine starts on the first rows instead of waiting for max_in_flight."""
+    for the device). It hands them over through one queue, in row order, error rows included, so emit() and the
+    engine are only ever called from this thread; an error the reader raises comes through the queue after the rows
+    before it. Rows are admitted as they are ready, so the engine starts on the first rows instead of waiting for
+    max_in_flight."""
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
     in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
 
@@ -353,8 +354,8 @@ def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
     (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
     return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
-            "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()), "max_model_len": cfg.engine.max_model_len,
-            "seed": cfg.engine.seed,
+            "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()),
+            "max_model_len": cfg.engine.max_model_len, "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs,
             "chat_template_sha256": (hashlib.sha256(cfg.chat_template_source.encode()).hexdigest()
