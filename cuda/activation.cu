@@ -4,6 +4,7 @@
 // out[t, i] = silu(g) * u with g = gate_up[t, i], u = gate_up[t, I + i], silu(g) = g / (1 + exp(-g)).
 // Launch: grid (T, ceil(I / 2048)), block 256; 8 elements (16-byte loads) per thread. I % 8 == 0.
 extern "C" __global__ void silu_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter) {
+    pdl_begin();
     const int i = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (i >= inter) return;
     const bf16* row = gate_up + (int64_t)blockIdx.x * 2 * inter;

@@ -47,6 +47,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                  const int* __restrict__ context_lens, float scale, int num_heads, int num_kv_heads,
                                  int block_size, int row_stride, int num_splits, const float* __restrict__ k_scales,
                                  const float* __restrict__ v_scales) {
+    pdl_begin();
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int VEC = 16 / sizeof(Cache);        // cache entries per 16-byte copy
     constexpr int TILE = 2048 / D;                 // keys per warp step: 4 KB of K and 4 KB of V
@@ -224,6 +225,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 // Launch: grid (num_heads, S), block D: one thread per output dim.
 extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                              const float2* __restrict__ partial_ml, int num_splits) {
+    pdl_begin();
     const int num_heads = gridDim.x, D = blockDim.x;
     const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits;
     float m = -INFINITY;

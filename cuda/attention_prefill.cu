@@ -23,14 +23,17 @@
 // ldmatrix conflict-free).
 // qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D]. fp8: k_scales,
 // v_scales are this layer's [num_kv_heads] (unused for bf16).
+// tile_seq and tile_row0 are not __restrict__: ptxas would move their non-coherent loads, the kernel's first,
+// above pdl_begin's wait (common.cuh).
 template <int D, class Cache>
 __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
                                   const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
                                   const int* __restrict__ block_tables, int bt_stride,
                                   const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
-                                  const int* __restrict__ tile_seq, const int* __restrict__ tile_row0, float scale,
+                                  const int* tile_seq, const int* tile_row0, float scale,
                                   int num_heads, int num_kv_heads, int block_size, int row_stride,
                                   const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+    pdl_begin();
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int LD = D + 8;
     __shared__ __align__(16) bf16 k_s[BLOCK_N * LD];

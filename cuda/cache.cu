@@ -9,6 +9,7 @@
 extern "C" __global__ void reshape_and_cache(bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                              const bf16* __restrict__ qkv, const int* __restrict__ slot_mapping,
                                              int q_width, int kv_width, int row_stride) {
+    pdl_begin();
     const int64_t slot = slot_mapping[blockIdx.x];
     if (slot < 0) return;
     const bf16* k = qkv + (int64_t)blockIdx.x * row_stride + q_width;
@@ -28,6 +29,7 @@ extern "C" __global__ void reshape_and_cache_fp8(e4m3* __restrict__ k_cache, e4m
                                                  int q_width, int kv_width, int row_stride,
                                                  const float* __restrict__ k_scales,
                                                  const float* __restrict__ v_scales, int head_dim) {
+    pdl_begin();
     const int64_t slot = slot_mapping[blockIdx.x];
     if (slot < 0) return;
     const bf16* k = qkv + (int64_t)blockIdx.x * row_stride + q_width;

@@ -7,6 +7,35 @@
 typedef __nv_bfloat16 bf16;
 typedef uint8_t e4m3;  // an fp8 KV cache entry: its e4m3 code (twin: model/dtypes.py)
 
+// Programmatic dependent launch (sm_90+; kernels.py launches every kernel with it). A kernel may then start while
+// the kernel before it on the stream still runs, so it must wait (grid_dependency_wait) before it touches global
+// memory another kernel writes or reads: the wait returns once the previous kernel has finished and its writes are
+// visible. It lets the next kernel launch first (allow_dependents_launch): that kernel's blocks are then resident
+// and waiting when this one ends, instead of a launch latency at every one of a decode step's ~180 kernel
+// boundaries. Blocks of the next kernel launch only after all of this kernel's blocks started, so they never take
+// an SM this kernel still needs. Both are no-ops in a launch without the attribute and before sm_90.
+// ptxas treats a non-coherent load (__ldg, or a const __restrict__ pointer) as free to move, above the wait too:
+// a kernel reads what the previous kernel wrote with plain loads where ptxas would otherwise hoist them
+// (tests/gpu/test_pdl.py reads the machine code of every kernel for that).
+__device__ __forceinline__ void allow_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// How every kernel begins, gemv excepted (it streams its weights before the wait): the next kernel may launch, and
+// nothing is read or written before the previous one is done.
+__device__ __forceinline__ void pdl_begin() {
+    allow_dependents_launch();
+    grid_dependency_wait();
+}
+
 // Eight bf16 (16 bytes): the unit of every vectorized global load and store.
 __device__ __forceinline__ void load8(const bf16* p, float out[8]) {
     uint4 raw = *reinterpret_cast<const uint4*>(p);

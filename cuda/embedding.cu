@@ -5,6 +5,7 @@
 // Launch: grid (T), block 256; each thread moves 8 elements (one 16-byte load) per step. hidden % 8 == 0.
 extern "C" __global__ void embedding(float* __restrict__ out, const bf16* __restrict__ table,
                                      const int* __restrict__ ids, int hidden) {
+    pdl_begin();
     const bf16* row = table + (int64_t)ids[blockIdx.x] * hidden;
     float* o = out + (int64_t)blockIdx.x * hidden;
     for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
@@ -21,6 +22,7 @@ extern "C" __global__ void embedding(float* __restrict__ out, const bf16* __rest
 // wrote `sampled`, so it reads that step's finished output.
 extern "C" __global__ void resolve_tokens(int* __restrict__ ids, const int* __restrict__ src,
                                           const int* __restrict__ sampled, int n) {
+    pdl_begin();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < n && src[t] >= 0) ids[t] = sampled[src[t]];
 }

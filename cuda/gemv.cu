@@ -17,7 +17,8 @@
 // issues GEMV_UNROLL loads of each of its two rows (512 contiguous bytes per row across the warp) and of x before
 // the first mma; at k = 2048 and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
 // The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
-// L1 keeps x, which every block re-reads.
+// L1 keeps x, which every block re-reads. The first iteration's w loads go out before the wait for the previous
+// kernel (programmatic dependent launch, common.cuh), so they overlap its end.
 //
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
@@ -32,6 +33,14 @@ __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// x is written by the kernel before (PDL): a plain load, because ptxas moves a non-coherent (__ldg) load of it
+// above the grid_dependency_wait when w's loads come first (tests/gpu/test_pdl.py checks the order in the SASS).
+__device__ __forceinline__ uint4 load_coherent(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
@@ -57,18 +66,27 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     const bf16* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
     const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
     float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
+    allow_dependents_launch();
+    bool waited = false;
     for (int base = (warp % split) * GEMV_UNROLL * 4; base < chunks; base += split * GEMV_UNROLL * 4) {
         uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL], xv[GEMV_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
             const int chunk = base + u * 4 + t;  // the 4 lanes of a row read 64 contiguous bytes per u
-            if (chunk < chunks) {
-                lo[u] = load_streaming(w_lo + chunk * 8);
-                hi[u] = load_streaming(w_hi + chunk * 8);
-                xv[u] = __ldg(reinterpret_cast<const uint4*>(x_row + chunk * 8));
-            } else {
-                lo[u] = hi[u] = xv[u] = make_uint4(0, 0, 0, 0);
-            }
+            const bool in = chunk < chunks;
+            lo[u] = in ? load_streaming(w_lo + chunk * 8) : make_uint4(0, 0, 0, 0);
+            hi[u] = in ? load_streaming(w_hi + chunk * 8) : make_uint4(0, 0, 0, 0);
+        }
+        // The first iteration's weights are in flight before x, which the previous kernel writes (PDL): no kernel
+        // writes w, so those loads overlap that kernel's end.
+        if (!waited) {
+            grid_dependency_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int chunk = base + u * 4 + t;
+            xv[u] = chunk < chunks ? load_coherent(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
@@ -77,6 +95,7 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
             mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
         }
     }
+    if (!waited) grid_dependency_wait();  // a warp without k to load still waits before it stores out
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();

@@ -30,6 +30,7 @@ extern "C" __global__ void apply_logits_processors(
     const float* __restrict__ frequency, const float* __restrict__ repetition, const int* __restrict__ counts,
     const uint8_t* __restrict__ prompt_mask, const int* __restrict__ allowed_ptr, const int* __restrict__ allowed_ids,
     const int* __restrict__ bias_ptr, const int* __restrict__ bias) {
+    pdl_begin();
     const int row = blockIdx.x;
     const int a0 = allowed_ptr[row], a1 = allowed_ptr[row + 1], b0 = bias_ptr[row], b1 = bias_ptr[row + 1];
     const int slot = penalty_slots[row];
@@ -61,6 +62,7 @@ extern "C" __global__ void apply_logits_processors(
 // Launch: grid (ceil(S / 256)), block 256.
 extern "C" __global__ void count_tokens(int* __restrict__ counts, int vocab, const int* __restrict__ sampled,
                                         const int* __restrict__ count_slots, int n) {
+    pdl_begin();
     const int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row < n && count_slots[row] >= 0) atomicAdd(&counts[(int64_t)count_slots[row] * vocab + sampled[row]], 1);
 }
@@ -68,6 +70,7 @@ extern "C" __global__ void count_tokens(int* __restrict__ counts, int vocab, con
 // Zero the counts and prompt mask of slots[0, num_slots). Launch: grid (num_slots, ceil(vocab / 1024)), block 1024.
 extern "C" __global__ void clear_token_slots(int* __restrict__ counts, uint8_t* __restrict__ prompt_mask, int vocab,
                                              const int* __restrict__ slots) {
+    pdl_begin();
     const int t = blockIdx.y * blockDim.x + threadIdx.x;
     if (t >= vocab) return;
     const int64_t at = (int64_t)slots[blockIdx.x] * vocab + t;
@@ -80,6 +83,7 @@ extern "C" __global__ void clear_token_slots(int* __restrict__ counts, uint8_t* 
 extern "C" __global__ void fill_token_slots(int* __restrict__ counts, uint8_t* __restrict__ prompt_mask, int vocab,
                                             const int* __restrict__ tokens, const int* __restrict__ token_slots,
                                             int n) {
+    pdl_begin();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int slot = token_slots[i];
@@ -90,6 +94,7 @@ extern "C" __global__ void fill_token_slots(int* __restrict__ counts, uint8_t* _
 // Copy KV block pairs[p] = (source, destination) in each cache caches[c] (K and V of every layer), blocks of
 // block_elems bf16. Launch: grid (P, number of caches), block 256; block_elems % 8 == 0.
 extern "C" __global__ void copy_blocks(bf16* const* __restrict__ caches, const int* __restrict__ pairs, int block_elems) {
+    pdl_begin();
     bf16* cache = caches[blockIdx.y];
     const uint4* src = reinterpret_cast<const uint4*>(cache + (int64_t)pairs[2 * blockIdx.x] * block_elems);
     uint4* dst = reinterpret_cast<uint4*>(cache + (int64_t)pairs[2 * blockIdx.x + 1] * block_elems);
@@ -101,6 +106,7 @@ extern "C" __global__ void copy_blocks(bf16* const* __restrict__ caches, const i
 // Twin: sampler.apply_token_bitmask. Launch: grid (S), block 256.
 extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, int vocab, const int* __restrict__ bitmask,
                                                int words, const int* __restrict__ bitmask_rows) {
+    pdl_begin();
     const int m = bitmask_rows[blockIdx.x];
     if (m < 0) return;
     float* x = logits + (int64_t)blockIdx.x * vocab;

@@ -10,6 +10,7 @@
 // Launch: grid (R), block 256: one row per block, float4 loads, one block reduction. hidden % 8 == 0.
 extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restrict__ x, const bf16* __restrict__ w,
                                     const int* __restrict__ rows, int hidden, float eps) {
+    pdl_begin();
     __shared__ float scratch[32];
     const int row = rows ? rows[blockIdx.x] : blockIdx.x;
     const float* xr = x + (int64_t)row * hidden;

@@ -5,6 +5,7 @@
 // row += bias over the whole row (the biases of Q, K and V, concatenated as the rows of the fused weight).
 // Launch: grid (T), block 128; width % 8 == 0 (16-byte vectors).  Twin: numpy_backend forward's `qkv += qkv_bias`.
 extern "C" __global__ void add_qkv_bias(bf16* __restrict__ qkv, const bf16* __restrict__ bias, int width) {
+    pdl_begin();
     bf16* row = qkv + (int64_t)blockIdx.x * width;
     for (int i = threadIdx.x * 8; i < width; i += blockDim.x * 8) {
         float x[8], b[8];
@@ -23,6 +24,7 @@ extern "C" __global__ void add_qkv_bias(bf16* __restrict__ qkv, const bf16* __re
 extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restrict__ q_weight,
                                    const bf16* __restrict__ k_weight, int num_heads, int num_kv_heads, int head_dim,
                                    int row_stride, float eps) {
+    pdl_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
     for (int h = warp; h < num_heads + num_kv_heads; h += num_warps) {

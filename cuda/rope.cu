@@ -10,6 +10,7 @@
 extern "C" __global__ void rope(bf16* __restrict__ qkv, const int* __restrict__ positions,
                                 const float2* __restrict__ cos_sin, int num_rotated_heads, int head_dim,
                                 int row_stride) {
+    pdl_begin();
     const int half = head_dim / 2;
     const float2* cs = cos_sin + (int64_t)positions[blockIdx.x] * half;
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;

@@ -151,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     sample(int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
            const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
            const uint32_t* __restrict__ noise_keys) {
+    pdl_begin();
     __shared__ float scratch[32], hist[256];
     __shared__ int scratch_i[32];
     __shared__ uint32_t result[2];
@@ -216,6 +217,7 @@ struct LogitKeys {  // count the tokens, keyed by logit
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
              const float* __restrict__ logits, const int* __restrict__ token_ids, int vocab, int k) {
+    pdl_begin();
     __shared__ float scratch[32], hist[256];
     __shared__ uint32_t result[2];
     __shared__ int ids_s[MAX_TOP_LOGPROBS], ties_s[MAX_TOP_LOGPROBS], count_s[2];

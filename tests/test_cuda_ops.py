@@ -45,6 +45,42 @@ def test_arg_format_follows_the_c_types():
     assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiii"
 
 
+def function_bodies(source: str, head: str) -> dict[str, str]:
+    """{name: body} of the functions whose declaration matches `head` (a regular expression ending at the name)."""
+    bodies = {}
+    for match in re.finditer(head + r"\s*\(", source):
+        open_brace = source.index("{", source.index(")", match.end()))
+        depth, end = 0, open_brace
+        for end in range(open_brace, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        bodies[match.group(1)] = source[open_brace + 1:end]
+    return bodies
+
+
+def test_every_kernel_waits_for_the_kernel_before_it_first():
+    """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
+    waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
+    with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait."""
+    for path in sorted(CUDA_DIR.glob("*.cu")):
+        source = path.read_text().replace("\\\n", " ")
+        kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
+        templates = function_bodies(source, r"template <[^>]*>\s*__device__ void\s+(\w+)")
+        assert kernels, path
+        for name, body in kernels.items():
+            first = body.strip()
+            forwarded = re.match(r"(\w+)\s*[<(]", first)
+            if forwarded and forwarded.group(1) in templates:
+                first = templates[forwarded.group(1)].strip()
+            if path.stem == "gemv":
+                assert first.startswith("__shared__") and "grid_dependency_wait();" in first, name
+                before_wait = first.split("grid_dependency_wait();")[0]
+                assert "__ldg" not in before_wait and "x_row +" not in before_wait, "gemv reads x before its wait"
+            else:
+                assert first.startswith("pdl_begin();"), (path.name, name, first[:80])
+
+
 def test_tile_constants_come_from_python_only():
     sources = {p.stem: p.read_text() for p in CUDA_DIR.glob("*.c*")}
     for file, defines in DEFINES.items():

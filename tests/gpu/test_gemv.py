@@ -115,10 +115,11 @@ def test_gemm_lm_head(cuda, linear, weights, m):
 
 
 def test_default_routing(linear):
-    """The backend's Linear sends small weights at small m to the kernel, the rest to cuBLAS."""
+    """The backend's Linear sends a 1B model's layer weights at small m to the kernel, the rest to cuBLAS."""
     from tinyvllm.backends.cuda.linear import Linear
 
     default = Linear(linear.blas, linear.kernels, linear.stream)
     assert default.uses_gemv(1, 3072, 2048) and default.uses_gemv(MAX_ROWS, 2048, 2048)
-    assert not default.uses_gemv(MAX_ROWS + 1, 2048, 2048) and not default.uses_gemv(1, 16384, 2048)
+    assert default.uses_gemv(1, 16384, 2048) and default.uses_gemv(1, 2048, 8192)  # gate_up, down
+    assert not default.uses_gemv(MAX_ROWS + 1, 2048, 2048) and not default.uses_gemv(1, 2 * 14336, 4096)  # 8B MLP
     assert not default.uses_gemv(1, *LM_HEAD) and not default.uses_gemv(1, 2048, 2044)

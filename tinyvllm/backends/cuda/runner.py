@@ -25,7 +25,7 @@ from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, 
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.forward import GIB, CudaForward
-from tinyvllm.backends.cuda.graphs import Graph
+from tinyvllm.backends.cuda.driver import Graph
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
 

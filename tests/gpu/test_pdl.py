@@ -1,0 +1,93 @@
+"""Programmatic dependent launch (common.cuh): no kernel touches global memory before it waits for the kernel
+before it on the stream.
+
+The source puts the wait first (tests/test_cuda_ops.py checks that), but ptxas schedules the machine code: it moved
+gemv's non-coherent (__ldg) loads of x above griddepcontrol.wait, so gemv read x before the previous kernel had
+written it (decode logits off by 140%). So this reads the SASS of every kernel: nothing global before the first
+ACQBULK (griddepcontrol.wait), except gemv's weight loads (LDG ... .NA ... CONSTANT: L1::no_allocate, read-only),
+which no kernel writes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+GLOBAL_OPS = {"LD", "ST", "LDG", "STG", "ATOM", "ATOMG", "RED", "REDG", "LDGSTS", "UTMALDG", "UBLKCP"}
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")
+
+
+def find_cuobjdump() -> str | None:
+    return shutil.which("cuobjdump") or next(
+        (str(p) for p in [Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda") / "bin" / "cuobjdump"]
+         if p.is_file()), None)
+
+
+def functions(sass: str) -> dict[str, list[tuple[str, str]]]:
+    """{function name: [(opcode, modifiers), ...]} in program order."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        header = re.match(r"\s*Function : (\S+)", line)
+        if header:
+            current = out.setdefault(header.group(1), [])
+        elif current is not None and (m := INSTRUCTION.search(line)):
+            current.append((m.group(1), m.group(2)))
+    return out
+
+
+def global_accesses_before_wait(instructions: list[tuple[str, str]]) -> tuple[bool, list[str]]:
+    """Whether the function waits at all, and the global accesses it issues before its first wait."""
+    before = []
+    for opcode, modifiers in instructions:
+        if opcode == "ACQBULK":
+            return True, before
+        if opcode in GLOBAL_OPS:
+            before.append(opcode + modifiers)
+    return False, before
+
+
+def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
+    from tinyvllm.backends.cuda.kernel_cache import build_cubins, compile_jobs
+    from tinyvllm.backends.cuda.kernels import arch, compute_capability
+
+    if compute_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump (CUDA toolkit) not found")
+    checked, wrong = 0, []
+    for file, cubin in build_cubins(compile_jobs(), arch()).items():
+        path = tmp_path / f"{file}.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        for name, instructions in functions(sass).items():
+            waits, before = global_accesses_before_wait(instructions)
+            if name.startswith("gemv"):
+                before = [op for op in before if not (op.startswith("LDG") and ".NA" in op and "CONSTANT" in op)]
+            if not waits or before:
+                wrong.append(f"{file}.cu {name}: " + (f"{before} before its wait" if waits else "never waits"))
+            checked += 1
+    assert not wrong, wrong
+    assert checked >= 30  # every kernel of cuda/*.cu, template instances included
+
+
+def test_the_check_sees_a_hoisted_load():
+    """The parser on a made-up listing: a load above ACQBULK is found, one below is not."""
+    sass = """
+        Function : k
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 LDG.E.128.CONSTANT R4, desc[UR6][R2.64] ;
+        /*0020*/                   ACQBULK ;
+        /*0030*/                   STG.E desc[UR6][R2.64], R4 ;
+    """
+    [(name, instructions)] = functions(sass).items()
+    assert name == "k"
+    assert global_accesses_before_wait(instructions) == (True, ["LDG.E.128.CONSTANT"])
