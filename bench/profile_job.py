@@ -139,10 +139,10 @@ def main() -> None:
             return time.perf_counter() - start, time.thread_time() - cpu, summary
 
     wall, job_cpu, summary = run_job()  # uninstrumented: the wall
-    for name in ("apply_chat_template", "encode_prompt"):
+    for name in ("apply_chat_template", "encode_prompts"):
         timed(Tokenizer, name)
     timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
-    timed(engine_module, "decode_continuation", "detokenize (once, at the end)")
+    timed(engine_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
     timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
     timed(job_run, "output_record", "output_record")
     timed(readers, "_jsonl_records", "read + json.loads")

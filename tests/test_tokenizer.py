@@ -5,7 +5,7 @@ import pytest
 import tokenizers
 
 from tinyvllm.model.dummy import CORPUS
-from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer, decode_continuations
 
 TEXTS = [
     "Hello, world! The quick brown fox.",
@@ -59,6 +59,25 @@ def test_incremental_equals_full_decode(tok, text):
     # multi-byte characters split across byte tokens really occur here, so the holding back is exercised
     if any(ord(c) > 127 for c in text):
         assert "" in _stream(tok, [], ids)
+
+
+def test_batched_encode_and_decode_equal_one_at_a_time(tok, llama3_style_dir):
+    """The job's worker tokenizes in batches and the engine detokenizes the requests a step ends in one batch: the
+    same ids and text as one at a time, BOS rules included. The text continues the prompt's last 5 tokens, as
+    IncrementalDetokenizer's window does."""
+    for t in (tok, Tokenizer.from_dir(llama3_style_dir), sentencepiece_like()):
+        prompts = [(text, templated) for text in TEXTS for templated in (False, True)]
+        if t.chat_template:
+            prompts.append((t.apply_chat_template([{"role": "user", "content": TEXTS[1]}]), True))
+        prompts += [("<|endoftext|>hi", False), ("<s>hi", False)]
+        ids = t.encode_prompts(prompts)
+        assert ids == [t.encode_prompt(text, templated) for text, templated in prompts]
+        requests = [(ids[i], ids[i + 1][:40], skip) for i in range(0, len(ids) - 1, 2) for skip in (True, False)]
+        texts = decode_continuations(t, requests)
+        for (prompt, output, skip), text in zip(requests, texts):
+            window = prompt[-5:]
+            assert text == t.decode(window + output, skip)[len(t.decode(window, skip)):].rstrip("\ufffd")
+    assert tok.encode_prompts([]) == [] and decode_continuations(tok, []) == []
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -75,7 +75,9 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(self.backend.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -107,7 +109,21 @@ class Tokenizer:
 
     def encode_prompt(self, text: str, templated: bool) -> list[int]:
         """Token ids of a prompt; chat-templated text carries its own BOS (when the model wants one)."""
-        ids = self.encode(text, add_special_tokens=not templated)
+        return self._one_bos(self.encode(text, add_special_tokens=not templated))
+
+    def encode_prompts(self, prompts: list[tuple[str, bool]]) -> list[list[int]]:
+        """encode_prompt of each (text, templated), in batches: the tokenizer works on them without holding the
+        GIL (its one-text encode holds it), so a job's worker thread tokenizes while the engine's thread runs."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for templated in (False, True):
+            where = [i for i, (_, t) in enumerate(prompts) if t == templated]
+            if where:
+                encodings = self.backend.encode_batch([prompts[i][0] for i in where], add_special_tokens=not templated)
+                for i, encoding in zip(where, encodings):
+                    out[i] = self._one_bos(self._with_bos(encoding.ids, not templated))
+        return out
+
+    def _one_bos(self, ids: list[int]) -> list[int]:
         if self.bos_token_id is not None and ids[:2] == [self.bos_token_id] * 2:
             ids.pop(0)  # raw text that starts with the BOS string itself
         return ids
@@ -184,13 +200,23 @@ class IncrementalDetokenizer:
         return delta
 
 
-def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int],
-                        skip_special_tokens: bool = True) -> str:
-    """The text of output_ids as a continuation of the prompt, in one decode: what IncrementalDetokenizer would
-    have built token by token (same window), minus an incomplete UTF-8 sequence at the very end."""
-    window = list(prompt_ids[-5:])
-    prefix_text = tokenizer.decode(window, skip_special_tokens)
-    return tokenizer.decode(window + list(output_ids), skip_special_tokens)[len(prefix_text):].rstrip("\ufffd")
+def decode_continuations(tokenizer: Tokenizer, requests: list[tuple[list[int], list[int], bool]]) -> list[str]:
+    """For each (prompt_ids, output_ids, skip_special_tokens), the text of output_ids as a continuation of the
+    prompt, in one decode: what IncrementalDetokenizer would have built token by token (same window), minus an
+    incomplete UTF-8 sequence at the very end. In batches: the tokenizer decodes a batch in parallel and without
+    holding the GIL."""
+    texts = [""] * len(requests)
+    for skip in (True, False):
+        where = [i for i, request in enumerate(requests) if request[2] == skip]
+        if not where:
+            continue
+        windows = [[int(t) for t in requests[i][0][-5:]] for i in where]
+        prefixes = tokenizer.backend.decode_batch(windows, skip_special_tokens=skip)
+        wholes = tokenizer.backend.decode_batch([window + [int(t) for t in requests[i][1]]
+                                                 for i, window in zip(where, windows)], skip_special_tokens=skip)
+        for i, prefix, whole in zip(where, prefixes, wholes):
+            texts[i] = whole[len(prefix):].rstrip("\ufffd")
+    return texts
 
 
 class BatchEncoding(dict):

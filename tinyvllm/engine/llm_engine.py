@@ -21,7 +21,7 @@ from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuation
+from tinyvllm.tokenizer import IncrementalDetokenizer, decode_continuations
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class LLMEngine:
         leave their tokens in `advance`, for their constraints to take."""
         result = launched.queued.result()
         now = time.time()
-        finished = []
+        ended: list[Sequence] = []
         step, batch = launched.step, launched.batch
         sampled = result.sampled_token_ids.tolist()
         block_size = self.engine_config.block_size
@@ -299,7 +299,8 @@ class LLMEngine:
                 # Complete with the token before (it has taken every token up to this one): this one, EOS or
                 # whatever its mask allowed once nothing more could follow, is dropped.
                 seq.finish_reason = "stop"
-                self._end(seq, index, now, finished)
+                self._end(seq, index, now)
+                ended.append(seq)
                 continue
             if result.prompt_logprobs and i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
@@ -325,13 +326,15 @@ class LLMEngine:
             if self._check_stop(seq, token, index + 1):
                 if seq.constraint is not None:
                     self.structured_outputs.take(seq.constraint, token)  # for `complete`
-                self._end(seq, index + 1, now, finished)
+                self._end(seq, index + 1, now)
+                ended.append(seq)
             elif seq.constraint is not None:
                 advance.append((seq.constraint, token))
-        return finished
+        self._detokenize(ended)
+        return [output for seq in ended if (output := self._finish(seq)) is not None]
 
-    def _end(self, seq: Sequence, length: int, now: float, finished: list[RequestOutput]) -> None:
-        """Finish the sequence at `length` tokens (dropping the next step's pending token, if it was queued)."""
+    def _end(self, seq: Sequence, length: int, now: float) -> None:
+        """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued)."""
         del seq.token_ids[length:]
         seq.num_pending = 0
         seq.metrics.finished_time = now
@@ -339,9 +342,6 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.penalty_slots.release(seq)
         self.block_tables.release(seq)
-        output = self._finish(seq)
-        if output is not None:
-            finished.append(output)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
         """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
@@ -380,16 +380,23 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 
-    def _finish(self, seq: Sequence) -> RequestOutput | None:
-        """Record a finished sequence's completion; its request's output once all n are done."""
-        group = seq.group
-        if seq.detokenizer is None and seq.params.detokenize:
+    def _detokenize(self, seqs: list[Sequence]) -> None:
+        """The text of the sequences that did not detokenize as they went (no stop strings), in one batch: a step
+        where hundreds of requests end decodes them in parallel, without the GIL."""
+        todo = [seq for seq in seqs if seq.detokenizer is None and seq.params.detokenize]
+        requests = []
+        for seq in todo:
             # the EOS or stop token that ended it is not text (the last token of a complete structured output is)
             ended_by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
                 seq.stop_reason is None and seq.output_token_ids[-1] in self.eos_token_ids))
             text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
-            seq.text = decode_continuation(self.tokenizer, seq.prompt_token_ids, text_ids,
-                                           seq.params.skip_special_tokens)
+            requests.append((seq.prompt_token_ids, text_ids, seq.params.skip_special_tokens))
+        for seq, text in zip(todo, decode_continuations(self.tokenizer, requests)):
+            seq.text = text
+
+    def _finish(self, seq: Sequence) -> RequestOutput | None:
+        """Record a finished sequence's completion; its request's output once all n are done."""
+        group = seq.group
         group.completions[seq.index] = CompletionOutput(
             seq.index, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
             seq.stop_reason, None if seq.constraint is None else seq.constraint.complete)

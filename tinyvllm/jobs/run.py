@@ -46,6 +46,7 @@ __all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prep
 
 _request_ids = itertools.count()
 PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
+PREPARE_BATCH = 64  # rows the worker tokenizes at once
 _END = object()  # the worker's last item: no rows left
 
 
@@ -102,14 +103,19 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
     engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
     in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
 
-    def prepare(row: Row) -> tuple[str | list[int], bool, SamplingParams, list[int]] | str:
-        """What to send for the row and its token ids; or the reason it is an error row."""
-        try:
-            prompt, templated, params = prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len)
-        except ValueError as e:
-            return str(e)
-        return prompt, templated, params, (llm.tokenizer.encode_prompt(prompt, templated) if isinstance(prompt, str)
-                                          else prompt)
+    def prepare(batch: list[Row]) -> list[tuple[str | list[int], bool, SamplingParams, list[int]] | str]:
+        """For each row what to send and its token ids, or the reason it is an error row. The texts are tokenized
+        together (Tokenizer.encode_prompts), which leaves the GIL to the engine's thread meanwhile."""
+        requests: list[tuple | str] = []
+        for row in batch:
+            try:
+                requests.append(row.error if row.error is not None else
+                                prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len))
+            except ValueError as e:
+                requests.append(str(e))
+        texts = [i for i, r in enumerate(requests) if not isinstance(r, str) and isinstance(r[0], str)]
+        token_ids = dict(zip(texts, llm.tokenizer.encode_prompts([requests[i][:2] for i in texts]))) if texts else {}
+        return [r if isinstance(r, str) else (*r, token_ids.get(i, r[0])) for i, r in enumerate(requests)]
 
     def step() -> None:
         for out in engine.step():
@@ -142,13 +148,27 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
                 pass
         return False
 
+    def offer_prepared(batch: list[Row]) -> bool:
+        return all(offer(item) for item in zip(batch, prepare(batch)))
+
     def produce() -> None:
+        """Rows in batches: the first alone (the engine starts at once), then doubling up to PREPARE_BATCH."""
+        batch: list[Row] = []
+        size = 1
         try:
             for row in rows:  # reading and parsing the input runs here too, when `rows` is a reader
-                if not offer((row, row.error if row.error is not None else prepare(row))):
-                    return
-            offer(_END)
+                batch.append(row)
+                if len(batch) >= size:
+                    ready_rows, batch, size = batch, [], min(2 * size, PREPARE_BATCH)
+                    if not offer_prepared(ready_rows):
+                        return
+            end: object = _END
         except Exception as e:  # the loop raises it, after the rows before it
+            end = e
+        try:
+            if offer_prepared(batch):
+                offer(end)
+        except Exception as e:
             offer(e)
 
     worker = threading.Thread(target=produce, name="tinyvllm-prepare", daemon=True)
