@@ -58,6 +58,7 @@ def test_j1_job_and_engine_give_the_same_tokens():
     llm = LLM(dummy_model("tiny", text=True), backend="numpy", max_num_seqs=2)
     result, requests = run_j1(llm, num_rows=20, max_tokens=4, num_words=12, output_token_ids=True)
     assert result["requests"] == len(requests) == 20 and result["same_outputs"] == 20
+    assert result["same_prompt_lengths"] == 20
     assert result["output_tokens"] == result["engine"]["output_tokens"] == 80
     assert result["input_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
     assert result["output_tok_s"] > 0 and result["job_vs_engine"] > 0 and result["finalize_s"] >= 0

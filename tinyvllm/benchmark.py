@@ -353,17 +353,21 @@ def run_j1(llm, num_rows: int = 20000, max_tokens: int = 128, num_words: int = 1
         start = time.perf_counter()
         summary = run_job(cfg, executor)
         end = time.perf_counter()
-        columns = ["completion", "completion_tokens"] + (["completion_token_ids"] if output_token_ids else [])
+        columns = ["completion", "completion_tokens", "prompt_tokens"]
+        columns += ["completion_token_ids"] if output_token_ids else []
         table = pq.read_table(cfg.output, columns=columns).to_pydict()
     wall = executor.committed_at - start
     same = sum(text == o.outputs[0].text and (not output_token_ids or ids == o.outputs[0].token_ids)
                for text, ids, o in zip(table["completion"], table.get("completion_token_ids", table["completion"]),
                                        outputs))
+    # a row whose prompt has another length was tokenized differently; the others differ in what was generated
+    same_prompt_lengths = sum(n == len(o.prompt_token_ids) for n, o in zip(table["prompt_tokens"], outputs))
     out_tokens = summary["output_tokens"]
     result = {"requests": len(rows), "input_tokens": engine["input_tokens"], "output_tokens": out_tokens,
               "wall_s": wall, "output_tok_s": out_tokens / wall,
               "total_tok_s": (engine["input_tokens"] + out_tokens) / wall, "finalize_s": end - executor.committed_at,
-              "job_vs_engine": out_tokens / wall / engine["output_tok_s"], "same_outputs": same, "engine": engine,
+              "job_vs_engine": out_tokens / wall / engine["output_tok_s"], "same_outputs": same,
+              "same_prompt_lengths": same_prompt_lengths, "engine": engine,
               **{f"{name}_{q}_ms": summary["latency_ms"][name][q] for name in ("ttft", "tpot") for q in ("p50", "p99")}}
     return result, requests
 
@@ -404,7 +408,7 @@ def format_results(results: dict) -> str:
         if "job_vs_engine" in r:
             notes.append(f"{r['job_vs_engine']:.0%} of the engine on token ids ({r['engine']['output_tok_s']:.0f} "
                          f"tok/s); output assembled in {r['finalize_s']:.1f} s more; {r['same_outputs']}/"
-                         f"{r['requests']} rows the same")
+                         f"{r['requests']} rows the same ({r['same_prompt_lengths']} prompts of the same length)")
         if "constrained_vs_unconstrained" in r:
             notes.append(f"{r['constrained_vs_unconstrained']:.0%} of unconstrained "
                          f"({r['unconstrained']['output_tok_s']:.0f} tok/s, same lengths); mask fill "
