@@ -207,6 +207,41 @@ def test_writer_pieces_assembly_metadata_summary(tmp_path):
     assert summary["output_tok_per_s"] == pytest.approx(14 / summary["wall_time_s"], rel=0.01)
 
 
+def test_merge_takes_each_row_once_from_its_first_piece_in_row_order(tmp_path, monkeypatch):
+    """finalize's merge over sorted pieces that overlap, interleave and repeat rows: row order, each row once (the
+    copy of the first piece that has it), across the batches it writes, each piece read once."""
+    from tinyvllm.io import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "FINAL_BATCH_ROWS", 7)  # batches cut across pieces and runs
+    rng = np.random.default_rng(0)
+    schema = output_schema()
+    pieces, first_piece = [], {}
+    for k in range(12):
+        rows = np.sort(rng.choice(np.arange(10 * k, 10 * k + 40), 15, replace=False))  # overlapping ranges
+        for row in rows:
+            first_piece.setdefault(int(row), k)
+        path = tmp_path / f"piece-{k:08d}.parquet"
+        records = [output_record(int(r), f"p{k}-r{r}", None, error="x") for r in rows]
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+        pieces.append(path)
+    read = []
+    real_read = writer_module._read_piece
+
+    def counting_read(piece, columns=None):
+        if columns is None:
+            read.append(piece)
+        return real_read(piece, columns)
+
+    monkeypatch.setattr(writer_module, "_read_piece", counting_read)
+    tables = list(writer_module._merged(pieces, schema))
+    merged = pa.concat_tables(tables)
+    assert merged.column("row").to_pylist() == sorted(first_piece)
+    assert merged.column("id").to_pylist() == [f"p{first_piece[r]}-r{r}" for r in sorted(first_piece)]
+    assert all(t.num_rows <= 7 for t in tables) and merged.schema.equals(schema)
+    assert sorted(read) == pieces  # each piece read whole once
+    assert list(writer_module._merged([], schema)) == []
+
+
 def test_writer_empty_job(tmp_path):
     out = tmp_path / "empty.parquet"
     summary = PartsWriter(out, output_schema(), run_started=0.0, num_rows=0).finalize({})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import heapq
 import json
 import os
 import secrets
@@ -303,20 +302,16 @@ class PartsWriter:
 
         def write_parquet(f: BinaryIO) -> None:
             with pq.ParquetWriter(f, schema) as w:
-                batch = []
-                for rec in _merged(pieces):
-                    batch.append(rec)
-                    if len(batch) == FINAL_BATCH_ROWS:
-                        w.write_table(pa.Table.from_pylist(batch, schema=schema))
-                        batch = []
-                w.write_table(pa.Table.from_pylist(batch, schema=schema))
+                for table in _merged(pieces, self.schema):
+                    w.write_table(table)
 
         def write_openai(f: BinaryIO) -> None:
             model, token = str(metadata.get("model", "")), openai_token(metadata)
             data = [name for name in self.schema.names if name not in output_schema(True).names]
-            for rec in _merged(pieces):
-                f.write(json.dumps(openai_line(rec, model, token, data), ensure_ascii=False, default=str).encode()
-                        + b"\n")
+            for table in _merged(pieces, self.schema):
+                for rec in table.to_pylist():
+                    f.write(json.dumps(openai_line(rec, model, token, data), ensure_ascii=False, default=str).encode()
+                            + b"\n")
 
         if output_format(self.output) == "openai":  # no key-value metadata in JSONL: the summary holds it
             summary["metadata"] = json.loads(json.dumps(metadata, default=str))
@@ -489,31 +484,49 @@ def _output_rows(output: Path) -> Iterator[np.ndarray]:
 
 def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
     try:
-        return pq.read_table(piece, columns=columns)
+        with pq.ParquetFile(piece) as f:  # lighter than read_table's dataset machinery: finalize reads each piece 4 times
+            return f.read(columns=columns)
     except FileNotFoundError:  # only another run removes pieces: one that lost its lock while it finished
         raise JobError(f"{piece} vanished while this run read it: another run is finishing this output; run the same "
                        "command again once it is done") from None
 
 
-def _merged(pieces: list[Path]) -> Iterator[dict]:
-    """All rows of the (each sorted) pieces in row order, each once (a row in several pieces: the first piece's),
-    holding only pieces that overlap the current row."""
-    starts = sorted((_read_piece(p, ["row"]).column("row")[0].as_py(), i) for i, p in enumerate(pieces))
-    heap: list[tuple[int, int, dict, Iterator[dict]]] = []
-    nxt, last = 0, -1
-    while nxt < len(starts) or heap:
-        while nxt < len(starts) and (not heap or starts[nxt][0] <= heap[0][0]):
-            rows = iter(_read_piece(pieces[starts[nxt][1]]).to_pylist())
-            first = next(rows)
-            heapq.heappush(heap, (first["row"], starts[nxt][1], first, rows))
-            nxt += 1
-        row, i, rec, rows = heapq.heappop(heap)
-        if row != last:
-            yield rec
-            last = row
-        following = next(rows, None)
-        if following is not None:
-            heapq.heappush(heap, (following["row"], i, following, rows))
+def _merged(pieces: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
+    """All rows of the (each sorted) pieces in row order, each once (a row in several pieces: the first piece's), as
+    tables of up to FINAL_BATCH_ROWS rows cut from the pieces (no row goes through Python). The order is worked out
+    from the pieces' row columns alone; a piece is read when its first row is taken and dropped after its last, so
+    only the pieces that overlap the current rows are held."""
+    rows = [_read_piece(p, ["row"]).column("row").to_numpy() for p in pieces]
+    if not rows:
+        return
+    piece_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    index_in = np.concatenate([np.arange(len(r)) for r in rows])
+    all_rows = np.concatenate(rows)
+    order = np.lexsort((piece_of, all_rows))  # by row, then by piece: a repeated row's first piece comes first
+    order = order[np.r_[True, all_rows[order][1:] != all_rows[order][:-1]]]
+    piece_of, index_in = piece_of[order], index_in[order]
+    last_use = np.zeros(len(rows), np.int64)
+    last_use[piece_of] = np.arange(len(order))  # the last assignment wins: each piece's last position
+    loaded: dict[int, pa.Table] = {}
+    for start in range(0, len(order), FINAL_BATCH_ROWS):
+        p, i = piece_of[start:start + FINAL_BATCH_ROWS], index_in[start:start + FINAL_BATCH_ROWS]
+        cuts = np.flatnonzero((np.diff(p) != 0) | (np.diff(i) != 1)) + 1  # runs of consecutive rows of one piece
+        slices = []
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(p)]):
+            piece = int(p[a])
+            if piece not in loaded:
+                loaded[piece] = _conform(_read_piece(pieces[piece]), schema)
+            slices.append(loaded[piece].slice(int(i[a]), int(b - a)))
+        yield pa.concat_tables(slices)
+        for piece in [piece for piece in loaded if last_use[piece] < start + FINAL_BATCH_ROWS]:
+            del loaded[piece]
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A piece's table with the output's columns, in order (pieces are written with them: this is a check)."""
+    if not table.schema.equals(schema, check_metadata=False):
+        return pa.Table.from_pylist(table.to_pylist(), schema=schema)
+    return table.replace_schema_metadata(None)
 
 
 SUMMARY_COLUMNS = ["finish_reason", "prompt_tokens", "completion_tokens", "finished_at", "ignored_fields",
