@@ -204,16 +204,16 @@ def decode_continuations(tokenizer: Tokenizer, requests: list[tuple[list[int], l
     """For each (prompt_ids, output_ids, skip_special_tokens), the text of output_ids as a continuation of the
     prompt, in one decode: what IncrementalDetokenizer would have built token by token (same window), minus an
     incomplete UTF-8 sequence at the very end. In batches: the tokenizer decodes a batch in parallel and without
-    holding the GIL."""
+    holding the GIL. The ids are Python ints (the engine's are)."""
     texts = [""] * len(requests)
     for skip in (True, False):
         where = [i for i, request in enumerate(requests) if request[2] == skip]
         if not where:
             continue
-        windows = [[int(t) for t in requests[i][0][-5:]] for i in where]
+        windows = [list(requests[i][0][-5:]) for i in where]
         prefixes = tokenizer.backend.decode_batch(windows, skip_special_tokens=skip)
-        wholes = tokenizer.backend.decode_batch([window + [int(t) for t in requests[i][1]]
-                                                 for i, window in zip(where, windows)], skip_special_tokens=skip)
+        wholes = tokenizer.backend.decode_batch([window + list(requests[i][1]) for i, window in zip(where, windows)],
+                                                skip_special_tokens=skip)
         for i, prefix, whole in zip(where, prefixes, wholes):
             texts[i] = whole[len(prefix):].rstrip("\ufffd")
     return texts

@@ -299,8 +299,7 @@ class LLMEngine:
                 # Complete with the token before (it has taken every token up to this one): this one, EOS or
                 # whatever its mask allowed once nothing more could follow, is dropped.
                 seq.finish_reason = "stop"
-                self._end(seq, index, now)
-                ended.append(seq)
+                self._end(seq, index, now, ended)
                 continue
             if result.prompt_logprobs and i in result.prompt_logprobs:
                 entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
@@ -326,15 +325,15 @@ class LLMEngine:
             if self._check_stop(seq, token, index + 1):
                 if seq.constraint is not None:
                     self.structured_outputs.take(seq.constraint, token)  # for `complete`
-                self._end(seq, index + 1, now)
-                ended.append(seq)
+                self._end(seq, index + 1, now, ended)
             elif seq.constraint is not None:
                 advance.append((seq.constraint, token))
         self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
 
-    def _end(self, seq: Sequence, length: int, now: float) -> None:
-        """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued)."""
+    def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
+        """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
+        `ended`, whose texts and outputs are made together once the step is read."""
         del seq.token_ids[length:]
         seq.num_pending = 0
         seq.metrics.finished_time = now
@@ -342,6 +341,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.penalty_slots.release(seq)
         self.block_tables.release(seq)
+        ended.append(seq)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
         """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop

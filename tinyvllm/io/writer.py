@@ -484,7 +484,7 @@ def _output_rows(output: Path) -> Iterator[np.ndarray]:
 
 def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
     try:
-        with pq.ParquetFile(piece) as f:  # lighter than read_table's dataset machinery: finalize reads each piece 4 times
+        with pq.ParquetFile(piece) as f:  # lighter than read_table's dataset machinery (finalize reads a piece 4x)
             return f.read(columns=columns)
     except FileNotFoundError:  # only another run removes pieces: one that lost its lock while it finished
         raise JobError(f"{piece} vanished while this run read it: another run is finishing this output; run the same "
@@ -523,7 +523,8 @@ def _merged(pieces: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """A piece's table with the output's columns, in order (pieces are written with them: this is a check)."""
+    """A piece's table with the output's schema: as it is when written with it (every piece of this job's runs is),
+    else converted row by row as the schema says."""
     if not table.schema.equals(schema, check_metadata=False):
         return pa.Table.from_pylist(table.to_pylist(), schema=schema)
     return table.replace_schema_metadata(None)

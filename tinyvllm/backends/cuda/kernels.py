@@ -21,7 +21,8 @@ from tinyvllm.backends.cuda.ops import SIGNATURES
 
 __all__ = ["CUDA_DIR", "Kernel", "arch", "compile_source", "load"]
 
-# Launch with programmatic dependent launch where the GPU has it (sm_90+); bench scripts turn it off to compare.
+# Launch with programmatic dependent launch where the GPU has it (sm_90+). Set False before load() to measure
+# without it (docs/PERFORMANCE.md's A/B).
 PROGRAMMATIC_LAUNCH = True
 
 
