@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.gpu
+
 GLOBAL_OPS = {"LD", "ST", "LDG", "STG", "ATOM", "ATOMG", "RED", "REDG", "LDGSTS", "UTMALDG", "UBLKCP"}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")
 
@@ -52,7 +54,6 @@ def global_accesses_before_wait(instructions: list[tuple[str, str]]) -> tuple[bo
     return False, before
 
 
-@pytest.mark.gpu
 def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
     from tinyvllm.backends.cuda.kernel_cache import build_cubins, compile_jobs
     from tinyvllm.backends.cuda.kernels import arch, compute_capability
@@ -79,7 +80,7 @@ def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
 
 
 def test_the_check_sees_a_hoisted_load():
-    """The parser on a made-up listing (no GPU needed): a load above ACQBULK is found, one below is not."""
+    """The parser on a made-up listing: a load above ACQBULK is found, one below is not."""
     sass = """
         Function : k
         /*0000*/                   LDC R1, c[0x0][0x28] ;
