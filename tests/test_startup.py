@@ -66,8 +66,8 @@ def test_format_startup_aligns_runs_and_marks_missing_phases():
 
 
 def test_graph_capture_setting():
-    assert EngineConfig().cuda_graph_capture == "eager"
-    assert EngineConfig(cuda_graph_capture="lazy").cuda_graph_capture == "lazy"
+    assert EngineConfig().cuda_graph_capture == "lazy"
+    assert EngineConfig(cuda_graph_capture="eager").cuda_graph_capture == "eager"
     with pytest.raises(ValueError, match="cuda_graph_capture"):
         EngineConfig(cuda_graph_capture="sometimes")
     help_text = CliRunner().invoke(main, ["run", "--help"]).output

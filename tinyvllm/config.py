@@ -98,11 +98,11 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
                                   "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
-    # eager by default: lazy capture saves start-up time but cost W1 14-17% in fresh processes (2026-12-01,
-    # docs/PERFORMANCE.md), also when the captures were taken while prefill steps computed.
-    cuda_graph_capture: str = setting("eager", "cuda: capture every batch size's decode graph at start-up (eager), "
-                                      "or each at its first step (lazy: faster start, slower first steps)",
-                                      choices=GRAPH_CAPTURES)
+    # lazy by default: its thread keeps the ~4 ms a graph off the engine's thread (W1 and W3 within 1% of eager on
+    # the H200, 2026-12-01, docs/PERFORMANCE.md), and start-up does not wait for 66 captures.
+    cuda_graph_capture: str = setting("lazy", "cuda: capture every batch size's decode graph at start-up (eager), "
+                                      "or batch 1's at start-up and the rest on a thread while the engine runs, "
+                                      "the sizes steps meet first (lazy)", choices=GRAPH_CAPTURES)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -233,14 +233,58 @@ def test_graph_replay_matches_eager(model_dir):
                   enforce_eager=capture is None, cuda_graph_capture=capture or "lazy")
         if capture == "eager":
             assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
-        else:
-            assert llm.backend.graphs == {}  # none until a decode step meets its bucket
         runs.append(token_ids(llm.generate(prompts, params)))
-        if capture == "lazy":  # the buckets the decode steps met
-            assert set(llm.backend.graphs) <= set(llm.backend.buckets)
+        if capture == "lazy":  # the thread goes on to every bucket
+            capturer = llm.backend.capturer
+            capturer.thread.join(timeout=120)
+            assert capturer.error is None and sorted(llm.backend.graphs) == llm.backend.buckets
         assert bool(llm.backend.graphs) == (capture is not None)
         llm.backend.close()
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_lazy_capture_runs_steps_eagerly_until_their_graph_is_there(model_dir):
+    """While the capture thread is held back, every decode step but batch 1's runs eagerly, with the outputs of
+    graph replay; once let go, the thread takes the buckets the steps asked for first, then the rest."""
+    import threading
+
+    from tinyvllm.backends.cuda.runner import GraphCapturer
+
+    rng = np.random.default_rng(5)
+    prompts = random_prompts(rng, 13, 49152, 3, 40)
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    eager = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024,
+              cuda_graph_capture="eager")
+    want = token_ids(eager.generate(prompts, params))
+    eager.backend.close()
+
+    release, order = threading.Event(), []
+    take = GraphCapturer._next
+
+    def held_back(self):
+        release.wait()
+        bucket = take(self)
+        order.append(bucket)
+        return bucket
+
+    GraphCapturer._next = held_back
+    try:
+        llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024,
+                  cuda_graph_capture="lazy")
+        assert list(llm.backend.graphs) == [1]  # batch 1's, at start-up
+        got = token_ids(llm.generate(prompts, params))
+        asked = list(llm.backend.capturer.wanted)
+        assert list(llm.backend.graphs) == [1]  # the steps ran eagerly
+        release.set()
+        llm.backend.capturer.thread.join(timeout=120)
+    finally:
+        GraphCapturer._next = take
+    assert got == want
+    # the batch drains 13 -> 1 as requests finish: the steps asked for buckets 16, 8, 4 and 2
+    assert sorted(set(asked)) == [2, 4, 8, 16]
+    assert order[:len(set(asked))] == sorted(set(asked)) and order[-1] is None  # asked-for first, smallest last
+    assert sorted(llm.backend.graphs) == llm.backend.buckets
+    llm.backend.close()
 
 
 def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):

@@ -235,6 +235,28 @@ def test_cublas_gemm(cuda, m, n, k, out_fp32, accumulate):
     blas.close()
 
 
+def test_cublas_row_counts_of_a_class_share_one_heuristic_query(cuda):
+    """Every m of a class runs the algorithm found once for the class (no per-m heuristics), and each result is
+    right: m below the class's row count, at it, and the smallest m of the next class."""
+    from tinyvllm.backends.cuda.cublas import Cublas, m_class
+
+    assert [m_class(m) for m in (1, 16, 17, 18, 19, 33, 300, 320, 321, 8192, 8193)] == \
+        [1, 16, 18, 18, 20, 36, 320, 320, 352, 8192, 9216]
+    gpu, rng = Gpu(cuda), np.random.default_rng(7)
+    n, k = 384, 256
+    w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
+    blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24)
+    queries = []
+    for m in (290, 300, 320, 321):
+        x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
+        out = gpu.poisoned((m, n), np.float32)
+        blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=True)
+        assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
+        queries.append(blas.heuristic_queries)
+    assert queries == [1, 1, 1, 2]  # 289..320 are one class; 321 starts the next
+    blas.close()
+
+
 def sampling_rows(rng, num_rows, first_mode=0):
     """A mix of every sampling mode, cycling over the rows from first_mode."""
     modes = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),

@@ -1,8 +1,14 @@
-"""A ctypes binding of the few cuBLAS calls tinyvllm needs (scikit-cuda style): every status checked by name.
+"""A ctypes binding of the few cuBLASLt calls tinyvllm needs (scikit-cuda style): every status checked by name.
 
 All our matrices are row-major; cuBLAS is column-major. A row-major [m, n] matrix is the column-major [n, m] one,
 so the row-major product Y[m, n] = X[m, k] . W[n, k]^T is computed as the column-major Y^T = W^T(op T) . X^T:
-cublasGemmEx(OP_T, OP_N, n, m, k, W, lda=k, X, ldb=k, Y, ldc=n). "TN" is also cuBLAS's fastest layout.
+A = W ([k, n], ld k, transposed), B = X ([k, m], ld k), C = D = Y ([n, m], ld n). "TN" is cuBLAS's fastest layout.
+
+Why cuBLASLt and not cublasGemmEx: GemmEx runs its algorithm heuristics at the first call of every new shape,
+2-4 ms of host time each on the H200 (measured 2026-12-01). A prefill step's row count is new almost every step, and
+so is each decode bucket's at its capture. Here the heuristics run once per (n, k, output type) and class of row
+counts (`m_class`), and every m of the class reuses that algorithm; row counts named exact (the decode buckets, a
+fixed set whose GEMMs are captured once) get their own, since a class's algorithm can be slower for them.
 """
 
 from __future__ import annotations
@@ -13,32 +19,58 @@ import ctypes.util
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_GEMM_DEFAULT = -1
+CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
+CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
+CUBLAS_STATUS_NOT_SUPPORTED = 15
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
                 7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
                 13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
                 15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
+EXACT_ROWS = 16  # row counts up to this are their own class
 
 
 def _load_library() -> ctypes.CDLL:
-    names = ["libcublas.so.13", "libcublas.so.12", ctypes.util.find_library("cublas")]
+    names = ["libcublasLt.so.13", "libcublasLt.so.12", ctypes.util.find_library("cublasLt")]
     for name in filter(None, names):
         try:
             return ctypes.CDLL(name)
         except OSError:
             continue
-    raise RuntimeError("cuBLAS not found (tried libcublas.so.13, libcublas.so.12): install the CUDA toolkit or "
-                       "put its lib64 directory on LD_LIBRARY_PATH")
+    raise RuntimeError("cuBLASLt not found (tried libcublasLt.so.13, libcublasLt.so.12): install the CUDA toolkit "
+                       "or put its lib64 directory on LD_LIBRARY_PATH")
+
+
+class _Algo(ctypes.Structure):
+    """cublasLtMatmulAlgo_t: opaque."""
+
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 _lib = _load_library()
-_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_p, _i, _f, _u64, _i64, _size = (ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
+                                 ctypes.c_size_t)
+_pp = ctypes.POINTER(_p)
 _SIGNATURES = {
-    "cublasCreate_v2": [ctypes.POINTER(_p)],
-    "cublasDestroy_v2": [_p],
-    "cublasSetStream_v2": [_p, _p],
-    "cublasSetWorkspace_v2": [_p, _p, ctypes.c_size_t],
-    "cublasGemmEx": [_p, _i, _i, _i, _i, _i, _p, _p, _i, _i, _p, _i, _i, _p, _p, _i, _i, _i, _i],
+    "cublasLtCreate": [_pp],
+    "cublasLtDestroy": [_p],
+    "cublasLtMatmulDescCreate": [_pp, _i, _i],
+    "cublasLtMatmulDescSetAttribute": [_p, _i, _p, _size],
+    "cublasLtMatmulDescDestroy": [_p],
+    "cublasLtMatrixLayoutCreate": [_pp, _i, _u64, _u64, _i64],
+    "cublasLtMatrixLayoutDestroy": [_p],
+    "cublasLtMatmulPreferenceCreate": [_pp],
+    "cublasLtMatmulPreferenceSetAttribute": [_p, _i, _p, _size],
+    "cublasLtMatmulPreferenceDestroy": [_p],
+    "cublasLtMatmulAlgoGetHeuristic": [_p, _p, _p, _p, _p, _p, _p, _i, ctypes.POINTER(_HeuristicResult),
+                                       ctypes.POINTER(_i)],
+    "cublasLtMatmul": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), _p, _size, _p],
 }
 for _name, _args in _SIGNATURES.items():
     getattr(_lib, _name).argtypes = _args
@@ -50,28 +82,100 @@ def check(status: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: {STATUS_NAMES.get(status, f'cuBLAS status {status}')}")
 
 
-class Cublas:
-    """A cuBLAS handle bound to one stream and a fixed workspace (so that GEMMs can be captured in CUDA graphs)."""
+def m_class(m: int) -> int:
+    """The row count whose algorithm m uses: m itself up to EXACT_ROWS, else m rounded up to a multiple of a
+    sixteenth of the power of two at or above it (eight classes per octave: at most 1/8 more rows than m)."""
+    if m <= EXACT_ROWS:
+        return m
+    step = (1 << (m - 1).bit_length()) // 16
+    return -(-m // step) * step
 
-    def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int) -> None:
+
+class Cublas:
+    """cuBLASLt GEMMs on one stream with a fixed workspace (so that they can be captured in CUDA graphs)."""
+
+    def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int,
+                 exact_rows: frozenset[int] = frozenset()) -> None:
+        self.exact_rows = exact_rows
         self.handle = _p()
-        check(_lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate_v2")
-        check(_lib.cublasSetStream_v2(self.handle, stream_handle), "cublasSetStream_v2")
-        check(_lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace_v2")
+        check(_lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.stream, self.workspace, self.workspace_bytes = _p(stream_handle), _p(workspace_ptr), workspace_bytes
+        self.desc = _p()  # float32 compute and scale, A transposed
+        check(_lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+              "cublasLtMatmulDescCreate")
+        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T), (CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
+            op = _i(value)
+            check(_lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op), ctypes.sizeof(op)),
+                  "cublasLtMatmulDescSetAttribute")
+        self.preference = _p()
+        check(_lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
+        limit = _u64(workspace_bytes)
+        check(_lib.cublasLtMatmulPreferenceSetAttribute(self.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                        ctypes.byref(limit), ctypes.sizeof(limit)),
+              "cublasLtMatmulPreferenceSetAttribute")
+        self._layouts: dict[tuple[int, int, int, int], _p] = {}
+        self._algos: dict[tuple[int, int, bool, int], _Algo] = {}
+        self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
         self._alpha = _f(1.0)
-        self._betas = {0.0: _f(0.0), 1.0: _f(1.0)}
+        self._betas = {False: _f(0.0), True: _f(1.0)}
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> _p:
+        key = (dtype, rows, cols, ld)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _p()
+            check(_lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
+                  "cublasLtMatrixLayoutCreate")
+            self._layouts[key] = layout
+        return layout
+
+    def _layouts_for(self, m: int, n: int, k: int, out_fp32: bool) -> tuple[_p, _p, _p]:
+        """A (the weights), B (the input rows), C = D (the output rows)."""
+        return (self._layout(CUDA_R_16BF, k, n, k), self._layout(CUDA_R_16BF, k, m, k),
+                self._layout(CUDA_R_32F if out_fp32 else CUDA_R_16BF, n, m, n))
+
+    def _heuristic(self, m: int, n: int, k: int, out_fp32: bool) -> _Algo:
+        a, b, c = self._layouts_for(m, n, k, out_fp32)
+        result, count = _HeuristicResult(), _i()
+        check(_lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, 1,
+                                                  ctypes.byref(result), ctypes.byref(count)),
+              f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
+        if count.value < 1:
+            raise RuntimeError(f"cuBLASLt has no algorithm for m={m}, n={n}, k={k}")
+        self.heuristic_queries += 1
+        return result.algo
+
+    def algorithm(self, m: int, n: int, k: int, out_fp32: bool = False) -> _Algo:
+        """The algorithm of m's class (found by the heuristics at the class's row count, once)."""
+        key = (n, k, out_fp32, m if m in self.exact_rows else m_class(m))
+        algo = self._algos.get(key)
+        if algo is None:
+            algo = self._algos[key] = self._heuristic(key[3], n, k, out_fp32)
+        return algo
 
     def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,
              accumulate: bool = False) -> None:
         """Row-major out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate); bf16 inputs, float32 compute,
         output bf16 or float32."""
-        status = _lib.cublasGemmEx(
-            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._alpha), w, CUDA_R_16BF, k,
-            x, CUDA_R_16BF, k, ctypes.byref(self._betas[1.0 if accumulate else 0.0]), out,
-            CUDA_R_32F if out_fp32 else CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-        check(status, f"cublasGemmEx(m={m}, n={n}, k={k})")
+        a, b, c = self._layouts_for(m, n, k, out_fp32)
+        status = self._matmul(self.algorithm(m, n, k, out_fp32), out, x, w, a, b, c, accumulate)
+        if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for this m's own
+            key = (n, k, out_fp32, m)
+            algo = self._algos.get(key) or self._algos.setdefault(key, self._heuristic(m, n, k, out_fp32))
+            status = self._matmul(algo, out, x, w, a, b, c, accumulate)
+        check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
+
+    def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool) -> int:
+        return _lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self._alpha), w, a, x, b,
+                                   ctypes.byref(self._betas[accumulate]), out, c, out, c, ctypes.byref(algo),
+                                   self.workspace, self.workspace_bytes, self.stream)
 
     def close(self) -> None:
         if self.handle:
-            check(_lib.cublasDestroy_v2(self.handle), "cublasDestroy_v2")
+            for layout in self._layouts.values():
+                check(_lib.cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
+            self._layouts = {}
+            check(_lib.cublasLtMatmulPreferenceDestroy(self.preference), "cublasLtMatmulPreferenceDestroy")
+            check(_lib.cublasLtMatmulDescDestroy(self.desc), "cublasLtMatmulDescDestroy")
+            check(_lib.cublasLtDestroy(self.handle), "cublasLtDestroy")
             self.handle = _p()

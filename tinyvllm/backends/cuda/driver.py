@@ -46,7 +46,8 @@ _SIGNATURES = {
 for _name, _args in _SIGNATURES.items():
     getattr(_lib, _name).argtypes = _args
     getattr(_lib, _name).restype = ctypes.c_int
-CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+# Thread-local: a capture restricts only its own thread's calls, so one thread may capture while another runs steps.
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 # How each PyCUDA-style argument format letter (ops.Signature.arg_format) reaches the kernel.
 _ARGUMENT_TYPES: dict[str, Callable[[object], ctypes._SimpleCData]] = {
@@ -111,7 +112,7 @@ class Graph:
     """An instantiated CUDA graph of whatever `record` enqueues on the stream."""
 
     def __init__(self, stream_handle: int, record: Callable[[], None]) -> None:
-        check(_lib.cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture_v2")
+        check(_lib.cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture_v2")
         graph = _p()
         try:
             record()

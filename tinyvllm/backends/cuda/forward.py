@@ -13,6 +13,7 @@ device buffers that the step driver (runner.py) fills, so a decode step's launch
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -39,6 +40,12 @@ WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace, fixed so that captured GEMMs nev
 # Pinned host buffers the weights pass through: two suffice to overlap reading one with copying the other (the
 # copy is the faster), a third absorbs jitter; pieces of 32 MiB make the per-piece costs negligible.
 STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
+
+
+def decode_buckets(max_seqs: int) -> list[int]:
+    """The batch sizes decode steps are padded to (one CUDA graph each): 1, 2, 4, then multiples of 8, and
+    max_seqs."""
+    return sorted({b for b in (1, 2, 4, *range(8, max_seqs + 1, 8)) if b < max_seqs} | {max_seqs})
 
 
 class Buffers(Protocol):
@@ -82,7 +89,8 @@ class CudaForward:
             self.kv_scales = [(k_scales + i * row, v_scales + i * row) for i in range(cfg.num_hidden_layers)]
         self._upload_weights(model.weights)
         self._allocate_buffers()
-        self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES)
+        self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES,
+                           exact_rows=frozenset(decode_buckets(self.max_seqs)))
         self.ops = Ops(compiled, stream)
         self.linear = Linear(self.blas, compiled, self.stream)  # our GEMV for a few rows, else cuBLAS
         self.k_cache: list[int] = []
@@ -205,6 +213,17 @@ class CudaForward:
         self.ops.clear_token_slots(b["token_counts"], b["prompt_mask"], vocab, slots, num_slots)
         if num_tokens:
             self.ops.fill_token_slots(b["token_counts"], b["prompt_mask"], vocab, tokens, token_slots, num_tokens)
+
+    def on_stream(self, stream: cuda.Stream) -> CudaForward:
+        """The same model (weights, buffers, KV cache) launching on another stream, with a cuBLAS handle of its own:
+        what another thread captures graphs with. Its close() releases that handle only."""
+        other = copy.copy(self)
+        other.stream = stream
+        other.blas = Cublas(stream.handle, self.buf["workspace"], WORKSPACE_BYTES, exact_rows=self.blas.exact_rows)
+        other.ops = Ops(self.ops.kernels, stream)
+        other.linear = Linear(other.blas, self.ops.kernels, stream)
+        other._allocations = []
+        return other
 
     def close(self) -> None:
         """Release the cuBLAS handle and device memory now rather than at garbage collection."""

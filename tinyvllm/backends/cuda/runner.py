@@ -3,9 +3,11 @@ memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
 computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured at start-up (cuda_graph_capture="eager", the default), or each at its bucket's first
-step ("lazy"; a capture records and runs nothing, so it can happen between queued steps). Each step copies its inputs
-into fixed device buffers with one host-to-device copy and replays the graph.
+batch-size bucket, all captured at start-up (cuda_graph_capture="eager"), or after it ("lazy"): batch 1's at
+start-up, the others by a thread of their own while the engine runs (GraphCapturer), the buckets steps ask for
+first; a step whose graph is not there yet runs the same launches eagerly. A capture records and runs nothing, so
+it can happen while steps are queued. Each step copies its inputs into fixed device buffers with one host-to-device
+copy and replays the graph.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -14,7 +16,9 @@ outputs come back through one of two host copies, so they stay readable after st
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,7 +28,7 @@ import pycuda.driver as cuda
 from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, QueuedStep, SamplerOutput,
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda import kernels
-from tinyvllm.backends.cuda.forward import GIB, CudaForward
+from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets
 from tinyvllm.backends.cuda.driver import Graph
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
@@ -131,6 +135,58 @@ class ProcessorBuffers:
         return staging.ptr(name, index)
 
 
+class GraphCapturer:
+    """Lazy capture: a thread that captures the backend's missing decode graphs, the buckets steps asked for first
+    (want()), then the others from the largest down (the sizes a draining batch meets), on a stream and cuBLAS
+    handle of its own. Its host time (~4 ms a graph on the H200, mostly Python recording the launches; instantiation
+    runs without the GIL) overlaps the engine's: W1 with captures taken at each bucket's first step lost 14-17% to
+    them on the main thread."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend = backend
+        self.context = cuda.Context.get_current()
+        self.stream = cuda.Stream(flags=1)  # non-blocking: no implicit synchronization with other streams' work
+        self.forward = backend.forward.on_stream(self.stream)
+        self.todo = list(backend.buckets)  # ascending: pop() takes the largest
+        self.wanted: list[int] = []
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tinyvllm-graph-capture", daemon=True)
+        atexit.register(self.stop)  # before the CUDA context goes at exit (pycuda's atexit hook is older)
+        self.thread.start()
+
+    def want(self, bucket: int) -> None:
+        """A step met `bucket` without its graph: capture it next."""
+        self.wanted.append(bucket)
+
+    def _next(self) -> int | None:
+        while self.wanted or self.todo:
+            bucket = self.wanted.pop() if self.wanted else self.todo.pop()
+            if bucket not in self.backend.graphs:
+                return bucket
+        return None
+
+    def _run(self) -> None:
+        self.context.push()
+        be = self.backend
+        try:
+            while not self.stopping and (bucket := self._next()) is not None:
+                be.graphs[bucket] = Graph(self.stream.handle,
+                                          lambda: self.forward.decode(bucket, be.decode_in, be.out, be.proc))
+        except Exception as exc:  # noqa: BLE001 - the main thread captures what is left itself
+            self.error = exc
+            log.warning("cuda: capturing decode graphs in the background failed: %s", exc)
+        finally:
+            self.forward.close()
+            cuda.Context.pop()
+
+    def stop(self) -> None:
+        """Stop after the capture in progress."""
+        self.stopping = True
+        self.thread.join()
+        atexit.unregister(self.stop)
+
+
 class CudaBackend(Backend):
     """The step driver: stages each step's inputs, runs the forward's prefill chunks and decode graphs, and reads
     the outputs back."""
@@ -147,8 +203,7 @@ class CudaBackend(Backend):
         self.max_seqs = engine_config.max_num_seqs
         self.max_tokens = max(engine_config.max_num_batched_tokens, engine_config.max_num_seqs)  # per prefill chunk
         self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
-        self.buckets = sorted({b for b in (1, 2, 4, *range(8, self.max_seqs + 1, 8)) if b < self.max_seqs}
-                              | {self.max_seqs})
+        self.buckets = decode_buckets(self.max_seqs)
         # seconds per start-up phase, for `tinyvllm bench --startup`
         self.startup_times: dict[str, float] = {"kernels": _seconds(kernels.load)}
         start = time.perf_counter()
@@ -163,6 +218,7 @@ class CudaBackend(Backend):
         self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (self.max_tokens, np.int32),
                                  "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
         self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
+        self.capturer: GraphCapturer | None = None  # lazy capture's thread, while it runs
         self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
@@ -212,9 +268,15 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
-        if self.use_graphs and ec.cuda_graph_capture == "eager":
-            self.startup_times["graph capture"] = _seconds(self.capture_graphs)
+        if self.use_graphs:
+            self.startup_times["graph capture"] = _seconds(
+                self.capture_graphs if ec.cuda_graph_capture == "eager" else self._start_lazy_capture)
         return num_blocks
+
+    def _start_lazy_capture(self) -> None:
+        """Batch 1's graph now (a latency run's first decode step should not wait for it), the rest by a thread."""
+        self.graphs[self.buckets[0]] = self._capture(self.buckets[0])
+        self.capturer = GraphCapturer(self)
 
     def describe(self) -> dict:
         return {"backend": self.name, "device": self.forward.device_name, "kv_blocks": self.num_blocks,
@@ -228,6 +290,9 @@ class CudaBackend(Backend):
         self.forward.close()
 
     def _close_graphs(self) -> None:
+        capturer, self.capturer = self.capturer, None
+        if capturer is not None:
+            capturer.stop()
         for graph in (*self.graphs.values(), *self.forward_graphs.values()):
             graph.close()
         self.graphs, self.forward_graphs = {}, {}
@@ -341,16 +406,21 @@ class CudaBackend(Backend):
 
     def _decode(self, batch: Batch, sample: bool) -> None:
         """Queue a decode step: through sampling, or (sample=False) up to the logits. A bucket's graph not captured
-        yet is captured now, then replayed (the forward-only graphs always so)."""
+        yet runs eagerly while the capture thread takes it, or (no thread) is captured now and replayed (the
+        forward-only graphs always so)."""
         bucket = next(b for b in self.buckets if b >= batch.num_seqs)  # eager pads too: graph and eager agree
         self._stage_decode(batch, bucket)
-        if not self.use_graphs:
-            self._decode_forward(bucket, sample)
-            return
         graphs = self.graphs if sample else self.forward_graphs
-        if bucket not in graphs:
-            graphs[bucket] = self._capture(bucket, sample)
-        graphs[bucket].launch(self.stream.handle)
+        graph = graphs.get(bucket) if self.use_graphs else None
+        if graph is None and self.use_graphs:
+            if sample and self.capturer is not None and self.capturer.thread.is_alive():
+                self.capturer.want(bucket)
+            else:
+                graph = graphs[bucket] = self._capture(bucket, sample)
+        if graph is None:
+            self._decode_forward(bucket, sample)
+        else:
+            graph.launch(self.stream.handle)
 
     def _capture(self, bucket: int, sample: bool = True) -> Graph:
         """The decode graph of one bucket. Capturing records the launches without running them (cuBLAS has its
@@ -385,7 +455,10 @@ class CudaBackend(Backend):
                 for staging in (self.proc.rows, self.proc.allowed, self.proc.bias):
                     staging.wait()
                 self.proc = ProcessorBuffers(self.max_seqs, needed)
+                lazy = self.capturer is not None
                 self._close_graphs()  # they read the old arrays
+                if lazy:
+                    self._start_lazy_capture()
         last = batch.query_start_loc[1:] - 1
         sources = batch.token_sources[last] if batch.token_sources is not None else -1
         self.proc.stage(self.stream, proc, batch.token_ids[last], sources, rows)
