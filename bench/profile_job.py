@@ -1,7 +1,7 @@
 """Where a job's host time goes beyond the engine's, per row: J1's rows with the model replaced by a backend that
 answers at once, so what is left is the host's work alone (runs on a CPU; no weights are made).
 
-    python bench/profile_job.py [--rows 4000] [--max-tokens 128] [--stop STRING] [--cprofile]
+    python bench/profile_job.py [--rows 4000] [--max-tokens 128] [--stop STRING] [--cprofile] [--device-us US]
 
 Times J1's requests as token ids through LLM.generate, then the same rows as a job through the CLI's runner (run_job,
 in process), and prints both walls, their difference per row, the main thread's CPU time per row in each (on a GPU
@@ -10,6 +10,9 @@ shows in the wall only where they take the GIL), and the inclusive time of each 
 (phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template; with no
 device to wait for, the threads' phases include waits for the GIL).
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
+--device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
+token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
+the main thread for the GIL while it would wait for the device, as on a GPU host.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 import tinyvllm.engine.llm_engine as engine_module
 import tinyvllm.llm
 from tinyvllm import LLM
-from tinyvllm.backends.base import Backend, SamplerOutput
+from tinyvllm.backends.base import Backend, QueuedStep, SamplerOutput
 from tinyvllm.benchmark import Request, make_j1_rows, run_workload
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.io import readers, writer
@@ -61,6 +64,28 @@ class InstantBackend(Backend):
 
     def execute(self, batch, bitmask=None) -> SamplerOutput:
         return SamplerOutput(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
+
+
+class DeviceLikeBackend(InstantBackend):
+    """InstantBackend whose steps take device time: each starts when the one before it ends (or when submitted,
+    if later) and its result is there at its end; waiting for it sleeps, releasing the GIL as a CUDA wait does."""
+
+    def __init__(self, model, config, seconds_per_seq: float) -> None:
+        super().__init__(model, config)
+        self.seconds_per_seq = seconds_per_seq
+        self.free_at = 0.0
+
+    def submit(self, batch) -> QueuedStep:
+        queued = super().submit(batch)
+        prefill_tokens = len(batch.token_ids) - batch.num_seqs
+        start = max(time.perf_counter(), self.free_at)
+        end = self.free_at = start + self.seconds_per_seq * (batch.num_seqs + prefill_tokens / 10)
+
+        def result() -> SamplerOutput:
+            time.sleep(max(0.0, end - time.perf_counter()))
+            return queued.result()
+
+        return QueuedStep(result, queued.bitmask, queued.sample)
 
 
 def timed(owner, name: str, label: str | None = None) -> None:
@@ -103,9 +128,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--stop", help="a stop string on every row")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--device-us", type=float, help="device time per sequence of a step (default: none)")
     args = parser.parse_args()
 
-    tinyvllm.llm.create_backend = InstantBackend  # the one place the model is left out
+    # the one place the model is left out
+    tinyvllm.llm.create_backend = InstantBackend if args.device_us is None else \
+        (lambda model, config: DeviceLikeBackend(model, config, args.device_us * 1e-6))
     config = llama_3_2_1b_config()
     model = LoadedModel(config, {}, text_tokenizer(config.vocab_size), "dummy:llama-3.2-1b")
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
