@@ -69,14 +69,10 @@ def smollm2_135m_config() -> ModelConfig:
 
 
 def llama_3_1_8b_config() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_ids=[128001, 128008, 128009], torch_dtype="bfloat16",
-    )
+    """The 1B's family (vocabulary, RoPE, special tokens), wider and deeper, with its own LM head."""
+    small = llama_3_2_1b_config()
+    return replace(small, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+                   rope_scaling={**small.rope_scaling, "factor": 8.0}, tie_word_embeddings=False)
 
 
 def qwen2_5_7b_config() -> ModelConfig:
