@@ -1,6 +1,7 @@
 """The benchmark's workloads and floors on the numpy backend (speed itself is measured by `make bench`, not here)."""
 
 import math
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -27,14 +28,20 @@ def test_llama_1b_floor_matches_the_known_limits():
     config = llama_3_2_1b_config()
     assert abs(weight_bytes(config) / 1e9 - 2.47) < 0.01  # 1.24 B parameters in bf16
     # batch-1 decode is bound by reading the weights: ~0.58 ms per token at 4.27 TB/s
-    w3 = make_workload("W3", config.vocab_size)
-    per_token = floor_seconds(config, w3, 4.27e12, 7.4e14, 512) / 256
-    assert 0.55e-3 < per_token < 0.65e-3
+    w3 = floor_seconds(config, make_workload("W3", config.vocab_size), 4.27e12, 7.4e14, 512)
+    assert 0.55e-3 < w3.seconds / 256 < 0.65e-3
+    assert w3.decode_flops_s == 0 and w3.decode_kv_s < w3.decode_weights_s / 10 and w3.prefill_flops_s > 0
     w5 = make_workload("W5", config.vocab_size)
-    assert floor_seconds(config, w5, 4.27e12, 7.4e14, 512, cached_prefix=1024) < \
-        floor_seconds(config, w5, 4.27e12, 7.4e14, 512) / 3
-    assert matmul_params(config) * 2 * 512 * 256 / 7.4e14 < floor_seconds(config, make_workload("W1", 100), 4.27e12,
-                                                                         7.4e14, 512)
+    assert floor_seconds(config, w5, 4.27e12, 7.4e14, 512, cached_prefix=1024).seconds < \
+        floor_seconds(config, w5, 4.27e12, 7.4e14, 512).seconds / 3
+    w1 = floor_seconds(config, make_workload("W1", 100), 4.27e12, 7.4e14, 512)
+    assert matmul_params(config) * 2 * 512 * 256 / 7.4e14 < w1.seconds
+    # W1's 512 sequences of 256-512 tokens: the KV cache outweighs the weights a step reads
+    assert w1.decode_kv_s > w1.decode_weights_s > 0
+    # a thousand-fold slower GEMM rate makes every decode step compute-bound
+    slow = floor_seconds(config, make_workload("W1", 100), 4.27e12, 7.4e11, 512)
+    assert slow.decode_weights_s == slow.decode_kv_s == 0 and slow.decode_flops_s > 0
+    assert slow.seconds == pytest.approx(sum(asdict(slow).values()))
 
 
 def test_run_benchmark_on_the_cpu():
@@ -48,6 +55,7 @@ def test_run_benchmark_on_the_cpu():
     assert work["W2"]["unchunked"]["output_tokens"] == work["W2"]["output_tokens"]
     assert all(0 < r["fraction_of_limit"] for r in work.values())
     assert work["W5"]["fraction_of_limit"] < 1, "the floor must count the prefix cache's savings"
+    assert all(r["floor_s"] == pytest.approx(sum(r["floor_parts_s"].values())) for r in work.values())
     assert llm.llm_engine.block_manager.enable_prefix_caching and llm.llm_engine.scheduler.enable_chunked_prefill
     assert "W5" in format_results(results)
 

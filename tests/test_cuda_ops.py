@@ -154,12 +154,20 @@ def test_gemv_splits_k_across_warps(recorder, k, blocks):
     assert recorder.launches == [("gemv_f32", (blocks,), (256, 1, 1))]
 
 
+def test_rope_and_cache_geometry(recorder):
+    launcher = Ops(recorder, None)
+    launcher.rope_and_cache(*range(1, 7), 300, 32, 8, 64, 3072)
+    launcher.rope_and_cache(*range(1, 7), 1, 32, 8, 64, 3072, (7, 8))
+    assert recorder.launches == [("rope_and_cache_bf16", (300,), (128, 1, 1)),
+                                 ("rope_and_cache_fp8", (1,), (128, 1, 1))]
+
+
 @pytest.mark.parametrize("launch,message", [
     (lambda o: o.rms_norm(1, 2, 3, 0, 4, 1001, 1e-5), "hidden 1001 is not a multiple of 8"),
     (lambda o: o.embedding(1, 2, 3, 4, 12), "hidden 12 is not a multiple of 8"),
     (lambda o: o.silu_and_mul(1, 2, 3, 100), "intermediate_size 100"),
-    (lambda o: o.reshape_and_cache(1, 2, 3, 4, 5, 2048, 500, 3048), "kv_width 500"),
-    (lambda o: o.rope(1, 2, 3, 4, 40, 63, 4096), "head_dim 63 is odd"),
+    (lambda o: o.rope_and_cache(*range(1, 7), 5, 32, 8, 60, 2880), "head_dim 60 is not a multiple of 8"),
+    (lambda o: o.rope_and_cache(*range(1, 7), 5, 32, 8, 64, 2560), "32 \\+ 2 \\* 8 heads of 64 do not fit"),
     (lambda o: o.logprobs(1, 2, 3, 4, 5, 6, 100, ops.MAX_TOP_LOGPROBS + 1), "k = 65 not in 0..64"),
     (lambda o: o.gemv(1, 2, 3, 9, 64, 64, False, False), "m = 9 rows"),
     (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),

@@ -55,7 +55,7 @@ def test_key_changes_with_every_input():
                 cache_key(CompileJob("norm", "src", {}, ("-O2",)), HEADERS, "v1", "sm_90"),
                 cache_key(job("norm"), HEADERS, "v2", "sm_90"),
                 cache_key(job("norm"), HEADERS, "v1", "sm_80"),
-                cache_key(job("rope"), HEADERS, "v1", "sm_90")]
+                cache_key(job("cache"), HEADERS, "v1", "sm_90")]
     assert len({base, *variants}) == 1 + len(variants)
 
 

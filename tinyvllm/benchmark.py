@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -143,28 +143,47 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * bytes_per_value
 
 
+@dataclass(frozen=True)
+class Floor:
+    """A lower bound on a workload's time, by what bounds it: prefill at the GEMM rate; then each decode step by
+    reading the weights and the batch's KV cache at the copy rate, or by its FLOPs where those take longer. The
+    parts add up to the bound."""
+
+    prefill_flops_s: float  # prefill's GEMM and attention FLOPs
+    decode_weights_s: float  # reading the weights, in the decode steps bound by memory
+    decode_kv_s: float  # reading the KV cache, in the same steps
+    decode_flops_s: float  # the decode steps bound by their FLOPs
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_flops_s + self.decode_weights_s + self.decode_kv_s + self.decode_flops_s
+
+
 def floor_seconds(config: ModelConfig, requests: list[Request], bandwidth: float, flops: float,
-                  max_num_seqs: int, cached_prefix: int = 0) -> float:
-    """A lower bound on the workload's time: prefill at the GEMM rate, then decode steps each bounded by reading
-    the weights and the batch's KV cache, or by its GEMM FLOPs, whichever is slower. Sequences run in waves of
-    max_num_seqs, longest-first being irrelevant to a bound this coarse. With `cached_prefix`, every request but
-    the first finds that many leading prompt tokens in the prefix cache and prefills only the rest."""
+                  max_num_seqs: int, cached_prefix: int = 0) -> Floor:
+    """The workload's Floor. Sequences run in waves of max_num_seqs, longest-first being irrelevant to a bound this
+    coarse. With `cached_prefix`, every request but the first finds that many leading prompt tokens in the prefix
+    cache and prefills only the rest."""
     per_token_flops = 2 * matmul_params(config)
     attn_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim  # per (query, key)
     prefill = 0.0
     for i, r in enumerate(requests):
         length, cached = len(r.prompt_token_ids), min(cached_prefix, len(r.prompt_token_ids)) if i else 0
         prefill += per_token_flops * (length - cached) + attn_flops * (length ** 2 - cached ** 2) / 2
-    prefill /= flops
-    decode = 0.0
+    weights_s = kv_s = compute_s = 0.0
     for wave_start in range(0, len(requests), max_num_seqs):
         wave = requests[wave_start: wave_start + max_num_seqs]
         for step in range(1, max(r.max_tokens for r in wave)):
             live = [r for r in wave if r.max_tokens > step]
             context = sum(len(r.prompt_token_ids) + step for r in live)
-            read = weight_bytes(config) + context * kv_bytes_per_token(config)
-            decode += max(read / bandwidth, (per_token_flops * len(live) + attn_flops * context) / flops)
-    return prefill + decode
+            weights, kv = weight_bytes(config) / bandwidth, context * kv_bytes_per_token(config) / bandwidth
+            step_flops = (per_token_flops * len(live) + attn_flops * context) / flops
+            if step_flops > weights + kv:
+                compute_s += step_flops
+            else:
+                weights_s += weights
+                kv_s += kv
+    return Floor(prefill / flops, weights_s, kv_s, compute_s)
 
 
 def measure_limits(backend) -> dict:
@@ -263,8 +282,9 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
         cached = _common_prefix_len(requests) if name == "W5" else 0  # what the prefix cache saves
         floor = floor_seconds(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
                               llm.engine_config.max_num_seqs, cached_prefix=cached)
-        result["floor_s"] = floor
-        result["fraction_of_limit"] = floor / result["wall_s"]
+        result["floor_s"] = floor.seconds
+        result["floor_parts_s"] = asdict(floor)
+        result["fraction_of_limit"] = floor.seconds / result["wall_s"]
         if name == "W4":
             flops = sum(2 * matmul_params(config) * len(r.prompt_token_ids) for r in requests)
             result["prefill_tok_s"] = result["input_tokens"] / result["wall_s"]
@@ -396,6 +416,11 @@ def format_results(results: dict) -> str:
         notes = []
         if "ms_per_token" in r:
             notes.append(f"{r['ms_per_token']:.2f} ms/token")
+        if "floor_parts_s" in r:
+            parts = r["floor_parts_s"]
+            notes.append(f"floor {r['floor_s']:.3f} s = prefill FLOPs {parts['prefill_flops_s']:.3f} + weights "
+                         f"{parts['decode_weights_s']:.3f} + KV {parts['decode_kv_s']:.3f} + decode FLOPs "
+                         f"{parts['decode_flops_s']:.3f}")
         if "achieved_tflops" in r:
             notes.append(f"{r['achieved_tflops']:.1f} TFLOP/s = {r['fraction_of_gemm_rate']:.0%} of GEMM rate")
         if "unchunked" in r:

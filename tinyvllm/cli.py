@@ -218,7 +218,7 @@ def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, 
           max_num_batched_tokens: int, json_path: Path | None, cuda_graph_capture: str, startup: bool) -> None:
     """Throughput and latency workloads (W1-W6, J1) against the machine's measured limits.
 
-    HF transformers peers in the same run: `make bench` (bench/run.py)."""
+    HF transformers peers on the same requests: `python bench/run.py --peers static,compiled`."""
     if startup:
         _bench_startup(model, backend, json_path)
         return

@@ -96,23 +96,6 @@ def test_rms_norm(cuda, ops, tokens, hidden, gather):
     assert rel_err(got, rms_norm(x[rows], w, 1e-5)) < BF16_TOL
 
 
-@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 8), (40, 64, 9, 3)])
-def test_rope(cuda, ops, tokens, head_dim, heads, kv_heads):
-    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim)
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
-    positions = rng.integers(0, 20000, tokens).astype(np.int32)
-    cos, sin = rope_cos_sin(np.arange(20000), rope_inv_freq(head_dim, 500000.0, LLAMA3_SCALING))
-    buf = gpu.bf16(qkv)
-    ops.rope(buf, gpu.put(positions), gpu.put(np.stack([cos, sin], -1)), tokens, heads + kv_heads, head_dim, width)
-    got = gpu.get_bf16(buf, (tokens, width))
-    c, s = cos[positions], sin[positions]
-    qk = (heads + kv_heads) * head_dim
-    ref = apply_rope(qkv[:, :qk].reshape(tokens, heads + kv_heads, head_dim), c, s).reshape(tokens, qk)
-    assert rel_err(got[:, :qk], ref) < BF16_TOL
-    np.testing.assert_array_equal(got[:, qk:], qkv[:, qk:])  # V untouched
-
-
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (257, 8192), (3, 520)])
 def test_silu_and_mul(cuda, ops, tokens, inter):
     gpu, rng = Gpu(cuda), np.random.default_rng(inter)
@@ -122,22 +105,49 @@ def test_silu_and_mul(cuda, ops, tokens, inter):
     assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
 
 
-@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 2)])
-def test_reshape_and_cache(cuda, ops, tokens, head_dim, heads, kv_heads):
-    gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
-    num_slots, kv_width = 1000, kv_heads * head_dim
-    width = heads * head_dim + 2 * kv_width
-    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
-    slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
-    slots[::5] = -1  # padded rows write nothing
+ROPE_CACHE_SHAPES = [(1, 64, 32, 8), (257, 128, 8, 2), (40, 64, 9, 3)]  # (tokens, head_dim, heads, kv_heads)
+
+
+def rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads, scale=None):
+    """qkv rows (bf16 values, times `scale` where given), positions, rope's cos/sin table and cache slots (every
+    fifth negative: a padded row)."""
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = rng.standard_normal((tokens, width), dtype=np.float32)
+    qkv = bf16_round(qkv if scale is None else qkv * scale)
+    positions = rng.integers(0, 20000, tokens).astype(np.int32)
+    cos, sin = rope_cos_sin(np.arange(20000), rope_inv_freq(head_dim, 500000.0, LLAMA3_SCALING))
+    slots = rng.permutation(1000)[:tokens].astype(np.int32)
+    slots[::5] = -1
+    return qkv, positions, np.stack([cos, sin], -1), slots
+
+
+def check_rotated(got, qkv, positions, cos_sin, heads, kv_heads, head_dim):
+    """got (the kernel's qkv rows): q and k heads rotated as apply_rope does, V heads untouched."""
+    tokens, qk = len(qkv), (heads + kv_heads) * head_dim
+    c, s = cos_sin[positions, :, 0], cos_sin[positions, :, 1]
+    ref = apply_rope(qkv[:, :qk].reshape(tokens, heads + kv_heads, head_dim), c, s).reshape(tokens, qk)
+    assert rel_err(got[:, :qk], ref) < BF16_TOL
+    np.testing.assert_array_equal(got[:, qk:], qkv[:, qk:])
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", ROPE_CACHE_SHAPES)
+def test_rope_and_cache(cuda, ops, tokens, head_dim, heads, kv_heads):
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim)
+    qkv, positions, cos_sin, slots = rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads)
+    num_slots, q_width, kv_width = 1000, heads * head_dim, kv_heads * head_dim
     k_cache, v_cache = gpu.poisoned((num_slots, kv_width), np.uint16), gpu.poisoned((num_slots, kv_width), np.uint16)
-    ops.reshape_and_cache(k_cache, v_cache, gpu.bf16(qkv), gpu.put(slots), tokens, heads * head_dim, kv_width, width)
+    buf = gpu.bf16(qkv)
+    ops.rope_and_cache(buf, k_cache, v_cache, gpu.put(positions), gpu.put(slots), gpu.put(cos_sin), tokens, heads,
+                       kv_heads, head_dim, qkv.shape[1])
+    got = gpu.get_bf16(buf, qkv.shape)
+    check_rotated(got, qkv, positions, cos_sin, heads, kv_heads, head_dim)
     k, v = gpu.get_bf16(k_cache, (num_slots, kv_width)), gpu.get_bf16(v_cache, (num_slots, kv_width))
     real = slots >= 0
-    np.testing.assert_array_equal(k[slots[real]], qkv[real, heads * head_dim: heads * head_dim + kv_width])
-    np.testing.assert_array_equal(v[slots[real]], qkv[real, heads * head_dim + kv_width:])
+    np.testing.assert_array_equal(k[slots[real]], got[real, q_width: q_width + kv_width])  # the rotated keys
+    np.testing.assert_array_equal(v[slots[real]], qkv[real, q_width + kv_width:])
     untouched = np.setdiff1d(np.arange(num_slots), slots[real])
     assert np.isnan(k[untouched]).all() and np.isnan(v[untouched]).all()
+
 
 
 def cache_setup(rng, context_lens, kv_heads, head_dim, block_size):

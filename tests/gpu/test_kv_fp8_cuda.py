@@ -15,7 +15,8 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.model.dtypes import E4M3_NAN
 
 from test_cuda_model import CONFIGS, bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
-from test_kernels import ATTN_SHAPES, BF16_TOL, Gpu, bf16_round, cache_setup
+from test_kernels import (ATTN_SHAPES, BF16_TOL, ROPE_CACHE_SHAPES, Gpu, bf16_round, cache_setup,
+                          check_rotated, rope_and_cache_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,27 +31,27 @@ def random_codes(rng, shape):
     return np.where((codes & 0x7F) == E4M3_NAN, codes - 1, codes).astype(np.uint8)
 
 
-@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 32, 8), (257, 128, 8, 2)])
-def test_reshape_and_cache_fp8_is_bit_exact(cuda, ops, tokens, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", ROPE_CACHE_SHAPES)
+def test_rope_and_cache_fp8_is_bit_exact(cuda, ops, tokens, head_dim, heads, kv_heads):
+    """The cache holds write_kv_cache's codes of the rotated keys (as the kernel left them in qkv) and of V."""
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
-    num_slots, kv_width = 1000, kv_heads * head_dim
-    width = heads * head_dim + 2 * kv_width
+    num_slots, q_width, kv_width = 1000, heads * head_dim, kv_heads * head_dim
     # magnitudes over 2^-20 .. 2^12 of the scale: subnormals, flushes to zero and saturation all occur
-    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32)
-                     * np.exp2(rng.uniform(-12, 8, (tokens, width))).astype(np.float32))
+    width = q_width + 2 * kv_width
+    magnitudes = np.exp2(rng.uniform(-12, 8, (tokens, width))).astype(np.float32)
+    qkv, positions, cos_sin, slots = rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads, magnitudes)
     k_scales, v_scales = random_scales(rng, kv_heads), random_scales(rng, kv_heads)
-    slots = rng.permutation(num_slots)[:tokens].astype(np.int32)
-    slots[::5] = -1  # padded rows write nothing
     poison = np.full((num_slots, kv_width), 0x7F, np.uint8)
-    k_cache, v_cache = gpu.put(poison), gpu.put(poison)
-    ops.reshape_and_cache(k_cache, v_cache, gpu.bf16(qkv), gpu.put(slots), tokens, heads * head_dim, kv_width, width,
-                          (gpu.put(k_scales), gpu.put(v_scales)), head_dim)
+    k_cache, v_cache, buf = gpu.put(poison), gpu.put(poison), gpu.bf16(qkv)
+    ops.rope_and_cache(buf, k_cache, v_cache, gpu.put(positions), gpu.put(slots), gpu.put(cos_sin), tokens, heads,
+                       kv_heads, head_dim, width, (gpu.put(k_scales), gpu.put(v_scales)))
+    rotated = gpu.get_bf16(buf, qkv.shape)
+    check_rotated(rotated, qkv, positions, cos_sin, heads, kv_heads, head_dim)
     got_k, got_v = gpu.get(k_cache, poison.shape, np.uint8), gpu.get(v_cache, poison.shape, np.uint8)
     real = slots >= 0
     want_k = poison.reshape(num_slots, kv_heads, head_dim).copy()
     want_v = want_k.copy()
-    q_width = heads * head_dim
-    k = qkv[real, q_width: q_width + kv_width].reshape(-1, kv_heads, head_dim)
+    k = rotated[real, q_width: q_width + kv_width].reshape(-1, kv_heads, head_dim)
     v = qkv[real, q_width + kv_width:].reshape(-1, kv_heads, head_dim)
     write_kv_cache(want_k, want_v, k, v, slots[real], (k_scales, v_scales))
     np.testing.assert_array_equal(got_k, want_k.reshape(num_slots, kv_width))

@@ -34,7 +34,7 @@ def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.nda
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim/2].  Twin: cuda/rope.cu."""
+    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim/2].  Twin: cuda/cache.cu rope_and_cache."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -54,7 +54,7 @@ def write_kv_cache(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: n
                    slot_mapping: np.ndarray, scales: KVScales | None = None) -> None:
     """Store each token's K/V [T, kv_heads, head_dim] at its slot of the cache [slots, kv_heads, head_dim]; an fp8
     cache (uint8, with `scales`) holds the e4m3 codes of value / scale (model/kv_scales.py).
-    Twins: cuda/cache.cu reshape_and_cache, reshape_and_cache_fp8."""
+    Twin: cuda/cache.cu rope_and_cache (after its rotation)."""
     if scales is not None:
         k, v = (f32_to_e4m3(x / scale[:, None]) for x, scale in zip((k, v), scales))
     k_cache[slot_mapping] = k

@@ -1,11 +1,11 @@
 """The decoder forward (Llama and the families of model/config.py) in bf16 on one NVIDIA GPU: weights, activations
 and the paged KV cache in device memory, and the launch sequence of a step.
 
-Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope -> reshape_and_cache ->
-attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down GEMM (+= residual). Linear
-layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32 compute; the
-residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head writes float32 logits
-that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
+Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope_and_cache (RoPE, and K and
+V into the paged cache) -> attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down
+GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and
+float32 compute; the residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head
+writes float32 logits that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
@@ -186,7 +186,7 @@ class CudaForward:
         allocation.
 
         Only block 0 is zeroed (zeroing ~120 GB took 38 ms on an H200): attention reads a slot only after the step
-        that owns it wrote it (keys before a row's context end; reshape_and_cache runs before attention; past the
+        that owns it wrote it (keys before a row's context end; rope_and_cache runs before attention; past the
         end the kernels load zeros), except the padded rows of a decode batch, which read slot 0 of block 0. Their
         output is dropped, and rows never mix, but zeros keep them finite."""
         nbytes = num_blocks * self.kv_bytes_per_block()
@@ -249,10 +249,9 @@ class CudaForward:
             if layer["q_norm"] is not None:
                 ops.qk_norm(b["qkv"], layer["q_norm"], layer["k_norm"], n, self.heads, self.kv_heads, self.head_dim,
                             self.qkv_width, eps)
-            ops.rope(b["qkv"], inp.ptr("positions"), self.cos_sin, n, self.heads + self.kv_heads, self.head_dim,
-                     self.qkv_width)
-            ops.reshape_and_cache(self.k_cache[i], self.v_cache[i], b["qkv"], inp.ptr("slot_mapping"), n,
-                                  self.q_width, self.kv_width, self.qkv_width, self.kv_scales[i], self.head_dim)
+            ops.rope_and_cache(b["qkv"], self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
+                               inp.ptr("slot_mapping"), self.cos_sin, n, self.heads, self.kv_heads, self.head_dim,
+                               self.qkv_width, self.kv_scales[i])
             attention(i)
             self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
             ops.rms_norm(b["h"], b["x"], layer["post_norm"], 0, n, hidden, eps)

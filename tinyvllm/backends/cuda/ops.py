@@ -37,7 +37,7 @@ GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per ite
 MAX_SPLITS = 32  # attention_decode: most context splits of one sequence
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul, logits processors: threads per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
-ROW_THREADS = 128  # rope, reshape_and_cache, add_qkv_bias, qk_norm: threads per block (one token per block)
+ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (one token per block)
 
 
 @dataclass(frozen=True)
@@ -134,14 +134,6 @@ class Ops:
         _require_vectors("rms_norm", hidden=hidden)
         self.launch("rms_norm", (num_rows,), ELEMENTWISE_THREADS, out, x, w, rows, hidden, eps)
 
-    @kernel("rope", "bf16* qkv, const int* positions, const float2* cos_sin, int num_rotated_heads, int head_dim, "
-                    "int row_stride")
-    def rope(self, qkv: int, positions: int, cos_sin: int, num_tokens: int, num_rotated_heads: int, head_dim: int,
-             row_stride: int) -> None:
-        _require(head_dim % 2 == 0, f"rope: head_dim {head_dim} is odd")
-        self.launch("rope", (num_tokens,), ROW_THREADS, qkv, positions, cos_sin, num_rotated_heads, head_dim,
-                    row_stride)
-
     @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
     def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
         """qkv [num_tokens, width] += bias [width] (Qwen2's Q/K/V biases, fused as the QKV weight's rows)."""
@@ -164,22 +156,28 @@ class Ops:
         per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
         self.launch("silu_and_mul", (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
 
-    @kernel("cache", "bf16* k_cache, bf16* v_cache, const bf16* qkv, const int* slot_mapping, int q_width, "
-                     "int kv_width, int row_stride")
-    @kernel("cache", "e4m3* k_cache, e4m3* v_cache, const bf16* qkv, const int* slot_mapping, int q_width, "
-                     "int kv_width, int row_stride" + FP8_SCALES + ", int head_dim", "reshape_and_cache_fp8")
-    def reshape_and_cache(self, k_cache: int, v_cache: int, qkv: int, slot_mapping: int, num_tokens: int,
-                          q_width: int, kv_width: int, row_stride: int, kv_scales: tuple[int, int] | None = None,
-                          head_dim: int = 0) -> None:
-        """kv_scales: an fp8 cache's K and V scales of this layer (device float32 [kv_heads] each), whose heads are
-        head_dim wide; None: a bf16 cache."""
-        _require_vectors("reshape_and_cache", q_width=q_width, kv_width=kv_width, row_stride=row_stride)
-        args = (k_cache, v_cache, qkv, slot_mapping, q_width, kv_width, row_stride)
+    @kernel("cache", "bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions, const int* slot_mapping, "
+                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int row_stride",
+            "rope_and_cache_bf16")
+    @kernel("cache", "bf16* qkv, e4m3* k_cache, e4m3* v_cache, const int* positions, const int* slot_mapping, "
+                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int row_stride"
+                     + FP8_SCALES, "rope_and_cache_fp8")
+    def rope_and_cache(self, qkv: int, k_cache: int, v_cache: int, positions: int, slot_mapping: int, cos_sin: int,
+                       num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, row_stride: int,
+                       kv_scales: tuple[int, int] | None = None) -> None:
+        """RoPE on the q and k heads of the qkv rows, in place, and their rotated K and V into the cache slots
+        slot_mapping (negative: none). kv_scales: an fp8 cache's K and V scales of this layer (device float32
+        [kv_heads] each); None: a bf16 cache."""
+        _require_vectors("rope_and_cache", head_dim=head_dim, row_stride=row_stride)
+        _require((num_heads + 2 * num_kv_heads) * head_dim <= row_stride,
+                 f"rope_and_cache: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of "
+                 f"{row_stride}")
+        args = (qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
+                row_stride)
         if kv_scales is None:
-            self.launch("reshape_and_cache", (num_tokens,), ROW_THREADS, *args)
+            self.launch("rope_and_cache_bf16", (num_tokens,), ROW_THREADS, *args)
         else:
-            _require_vectors("reshape_and_cache_fp8", head_dim=head_dim)
-            self.launch("reshape_and_cache_fp8", (num_tokens,), ROW_THREADS, *args, *kv_scales, head_dim)
+            self.launch("rope_and_cache_fp8", (num_tokens,), ROW_THREADS, *args, *kv_scales)
 
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, "
                                 "const bf16* v_cache, const int* block_tables, const int* bt_stride, "
