@@ -9,27 +9,10 @@ peak RSS and wall time.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def peak_rss_mib(model: Path, rows: int, workdir: Path) -> tuple[float, float]:
-    src = workdir / f"in{rows}.jsonl"
-    with open(src, "w") as f:
-        for i in range(rows):
-            f.write(json.dumps({"id": f"row-{i}", "prompt": f"Item {i}: " + "xyz " * (i % 11)}) + "\n")
-    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "tinyvllm", "run", "--model", str(model),
-                           "--input", str(src), "--output", str(workdir / f"out{rows}.parquet"), "--backend",
-                           "numpy", "--max-tokens", "2", "--max-num-seqs", "128", "--quiet"],
-                          capture_output=True, text=True, check=True)
-    return int(proc.stdout.split()[-1]) / 1024, time.perf_counter() - start
+from tinyvllm.benchmark import job_peak_rss
 
 
 def main() -> None:
@@ -46,7 +29,7 @@ def main() -> None:
             config = tiny_config()
             model = save_hf_model_dir(workdir / "tiny", config, random_weights(config))
         for rows in map(int, args.rows.split(",")):
-            rss, wall = peak_rss_mib(model, rows, workdir)
+            rss, wall, _ = job_peak_rss(model, rows, workdir)
             print(f"{rows:>9} rows: peak RSS {rss:7.1f} MiB, {wall:6.1f} s ({rows / wall:,.0f} rows/s)", flush=True)
 
 

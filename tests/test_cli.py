@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from tinyvllm.benchmark import job_peak_rss
 from tinyvllm.cli import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -435,19 +436,9 @@ def test_bounded_memory(tiny_model_dir, tmp_path):
     """Peak RSS hardly grows with the input: 10x the rows, about the same memory (not a timing test)."""
 
     def peak_rss_mib(n: int) -> float:
-        src = tmp_path / f"in{n}.jsonl"
-        with open(src, "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"id": f"row-{i}", "prompt": f"Item {i}: " + "xyz " * (i % 11)}) + "\n")
-        code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-        proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "tinyvllm", "run", "--model",
-                               str(tiny_model_dir), "--input", str(src), "--output", str(tmp_path / f"o{n}.parquet"),
-                               "--backend", "numpy", "--max-tokens", "2", "--max-num-seqs", "64", "--quiet"],
-                              capture_output=True, text=True, cwd=EXAMPLES.parent)
-        assert proc.returncode == 0, proc.stderr
-        assert pq.read_metadata(tmp_path / f"o{n}.parquet").num_rows == n
-        return int(proc.stdout.split()[-1]) / 1024
+        rss, _, out = job_peak_rss(tiny_model_dir, n, tmp_path, max_num_seqs=64)
+        assert pq.read_metadata(out).num_rows == n
+        return rss
 
     small, large = peak_rss_mib(4_000), peak_rss_mib(40_000)
     assert large < small * 1.25 + 16, (small, large)

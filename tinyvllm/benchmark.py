@@ -451,6 +451,27 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+# ---- memory of a job --------------------------------------------------------------------------------------------
+
+def job_peak_rss(model: Path, num_rows: int, workdir: Path, max_num_seqs: int = 128) -> tuple[float, float, Path]:
+    """`tinyvllm run` over num_rows short JSONL rows (numpy backend, 2 tokens out each) in a child process: its peak
+    RSS in MiB, its wall time, and its output file. A failed run raises RuntimeError with its stderr."""
+    src = workdir / f"in{num_rows}.jsonl"
+    with open(src, "w") as f:
+        for i in range(num_rows):
+            f.write(json.dumps({"id": f"row-{i}", "prompt": f"Item {i}: " + "xyz " * (i % 11)}) + "\n")
+    out = workdir / f"out{num_rows}.parquet"
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "tinyvllm", "run", "--model", str(model),
+                           "--input", str(src), "--output", str(out), "--backend", "numpy", "--max-tokens", "2",
+                           "--max-num-seqs", str(max_num_seqs), "--quiet"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tinyvllm run over {num_rows} rows failed: {proc.stderr.strip()}")
+    return int(proc.stdout.split()[-1]) / 1024, time.perf_counter() - start, out
+
+
 # ---- start-up --------------------------------------------------------------------------------------------------------
 
 # Run in a fresh interpreter so that its imports are timed too (argv: model path, backend); prints the phases as JSON.
