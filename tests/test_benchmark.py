@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM
-from tinyvllm.benchmark import (dummy_model, floor_seconds, format_results, kv_bytes_per_token, make_workload,
+from tinyvllm.benchmark import (dummy_model, workload_floor, format_results, kv_bytes_per_token, make_workload,
                                 matmul_params, run_benchmark, run_j1, weight_bytes)
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
@@ -28,18 +28,18 @@ def test_llama_1b_floor_matches_the_known_limits():
     config = llama_3_2_1b_config()
     assert abs(weight_bytes(config) / 1e9 - 2.47) < 0.01  # 1.24 B parameters in bf16
     # batch-1 decode is bound by reading the weights: ~0.58 ms per token at 4.27 TB/s
-    w3 = floor_seconds(config, make_workload("W3", config.vocab_size), 4.27e12, 7.4e14, 512)
+    w3 = workload_floor(config, make_workload("W3", config.vocab_size), 4.27e12, 7.4e14, 512)
     assert 0.55e-3 < w3.seconds / 256 < 0.65e-3
     assert w3.decode_flops_s == 0 and w3.decode_kv_s < w3.decode_weights_s / 10 and w3.prefill_flops_s > 0
     w5 = make_workload("W5", config.vocab_size)
-    assert floor_seconds(config, w5, 4.27e12, 7.4e14, 512, cached_prefix=1024).seconds < \
-        floor_seconds(config, w5, 4.27e12, 7.4e14, 512).seconds / 3
-    w1 = floor_seconds(config, make_workload("W1", 100), 4.27e12, 7.4e14, 512)
+    assert workload_floor(config, w5, 4.27e12, 7.4e14, 512, cached_prefix=1024).seconds < \
+        workload_floor(config, w5, 4.27e12, 7.4e14, 512).seconds / 3
+    w1 = workload_floor(config, make_workload("W1", 100), 4.27e12, 7.4e14, 512)
     assert matmul_params(config) * 2 * 512 * 256 / 7.4e14 < w1.seconds
     # W1's 512 sequences of 256-512 tokens: the KV cache outweighs the weights a step reads
     assert w1.decode_kv_s > w1.decode_weights_s > 0
     # a thousand-fold slower GEMM rate makes every decode step compute-bound
-    slow = floor_seconds(config, make_workload("W1", 100), 4.27e12, 7.4e11, 512)
+    slow = workload_floor(config, make_workload("W1", 100), 4.27e12, 7.4e11, 512)
     assert slow.decode_weights_s == slow.decode_kv_s == 0 and slow.decode_flops_s > 0
     assert slow.seconds == pytest.approx(sum(asdict(slow).values()))
 

@@ -159,7 +159,7 @@ class Floor:
         return self.prefill_flops_s + self.decode_weights_s + self.decode_kv_s + self.decode_flops_s
 
 
-def floor_seconds(config: ModelConfig, requests: list[Request], bandwidth: float, flops: float,
+def workload_floor(config: ModelConfig, requests: list[Request], bandwidth: float, flops: float,
                   max_num_seqs: int, cached_prefix: int = 0) -> Floor:
     """The workload's Floor. Sequences run in waves of max_num_seqs, longest-first being irrelevant to a bound this
     coarse. With `cached_prefix`, every request but the first finds that many leading prompt tokens in the prefix
@@ -170,13 +170,15 @@ def floor_seconds(config: ModelConfig, requests: list[Request], bandwidth: float
     for i, r in enumerate(requests):
         length, cached = len(r.prompt_token_ids), min(cached_prefix, len(r.prompt_token_ids)) if i else 0
         prefill += per_token_flops * (length - cached) + attn_flops * (length ** 2 - cached ** 2) / 2
+    weights = weight_bytes(config) / bandwidth  # seconds per decode step
+    kv_per_token = kv_bytes_per_token(config) / bandwidth
     weights_s = kv_s = compute_s = 0.0
     for wave_start in range(0, len(requests), max_num_seqs):
         wave = requests[wave_start: wave_start + max_num_seqs]
         for step in range(1, max(r.max_tokens for r in wave)):
             live = [r for r in wave if r.max_tokens > step]
             context = sum(len(r.prompt_token_ids) + step for r in live)
-            weights, kv = weight_bytes(config) / bandwidth, context * kv_bytes_per_token(config) / bandwidth
+            kv = context * kv_per_token
             step_flops = (per_token_flops * len(live) + attn_flops * context) / flops
             if step_flops > weights + kv:
                 compute_s += step_flops
@@ -280,7 +282,7 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             _reset_prefix_cache(llm, True)
             result = run_workload(llm, requests, sequential=name == "W3")
         cached = _common_prefix_len(requests) if name == "W5" else 0  # what the prefix cache saves
-        floor = floor_seconds(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
+        floor = workload_floor(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
                               llm.engine_config.max_num_seqs, cached_prefix=cached)
         result["floor_s"] = floor.seconds
         result["floor_parts_s"] = asdict(floor)

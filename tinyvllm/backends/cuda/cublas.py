@@ -103,7 +103,8 @@ class Cublas:
         self.desc = _p()  # float32 compute and scale, A transposed
         check(_lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
               "cublasLtMatmulDescCreate")
-        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T), (CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
+        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T),
+                                 (CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
             op = _i(value)
             check(_lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op), ctypes.sizeof(op)),
                   "cublasLtMatmulDescSetAttribute")

@@ -112,7 +112,8 @@ class Graph:
     """An instantiated CUDA graph of whatever `record` enqueues on the stream."""
 
     def __init__(self, stream_handle: int, record: Callable[[], None]) -> None:
-        check(_lib.cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture_v2")
+        check(_lib.cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture_v2")
         graph = _p()
         try:
             record()
