@@ -1,10 +1,13 @@
 """Decode attention alone, at W1's shapes: time per launch and the K/V bytes it streams per second.
 
-    python bench/attention.py [--seqs 256,512] [--context 256,512] [--compare OTHER.cu ...]
+    python bench/attention.py [--seqs 256,512] [--context 256,512] [--fp8] [--splits Z]
+                              [--compare OTHER.cu ...]
 
-Random bf16 caches of Llama-3.2-1B's attention shape (32 heads, 8 KV heads, head_dim 64), contexts uniform in the
-given range, shuffled block tables of 16-token blocks; CUDA-event median of 20 launches after a warm-up. With
---compare, other versions of cuda/attention_decode.cu are timed on the same inputs (for A/B tests of a change).
+Random bf16 (or, with --fp8, e4m3) caches of Llama-3.2-1B's attention shape (32 heads, 8 KV heads, head_dim 64),
+contexts uniform in the given range, shuffled block tables of 16-token blocks; CUDA-event median of 20 launches
+after a warm-up, launched by ops.Ops.attention_decode (its grid and block) with the parts the engine would cut the
+contexts into at that batch (ops.decode_splits; --splits overrides). With --compare, other versions of
+cuda/attention_decode.cu with the same launch geometry are timed on the same inputs (for A/B tests of a change).
 """
 
 from __future__ import annotations
@@ -17,25 +20,36 @@ import pycuda.autoprimaryctx  # noqa: F401
 import pycuda.driver as cuda
 
 from tinyvllm.backends.cuda.kernels import CUDA_DIR, compile_source
-from tinyvllm.backends.cuda.ops import DECODE_WARPS, DEFINES
+from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES, Ops, decode_splits
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 64, 16
 
 
-def kernel(source: Path):
-    return compile_source(source.read_text(), DEFINES["attention_decode"]).get_function("attention_decode_d64_r8")
+def launchers(source: Path) -> Ops:
+    """Ops whose attention kernels are those of `source`."""
+    module = compile_source(source.read_text(), DEFINES["attention_decode"])
+    kernels = {}
+    for name, signature in SIGNATURES.items():
+        if signature.file == "attention_decode":
+            function = module.get_function(name)
+            function.prepare(signature.arg_format)
+            kernels[name] = lambda grid, block, stream, *args, f=function: f.prepared_call(grid, block, *args)
+    return Ops(kernels, None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", default="256,512")
     parser.add_argument("--context", default="256,512", help="contexts uniform in [lo, hi]")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 caches (scales 1) instead of bf16")
+    parser.add_argument("--splits", type=int, help="most parts of a context (default: the engine's at that batch)")
     parser.add_argument("--compare", type=Path, nargs="*", default=[])
     args = parser.parse_args()
+    num_sms = cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
     lo, hi = map(int, args.context.split(","))
-    kernels = {"cuda/attention_decode.cu": kernel(CUDA_DIR / "attention_decode.cu")}
+    versions = {"cuda/attention_decode.cu": launchers(CUDA_DIR / "attention_decode.cu")}
     for other in args.compare:
-        kernels[str(other)] = kernel(other)
+        versions[str(other)] = launchers(other)
     rng = np.random.default_rng(0)
     for seqs in map(int, args.seqs.split(",")):
         ctx = rng.integers(lo, hi + 1, seqs).astype(np.int32)
@@ -47,19 +61,29 @@ def main() -> None:
         for i in range(seqs):
             tables[i, : blocks[i]] = order[offsets[i]: offsets[i + 1]]
         slots = int(blocks.sum()) * BLOCK
-        k, v = (cuda.to_device(rng.integers(0, 1 << 16, (slots, KV_HEADS, D), dtype=np.uint16) & 0x3FFF)
-                for _ in range(2))  # finite bf16 bit patterns
+        if args.fp8:  # finite e4m3 codes of both signs
+            k, v = (cuda.to_device(rng.integers(0, 0x78, (slots, KV_HEADS, D), dtype=np.uint8)
+                                   | (rng.integers(0, 2, (slots, KV_HEADS, D), dtype=np.uint8) << 7))
+                    for _ in range(2))
+            scales = [cuda.to_device(np.ones(KV_HEADS, np.float32)) for _ in range(2)]
+            kv_scales = tuple(map(int, scales))
+        else:
+            k, v = (cuda.to_device(rng.integers(0, 1 << 16, (slots, KV_HEADS, D), dtype=np.uint16) & 0x3FFF)
+                    for _ in range(2))  # finite bf16 bit patterns
+            kv_scales = None
         width_qkv = (HEADS + 2 * KV_HEADS) * D
         q = cuda.to_device(rng.integers(0, 1 << 16, (seqs, width_qkv), dtype=np.uint16) & 0x3FFF)
         out = cuda.mem_alloc(seqs * HEADS * D * 2)
+        splits = args.splits or decode_splits(seqs, KV_HEADS, HEADS // KV_HEADS, num_sms)
+        partial_o = cuda.mem_alloc(seqs * HEADS * splits * D * 4)
+        partial_ml = cuda.mem_alloc(seqs * HEADS * splits * 8)
         tables_dev, stride, ctx_dev = cuda.to_device(tables), cuda.to_device(np.array([width], np.int32)), \
             cuda.to_device(ctx)
-        kv_bytes = int(ctx.sum()) * KV_HEADS * D * 2 * 2
-        for name, fn in kernels.items():
+        kv_bytes = int(ctx.sum()) * KV_HEADS * D * 2 * (1 if args.fp8 else 2)
+        for name, ops in versions.items():
             def launch():
-                fn(out, out, out, q, k, v, tables_dev, stride, ctx_dev, np.float32(0.125), np.int32(HEADS),
-                   np.int32(KV_HEADS), np.int32(BLOCK), np.int32(width_qkv), np.int32(1),
-                   grid=(KV_HEADS, seqs, 1), block=(DECODE_WARPS * 32, 1, 1))
+                ops.attention_decode(*map(int, (out, partial_o, partial_ml, q, k, v, tables_dev, stride, ctx_dev)),
+                                     seqs, 0.125, HEADS, KV_HEADS, D, BLOCK, width_qkv, splits, kv_scales)
             launch()
             times = []
             for _ in range(20):
@@ -70,7 +94,7 @@ def main() -> None:
                 b.synchronize()
                 times.append(b.time_since(a) * 1e-3)
             t = float(np.median(times))
-            print(f"{name:<36} seqs {seqs:4d}, context {lo}-{hi}: {t * 1e6:7.1f} µs per layer, "
+            print(f"{name:<36} seqs {seqs:4d}, context {lo}-{hi}, up to {splits} parts: {t * 1e6:7.1f} µs per layer, "
                   f"{kv_bytes / t / 1e12:.2f} TB/s of K/V")
 
 

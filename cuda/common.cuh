@@ -29,7 +29,8 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// How every kernel begins, gemv excepted (it streams its weights before the wait): the next kernel may launch, and
+// How every kernel begins, gemv excepted (it streams its weights before the wait) and attention_decode (it lets
+// the next kernel launch only at its end): the next kernel may launch, and
 // nothing is read or written before the previous one is done.
 __device__ __forceinline__ void pdl_begin() {
     allow_dependents_launch();

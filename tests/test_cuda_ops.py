@@ -62,7 +62,8 @@ def function_bodies(source: str, head: str) -> dict[str, str]:
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
-    with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait."""
+    with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait, and attention_decode
+    waits first but lets the next kernel launch only at its end."""
     for path in sorted(CUDA_DIR.glob("*.cu")):
         source = path.read_text().replace("\\\n", " ")
         kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
@@ -77,6 +78,8 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
                 assert first.startswith("__shared__") and "grid_dependency_wait();" in first, name
                 before_wait = first.split("grid_dependency_wait();")[0]
                 assert "__ldg" not in before_wait and "x_row +" not in before_wait, "gemv reads x before its wait"
+            elif forwarded and forwarded.group(1) == "attention_decode":
+                assert first.startswith("grid_dependency_wait();"), name
             else:
                 assert first.startswith("pdl_begin();"), (path.name, name, first[:80])
 
@@ -90,16 +93,18 @@ def test_tile_constants_come_from_python_only():
 
 
 class Recorder(dict):
-    """Stands in for the compiled kernels: records each launch, checking its argument count."""
+    """Stands in for the compiled kernels: records each launch and its arguments, checking their count."""
 
     def __init__(self):
         super().__init__()
         self.launches = []
+        self.args = []
 
     def __missing__(self, name):
         def launch(grid, block, stream, *args):
             assert len(args) == len(SIGNATURES[name].arg_format), name
             self.launches.append((name, grid, block))
+            self.args.append(args)
         return launch
 
 
@@ -119,20 +124,26 @@ def test_elementwise_geometry(recorder):
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,splits,kernel,grid", [
-    (32, 8, 64, 1, "attention_decode_d64_r8", (8, 5, 1)),  # group 4: rows 4-15 of the tile empty
-    (32, 2, 128, 3, "attention_decode_d128_r16", (2, 5, 3)),  # group 16
-    (32, 1, 64, 2, "attention_decode_d64_r16", (2, 5, 2)),  # group 32: two blocks per KV head
+    (32, 8, 64, 1, "attention_decode_d64_r8", (4, 5, 1)),  # group 4: rows 4-15 of the tile empty; 2 warps a block
+    (32, 2, 128, 3, "attention_decode_d128_r16", (1, 5, 3)),  # group 16
+    (32, 1, 64, 2, "attention_decode_d64_r16", (1, 5, 2)),  # group 32: two warps per KV head
+    (27, 9, 64, 1, "attention_decode_d64_r8", (5, 5, 1)),  # 9 KV heads: the last block's second warp idle
 ])
 def test_attention_decode_geometry(recorder, heads, kv_heads, d, splits, kernel, grid):
-    Ops(recorder, None).attention_decode(*range(1, 10), 5, 0.125, heads, kv_heads, d, 16, 4096, splits)
+    context_lens = 9
+    Ops(recorder, None).attention_decode(*range(1, context_lens + 1), 5, 0.125, heads, kv_heads, d, 16, 4096, splits)
     combine = [("attention_combine", (heads, 5), (d, 1, 1))] if splits > 1 else []
-    assert recorder.launches == [(kernel, grid, (128, 1, 1)), *combine]
+    assert recorder.launches == [(kernel, grid, (ops.DECODE_WARPS * 32, 1, 1)), *combine]
+    if combine:  # the combine reads the contexts, to know how many parts each has
+        assert recorder.args[-1] == (1, 2, 3, context_lens, splits)
 
 
-def test_decode_splits_fill_two_waves():
+def test_decode_splits():
+    # 4 blocks (of 2 warps) per sequence here: small batches cut as far as ~2 blocks per SM need, at least 8 parts
     assert ops.decode_splits(1, 8, 4, num_sms=132) == ops.MAX_SPLITS
-    assert ops.decode_splits(4, 8, 4, num_sms=132) == 9  # 32 blocks x 9 >= 264
-    assert ops.decode_splits(256, 8, 4, num_sms=132) == 1
+    assert ops.decode_splits(4, 8, 4, num_sms=132) == 17  # 16 blocks x 17 >= 264
+    assert ops.decode_splits(40, 8, 4, num_sms=132) == ops.SMALL_BATCH_SPLITS  # 160 blocks: x2 would do
+    assert ops.decode_splits(66, 8, 4, num_sms=132) == 1  # 264 blocks
 
 
 def test_prefill_tiles(recorder):
@@ -172,6 +183,7 @@ def test_rope_and_cache_geometry(recorder):
     (lambda o: o.gemv(1, 2, 3, 9, 64, 64, False, False), "m = 9 rows"),
     (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
+    (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 0), "num_splits 0 < 1"),
     (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 30, 8, 64, 16, 4096), "30 query heads"),
 ])
 def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, message):

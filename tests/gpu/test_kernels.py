@@ -171,29 +171,55 @@ ATTN_SHAPES = {"d64-gqa1": (64, 8, 8), "d128-gqa4": (128, 32, 8), "d64-gqa8": (6
                "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2), "d64-gqa32": (64, 32, 1)}
 
 
-@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
-@pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3)])
-def test_attention_decode(cuda, ops, shape, num_seqs, splits):
+def bf16_caches(rng, context_lens, kv_heads, head_dim, block_size):
+    return *cache_setup(rng, context_lens, kv_heads, head_dim, block_size), None
+
+
+def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, caches=bf16_caches, max_context=200):
+    """attention_decode (with attention_combine when splits > 1) against paged_attention on random caches made by
+    `caches` (k, v, tables, kv_scales: bf16 values and None, or fp8 codes and their scales): one context of 4999
+    keys, or num_seqs of 1 to max_context - 1."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
-    gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits)
-    block_size = 16
-    context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, 200, num_seqs)).astype(np.int32)
-    k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
+    gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits + block_size)
+    context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, max_context, num_seqs)).astype(np.int32)
+    k, v, tables, kv_scales = caches(rng, context_lens, kv_heads, head_dim, block_size)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
     partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
     partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
-    ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables),
+    k_dev, v_dev = (gpu.put(c) if c.dtype == np.uint8 else gpu.bf16(c) for c in (k, v))
+    ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables),
                          gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
-                         kv_heads, head_dim, block_size, width, splits)  # and attention_combine when splits > 1
+                         kv_heads, head_dim, block_size, width, splits,
+                         None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
     got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
     batch = Batch(False, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
                   np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
     q = qkv[:, : heads * head_dim].reshape(num_seqs, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale).reshape(num_seqs, -1)
+    ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(num_seqs, -1)
     assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3)])
+def test_attention_decode(cuda, ops, shape, num_seqs, splits):
+    check_attention_decode(cuda, ops, shape, num_seqs, splits)
+
+
+@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa16"])
+@pytest.mark.parametrize("block_size", [5, 32])  # tiles of 16 keys across blocks, and two tiles per block
+@pytest.mark.parametrize("num_seqs,splits", [(1, 13), (257, 1), (1, 1)])
+def test_attention_decode_block_sizes(cuda, ops, shape, block_size, num_seqs, splits):
+    check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size)
+
+
+@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa32"])
+def test_attention_decode_empty_parts(cuda, ops, shape):
+    """Contexts of 1-999 keys in up to 32 parts of whole tiles: the longer ones leave their last parts empty (and
+    those of 16 keys or fewer are in one part, written without attention_combine)."""
+    check_attention_decode(cuda, ops, shape, 9, 32, max_context=1000)
 
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))

@@ -16,7 +16,7 @@ from tinyvllm.model.dtypes import E4M3_NAN
 
 from test_cuda_model import CONFIGS, bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
 from test_kernels import (ATTN_SHAPES, BF16_TOL, ROPE_CACHE_SHAPES, Gpu, bf16_round, cache_setup,
-                          check_rotated, rope_and_cache_inputs)
+                          check_attention_decode, check_rotated, rope_and_cache_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -66,28 +66,10 @@ def fp8_cache_setup(rng, context_lens, kv_heads, head_dim, block_size):
 
 
 @pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa8", "d128-gqa16"])
-@pytest.mark.parametrize("num_seqs,splits", [(1, 13), (257, 1), (257, 3)])
-def test_attention_decode_fp8(cuda, ops, shape, num_seqs, splits):
-    head_dim, heads, kv_heads = ATTN_SHAPES[shape]
-    gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits)
-    block_size = 16
-    context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, 200, num_seqs)).astype(np.int32)
-    k, v, tables, scales = fp8_cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
-    scale = 1 / math.sqrt(head_dim)
-    out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
-    partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
-    partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
-    ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), gpu.put(k), gpu.put(v), gpu.put(tables),
-                         gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
-                         kv_heads, head_dim, block_size, width, splits, tuple(gpu.put(s) for s in scales))
-    got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
-    batch = Batch(False, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
-                  np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
-    q = qkv[:, : heads * head_dim].reshape(num_seqs, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale, scales).reshape(num_seqs, -1)
-    assert rel_err(got, ref) < BF16_TOL
+@pytest.mark.parametrize("num_seqs,splits,block_size", [(1, 13, 16), (257, 1, 16), (257, 3, 16), (257, 1, 5),
+                                                         (1, 1, 32)])
+def test_attention_decode_fp8(cuda, ops, shape, num_seqs, splits, block_size):
+    check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size, fp8_cache_setup)
 
 
 @pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa8", "d64-gqa3"])

@@ -19,7 +19,7 @@ VECTOR = 8  # bf16 per 16-byte load: the kernels' widths (hidden, intermediate, 
 
 # Tile constants, passed to the compiler as -D defines.
 PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per warp
-DECODE_WARPS = 4  # attention_decode: warps per block
+DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence)
 SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per row)
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
@@ -34,7 +34,8 @@ DEFINES: dict[str, dict[str, int]] = {
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
-MAX_SPLITS = 32  # attention_decode: most context splits of one sequence
+MAX_SPLITS = 32  # attention_decode: most parts of one context
+SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul, logits processors: threads per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (one token per block)
@@ -88,10 +89,17 @@ def decode_rows(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
+def decode_blocks(num_kv_heads: int, group: int) -> int:
+    """attention_decode's blocks per sequence and part: a warp per (KV head, chunk of decode_rows query heads)."""
+    return -(-num_kv_heads * -(-group // decode_rows(group)) // DECODE_WARPS)
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, group: int, num_sms: int) -> int:
-    """attention_decode splits each context in this many parts: enough blocks for ~2 waves of the GPU."""
-    blocks = num_seqs * num_kv_heads * -(-group // decode_rows(group))
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // blocks)))
+    """attention_decode cuts each context into at most this many parts (of whole 16-key tiles): none at a batch of
+    enough blocks for ~2 per SM; below that as many as that needs, at least SMALL_BATCH_SPLITS (a few warps left
+    streaming long contexts alone would set the kernel's time)."""
+    fill = -(-2 * num_sms // (num_seqs * decode_blocks(num_kv_heads, group)))
+    return 1 if fill == 1 else min(MAX_SPLITS, max(fill, SMALL_BATCH_SPLITS))
 
 
 def prefill_tiles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,26 +201,30 @@ class Ops:
                          block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
                          num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
                          num_splits: int, kv_scales: tuple[int, int] | None = None) -> None:
-        """Decode attention of num_seqs sequences; with num_splits > 1 through partial_o [num_seqs * num_heads *
-        num_splits, head_dim] float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an
-        fp8 cache's K and V scales of this layer (device float32 [kv_heads] each); None: a bf16 cache."""
+        """Decode attention of num_seqs sequences; with num_splits > 1 a context is cut into up to num_splits parts
+        of whole 16-key tiles, through partial_o [num_seqs * num_heads * num_splits, head_dim] float32 and
+        partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V scales of
+        this layer (device float32 [kv_heads] each); None: a bf16 cache."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
         fp8 = "" if kv_scales is None else "fp8_"
-        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}", (num_kv_heads * -(-group // rows), num_seqs,
+        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}", (decode_blocks(num_kv_heads, group), num_seqs,
                                                                    num_splits),
                     DECODE_WARPS * 32, out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
                     context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits,
                     *(kv_scales or ()))
         if num_splits > 1:
-            self.attention_combine(out, partial_o, partial_ml, num_seqs, num_heads, head_dim, num_splits)
+            self.attention_combine(out, partial_o, partial_ml, context_lens, num_seqs, num_heads, head_dim,
+                                   num_splits)
 
-    @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, int num_splits")
-    def attention_combine(self, out: int, partial_o: int, partial_ml: int, num_seqs: int, num_heads: int,
-                          head_dim: int, num_splits: int) -> None:
-        self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, num_splits)
+    @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, const int* context_lens, "
+                                "int num_splits")
+    def attention_combine(self, out: int, partial_o: int, partial_ml: int, context_lens: int, num_seqs: int,
+                          num_heads: int, head_dim: int, num_splits: int) -> None:
+        self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, context_lens,
+                    num_splits)
 
     @kernel("attention_prefill", "bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, "
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
