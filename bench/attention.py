@@ -16,17 +16,39 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-import pycuda.autoprimaryctx  # noqa: F401
-import pycuda.driver as cuda
 
-from tinyvllm.backends.cuda.kernels import CUDA_DIR, compile_source
 from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES, Ops, decode_splits
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 64, 16
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked before anything needs a GPU (tests/test_bench_attention.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", default="256,512", help="batch sizes, comma-separated")
+    parser.add_argument("--context", default="256,512", help="contexts uniform in [lo, hi]")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 caches (scales 1) instead of bf16")
+    parser.add_argument("--splits", type=int, help="most parts of a context (default: the engine's at that batch)")
+    parser.add_argument("--compare", type=Path, nargs="*", default=[])
+    args = parser.parse_args(argv)
+    try:
+        args.seqs = [int(n) for n in args.seqs.split(",")]
+        args.context = tuple(int(n) for n in args.context.split(","))
+    except ValueError:
+        parser.error("--seqs and --context take integers separated by commas")
+    if min(args.seqs) < 1:
+        parser.error(f"--seqs {args.seqs}: every batch needs a sequence")
+    if len(args.context) != 2 or not 1 <= args.context[0] <= args.context[1]:
+        parser.error(f"--context {args.context}: give lo,hi with 1 <= lo <= hi")
+    if args.splits is not None and args.splits < 1:
+        parser.error(f"--splits {args.splits}: a context has at least 1 part")
+    return args
+
+
 def launchers(source: Path) -> Ops:
     """Ops whose attention kernels are those of `source`."""
+    from tinyvllm.backends.cuda.kernels import compile_source
+
     module = compile_source(source.read_text(), DEFINES["attention_decode"])
     kernels = {}
     for name, signature in SIGNATURES.items():
@@ -38,20 +60,19 @@ def launchers(source: Path) -> Ops:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seqs", default="256,512")
-    parser.add_argument("--context", default="256,512", help="contexts uniform in [lo, hi]")
-    parser.add_argument("--fp8", action="store_true", help="e4m3 caches (scales 1) instead of bf16")
-    parser.add_argument("--splits", type=int, help="most parts of a context (default: the engine's at that batch)")
-    parser.add_argument("--compare", type=Path, nargs="*", default=[])
-    args = parser.parse_args()
+    args = parse_args()
+    import pycuda.autoprimaryctx  # noqa: F401  (after the arguments are checked: those need no GPU)
+    import pycuda.driver as cuda
+
+    from tinyvllm.backends.cuda.kernels import CUDA_DIR
+
     num_sms = cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
-    lo, hi = map(int, args.context.split(","))
+    lo, hi = args.context
     versions = {"cuda/attention_decode.cu": launchers(CUDA_DIR / "attention_decode.cu")}
     for other in args.compare:
         versions[str(other)] = launchers(other)
     rng = np.random.default_rng(0)
-    for seqs in map(int, args.seqs.split(",")):
+    for seqs in args.seqs:
         ctx = rng.integers(lo, hi + 1, seqs).astype(np.int32)
         blocks = -(-ctx // BLOCK)
         width = int(blocks.max())
