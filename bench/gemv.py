@@ -48,13 +48,17 @@ class Timer:
         self.spin_cycles = int(SPIN_S * clock_khz * 1e3)
         self.start, self.end = cuda.Event(), cuda.Event()
 
+    def hold(self) -> None:
+        """Queue the spin kernel: the GPU stays busy while the host enqueues what follows."""
+        self.spin.prepared_async_call((1,), (1, 1, 1), self.stream, self.spin_cycles)
+
     def median_us(self, op: Callable[[int], None]) -> float:
         """op(i) launches run i; the first few runs are warm-up."""
         for i in range(3):
             op(i)
         times = []
         for i in range(self.runs):
-            self.spin.prepared_async_call((1,), (1, 1, 1), self.stream, self.spin_cycles)
+            self.hold()
             self.start.record(self.stream)
             op(i)
             self.end.record(self.stream)

@@ -18,7 +18,8 @@
 // the first mma; at k = 2048 and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
 // The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
 // L1 keeps x, which every block re-reads. The first iteration's w loads go out before the wait for the previous
-// kernel (programmatic dependent launch, common.cuh), so they overlap its end.
+// kernel (programmatic dependent launch, common.cuh), so they overlap its end; the next kernel may launch only once
+// the loop is done (common.cuh says why).
 //
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
@@ -66,7 +67,6 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     const bf16* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
     const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
     float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
-    allow_dependents_launch();
     bool waited = false;
     for (int base = (warp % split) * GEMV_UNROLL * 4; base < chunks; base += split * GEMV_UNROLL * 4) {
         uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL], xv[GEMV_UNROLL];
@@ -95,6 +95,7 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
             mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
         }
     }
+    allow_dependents_launch();
     if (!waited) grid_dependency_wait();  // a warp without k to load still waits before it stores out
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);

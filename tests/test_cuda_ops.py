@@ -59,11 +59,18 @@ def function_bodies(source: str, head: str) -> dict[str, str]:
     return bodies
 
 
+def launched_after_loop(body: str) -> bool:
+    """The body's last allow_dependents_launch() comes after its first loop (and an idle warp's early return is the
+    only one before it)."""
+    loop, last = body.find("for ("), body.rfind("allow_dependents_launch();")
+    return 0 <= loop < last and body[:loop].count("allow_dependents_launch();") <= body[:loop].count("return;")
+
+
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
-    with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait, and attention_decode
-    waits first but lets the next kernel launch only at its end."""
+    with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait, and gemv and
+    attention_decode let the next kernel launch only after their loop (common.cuh says why)."""
     for path in sorted(CUDA_DIR.glob("*.cu")):
         source = path.read_text().replace("\\\n", " ")
         kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
@@ -78,8 +85,9 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
                 assert first.startswith("__shared__") and "grid_dependency_wait();" in first, name
                 before_wait = first.split("grid_dependency_wait();")[0]
                 assert "__ldg" not in before_wait and "x_row +" not in before_wait, "gemv reads x before its wait"
+                assert launched_after_loop(first), name
             elif forwarded and forwarded.group(1) == "attention_decode":
-                assert first.startswith("grid_dependency_wait();"), name
+                assert first.startswith("grid_dependency_wait();") and launched_after_loop(first), name
             else:
                 assert first.startswith("pdl_begin();"), (path.name, name, first[:80])
 

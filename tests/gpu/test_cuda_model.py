@@ -67,6 +67,20 @@ def gpu_logits(cuda, backend, n):
     return out
 
 
+def decode_against_numpy(cuda, ours, ref, seqs, tokens, bm, steps=6):
+    """`steps` decode steps on both backends, each fed the numpy backend's greedy tokens so that both caches hold the
+    same sequences: the logits' relative errors, the fractions of our sampled tokens that agree, the last tokens."""
+    errors, agree = [], []
+    for _ in range(steps):
+        batch = decode_batch(seqs, tokens, bm, 16)
+        got = ours.execute(batch)
+        ref_logits = ref.forward(batch, np.arange(len(seqs)))
+        errors.append(rel_err(gpu_logits(cuda, ours, len(seqs)), ref_logits))
+        tokens = ref_logits.argmax(-1)
+        agree.append(np.mean(got.sampled_token_ids == tokens))
+    return errors, agree, tokens
+
+
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 2), ("smollm2-135m", 4)])
 def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     config = replace(CONFIGS[name](), num_hidden_layers=layers)
@@ -97,14 +111,8 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     assert np.abs(got.logprobs.token_logprobs - want.logprobs.token_logprobs).max() < 0.1
 
     agree = [np.mean(got.sampled_token_ids == want.sampled_token_ids)]
-    tokens = want.sampled_token_ids
-    for _ in range(6):  # decode, fed the numpy backend's tokens so both caches hold the same sequences
-        batch = decode_batch(seqs, tokens, bm, 16)
-        got = ours.execute(batch)
-        ref_logits = ref.forward(batch, np.arange(3))
-        errors.append(rel_err(gpu_logits(cuda, ours, 3), ref_logits))
-        tokens = ref_logits.argmax(-1)
-        agree.append(np.mean(got.sampled_token_ids == tokens))
+    decode_errors, decode_agree, tokens = decode_against_numpy(cuda, ours, ref, seqs, want.sampled_token_ids, bm)
+    errors, agree = errors + decode_errors, agree + decode_agree
     # Mixed steps: the three sequences decode while a fourth prompt is prefilled in two chunks beside them.
     newcomer = make_seqs([rng.integers(0, config.vocab_size, 40)])[0]
     bm.allocate(newcomer, 40)

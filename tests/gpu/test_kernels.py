@@ -222,9 +222,9 @@ def test_attention_decode_empty_parts(cuda, ops, shape):
     check_attention_decode(cuda, ops, shape, 9, 32, max_context=1000)
 
 
-@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
-@pytest.mark.parametrize("case", ["mixed", "many"])
-def test_attention_prefill(cuda, ops, shape, case):
+def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches):
+    """attention_prefill against paged_attention on random caches made by `caches` (as check_attention_decode's):
+    "mixed" sequences, or 257 short ones."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
     block_size = 16
@@ -236,22 +236,29 @@ def test_attention_prefill(cuda, ops, shape, case):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tokens = int(qsl[-1])
     positions = np.concatenate([np.arange(p, c) for p, c in zip(past, context_lens)]).astype(np.int32)
-    k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
+    k, v, tables, kv_scales = caches(rng, context_lens, kv_heads, head_dim, block_size)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
     tile_seq, tile_row0 = prefill_tiles(q_lens * (heads // kv_heads))
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((tokens, heads * head_dim), np.uint16)
-    ops.attention_prefill(out, gpu.bf16(qkv), gpu.bf16(k), gpu.bf16(v), gpu.put(tables), tables.shape[1],
+    k_dev, v_dev = (gpu.put(c) if c.dtype == np.uint8 else gpu.bf16(c) for c in (k, v))
+    ops.attention_prefill(out, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables), tables.shape[1],
                           gpu.put(qsl), gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
                           gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
-                          block_size, width)
+                          block_size, width, None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
     got = gpu.get_bf16(out, (tokens, heads * head_dim))
     batch = Batch(True, np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
                   None)
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale).reshape(tokens, -1)
+    ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(tokens, -1)
     assert rel_err(got, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("case", ["mixed", "many"])
+def test_attention_prefill(cuda, ops, shape, case):
+    check_attention_prefill(cuda, ops, shape, case)
 
 
 @pytest.mark.parametrize("m,n,k,out_fp32,accumulate", [(1, 3072, 2048, False, False), (257, 576, 1536, True, True)])
@@ -290,6 +297,31 @@ def test_cublas_row_counts_of_a_class_share_one_heuristic_query(cuda):
         assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
         queries.append(blas.heuristic_queries)
     assert queries == [1, 1, 1, 2]  # 289..320 are one class; 321 starts the next
+    blas.close()
+
+
+def test_cublas_falls_back_to_the_row_counts_own_algorithm(cuda):
+    """A class's algorithm that cannot run some m (CUBLAS_STATUS_NOT_SUPPORTED) gives way to the heuristics' choice
+    for that m, asked for once."""
+    from tinyvllm.backends.cuda.cublas import CUBLAS_STATUS_NOT_SUPPORTED, Cublas
+
+    gpu, rng = Gpu(cuda), np.random.default_rng(8)
+    m, n, k = 300, 384, 256
+    w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
+    blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24)
+    class_algo = blas.algorithm(m, n, k, True)
+    run = blas._matmul
+
+    def refusing(algo, *args):  # the class's algorithm "cannot" run m
+        return CUBLAS_STATUS_NOT_SUPPORTED if algo is class_algo else run(algo, *args)
+
+    blas._matmul = refusing
+    for _ in range(2):
+        x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
+        out = gpu.poisoned((m, n), np.float32)
+        blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=True)
+        assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
+    assert blas.heuristic_queries == 2  # the class's, then m's own once
     blas.close()
 
 

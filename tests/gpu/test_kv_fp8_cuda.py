@@ -1,22 +1,20 @@
 """The fp8 (e4m3) KV cache on the GPU: its kernels against their numpy twins, and the whole model with it against
 the numpy backend with it. Lines starting with REPORT carry measured numbers (pytest -s)."""
 
-import math
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from tinyvllm.backends.base import Batch
-from tinyvllm.backends.cuda.ops import prefill_tiles
-from tinyvllm.backends.numpy_backend import NumpyBackend, paged_attention, write_kv_cache
+from tinyvllm.backends.numpy_backend import NumpyBackend, write_kv_cache
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.model.dtypes import E4M3_NAN
 
-from test_cuda_model import CONFIGS, bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
-from test_kernels import (ATTN_SHAPES, BF16_TOL, ROPE_CACHE_SHAPES, Gpu, bf16_round, cache_setup,
-                          check_attention_decode, check_rotated, rope_and_cache_inputs)
+from test_cuda_model import (CONFIGS, bf16_model, decode_against_numpy, gpu_logits, make_seqs, prefill_batch,
+                             rel_err)
+from test_kernels import (ROPE_CACHE_SHAPES, Gpu, cache_setup, check_attention_decode, check_attention_prefill,
+                          check_rotated, rope_and_cache_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -75,33 +73,7 @@ def test_attention_decode_fp8(cuda, ops, shape, num_seqs, splits, block_size):
 @pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa8", "d64-gqa3"])
 @pytest.mark.parametrize("case", ["mixed", "many"])
 def test_attention_prefill_fp8(cuda, ops, shape, case):
-    head_dim, heads, kv_heads = ATTN_SHAPES[shape]
-    gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
-    block_size = 16
-    if case == "mixed":  # a lone token, a prompt, prompts after a cached prefix, a context ending mid-block
-        q_lens, past = np.array([1, 37, 64, 130, 5]), np.array([0, 0, 16, 203, 60])
-    else:  # 257 short sequences
-        q_lens, past = rng.integers(1, 20, 257), rng.integers(0, 40, 257)
-    context_lens = (q_lens + past).astype(np.int32)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tokens = int(qsl[-1])
-    positions = np.concatenate([np.arange(p, c) for p, c in zip(past, context_lens)]).astype(np.int32)
-    k, v, tables, scales = fp8_cache_setup(rng, context_lens, kv_heads, head_dim, block_size)
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv = bf16_round(rng.standard_normal((tokens, width), dtype=np.float32))
-    tile_seq, tile_row0 = prefill_tiles(q_lens * (heads // kv_heads))
-    scale = 1 / math.sqrt(head_dim)
-    out = gpu.poisoned((tokens, heads * head_dim), np.uint16)
-    ops.attention_prefill(out, gpu.bf16(qkv), gpu.put(k), gpu.put(v), gpu.put(tables), tables.shape[1],
-                          gpu.put(qsl), gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
-                          gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
-                          block_size, width, tuple(gpu.put(s) for s in scales))
-    got = gpu.get_bf16(out, (tokens, heads * head_dim))
-    batch = Batch(True, np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
-                  None)
-    q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale, scales).reshape(tokens, -1)
-    assert rel_err(got, ref) < BF16_TOL
+    check_attention_prefill(cuda, ops, shape, case, fp8_cache_setup)
 
 
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 2), ("smollm2-135m", 4)])
@@ -126,14 +98,8 @@ def test_cuda_fp8_model_matches_numpy_fp8(cuda, cuda_backend, name, layers):
     ref_logits = ref.forward(batch, batch.query_start_loc[1:] - 1)
     errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits)]
     agree = [np.mean(got.sampled_token_ids == ref_logits.argmax(-1))]
-    tokens = ref_logits.argmax(-1)
-    for _ in range(6):
-        batch = decode_batch(seqs, tokens, bm, 16)
-        got = ours.execute(batch)
-        ref_logits = ref.forward(batch, np.arange(3))
-        errors.append(rel_err(gpu_logits(cuda, ours, 3), ref_logits))
-        tokens = ref_logits.argmax(-1)
-        agree.append(np.mean(got.sampled_token_ids == tokens))
+    decode_errors, decode_agree, _ = decode_against_numpy(cuda, ours, ref, seqs, ref_logits.argmax(-1), bm)
+    errors, agree = errors + decode_errors, agree + decode_agree
     print(f"REPORT fp8 KV cuda vs numpy {name} ({layers} layers): logits rel err prefill {errors[0]:.2e}, decode max "
           f"{max(errors[1:]):.2e}; greedy agree {np.mean(agree):.3f}")
     assert max(errors) < 5e-2 and np.mean(agree) > 0.8

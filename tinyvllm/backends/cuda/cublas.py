@@ -148,10 +148,14 @@ class Cublas:
 
     def algorithm(self, m: int, n: int, k: int, out_fp32: bool = False) -> _Algo:
         """The algorithm of m's class (found by the heuristics at the class's row count, once)."""
-        key = (n, k, out_fp32, m if m in self.exact_rows else m_class(m))
+        return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, out_fp32)
+
+    def _algorithm_at(self, rows: int, n: int, k: int, out_fp32: bool) -> _Algo:
+        """The heuristics' algorithm for exactly `rows` rows, asked for once."""
+        key = (n, k, out_fp32, rows)
         algo = self._algos.get(key)
         if algo is None:
-            algo = self._algos[key] = self._heuristic(key[3], n, k, out_fp32)
+            algo = self._algos[key] = self._heuristic(rows, n, k, out_fp32)
         return algo
 
     def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,
@@ -161,9 +165,7 @@ class Cublas:
         a, b, c = self._layouts_for(m, n, k, out_fp32)
         status = self._matmul(self.algorithm(m, n, k, out_fp32), out, x, w, a, b, c, accumulate)
         if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for this m's own
-            key = (n, k, out_fp32, m)
-            algo = self._algos.get(key) or self._algos.setdefault(key, self._heuristic(m, n, k, out_fp32))
-            status = self._matmul(algo, out, x, w, a, b, c, accumulate)
+            status = self._matmul(self._algorithm_at(m, n, k, out_fp32), out, x, w, a, b, c, accumulate)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
 
     def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool) -> int:
