@@ -274,28 +274,41 @@ def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_mode
         parse_request({"prompt": "x", "prompt_logprobs_start": -2})
 
 
-def test_block_tables_follow_growth_replacement_and_release():
-    """The engine's persistent block-table rows equal the sequences' lists through growth (past the array's first
-    width and row count), a table replaced after preemption (also a shorter one), rows released and reused, and
-    other instances gathering the same sequences."""
-    from tinyvllm.engine.model_inputs import BlockTables
+def test_batch_rows_follow_growth_replacement_and_release():
+    """The engine's persistent rows equal the sequences' block tables through growth (past the array's first width
+    and row count), a table replaced after preemption (also a shorter one), rows released and reused, and other
+    instances gathering the same sequences; and the sampling fields of a row are those of the sequence holding it,
+    also after the row went to another sequence."""
+    from tinyvllm.engine.model_inputs import BatchRows
     from tinyvllm.engine.sequence import Sequence
     from tinyvllm.outputs import RequestMetrics
 
     rng = np.random.default_rng(0)
-    seqs = [Sequence(str(i), i, None, [1, 2], SamplingParams(), 0, 0, RequestMetrics(0.0)) for i in range(20)]
-    tables = BlockTables()
+
+    def sequence(i, prompt, **kw):
+        params = SamplingParams(temperature=float(rng.random()), top_p=float(rng.uniform(0.1, 1)),
+                                top_k=int(rng.integers(0, 50)), min_p=float(rng.random() / 2),
+                                logprobs=None if i % 3 else int(rng.integers(0, 5)),
+                                prompt_logprobs=None if i % 4 else 1)
+        return Sequence(str(i), i, None, prompt, params, 0, int(rng.integers(1 << 32)), RequestMetrics(0.0), **kw)
+
+    seqs = [sequence(i, [1, 2]) for i in range(20)]
+    tables = BatchRows()
 
     def check(batch):
         width = max(len(s.block_table) for s in batch)
         want = np.zeros((len(batch), width), np.int32)
         for row, s in enumerate(batch):
             want[row, : len(s.block_table)] = s.block_table
-        np.testing.assert_array_equal(tables.gather(batch), want)
+        rows, got = tables.gather(batch)
+        np.testing.assert_array_equal(got, want)
+        for name, (dtype, value) in BatchRows.FIELDS.items():
+            np.testing.assert_array_equal(tables.fields[name][rows], np.array([value(s) for s in batch], dtype))
+        assert tables.fields["sampling_key"][rows].tolist() == [s.sampling_key for s in batch]
         # a throwaway instance (as build_batch makes without one) on the same sequences: their rows elsewhere are
         # no claim on its rows
-        np.testing.assert_array_equal(BlockTables().gather(batch[::-1]), want[::-1])
-        np.testing.assert_array_equal(tables.gather(batch), want)
+        np.testing.assert_array_equal(BatchRows().gather(batch[::-1])[1], want[::-1])
+        np.testing.assert_array_equal(tables.gather(batch)[1], want)
 
     for step in range(60):
         for s in seqs:
@@ -307,8 +320,7 @@ def test_block_tables_follow_growth_replacement_and_release():
             gone = seqs.pop(int(rng.integers(len(seqs))))
             tables.release(gone)
             assert gone.table_row == -1
-            seqs.append(Sequence("new", 99, None, [1], SamplingParams(), 0, 0, RequestMetrics(0.0),
-                                 block_table=[int(b) for b in rng.integers(1000, size=3)]))
+            seqs.append(sequence(100 + step, [1], block_table=[int(b) for b in rng.integers(1000, size=3)]))
         batch = [s for s in seqs if s.block_table and rng.random() < 0.8]
         if batch:
             check(batch)

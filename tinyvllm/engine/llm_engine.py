@@ -15,7 +15,7 @@ from tinyvllm.backends.sampler import seed_key
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_processing, request_processors
-from tinyvllm.engine.model_inputs import BlockTables, build_batch
+from tinyvllm.engine.model_inputs import BatchRows, build_batch
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
@@ -78,7 +78,7 @@ class LLMEngine:
         self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
-        self.block_tables = BlockTables()
+        self.batch_rows = BatchRows()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._arrivals = 0
         self._rejected: list[RequestOutput] = []
@@ -195,7 +195,7 @@ class LLMEngine:
             if seq.request_id in ids:
                 self.scheduler.finish(seq)  # a step in flight skips it, as it skips one that stopped
                 self.penalty_slots.release(seq)
-                self.block_tables.release(seq)
+                self.batch_rows.release(seq)
                 seq.forks_left = 0
 
     def has_unfinished_requests(self) -> bool:
@@ -244,19 +244,17 @@ class LLMEngine:
 
     def _prepare(self, step: ScheduledStep) -> InFlightStep:
         """The step's batch, with the sequences advanced as if it had run (its sampled tokens pending)."""
-        now = time.time()
-        for seq in step.seqs:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
-        batch = build_batch(step, self.engine_config.block_size, self.block_tables)
+        batch = build_batch(step, self.engine_config.block_size, self.batch_rows)
         samples = [seq.num_computed_tokens + n == len(seq.token_ids) for seq, n in zip(step.seqs, step.num_new_tokens)]
         batch.logits_processing = build_logits_processing(step.seqs, samples, self.penalty_slots)
         constrained = [i for i, (seq, sampled) in enumerate(zip(step.seqs, samples)) if sampled and seq.constraint]
         if constrained:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
             batch.bitmask_rows[constrained] = np.arange(len(constrained))
-        starts, sample_index = [], []
+        starts, sample_index, now = [], [], time.time()
         for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
             starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
             length = len(seq.token_ids)
@@ -291,9 +289,10 @@ class LLMEngine:
         ended: list[Sequence] = []
         step, batch = launched.step, launched.batch
         sampled = result.sampled_token_ids.tolist()
-        block_size = self.engine_config.block_size
+        prompt_logprobs = result.prompt_logprobs
+        block_size, finished, check_stop = self.engine_config.block_size, SequenceStatus.FINISHED, self._check_stop
         for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue  # it stopped at the previous step: this step's work for it is dropped
             if index >= 0 and seq.constraint is not None and seq.constraint.done:
                 # Complete with the token before (it has taken every token up to this one): this one, EOS or
@@ -301,8 +300,8 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 self._end(seq, index, now, ended)
                 continue
-            if result.prompt_logprobs and i in result.prompt_logprobs:
-                entries = _logprob_dicts(result.prompt_logprobs[i], batch.prompt_logprob_targets[i],
+            if prompt_logprobs and i in prompt_logprobs:
+                entries = _logprob_dicts(prompt_logprobs[i], batch.prompt_logprob_targets[i],
                                          seq.params.prompt_logprobs)
                 # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
                 # positions a prefix-cache hit skipped have none.
@@ -322,7 +321,7 @@ class LLMEngine:
                 entry = _logprob_dicts(result.logprobs, [token], seq.params.logprobs, row=i)[0]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
-            if self._check_stop(seq, token, index + 1):
+            if check_stop(seq, token, index + 1):
                 if seq.constraint is not None:
                     self.structured_outputs.take(seq.constraint, token)  # for `complete`
                 self._end(seq, index + 1, now, ended)
@@ -340,7 +339,7 @@ class LLMEngine:
         seq.metrics.num_generated_tokens = seq.num_output_tokens
         self.scheduler.finish(seq)
         self.penalty_slots.release(seq)
-        self.block_tables.release(seq)
+        self.batch_rows.release(seq)
         ended.append(seq)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:

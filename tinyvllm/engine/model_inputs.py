@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tinyvllm.backends.base import Batch, SamplingBatch
@@ -10,23 +12,43 @@ from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence
 
 
-class BlockTables:
-    """The sequences' block tables kept as rows of one int32 array (zero past each table's end) and updated as the
-    tables grow, so that a step's [S, width] block table is one gather: copying S Python lists into an array took
-    ~1.2 ms a step at 512 rows. A sequence holds its row from its first step until release(); a table that the block
-    manager replaced (freed on preemption, then allocated again) is written again whole."""
+class BatchRows:
+    """Each running sequence's row in a few persistent arrays: its block table (zero past its end), kept up to date
+    as the table grows, and what a step needs of its sampling parameters, written once when it takes the row. A
+    step's block tables and sampling arrays are then gathers by the rows: copying them from 512 sequences' lists
+    and parameters took ~1.2 ms and ~0.5 ms a step. A sequence holds its row from its first step until release(); a
+    table that the block manager replaced (freed on preemption, then allocated again) is written again whole."""
+
+    # per-row fields copied from a sequence when it takes a row: name -> (dtype, the value)
+    FIELDS: dict[str, tuple[type, Callable[[Sequence], float]]] = {
+        "temperature": (np.float32, lambda seq: seq.params.temperature),
+        "top_p": (np.float32, lambda seq: seq.params.top_p),
+        "top_k": (np.int32, lambda seq: seq.params.top_k),
+        "min_p": (np.float32, lambda seq: seq.params.min_p),
+        "sampling_key": (np.uint32, lambda seq: seq.sampling_key),
+        "num_prompt_tokens": (np.int32, lambda seq: seq.num_prompt_tokens),
+        "logprobs": (np.int32, lambda seq: -1 if seq.params.logprobs is None else seq.params.logprobs),
+        "prompt_logprobs": (np.bool_, lambda seq: seq.params.prompt_logprobs is not None),
+    }
 
     def __init__(self) -> None:
-        self.rows = np.zeros((8, 8), np.int32)
+        self.block_tables = np.zeros((8, 8), np.int32)
+        self.fields = {name: np.zeros(8, dtype) for name, (dtype, _) in self.FIELDS.items()}
         self.owners: list[Sequence | None] = [None] * 8  # Sequence.table_row is only a hint: this says whose it is
         self.tables: list[list[int] | None] = [None] * 8  # the list each row was copied from
         self.lengths = [0] * 8  # how much of it
         self.free = list(range(7, -1, -1))
 
-    def gather(self, seqs: list[Sequence]) -> np.ndarray:
-        rows = [self._update(seq) for seq in seqs]
-        width = max(self.lengths[row] for row in rows)
-        return self.rows[rows, :width]
+    def gather(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences' rows, and their block tables [S, longest table]."""
+        owners, tables, lengths = self.owners, self.tables, self.lengths
+        # most steps change no table: a row still held, with the same list at the same length, is taken as it is
+        rows = [row if 0 <= (row := seq.table_row) < len(owners) and owners[row] is seq
+                and tables[row] is seq.block_table and lengths[row] == len(seq.block_table) else self._update(seq)
+                for seq in seqs]
+        width = max(map(lengths.__getitem__, rows))
+        rows = np.array(rows, np.intp)
+        return rows, self.block_tables[rows, :width]
 
     def release(self, seq: Sequence) -> None:
         row = seq.table_row
@@ -40,21 +62,25 @@ class BlockTables:
         if not (0 <= row < len(self.owners) and self.owners[row] is seq):
             row = seq.table_row = self._take()
             self.owners[row] = seq
+            for name, (_, value) in self.FIELDS.items():
+                self.fields[name][row] = value(seq)
         known, length = self.lengths[row], len(table)
         if self.tables[row] is not table or length < known:
             self.tables[row], known = table, 0
-            self.rows[row] = 0
+            self.block_tables[row] = 0
         if length > known:
-            if length > self.rows.shape[1]:
-                self.rows = np.pad(self.rows, ((0, 0), (0, max(length, 2 * self.rows.shape[1]) - self.rows.shape[1])))
-            self.rows[row, known:length] = table[known:]
+            if length > self.block_tables.shape[1]:
+                width = self.block_tables.shape[1]
+                self.block_tables = np.pad(self.block_tables, ((0, 0), (0, max(length, 2 * width) - width)))
+            self.block_tables[row, known:length] = table[known:]
         self.lengths[row] = length
         return row
 
     def _take(self) -> int:
         if not self.free:
             n = len(self.owners)
-            self.rows = np.pad(self.rows, ((0, n), (0, 0)))
+            self.block_tables = np.pad(self.block_tables, ((0, n), (0, 0)))
+            self.fields = {name: np.pad(values, (0, n)) for name, values in self.fields.items()}
             self.owners += [None] * n
             self.tables += [None] * n
             self.lengths += [0] * n
@@ -62,11 +88,15 @@ class BlockTables:
         return self.free.pop()
 
 
-def build_batch(step: ScheduledStep, block_size: int, tables: BlockTables | None = None) -> Batch:
-    """The step's Batch; `tables`: the engine's BlockTables (None: a throwaway one)."""
+def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | None = None) -> Batch:
+    """The step's Batch; `batch_rows`: the engine's BatchRows (None: a throwaway one)."""
     seqs = step.seqs
     n = len(seqs)
+    batch_rows = BatchRows() if batch_rows is None else batch_rows
+    rows, block_tables = batch_rows.gather(seqs)
+    fields = batch_rows.fields
     starts = np.fromiter([seq.num_computed_tokens for seq in seqs], np.int32, n)
+    lengths = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
     query_lens = np.asarray(step.num_new_tokens, np.int32)
     ends = starts + query_lens
     query_start_loc = np.zeros(n + 1, np.int32)
@@ -81,29 +111,24 @@ def build_batch(step: ScheduledStep, block_size: int, tables: BlockTables | None
         positions = starts
     # A token still being sampled by the previous step (the engine runs one step ahead) is read on the backend
     # from that step's sampled ids: token_sources gives the row there, -1 where token_ids holds the token.
-    pending = [i for i, (seq, e) in enumerate(zip(seqs, ends.tolist())) if seq.num_pending and e == len(seq.token_ids)]
+    pending = np.flatnonzero((ends == lengths) & (np.fromiter([seq.num_pending for seq in seqs], np.int32, n) > 0))
     token_sources = None
-    if pending:
+    if len(pending):
         token_sources = np.full(len(token_ids), -1, np.int32)
-        token_sources[query_start_loc[1:][pending] - 1] = [seqs[i].sample_row for i in pending]
-    block_tables = (tables or BlockTables()).gather(seqs)
+        token_sources[query_start_loc[1:][pending] - 1] = [seqs[i].sample_row for i in pending.tolist()]
     seq_index = np.repeat(np.arange(n), query_lens)
     slot_mapping = (block_tables[seq_index, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
 
-    params = [seq.params for seq in seqs]
     sampling = SamplingBatch(
-        temperature=np.array([p.temperature for p in params], np.float32),
-        top_p=np.array([p.top_p for p in params], np.float32),
-        top_k=np.array([p.top_k for p in params], np.int32),
-        min_p=np.array([p.min_p for p in params], np.float32),
-        noise_keys=step_keys(np.array([seq.sampling_key for seq in seqs], np.uint32),
-                             np.fromiter([len(seq.token_ids) - seq.num_prompt_tokens for seq in seqs], np.uint32, n)),
-        num_logprobs=max((-1 if p.logprobs is None else p.logprobs for p in params), default=-1),
+        temperature=fields["temperature"][rows], top_p=fields["top_p"][rows], top_k=fields["top_k"][rows],
+        min_p=fields["min_p"][rows],
+        noise_keys=step_keys(fields["sampling_key"][rows], lengths - fields["num_prompt_tokens"][rows]),
+        num_logprobs=int(fields["logprobs"][rows].max()),
     )
     # Prompt logprobs: new position p predicts prompt token p + 1, for as long as that is a prompt token.
     targets = {}
-    for i in [i for i, p in enumerate(params) if p.prompt_logprobs is not None]:
+    for i in np.flatnonzero(fields["prompt_logprobs"][rows]).tolist():
         seq, s, e = seqs[i], int(starts[i]), int(ends[i])
         if s + 1 < seq.num_prompt_tokens:
             targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)

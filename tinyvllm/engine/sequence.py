@@ -50,7 +50,7 @@ class Sequence:
     processors: object = None  # logits_processing.RequestProcessors, or None: no logits processing
     constraint: object = None  # structured_outputs.OutputConstraint: its structured output's state, or None
     penalty_slot: int = -1  # its slot in the backend's token-count table while it runs with penalties
-    table_row: int = -1  # its row in the engine's BlockTables (model_inputs), once it has run
+    table_row: int = -1  # its row in the engine's BatchRows (model_inputs), once it has run
     index: int = 0  # which of its request's n completions this is
     forks_left: int = 0  # completions still to fork from this one (the first of n) once its prompt is computed
     num_prompt_tokens: int = field(init=False)

@@ -1,0 +1,61 @@
+"""The engine's host work per decode step, on the CPU: W1's shape (512 sequences of 256-token prompts) with a
+backend that returns random tokens at once, so that only the engine loop is timed (scheduling, batch building,
+output processing). A step's host work must stay under its GPU time for the engine to keep the GPU busy
+(bench/profile_step.py measures both on the GPU).
+
+    python bench/host_step.py [--seqs 512] [--steps 30] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.backends.base import QueuedStep, SamplerOutput
+from tinyvllm.benchmark import dummy_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=args.seqs, max_model_len=2048,
+              num_kv_blocks=args.seqs * 2048 // 16)
+    engine, vocab = llm.llm_engine, llm.model_config.vocab_size
+    rng = np.random.default_rng(0)
+
+    shapes = []  # (prefill?, rows) of each step submitted
+
+    def submit(batch):  # no forward: tokens at once
+        shapes.append((batch.is_prefill, batch.num_seqs))
+        ids = rng.integers(3, vocab, batch.num_seqs).astype(np.int32)
+        return QueuedStep(lambda: SamplerOutput(ids))
+
+    llm.backend.submit = submit
+    params = SamplingParams(max_tokens=2048 - args.prompt_len, temperature=0, ignore_eos=True)
+    for i in range(args.seqs):
+        engine.add_request(str(i), rng.integers(3, vocab, args.prompt_len).tolist(), params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()  # the prefill steps
+    gc.collect()
+    shapes.clear()
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        times.append((time.perf_counter() - start) / args.steps * 1e3)
+    assert shapes == [(False, args.seqs)] * len(shapes), "a timed step was not a decode of every sequence"
+    print(f"{args.seqs} sequences decoding: engine host work {min(times):.2f} ms per step (best of {args.repeats} x "
+          f"{args.steps} steps; median {np.median(times):.2f})")
+
+
+if __name__ == "__main__":
+    main()
