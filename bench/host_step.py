@@ -19,15 +19,31 @@ from tinyvllm.backends.base import QueuedStep, SamplerOutput
 from tinyvllm.benchmark import dummy_model
 
 
-def main() -> None:
+MAX_MODEL_LEN = 2048
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments; a value that cannot give every timed step a decode of all sequences gets argparse's one-line
+    usage error."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=args.seqs, max_model_len=2048,
-              num_kv_blocks=args.seqs * 2048 // 16)
+    args = parser.parse_args(argv)
+    for name in ("seqs", "prompt_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if args.prompt_len + args.steps * args.repeats + 2 > MAX_MODEL_LEN:
+        parser.error(f"--prompt-len {args.prompt_len} + --steps x --repeats {args.steps * args.repeats} decode steps "
+                     f"do not fit in the {MAX_MODEL_LEN}-token context this runs with")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=args.seqs, max_model_len=MAX_MODEL_LEN,
+              num_kv_blocks=args.seqs * MAX_MODEL_LEN // 16)
     engine, vocab = llm.llm_engine, llm.model_config.vocab_size
     rng = np.random.default_rng(0)
 
@@ -39,7 +55,7 @@ def main() -> None:
         return QueuedStep(lambda: SamplerOutput(ids))
 
     llm.backend.submit = submit
-    params = SamplingParams(max_tokens=2048 - args.prompt_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_MODEL_LEN - args.prompt_len, temperature=0, ignore_eos=True)
     for i in range(args.seqs):
         engine.add_request(str(i), rng.integers(3, vocab, args.prompt_len).tolist(), params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
