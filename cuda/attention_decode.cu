@@ -15,14 +15,16 @@
 // (4 warps splitting one head's keys, merged at the end) paid a block's set-up and merge for 2-4 tiles per warp at
 // W1's contexts, held 1-2 tiles in flight per warp and waited on each tile's table loads: ~2.9 TB/s.
 // Small batches cut each context into up to num_splits parts (grid.z) of whole tiles, so that they still fill the
-// GPU: splits_used() parts (the blocks of a context's unused parts return at once). A context in one part gets its
-// output written by its warps; parts write normalized partial outputs and (m, l), merged by attention_combine.
+// GPU: splits_used() parts, of at least MIN_SPLIT_TILES tiles each where the context has them (the blocks of a
+// context's unused parts return at once). A context in one part gets its output written by its warps; parts write
+// normalized partial outputs and (m, l), merged by attention_combine.
 //
 // An fp8 cache (Cache = e4m3, the _fp8 kernels) moves half the bytes: each tile's codes land in the tail of the
 // warp's bf16 tile, are widened to bf16 in place (exact), and the rest runs as for bf16. The K scale of the KV head
 // folds into the softmax scale, the V scale into the output (both are powers of two: exact).
 //
-// Compiled with -DNWARPS (warps per block) from backends/cuda/ops.py, which also launches the kernels.
+// Compiled with -DNWARPS (warps per block) and -DMIN_SPLIT_TILES from backends/cuda/ops.py, which also launches the
+// kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -39,7 +41,7 @@ constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-
 
 // The parts a context of ctx keys is cut into (attention_decode and attention_combine agree on it).
 __device__ __forceinline__ int splits_used(int ctx, int num_splits) {
-    return min(num_splits, max(1, (ctx + TILE - 1) / TILE));
+    return min(num_splits, max(1, (ctx + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
 }
 
 // Launch: grid (ceil(num_kv_heads * head_chunks / NWARPS), S, num_splits), block NWARPS * 32, where head_chunks =

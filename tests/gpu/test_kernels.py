@@ -216,9 +216,10 @@ def test_attention_decode_block_sizes(cuda, ops, shape, block_size, num_seqs, sp
 
 
 @pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa32"])
-def test_attention_decode_empty_parts(cuda, ops, shape):
-    """Contexts of 1-999 keys in up to 32 parts of whole tiles: the longer ones leave their last parts empty (and
-    those of 16 keys or fewer are in one part, written without attention_combine)."""
+def test_attention_decode_parts_of_short_contexts(cuda, ops, shape):
+    """Contexts of 1-999 keys with up to 32 parts: each cut into parts of at least DECODE_MIN_SPLIT_TILES whole tiles
+    (the last one ending short), those of 16 * DECODE_MIN_SPLIT_TILES keys or fewer in one part, written without
+    attention_combine."""
     check_attention_decode(cuda, ops, shape, 9, 32, max_context=1000)
 
 

@@ -20,13 +20,17 @@ VECTOR = 8  # bf16 per 16-byte load: the kernels' widths (hidden, intermediate, 
 # Tile constants, passed to the compiler as -D defines.
 PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per warp
 DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence)
+# attention_decode: fewest 16-key tiles in each part of a context cut into parts (a shorter context gets fewer
+# parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
+# per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md, session 11)
+DECODE_MIN_SPLIT_TILES = 4
 SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per row)
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
-    "attention_decode": {"NWARPS": DECODE_WARPS},
+    "attention_decode": {"NWARPS": DECODE_WARPS, "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
 }
