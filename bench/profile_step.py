@@ -1,25 +1,28 @@
 """Where a decode step's time goes, on the cuda backend: host vs GPU, and GPU time per kernel.
 
-    python bench/profile_step.py [--dummy-weights llama-3.2-1b] [--batch 256,512] [--prompt-len 256]
+    python bench/profile_step.py [--dummy-weights llama-3.2-1b] [--batch 256,512] [--prompt-len 256] [--chain]
 
 Host work is everything the engine does per step (scheduling, batch preparation, launching, output processing);
 the engine overlaps it with the GPU's work on the previous step, so the cost that remains is the step's wall time
 beyond its GPU time ("exposed host time"). Per-kernel times come from CUDA events around each launch of one eager
 (not graph-replayed) step, each launch queued behind a spin kernel (bench/gemv.py's Timer) so that the host's
 launch latency is not timed: a kernel alone, without the overlap programmatic dependent launch gives it in a graph.
+With --chain (needs PyTorch, whose profiler reads kernel times through CUPTI), also each kernel's share of the graph
+step as replayed: its marginal time, how much later the step's chain of kernels ends because of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
-import pycuda.driver as cuda
 
-from gemv import Timer  # bench/gemv.py, next to this script
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.benchmark import dummy_model
 
@@ -40,6 +43,7 @@ def host_vs_gpu(llm: LLM, steps: int) -> dict:
     """Wall time per engine step; the GPU time of one decode step (its graph replayed back to back); the host's
     own work per step (wall minus time spent waiting for the GPU). The engine queues step N+1 before it reads step
     N, so host work hides behind the GPU: what shows is the step time beyond the GPU time."""
+    import pycuda.driver as cuda
     engine, backend = llm.llm_engine, llm.backend
     submit = backend.submit
     waited = 0.0
@@ -81,6 +85,9 @@ def host_vs_gpu(llm: LLM, steps: int) -> dict:
 
 def per_kernel(llm: LLM) -> dict[str, float]:
     """GPU ms per kernel name (GEMMs by shape) over one eager decode step."""
+    import pycuda.driver as cuda
+
+    from gemv import Timer  # bench/gemv.py, next to this script
     backend, engine = llm.backend, llm.llm_engine
     ops, linear = backend.forward.ops, backend.forward.linear
     events: list[tuple[str, cuda.Event, cuda.Event]] = []
@@ -114,18 +121,68 @@ def per_kernel(llm: LLM) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def chain_times(kernels: list[tuple[float, float, str]], first: str) -> tuple[float, dict[str, tuple[float, float]]]:
+    """From the (start, end, name) of every kernel of back-to-back replays of one step, each replay beginning with a
+    kernel named `first`: the mean step time (start to start, over the complete replays) and, per kernel name, its
+    launches per step and its marginal time per step, the sum over its launches of how far its end lies past the
+    latest end before it (so the marginal times of a step add up to its chain's length)."""
+    kernels = sorted(kernels)
+    starts = [i for i, (_, _, name) in enumerate(kernels) if name == first]
+    if len(starts) < 2:
+        raise ValueError(f"fewer than two steps beginning with {first} among {len(kernels)} kernels")
+    marginal: dict[str, float] = defaultdict(float)
+    launches: Counter = Counter()
+    last_end = max((end for _, end, _ in kernels[:starts[0]]), default=kernels[starts[0]][0])
+    for _, end, name in kernels[starts[0]:starts[-1]]:
+        marginal[name] += max(0.0, end - last_end)
+        launches[name] += 1
+        last_end = max(last_end, end)
+    steps = len(starts) - 1
+    step = (kernels[starts[-1]][0] - kernels[starts[0]][0]) / steps
+    return step, {name: (launches[name] / steps, marginal[name] / steps)
+                  for name in sorted(marginal, key=lambda name: -marginal[name])}
+
+
+def chain(llm: LLM, steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
+    """chain_times (µs) of the current decode bucket's graph replayed `steps` times back to back."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        raise SystemExit("--chain needs PyTorch (its profiler reads the kernels' times through CUPTI)") from None
+    backend = llm.backend
+    bucket = next(b for b in backend.buckets if b >= len(llm.llm_engine.scheduler.running))
+    graph, stream = backend.graphs[bucket], backend.stream
+    stream.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.launch(stream.handle)
+        stream.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"]
+    return chain_times(kernels, "resolve_tokens")  # a decode step's first kernel (forward.py)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dummy-weights", default="llama-3.2-1b")
     parser.add_argument("--batch", default="256,512")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--chain", action="store_true", help="also each kernel's marginal time in the graph step")
     args = parser.parse_args()
     model = dummy_model(args.dummy_weights)
     for batch in map(int, args.batch.split(",")):
         llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096)
         fill(llm, batch, args.prompt_len)
         split = host_vs_gpu(llm, args.steps)
+        if args.chain:
+            step_us, times = chain(llm, args.steps)
+            print(f"batch {batch}: graph step {step_us:.1f} µs; marginal time in the chain per step (launches):")
+            for name, (count, us) in times.items():
+                print(f"    {name[:48]:<50}{us:9.1f} µs ({count:.0f})")
         kernels = per_kernel(llm)
         total = sum(kernels.values())
         print(f"batch {batch}, context ~{args.prompt_len}: step {split['step_ms']:.2f} ms, GPU {split['gpu_ms']:.2f} "

@@ -1,0 +1,34 @@
+"""bench/profile_step.py's chain arithmetic (--chain), on made-up kernel times: the script imports no pycuda until
+it runs on a GPU."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "profile_step.py"
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chain_times_count_what_each_kernel_adds_to_the_chain(profile_step):
+    # two complete steps (and the start of a third); "b" starts before "a" ends, as programmatic launch lets it,
+    # and "c" ends inside "b": it adds nothing
+    kernels = [(0, 2, "first"), (1, 5, "a"), (4, 6, "b"), (4.5, 5.5, "c"),
+               (10, 11, "first"), (10.5, 14, "a"), (12, 15, "b"), (12.5, 13, "c"), (20, 21, "first")]
+    step, times = profile_step.chain_times(list(reversed(kernels)), "first")  # any order
+    assert step == 10
+    # step 1 counts "first" from its own start (2), step 2 from the end of the step before it (11 - 6 = 5)
+    assert times == {"first": (1, 3.5), "a": (1, 3.0), "b": (1, 1.0), "c": (1, 0.0)}
+    assert list(times) == ["first", "a", "b", "c"]  # largest first
+
+
+def test_chain_times_needs_two_steps(profile_step):
+    with pytest.raises(ValueError, match="fewer than two steps beginning with first among 2 kernels"):
+        profile_step.chain_times([(0, 1, "first"), (1, 2, "a")], "first")
