@@ -39,6 +39,12 @@ def fill(llm: LLM, batch: int, prompt_len: int) -> None:
         engine.step()
 
 
+def decode_graph(llm: LLM):
+    """The captured graph of the decode bucket that the running sequences use."""
+    backend = llm.backend
+    return backend.graphs[next(b for b in backend.buckets if b >= len(llm.llm_engine.scheduler.running))]
+
+
 def host_vs_gpu(llm: LLM, steps: int) -> dict:
     """Wall time per engine step; the GPU time of one decode step (its graph replayed back to back); the host's
     own work per step (wall minus time spent waiting for the GPU). The engine queues step N+1 before it reads step
@@ -70,8 +76,7 @@ def host_vs_gpu(llm: LLM, steps: int) -> dict:
         engine.step()
     wall = time.perf_counter() - start
     backend.submit = submit
-    bucket = next(b for b in backend.buckets if b >= len(engine.scheduler.running))
-    graph, stream = backend.graphs[bucket], backend.stream
+    graph, stream = decode_graph(llm), backend.stream
     a, b = cuda.Event(), cuda.Event()
     a.record(stream)
     for _ in range(steps):
@@ -149,9 +154,7 @@ def chain(llm: LLM, steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         raise SystemExit("--chain needs PyTorch (its profiler reads the kernels' times through CUPTI)") from None
-    backend = llm.backend
-    bucket = next(b for b in backend.buckets if b >= len(llm.llm_engine.scheduler.running))
-    graph, stream = backend.graphs[bucket], backend.stream
+    graph, stream = decode_graph(llm), llm.backend.stream
     stream.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):

@@ -2,6 +2,7 @@
 it runs on a GPU."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,10 @@ def test_chain_times_count_what_each_kernel_adds_to_the_chain(profile_step):
 def test_chain_times_needs_two_steps(profile_step):
     with pytest.raises(ValueError, match="fewer than two steps beginning with first among 2 kernels"):
         profile_step.chain_times([(0, 1, "first"), (1, 2, "a")], "first")
+
+
+def test_chain_without_pytorch_says_so_in_one_line(profile_step, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch.profiler fails as without PyTorch
+    monkeypatch.setitem(sys.modules, "torch.profiler", None)
+    with pytest.raises(SystemExit, match=r"^--chain needs PyTorch \(its profiler reads"):
+        profile_step.chain(llm=None, steps=3)  # refused before the LLM is touched
