@@ -251,6 +251,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
 // Merge the parts of each (sequence, head) cut into more than one: weights w_z = l_z * 2^(m_z - max m),
 // out = sum w_z o_z / sum w_z. Launch: grid (num_heads, S), block D: one thread per output dim.
+// The parts come COMBINE_UNROLL at a time, their (m, l) and outputs loaded together and merged online: at batch 1
+// this kernel is on the critical path, where a pass for the max and a second for the sum cost two round trips.
+constexpr int COMBINE_UNROLL = 8;
 extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                              const float2* __restrict__ partial_ml, const int* context_lens,
                                              int num_splits) {
@@ -259,14 +262,35 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
     if (used == 1) return;  // attention_decode wrote this output itself
     const int num_heads = gridDim.x, D = blockDim.x;
     const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits;
-    float m = -INFINITY;
-    for (int z = 0; z < used; ++z) m = fmaxf(m, partial_ml[base + z].x);
-    float num = 0.f, den = 0.f;
-    for (int z = 0; z < used; ++z) {
-        const float2 ml = partial_ml[base + z];
-        const float w = ml.y > 0.f ? ml.y * exp2f(ml.x - m) : 0.f;
-        num += w * partial_o[(base + z) * D + threadIdx.x];
-        den += w;
+    float m = -INFINITY, num = 0.f, den = 0.f;
+    for (int z0 = 0; z0 < used; z0 += COMBINE_UNROLL) {
+        float2 ml[COMBINE_UNROLL];
+        float o[COMBINE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            ml[u] = make_float2(-INFINITY, 0.f);  // past the last part: no weight
+            if (z0 + u < used) {
+                ml[u] = partial_ml[base + z0 + u];
+                o[u] = partial_o[(base + z0 + u) * D + threadIdx.x];
+            }
+        }
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u)
+            if (ml[u].y > 0.f) m_new = fmaxf(m_new, ml[u].x);
+        if (m_new == -INFINITY) continue;  // no keys so far
+        const float rescale = exp2f(m - m_new);
+        num *= rescale;
+        den *= rescale;
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            if (ml[u].y > 0.f) {
+                const float w = ml[u].y * exp2f(ml[u].x - m_new);
+                num += w * o[u];
+                den += w;
+            }
+        }
+        m = m_new;
     }
     out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] =
         __float2bfloat16(den > 0.f ? num / den : 0.f);

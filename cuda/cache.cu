@@ -3,15 +3,9 @@
 // Twins: numpy_backend.apply_rope, then numpy_backend.write_kv_cache.
 #include "common.cuh"
 
-// A cache entry from a bf16 value: itself, or in an fp8 cache the e4m3 code of value / scale, with the scale of
-// its layer and KV head (powers of two, so that multiplying by 1 / scale is exact: the numpy twin divides), rounded
-// to nearest even and saturated to +-448.
-__device__ __forceinline__ void store_entry(bf16* p, bf16 v, float) { *p = v; }
-
-__device__ __forceinline__ void store_entry(e4m3* p, bf16 v, float inv_scale) {
-    *p = __nv_cvt_float_to_fp8(__bfloat162float(v) * inv_scale, __NV_SATFINITE, __NV_E4M3);
-}
-
+// Cache entries from bf16 values: the values themselves, or in an fp8 cache the e4m3 codes of value / scale, with
+// the scale of the layer and KV head (powers of two, so that multiplying by 1 / scale is exact: the numpy twin
+// divides), rounded to nearest even and saturated to +-448.
 __device__ __forceinline__ void store_entries8(bf16* p, const bf16* v, float) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
 }
@@ -22,6 +16,20 @@ __device__ __forceinline__ void store_entries8(e4m3* p, const bf16* v, float inv
     *reinterpret_cast<uint2*>(p) = f32x8_to_e4m3x8(x, inv_scale);
 }
 
+// Four entries from four bf16 values (8 bytes).
+__device__ __forceinline__ void store_entries4(bf16* p, const __nv_bfloat162 v[2], float) {
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(v);
+}
+
+__device__ __forceinline__ void store_entries4(e4m3* p, const __nv_bfloat162 v[2], float inv_scale) {
+    const float2 a = __bfloat1622float2(v[0]), b = __bfloat1622float2(v[1]);
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * inv_scale, a.y * inv_scale),
+                                                             __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * inv_scale, b.y * inv_scale),
+                                                             __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(p) = (uint32_t)lo | (uint32_t)hi << 16;
+}
+
 // For token t (a qkv row [q heads | k heads | v heads]) at position positions[t]: q and k heads are rotated in place
 // (rotate-half layout: for j < D/2, (x[j], x[j + D/2]) <- (x[j] cos - x[j + D/2] sin, x[j + D/2] cos + x[j] sin),
 // angle = pos * inv_freq[j]); then, if slot = slot_mapping[t] >= 0, k_cache[slot] = the rotated K heads and
@@ -30,8 +38,10 @@ __device__ __forceinline__ void store_entries8(e4m3* p, const bf16* v, float inv
 // scaling costs nothing here and long positions keep their precision. Caches are [num_slots, kv_heads, D]
 // (slot = block * block_size + offset); k_scales, v_scales: an fp8 cache's scales of this layer ([kv_heads] each),
 // null for bf16.
-// Launch: grid (T), block 128; threads stride over the (head, j) pairs of the row (consecutive threads touch
-// consecutive j, so accesses coalesce), then over 16-byte chunks of V. D % 8 == 0.
+// Launch: grid (T, ceil(items / blockDim.x)), block 128, with items = (num_heads + num_kv_heads) * D / 8 rotations
+// of 4 pairs (j .. j + 3 of one head) followed by num_kv_heads * D / 8 copies of 8 V entries: one item per
+// thread, so that a thread's loads are all in flight at once (at batch 1 this kernel is on the critical path; a
+// loop over scalar pairs was ~12 dependent round trips). D % 8 == 0.
 template <typename C>
 __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, C* __restrict__ v_cache,
                                const int* __restrict__ positions, const int* __restrict__ slot_mapping,
@@ -39,30 +49,43 @@ __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, 
                                int row_stride, const float* __restrict__ k_scales,
                                const float* __restrict__ v_scales) {
     pdl_begin();
-    const int half = head_dim / 2, kv_width = num_kv_heads * head_dim;
+    const int half = head_dim / 2, quads = half / 4, kv_width = num_kv_heads * head_dim;
+    const int rotations = (num_heads + num_kv_heads) * quads, item = blockIdx.y * blockDim.x + threadIdx.x;
     const int64_t slot = slot_mapping[blockIdx.x];
-    const float2* cs = cos_sin + (int64_t)positions[blockIdx.x] * half;
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
-    for (int i = threadIdx.x; i < (num_heads + num_kv_heads) * half; i += blockDim.x) {
-        const int head = i / half, j = i % half;
+    if (item < rotations) {
+        const int head = item / quads, j = item % quads * 4;
         bf16* x = row + head * head_dim;
-        const float x1 = __bfloat162float(x[j]), x2 = __bfloat162float(x[j + half]);
-        const float2 c = cs[j];
-        const bf16 r1 = __float2bfloat16(x1 * c.x - x2 * c.y), r2 = __float2bfloat16(x2 * c.x + x1 * c.y);
-        x[j] = r1;
-        x[j + half] = r2;
+        const uint2 lo = *reinterpret_cast<const uint2*>(x + j), hi = *reinterpret_cast<const uint2*>(x + j + half);
+        // cos_sin[pos, j .. j + 3] as (cos, sin) pairs: 32 bytes, 32-byte aligned since half % 4 == 0
+        const float4* cs = reinterpret_cast<const float4*>(cos_sin + (int64_t)positions[blockIdx.x] * half + j);
+        const float4 cs01 = cs[0], cs23 = cs[1];
+        const float c[4] = {cs01.x, cs01.z, cs23.x, cs23.z}, s[4] = {cs01.y, cs01.w, cs23.y, cs23.w};
+        const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&lo);
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&hi);
+        __nv_bfloat162 r1[2], r2[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float2 x1 = __bfloat1622float2(a[k]), x2 = __bfloat1622float2(b[k]);
+            const float c0 = c[2 * k], c1 = c[2 * k + 1], s0 = s[2 * k], s1 = s[2 * k + 1];
+            r1[k] = __floats2bfloat162_rn(x1.x * c0 - x2.x * s0, x1.y * c1 - x2.y * s1);
+            r2[k] = __floats2bfloat162_rn(x2.x * c0 + x1.x * s0, x2.y * c1 + x1.y * s1);
+        }
+        *reinterpret_cast<uint2*>(x + j) = *reinterpret_cast<const uint2*>(r1);
+        *reinterpret_cast<uint2*>(x + j + half) = *reinterpret_cast<const uint2*>(r2);
         const int kv_head = head - num_heads;
         if (kv_head >= 0 && slot >= 0) {
             C* k = k_cache + slot * kv_width + kv_head * head_dim;
             const float inv_scale = k_scales ? 1.f / k_scales[kv_head] : 1.f;
-            store_entry(k + j, r1, inv_scale);
-            store_entry(k + j + half, r2, inv_scale);
+            store_entries4(k + j, r1, inv_scale);
+            store_entries4(k + j + half, r2, inv_scale);
         }
+    } else if (slot >= 0) {
+        const int i = (item - rotations) * 8;
+        if (i < kv_width)
+            store_entries8(v_cache + slot * kv_width + i, row + (num_heads + num_kv_heads) * head_dim + i,
+                           v_scales ? 1.f / v_scales[i / head_dim] : 1.f);
     }
-    if (slot < 0) return;
-    const bf16* v = row + (num_heads + num_kv_heads) * head_dim;
-    for (int i = threadIdx.x * 8; i < kv_width; i += blockDim.x * 8)
-        store_entries8(v_cache + slot * kv_width + i, v + i, v_scales ? 1.f / v_scales[i / head_dim] : 1.f);
 }
 
 extern "C" __global__ void rope_and_cache_bf16(bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions,

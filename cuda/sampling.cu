@@ -8,6 +8,10 @@
 // a 256-bin histogram of the next 8 bits among the elements that match the digits chosen so far, pin the threshold
 // down exactly. 4 passes instead of the ~31 of a bisection, and exact where a bisection on values is not.
 //
+// A block reads its row in passes of ROW_UNROLL loads per thread in flight (row_loop): at batch 1 one block is all
+// there is, and a pass of one load per thread at a time waited out ~125 L2 round trips (49 µs of a 1 ms decode step
+// for a greedy token of a 128k vocabulary; docs/PERFORMANCE.md, session 11).
+//
 // Compiled with -DNTHREADS (threads per block: one block per row) and -DMAX_TOP_LOGPROBS (the most top logprobs per
 // row), from backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
@@ -28,6 +32,27 @@ __device__ __forceinline__ float gumbel(uint32_t key, int token) {
     const uint32_t bits = mix32(key ^ mix32((uint32_t)token)) >> 9;
     const float u = ((float)bits + 0.5f) * (1.f / 8388608.f);
     return -logf(-logf(u));
+}
+
+constexpr int ROW_UNROLL = 8;  // loads of the row each thread has in flight (16 spill registers at 1024 threads)
+
+// f(i, x[i]) for this thread's elements i = threadIdx.x + j * blockDim.x of the row x[0, n), ROW_UNROLL loads
+// issued before the first call. x is written by the kernel before (PDL): plain loads, issued after the wait.
+template <class F>
+__device__ __forceinline__ void row_loop(const float* x, int n, F&& f) {
+    for (int base = threadIdx.x; base < n; base += blockDim.x * ROW_UNROLL) {
+        float v[ROW_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) {
+            const int i = base + u * blockDim.x;
+            if (i < n) asm volatile("ld.global.f32 %0, [%1];" : "=f"(v[u]) : "l"(x + i));
+        }
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) {
+            const int i = base + u * blockDim.x;
+            if (i < n) f(i, v[u]);
+        }
+    }
 }
 
 // Block-wide argmax; ties go to the smallest index, as numpy's argmax. Every thread gets the index.
@@ -58,26 +83,27 @@ __device__ int block_argmax(float v, int i, float* scratch, int* scratch_i) {
 }
 
 // Radix select: the largest key t such that the total weight of the elements with key >= t reaches `target`.
-// F gives key(i) (uint32, ordered like the values) and weight(i) (> 0 to count). Per 8-bit digit, high first: a
-// histogram of weights by digit among the elements matching the chosen prefix, then warp 0 scans the digits from
-// 255 down for the first at which `above` (the weight of elements above the prefix) plus the running sum reaches
-// the target. If rounding keeps the target out of reach, digit 0 keeps the whole range.
+// F gives key(v) (uint32, ordered like the values) and weight(v) (> 0 to count) of an element of the row x, from
+// its logit v. Per 8-bit digit, high first: a histogram of weights by digit among the elements matching the chosen
+// prefix, then warp 0 scans the digits from 255 down for the first at which `above` (the weight of elements above
+// the prefix) plus the running sum reaches the target. If rounding keeps the target out of reach, digit 0 keeps
+// the whole range.
 // Shared memory: hist [256], result [2].
 template <class F>
-__device__ uint32_t radix_select(const F& f, int n, float target, float* hist, uint32_t* result) {
+__device__ uint32_t radix_select(const F& f, const float* x, int n, float target, float* hist, uint32_t* result) {
     uint32_t prefix = 0;
     float above = 0.f;
     for (int shift = 24; shift >= 0; shift -= 8) {
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
         for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0.f;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const uint32_t k = f.key(i);
+        row_loop(x, n, [&](int, float v) {
+            const uint32_t k = f.key(v);
             if ((k & hi_mask) == prefix) {
-                const float w = f.weight(i);
+                const float w = f.weight(v);
                 if (w > 0.f) atomicAdd(&hist[(k >> shift) & 255], w);
             }
-        }
+        });
         __syncthreads();
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
@@ -121,26 +147,25 @@ __device__ uint32_t radix_select(const F& f, int n, float target, float* hist, u
 
 // The temperature-scaled distribution of one row, computed as sampler.filtered_logits does:
 // p_i = exp((x_i / T - max) - log(sum exp(x_j / T - max))).
-struct Probs {
-    const float* x;
+struct Probs {  // of a logit v
     float temperature, max, log_z;
-    __device__ float scaled(int i) const { return x[i] / temperature; }
-    __device__ float operator()(int i) const { return expf((scaled(i) - max) - log_z); }
+    __device__ float scaled(float v) const { return v / temperature; }
+    __device__ float operator()(float v) const { return expf((scaled(v) - max) - log_z); }
 };
 
 struct TopKWeights {  // count the tokens, keyed by probability
     Probs p;
-    __device__ uint32_t key(int i) const { return __float_as_uint(p(i)); }
-    __device__ float weight(int) const { return 1.f; }
+    __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
+    __device__ float weight(float) const { return 1.f; }
 };
 
 struct TopPWeights {  // the probability mass of the tokens that survived top-k (p >= cutoff)
     Probs p;
     float cutoff;
-    __device__ uint32_t key(int i) const { return __float_as_uint(p(i)); }
-    __device__ float weight(int i) const {
-        const float v = p(i);
-        return v >= cutoff ? v : 0.f;
+    __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
+    __device__ float weight(float v) const {
+        const float q = p(v);
+        return q >= cutoff ? q : 0.f;
     }
 };
 
@@ -161,39 +186,41 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     if (!(t > 0.f)) {
         float best = -INFINITY;
         int best_i = 0x7fffffff;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) argmax_merge(best, best_i, x[i], i);
+        row_loop(x, vocab, [&](int i, float v) { argmax_merge(best, best_i, v, i); });
         best_i = block_argmax(best, best_i, scratch, scratch_i);
         if (threadIdx.x == 0) out[row] = best_i;
         return;
     }
-    Probs p{x, t, -INFINITY, 0.f};
+    Probs p{t, -INFINITY, 0.f};
     float m = -INFINITY;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, p.scaled(i));
+    row_loop(x, vocab, [&](int, float v) { m = fmaxf(m, p.scaled(v)); });
     p.max = block_reduce<Max>(m, scratch);
     float z = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) z += expf(p.scaled(i) - p.max);
+    row_loop(x, vocab, [&](int, float v) { z += expf(p.scaled(v) - p.max); });
     p.log_z = logf(block_reduce<Sum>(z, scratch));
 
     float threshold = 0.f;
     const int k = top_k[row];
-    if (k > 0 && k < vocab) threshold = __uint_as_float(radix_select(TopKWeights{p}, vocab, (float)k, hist, result));
+    if (k > 0 && k < vocab)
+        threshold = __uint_as_float(radix_select(TopKWeights{p}, x, vocab, (float)k, hist, result));
     if (top_p[row] < 1.f) {
         float mass = 0.f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float v = p(i);
-            mass += v >= threshold ? v : 0.f;
-        }
+        row_loop(x, vocab, [&](int, float v) {
+            const float q = p(v);
+            mass += q >= threshold ? q : 0.f;
+        });
         const float target = top_p[row] * block_reduce<Sum>(mass, scratch);
         threshold = fmaxf(threshold,
-                          __uint_as_float(radix_select(TopPWeights{p, threshold}, vocab, target, hist, result)));
+                          __uint_as_float(radix_select(TopPWeights{p, threshold}, x, vocab, target, hist, result)));
     }
     if (min_p[row] > 0.f) threshold = fmaxf(threshold, min_p[row] * expf(-p.log_z));
 
     const uint32_t key = noise_keys[row];
     float best = -INFINITY;
     int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-        if (p(i) >= threshold) argmax_merge(best, best_i, p.scaled(i) + gumbel(key, i), i);
+    row_loop(x, vocab, [&](int i, float v) {
+        if (p(v) >= threshold) argmax_merge(best, best_i, p.scaled(v) + gumbel(key, i), i);
+    });
     best_i = block_argmax(best, best_i, scratch, scratch_i);
     if (threadIdx.x == 0) out[row] = best_i;
 }
@@ -205,9 +232,8 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
 }
 
 struct LogitKeys {  // count the tokens, keyed by logit
-    const float* x;
-    __device__ uint32_t key(int i) const { return ordered_key(x[i]); }
-    __device__ float weight(int) const { return 1.f; }
+    __device__ uint32_t key(float v) const { return ordered_key(v); }
+    __device__ float weight(float) const { return 1.f; }
 };
 
 // Log-softmax of the raw logits: token_lp[row] = logprob of token_ids[row]; top_ids / top_lp [N, k] the k most
@@ -224,10 +250,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     const int row = blockIdx.x;
     const float* x = logits + (int64_t)row * vocab;
     float m = -INFINITY;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i]);
+    row_loop(x, vocab, [&](int, float v) { m = fmaxf(m, v); });
     m = block_reduce<Max>(m, scratch);
     float z = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) z += expf(x[i] - m);
+    row_loop(x, vocab, [&](int, float v) { z += expf(v - m); });
     const float log_z = logf(block_reduce<Sum>(z, scratch));
     if (threadIdx.x == 0) {
         token_lp[row] = (x[token_ids[row]] - m) - log_z;
@@ -235,16 +261,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     }
     if (k == 0) return;
 
-    const uint32_t kth = radix_select(LogitKeys{x}, vocab, (float)k, hist, result);
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const uint32_t key = ordered_key(x[i]);
+    const uint32_t kth = radix_select(LogitKeys{}, x, vocab, (float)k, hist, result);
+    row_loop(x, vocab, [&](int i, float v) {
+        const uint32_t key = ordered_key(v);
         if (key > kth) {
             ids_s[atomicAdd(&count_s[0], 1)] = i;  // fewer than k by the choice of kth
         } else if (key == kth) {
             const int slot = atomicAdd(&count_s[1], 1);
             if (slot < k) ties_s[slot] = i;
         }
-    }
+    });
     __syncthreads();
     if (threadIdx.x == 0) {
         int n = count_s[0];

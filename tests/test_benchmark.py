@@ -60,6 +60,24 @@ def test_run_benchmark_on_the_cpu():
     assert "W5" in format_results(results)
 
 
+def test_run_benchmark_times_after_background_startup(monkeypatch):
+    """The limits and the workloads are measured once the backend's background start-up work (the cuda backend's
+    lazy graph capture) is done."""
+    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=4)
+    calls = []
+
+    def generate(*args, **kwargs):
+        calls.append("generate")
+        raise InterruptedError  # the first workload has started: enough
+
+    monkeypatch.setattr(llm.backend, "finish_startup", lambda: calls.append("finish_startup"))
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: calls.append("measure_limits"))
+    monkeypatch.setattr(llm, "generate", generate)
+    with pytest.raises(InterruptedError):
+        run_benchmark(llm, ["W3"], scale=0.02)
+    assert calls == ["finish_startup", "measure_limits", "generate"]
+
+
 def test_j1_job_and_engine_give_the_same_tokens():
     """J1's plumbing at a tiny scale: the job (text rows through run_job) and the engine (token ids) get the same
     requests and greedy outputs; max_num_seqs 2 keeps the job's in-flight limit (8) below its 20 rows."""

@@ -131,6 +131,13 @@ def test_elementwise_geometry(recorder):
                                  ("rms_norm", (5,), (256, 1, 1)), ("logprobs", (9,), (1024, 1, 1))]
 
 
+@pytest.mark.parametrize("hidden,threads", [(576, 96), (2048, 256), (8192, 1024), (12296, 1024), (16384, 1024)])
+def test_rms_norm_geometry(recorder, hidden, threads):
+    """A chunk of 8 entries per thread, in whole warps, up to 1024 threads; past that two chunks a thread."""
+    Ops(recorder, None).rms_norm(1, 2, 3, 0, 7, hidden, 1e-5)
+    assert recorder.launches == [("rms_norm", (7,), (threads, 1, 1))]
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,splits,kernel,grid", [
     (32, 8, 64, 1, "attention_decode_d64_r8", (4, 5, 1)),  # group 4: rows 4-15 of the tile empty; 2 warps a block
     (32, 2, 128, 3, "attention_decode_d128_r16", (1, 5, 3)),  # group 16
@@ -177,12 +184,14 @@ def test_rope_and_cache_geometry(recorder):
     launcher = Ops(recorder, None)
     launcher.rope_and_cache(*range(1, 7), 300, 32, 8, 64, 3072)
     launcher.rope_and_cache(*range(1, 7), 1, 32, 8, 64, 3072, (7, 8))
-    assert recorder.launches == [("rope_and_cache_bf16", (300,), (128, 1, 1)),
-                                 ("rope_and_cache_fp8", (1,), (128, 1, 1))]
+    # (32 + 8) heads x 8 rotations of 4 pairs + 8 x 8 copies of 8 V entries = 384 threads
+    assert recorder.launches == [("rope_and_cache_bf16", (300, 3), (128, 1, 1)),
+                                 ("rope_and_cache_fp8", (1, 3), (128, 1, 1))]
 
 
 @pytest.mark.parametrize("launch,message", [
     (lambda o: o.rms_norm(1, 2, 3, 0, 4, 1001, 1e-5), "hidden 1001 is not a multiple of 8"),
+    (lambda o: o.rms_norm(1, 2, 3, 0, 4, 16392, 1e-5), "hidden 16392 is over the 16384 one block holds"),
     (lambda o: o.embedding(1, 2, 3, 4, 12), "hidden 12 is not a multiple of 8"),
     (lambda o: o.silu_and_mul(1, 2, 3, 100), "intermediate_size 100"),
     (lambda o: o.rope_and_cache(*range(1, 7), 5, 32, 8, 60, 2880), "head_dim 60 is not a multiple of 8"),

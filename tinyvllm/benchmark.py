@@ -253,6 +253,9 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
     W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between);
     W2 runs twice, with chunked prefill on and off (issue: decodes must not stall behind long prompts)."""
     config = llm.model_config
+    # Steady state: decode graphs still being captured on a thread (lazy capture) slowed W3's first steps by up to
+    # 0.1 ms per token in session 12's runs (docs/PERFORMANCE.md); start-up has its own benchmark (--startup).
+    llm.backend.finish_startup()
     limits = limits or measure_limits(llm.backend)
     results = {"limits": limits, "workloads": {}}
     for name in workloads:

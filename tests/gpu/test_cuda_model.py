@@ -134,6 +134,32 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     ours.close()
 
 
+def test_lm_head_algorithm_timed_from_128_rows(cuda, cuda_backend):
+    """At start-up the LM head's cuBLASLt algorithm is chosen by timing for the decode buckets of 128 rows or more
+    (and those only), and a decode step at such a bucket gives the numpy backend's logits."""
+    from tinyvllm.backends.cuda.forward import LM_HEAD_TUNE_ROWS
+
+    config = replace(smollm2_135m_config(), num_hidden_layers=1)
+    model = bf16_model(config, seed=3)
+    limits = EngineConfig(block_size=16, max_num_seqs=136, max_num_batched_tokens=2048, max_model_len=256,
+                          num_kv_blocks=300)
+    ours, ref = cuda_backend(model, limits, use_graphs=False), NumpyBackend(model, limits)
+    ours.init_kv_cache()
+    ref.init_kv_cache()
+    lm_head = (config.vocab_size, config.hidden_size, True)
+    tuned = sorted(rows for (*shape, rows) in ours.forward.blas.algos if tuple(shape) == lm_head)
+    assert LM_HEAD_TUNE_ROWS == 128 and tuned == [128, 136] and "LM head tuning" in ours.startup_times
+    rng = np.random.default_rng(5)
+    seqs = make_seqs([rng.integers(0, config.vocab_size, 9) for _ in range(130)])  # decode bucket 136
+    bm = BlockManager(EngineConfig(block_size=16, enable_prefix_caching=False), 300)
+    batch = prefill_batch(seqs, bm, 16)
+    ours.execute(batch)
+    tokens = ref.forward(batch, batch.query_start_loc[1:] - 1).argmax(-1)
+    errors, agree, _ = decode_against_numpy(cuda, ours, ref, seqs, tokens, bm, steps=2)
+    assert max(errors) < 2e-2 and min(agree) > 0.9
+    ours.close()
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_hf_transformers(cuda, cuda_backend, name):
     torch = pytest.importorskip("torch")
@@ -242,9 +268,10 @@ def test_graph_replay_matches_eager(model_dir):
         if capture == "eager":
             assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
         runs.append(token_ids(llm.generate(prompts, params)))
-        if capture == "lazy":  # the thread goes on to every bucket
+        if capture == "lazy":  # the thread goes on to every bucket; finish_startup waits for it
             capturer = llm.backend.capturer
-            capturer.thread.join(timeout=120)
+            llm.backend.finish_startup()
+            assert not capturer.thread.is_alive()
             assert capturer.error is None and sorted(llm.backend.graphs) == llm.backend.buckets
         assert bool(llm.backend.graphs) == (capture is not None)
         llm.backend.close()

@@ -84,7 +84,8 @@ def test_resolve_tokens(cuda, ops, tokens):
     np.testing.assert_array_equal(gpu.get(ids_dev, tokens, np.int32), want)
 
 
-@pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True)])
+@pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True),
+                                                  (3, 12296, False), (2, 16384, True)])
 def test_rms_norm(cuda, ops, tokens, hidden, gather):
     gpu, rng = Gpu(cuda), np.random.default_rng(hidden + tokens)
     x = rng.standard_normal((tokens, hidden), dtype=np.float32) * 3
@@ -203,7 +204,7 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
 
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
-@pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3)])
+@pytest.mark.parametrize("num_seqs,splits", [(1, 1), (1, 13), (257, 1), (257, 3), (1, 32), (257, 8)])
 def test_attention_decode(cuda, ops, shape, num_seqs, splits):
     check_attention_decode(cuda, ops, shape, num_seqs, splits)
 
@@ -323,6 +324,41 @@ def test_cublas_falls_back_to_the_row_counts_own_algorithm(cuda):
         blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=True)
         assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
     assert blas.heuristic_queries == 2  # the class's, then m's own once
+    blas.close()
+
+
+def test_cublas_tune_keeps_the_fastest_candidate_for_its_row_count(cuda):
+    """tune() times each of the heuristics' candidates (every one runs) and keeps the fastest for exactly m rows;
+    gemm at m then runs it, and gets the product right; a Cublas given the same algos (another stream's) too."""
+    from tinyvllm.backends.cuda.cublas import TUNE_RUNS, Cublas
+
+    gpu, rng = Gpu(cuda), np.random.default_rng(9)
+    m, n, k = 256, 4096, 512
+    x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
+    x_dev, w_dev, out = gpu.bf16(x), gpu.bf16(w), gpu.poisoned((m, n), np.float32)
+    blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24, exact_rows=frozenset({m}))
+    candidates = blas._heuristics(m, n, k, True, 8)
+    if len(candidates) < 2:
+        pytest.skip("cuBLASLt offers one algorithm for this shape")
+    run, ran = blas._matmul, []
+
+    def counting(algo, *args):
+        ran.append(bytes(algo))
+        return run(algo, *args)
+
+    blas._matmul = counting
+    fake = iter([5.0, 1.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0])  # the second candidate "is fastest"
+    kept = blas.tune(out, x_dev, w_dev, m, n, k, True, lambda timed_run: (timed_run(), next(fake))[1])
+    assert kept == 1 and bytes(blas.algorithm(m, n, k, True)) == bytes(candidates[1])
+    assert len(ran) == len(candidates) * (1 + TUNE_RUNS)  # each: one untimed, TUNE_RUNS timed
+    ran.clear()
+    out = gpu.poisoned((m, n), np.float32)
+    blas.gemm(out, x_dev, w_dev, m, n, k, out_fp32=True)
+    assert ran == [bytes(candidates[1])] and rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
+    other = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24, exact_rows=frozenset({m}), algos=blas.algos)
+    assert bytes(other.algorithm(m, n, k, True)) == bytes(candidates[1]) and other.heuristic_queries == 0
+    other.close()
     blas.close()
 
 

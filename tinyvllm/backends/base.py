@@ -168,6 +168,10 @@ class Backend(ABC):
         bitmask = np.full((int(batch.bitmask_rows.max()) + 1, bitmask_words(self.vocab_size)), -1, np.int32)
         return QueuedStep(lambda: outputs[0], bitmask, lambda: run(bitmask))
 
+    def finish_startup(self) -> None:
+        """Block until the start-up work this backend left to the background is done (a benchmark's timed steady
+        state begins after it). Nothing here."""
+
     def describe(self) -> dict:
         """Facts worth logging and storing in job metadata."""
         return {"backend": self.name}

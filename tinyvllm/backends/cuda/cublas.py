@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
@@ -27,6 +28,8 @@ STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 
                 13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
                 15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
 EXACT_ROWS = 16  # row counts up to this are their own class
+TUNE_CANDIDATES = 8  # tune(): the heuristics' first algorithms it times
+TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
 
 
 def _load_library() -> ctypes.CDLL:
@@ -95,7 +98,8 @@ class Cublas:
     """cuBLASLt GEMMs on one stream with a fixed workspace (so that they can be captured in CUDA graphs)."""
 
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int,
-                 exact_rows: frozenset[int] = frozenset()) -> None:
+                 exact_rows: frozenset[int] = frozenset(), algos: dict | None = None) -> None:
+        """algos: another Cublas's algorithms (shared, tuned ones included), for a handle on another stream."""
         self.exact_rows = exact_rows
         self.handle = _p()
         check(_lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -115,7 +119,7 @@ class Cublas:
                                                         ctypes.byref(limit), ctypes.sizeof(limit)),
               "cublasLtMatmulPreferenceSetAttribute")
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
-        self._algos: dict[tuple[int, int, bool, int], _Algo] = {}
+        self.algos: dict[tuple[int, int, bool, int], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
@@ -135,16 +139,37 @@ class Cublas:
         return (self._layout(CUDA_R_16BF, k, n, k), self._layout(CUDA_R_16BF, k, m, k),
                 self._layout(CUDA_R_32F if out_fp32 else CUDA_R_16BF, n, m, n))
 
-    def _heuristic(self, m: int, n: int, k: int, out_fp32: bool) -> _Algo:
+    def _heuristics(self, m: int, n: int, k: int, out_fp32: bool, count: int = 1) -> list[_Algo]:
+        """The heuristics' first `count` algorithms for exactly m rows, best guess first."""
         a, b, c = self._layouts_for(m, n, k, out_fp32)
-        result, count = _HeuristicResult(), _i()
-        check(_lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, 1,
-                                                  ctypes.byref(result), ctypes.byref(count)),
+        results, found = (_HeuristicResult * count)(), _i()
+        check(_lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, count,
+                                                  results, ctypes.byref(found)),
               f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
-        if count.value < 1:
+        if found.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for m={m}, n={n}, k={k}")
         self.heuristic_queries += 1
-        return result.algo
+        return [results[i].algo for i in range(found.value)]
+
+    def tune(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool,
+             elapsed: Callable[[Callable[[], None]], float]) -> int:
+        """Time the heuristics' first TUNE_CANDIDATES algorithms for exactly m rows on these buffers and keep the
+        fastest for m (an exact row count: gemm() then uses it). elapsed(run) runs `run` on the stream and returns
+        its time; the GEMMs run now, so not during a capture. Returns the index of the one kept (0: the
+        heuristics' own choice)."""
+        assert m in self.exact_rows, m
+        a, b, c = self._layouts_for(m, n, k, out_fp32)
+        times: dict[int, float] = {}
+        candidates = self._heuristics(m, n, k, out_fp32, TUNE_CANDIDATES)
+        for i, algo in enumerate(candidates):
+            if self._matmul(algo, out, x, w, a, b, c, False) != 0:  # untimed; one may refuse this shape
+                continue
+            times[i] = elapsed(lambda: [self._matmul(algo, out, x, w, a, b, c, False) for _ in range(TUNE_RUNS)])
+        if not times:
+            raise RuntimeError(f"cublasLtMatmul(m={m}, n={n}, k={k}): none of the heuristics' algorithms ran")
+        best = min(times, key=times.__getitem__)
+        self.algos[(n, k, out_fp32, m)] = candidates[best]
+        return best
 
     def algorithm(self, m: int, n: int, k: int, out_fp32: bool = False) -> _Algo:
         """The algorithm of m's class (found by the heuristics at the class's row count, once)."""
@@ -153,9 +178,9 @@ class Cublas:
     def _algorithm_at(self, rows: int, n: int, k: int, out_fp32: bool) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""
         key = (n, k, out_fp32, rows)
-        algo = self._algos.get(key)
+        algo = self.algos.get(key)
         if algo is None:
-            algo = self._algos[key] = self._heuristic(rows, n, k, out_fp32)
+            algo = self.algos[key] = self._heuristics(rows, n, k, out_fp32)[0]
         return algo
 
     def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,

@@ -40,6 +40,10 @@ WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace, fixed so that captured GEMMs nev
 # Pinned host buffers the weights pass through: two suffice to overlap reading one with copying the other (the
 # copy is the faster), a third absorbs jitter; pieces of 32 MiB make the per-piece costs negligible.
 STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
+# Decode row counts from which the LM head's cuBLASLt algorithm is chosen by timing (tune_lm_head): there the GEMM
+# is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
+# took 306 (docs/PERFORMANCE.md, sessions 10 and 12); below, it reads its 0.5 GB of weights either way.
+LM_HEAD_TUNE_ROWS = 128
 
 
 def decode_buckets(max_seqs: int) -> list[int]:
@@ -219,7 +223,8 @@ class CudaForward:
         what another thread captures graphs with. Its close() releases that handle only."""
         other = copy.copy(self)
         other.stream = stream
-        other.blas = Cublas(stream.handle, self.buf["workspace"], WORKSPACE_BYTES, exact_rows=self.blas.exact_rows)
+        other.blas = Cublas(stream.handle, self.buf["workspace"], WORKSPACE_BYTES, exact_rows=self.blas.exact_rows,
+                            algos=self.blas.algos)
         other.ops = Ops(self.ops.kernels, stream)
         other.linear = Linear(other.blas, self.ops.kernels, stream)
         other._allocations = []
@@ -258,6 +263,22 @@ class CudaForward:
             self.linear.gemm(b["gate_up"], b["h"], layer["gate_up"], n, 2 * inter, hidden)
             ops.silu_and_mul(b["act"], b["gate_up"], n, inter)
             self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
+
+    def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
+        """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more
+        (before any graph captures it), on the logits buffer with rows of the LM head's own weights as input.
+        Returns the candidate kept per bucket (0: the heuristics' first)."""
+        def elapsed(run: Callable[[], None]) -> float:
+            start, end = cuda.Event(), cuda.Event()
+            start.record(self.stream)
+            run()
+            end.record(self.stream)
+            end.synchronize()
+            return end.time_since(start)
+
+        vocab, hidden = self.config.vocab_size, self.config.hidden_size
+        return {m: self.blas.tune(self.buf["logits"], self.lm_head, self.lm_head, m, vocab, hidden, True, elapsed)
+                for m in buckets if m >= LM_HEAD_TUNE_ROWS}
 
     def compute_logits(self, n: int, hidden_rows: int) -> None:
         """The logits of n final-normed rows (device bf16 [n, hidden]) into buf["logits"]."""

@@ -24,6 +24,8 @@ DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head o
 # parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
 # per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md, session 11)
 DECODE_MIN_SPLIT_TILES = 4
+NORM_CHUNKS = 2  # rms_norm: most 8-entry chunks of a row per thread (held in registers)
+MAX_THREADS = 1024  # threads per block the GPU allows
 SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per row)
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
@@ -31,6 +33,7 @@ GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane h
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
+    "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
 }
@@ -40,9 +43,9 @@ GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
-ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, rms_norm, silu_and_mul, logits processors: threads per block
+ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, silu_and_mul, logits processors: threads per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
-ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (one token per block)
+ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,11 @@ class Ops:
     def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float) -> None:
         """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1]."""
         _require_vectors("rms_norm", hidden=hidden)
-        self.launch("rms_norm", (num_rows,), ELEMENTWISE_THREADS, out, x, w, rows, hidden, eps)
+        chunks = hidden // VECTOR
+        _require(chunks <= MAX_THREADS * NORM_CHUNKS, f"rms_norm: hidden {hidden} is over the "
+                                                      f"{MAX_THREADS * NORM_CHUNKS * VECTOR} one block holds")
+        threads = -(-min(chunks, MAX_THREADS) // 32) * 32  # a chunk per thread where a block has enough of them
+        self.launch("rms_norm", (num_rows,), threads, out, x, w, rows, hidden, eps)
 
     @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
     def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
@@ -186,10 +193,13 @@ class Ops:
                  f"{row_stride}")
         args = (qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
                 row_stride)
+        # a thread per 4 rotated pairs of a q or k head, then per 8 V entries
+        items = (num_heads + num_kv_heads) * head_dim // VECTOR + num_kv_heads * head_dim // VECTOR
+        grid = (num_tokens, -(-items // ROW_THREADS))
         if kv_scales is None:
-            self.launch("rope_and_cache_bf16", (num_tokens,), ROW_THREADS, *args)
+            self.launch("rope_and_cache_bf16", grid, ROW_THREADS, *args)
         else:
-            self.launch("rope_and_cache_fp8", (num_tokens,), ROW_THREADS, *args, *kv_scales)
+            self.launch("rope_and_cache_fp8", grid, ROW_THREADS, *args, *kv_scales)
 
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, "
                                 "const bf16* v_cache, const int* block_tables, const int* bt_stride, "

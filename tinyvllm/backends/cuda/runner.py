@@ -268,6 +268,7 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
+        self.startup_times["LM head tuning"] = _seconds(lambda: self.forward.tune_lm_head(self.buckets))
         if self.use_graphs:
             self.startup_times["graph capture"] = _seconds(
                 self.capture_graphs if ec.cuda_graph_capture == "eager" else self._start_lazy_capture)
@@ -277,6 +278,11 @@ class CudaBackend(Backend):
         """Batch 1's graph now (a latency run's first decode step should not wait for it), the rest by a thread."""
         self.graphs[self.buckets[0]] = self._capture(self.buckets[0])
         self.capturer = GraphCapturer(self)
+
+    def finish_startup(self) -> None:
+        """Wait for lazy capture's thread to capture every bucket's decode graph."""
+        if self.capturer is not None:
+            self.capturer.thread.join()
 
     def describe(self) -> dict:
         return {"backend": self.name, "device": self.forward.device_name, "kv_blocks": self.num_blocks,
