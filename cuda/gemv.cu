@@ -45,6 +45,35 @@ __device__ __forceinline__ uint4 load_coherent(const bf16* p) {
     return v;
 }
 
+// A warp's iteration, first half: GEMV_UNROLL 16-byte loads of each of its lane's two rows (g and g + 8) ...
+__device__ __forceinline__ void load_rows(uint4 (&lo)[GEMV_UNROLL], uint4 (&hi)[GEMV_UNROLL], const bf16* w_lo,
+                                          const bf16* w_hi, int base, int t, int chunks) {
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int chunk = base + u * 4 + t;  // the 4 lanes of a row read 64 contiguous bytes per u
+        const bool in = chunk < chunks;
+        lo[u] = in ? load_streaming(w_lo + chunk * 8) : make_uint4(0, 0, 0, 0);
+        hi[u] = in ? load_streaming(w_hi + chunk * 8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// ... second half: as many of x row g, then the mmas (A: a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B: x).
+__device__ __forceinline__ void multiply(float (&c)[2][4], const uint4 (&lo)[GEMV_UNROLL],
+                                         const uint4 (&hi)[GEMV_UNROLL], const bf16* x_row, int base, int t,
+                                         int chunks) {
+    uint4 xv[GEMV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int chunk = base + u * 4 + t;
+        xv[u] = chunk < chunks ? load_coherent(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
+        mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+    }
+}
+
 __device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
 
 __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
@@ -67,36 +96,21 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     const bf16* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
     const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
     float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
-    bool waited = false;
-    for (int base = (warp % split) * GEMV_UNROLL * 4; base < chunks; base += split * GEMV_UNROLL * 4) {
-        uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL], xv[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int chunk = base + u * 4 + t;  // the 4 lanes of a row read 64 contiguous bytes per u
-            const bool in = chunk < chunks;
-            lo[u] = in ? load_streaming(w_lo + chunk * 8) : make_uint4(0, 0, 0, 0);
-            hi[u] = in ? load_streaming(w_hi + chunk * 8) : make_uint4(0, 0, 0, 0);
-        }
-        // The first iteration's weights are in flight before x, which the previous kernel writes (PDL): no kernel
-        // writes w, so those loads overlap that kernel's end.
-        if (!waited) {
-            grid_dependency_wait();
-            waited = true;
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int chunk = base + u * 4 + t;
-            xv[u] = chunk < chunks ? load_coherent(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            // A: a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B from x row g
-            mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
-            mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
-        }
+    uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
+    // The first iteration's w loads go out before the wait for the previous kernel, which writes x (PDL): no
+    // kernel writes w, so they overlap that kernel's end. That iteration is peeled so that the one wait is
+    // straight-line code after them: with the wait behind a branch in the loop, ptxas issued 2 of the 16 before it
+    // (tests/gpu/test_pdl.py counts them). W3 took the same time either way (docs/PERFORMANCE.md, session 13).
+    const int stride = split * GEMV_UNROLL * 4;
+    int base = (warp % split) * GEMV_UNROLL * 4;
+    if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
+    grid_dependency_wait();  // a warp without k to load still waits before it stores out
+    if (base < chunks) multiply(c, lo, hi, x_row, base, t, chunks);
+    for (base += stride; base < chunks; base += stride) {
+        load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
+        multiply(c, lo, hi, x_row, base, t, chunks);
     }
     allow_dependents_launch();
-    if (!waited) grid_dependency_wait();  // a warp without k to load still waits before it stores out
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();

@@ -54,7 +54,12 @@ def global_accesses_before_wait(instructions: list[tuple[str, str]]) -> tuple[bo
     return False, before
 
 
-def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
+def is_weight_load(op: str) -> bool:
+    return op.startswith("LDG") and ".NA" in op and "CONSTANT" in op
+
+
+def machine_code(tmp_path: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """{kernel file: {function: instructions}} of every kernel as built for this GPU."""
     from tinyvllm.backends.cuda.kernel_cache import build_cubins, compile_jobs
     from tinyvllm.backends.cuda.kernels import arch, compute_capability
 
@@ -63,20 +68,39 @@ def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump (CUDA toolkit) not found")
-    checked, wrong = 0, []
+    out = {}
     for file, cubin in build_cubins(compile_jobs(), arch()).items():
         path = tmp_path / f"{file}.cubin"
         path.write_bytes(cubin)
         sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-        for name, instructions in functions(sass).items():
+        out[file] = functions(sass)
+    return out
+
+
+def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
+    checked, wrong = 0, []
+    for file, kernels in machine_code(tmp_path).items():
+        for name, instructions in kernels.items():
             waits, before = global_accesses_before_wait(instructions)
             if name.startswith("gemv"):
-                before = [op for op in before if not (op.startswith("LDG") and ".NA" in op and "CONSTANT" in op)]
+                before = [op for op in before if not is_weight_load(op)]
             if not waits or before:
                 wrong.append(f"{file}.cu {name}: " + (f"{before} before its wait" if waits else "never waits"))
             checked += 1
     assert not wrong, wrong
     assert checked >= 30  # every kernel of cuda/*.cu, template instances included
+
+
+def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(cuda, tmp_path):
+    """All 2 * GEMV_UNROLL weight loads of a warp's first iteration go out before the wait, so that they overlap
+    the previous kernel: with the wait inside the loop ptxas issued 2 of them there, the rest after it."""
+    from tinyvllm.backends.cuda.ops import GEMV_UNROLL
+
+    kernels = machine_code(tmp_path)["gemv"]
+    assert set(kernels) == {"gemv_bf16", "gemv_f32"}
+    for name, instructions in kernels.items():
+        _, before = global_accesses_before_wait(instructions)
+        assert sum(map(is_weight_load, before)) == 2 * GEMV_UNROLL, (name, before)
 
 
 def test_the_check_sees_a_hoisted_load():

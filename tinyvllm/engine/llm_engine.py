@@ -252,16 +252,15 @@ class LLMEngine:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
             batch.bitmask_rows[constrained] = np.arange(len(constrained))
         starts, sample_index, now = [], [], time.time()
-        for row, (seq, num_new) in enumerate(zip(step.seqs, step.num_new_tokens)):
+        for row, (seq, num_new, sampled) in enumerate(zip(step.seqs, step.num_new_tokens, samples)):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-            length = len(seq.token_ids)
-            if seq.num_computed_tokens < length:
+            if not sampled:
                 sample_index.append(-1)  # a prompt chunk: no token is sampled until the whole prompt is cached
                 continue
-            sample_index.append(length)
+            sample_index.append(len(seq.token_ids))
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.sample_row = row
