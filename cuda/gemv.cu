@@ -21,6 +21,10 @@
 // kernel (programmatic dependent launch, common.cuh), so they overlap its end; the next kernel may launch only once
 // the loop is done (common.cuh says why).
 //
+// The gate/up projection (gemv_swiglu_bf16) ends in SwiGLU instead of storing gate_up (activation.cu's
+// silu_and_mul, a kernel and a boundary fewer per layer): its weight rows come interleaved so that a 16-row tile
+// holds 8 units' gate rows and their up rows.
+//
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
 #include "mma.cuh"
@@ -74,6 +78,14 @@ __device__ __forceinline__ void multiply(float (&c)[2][4], const uint4 (&lo)[GEM
     }
 }
 
+// SiLU(gate) * up from float32 sums, each first rounded to bf16 as the GEMM's bf16 output is before
+// activation.cu's silu_and_mul reads it, so that both paths give the same activation.
+__device__ __forceinline__ float swiglu(float gate, float up) {
+    gate = __bfloat162float(__float2bfloat16(gate));
+    up = __bfloat162float(__float2bfloat16(up));
+    return gate / (1.f + expf(-gate)) * up;
+}
+
 __device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
 
 __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
@@ -81,8 +93,8 @@ __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
 }
 
 // Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, k % 8 == 0,
-// x and w 16-byte aligned; split in {1, 2, 4, 8}.
-template <typename T>
+// x and w 16-byte aligned; split in {1, 2, 4, 8}; SWIGLU: n % 16 == 0.
+template <typename T, bool SWIGLU = false>
 __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, int m, int n,
                      int k, int split, int accumulate) {
     __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
@@ -114,6 +126,19 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();
+    if (SWIGLU) {  // a tile's rows g are gate rows, g + 8 the same units' up rows: out [m, n / 2]
+        for (int e = threadIdx.x; e < tiles * 64; e += blockDim.x) {
+            const int tile = e >> 6, l = (e & 63) >> 1, j = e & 1;  // lane l's gate (c element j), up (j + 2)
+            float gate = 0.f, up = 0.f;
+            for (int i = 0; i < split; ++i) {
+                gate += partial[tile * split + i][l * 4 + j];
+                up += partial[tile * split + i][l * 4 + j + 2];
+            }
+            const int unit = (tile0 + tile) * 8 + (l >> 2), col = (l & 3) * 2 + j;
+            if (unit < n / 2 && col < m) store_out(out + (int64_t)col * (n / 2) + unit, swiglu(gate, up), 0);
+        }
+        return;
+    }
     // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
     // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
     for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
@@ -133,4 +158,11 @@ gemv_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int spli
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
 gemv_f32(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {
     gemv(out, x, w, m, n, k, split, accumulate);
+}
+
+// out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate rows,
+// then the same units' 8 up rows; backends/cuda/forward.py packs it so).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
+gemv_swiglu_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {
+    gemv<bf16, true>(out, x, w, m, n, k, split, 0);
 }

@@ -180,6 +180,11 @@ def test_gemv_splits_k_across_warps(recorder, k, blocks):
     assert recorder.launches == [("gemv_f32", (blocks,), (256, 1, 1))]
 
 
+def test_gemv_swiglu_shares_the_gemv_geometry(recorder):
+    Ops(recorder, None).gemv_swiglu(1, 2, 3, 1, 16384, 2048)  # Llama-3.2-1B's gate/up at batch 1
+    assert recorder.launches == [("gemv_swiglu_bf16", (1024,), (256, 1, 1))]
+
+
 def test_rope_and_cache_geometry(recorder):
     launcher = Ops(recorder, None)
     launcher.rope_and_cache(*range(1, 7), 300, 32, 8, 64, 3072)
@@ -199,6 +204,8 @@ def test_rope_and_cache_geometry(recorder):
     (lambda o: o.logprobs(1, 2, 3, 4, 5, 6, 100, ops.MAX_TOP_LOGPROBS + 1), "k = 65 not in 0..64"),
     (lambda o: o.gemv(1, 2, 3, 9, 64, 64, False, False), "m = 9 rows"),
     (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),
+    (lambda o: o.gemv_swiglu(1, 2, 3, 9, 64, 64), "gemv_swiglu: m = 9 rows"),
+    (lambda o: o.gemv_swiglu(1, 2, 3, 1, 1000, 64), "n = 1000 rows are not whole groups"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 0), "num_splits 0 < 1"),
     (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 30, 8, 64, 16, 4096), "30 query heads"),

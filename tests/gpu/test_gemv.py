@@ -1,4 +1,5 @@
-"""Linear.gemm (cuda/gemv.cu for m <= GEMV_MAX_ROWS, cuBLAS above) against numpy, on fresh random inputs.
+"""Linear.gemm (cuda/gemv.cu for m <= GEMV_MAX_ROWS, cuBLAS above) against numpy, on fresh random inputs; and
+Linear.gate_up_swiglu (gemv_swiglu, or cuBLAS and silu_and_mul) against the product then numpy's silu_and_mul.
 
 As in test_kernels.py, inputs are bf16 values and the float32 numpy reference computes on those same values, so
 the error is the GEMM's alone: ||out - ref|| / ||ref|| within bf16 output rounding, below 1e-2. Outputs start as
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.backends.numpy_backend import interleave_gate_up, silu_and_mul
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 
 pytestmark = pytest.mark.gpu
@@ -47,6 +49,18 @@ class CountingBlas:
         self.blas.gemm(*args, **kwargs)
 
 
+class RecordingKernels(dict):
+    """The kernels by name, recording the names launched: shows which path Linear took."""
+
+    def __init__(self, kernels):
+        super().__init__(kernels)
+        self.launched = []
+
+    def __getitem__(self, name):
+        self.launched.append(name)
+        return super().__getitem__(name)
+
+
 @pytest.fixture(scope="module")
 def linear(cuda, kernels):
     from tinyvllm.backends.cuda.cublas import Cublas
@@ -56,7 +70,7 @@ def linear(cuda, kernels):
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
     # every m <= MAX_ROWS through the kernel, whatever the weights' size (the default sends big ones to cuBLAS)
-    yield Linear(CountingBlas(blas), kernels, stream, max_gemv_weights=1 << 62)
+    yield Linear(CountingBlas(blas), RecordingKernels(kernels), stream, max_gemv_weights=1 << 62)
     blas.close()
     workspace.free()
 
@@ -123,3 +137,30 @@ def test_default_routing(linear):
     assert default.uses_gemv(1, 16384, 2048) and default.uses_gemv(1, 2048, 8192)  # gate_up, down
     assert not default.uses_gemv(MAX_ROWS + 1, 2048, 2048) and not default.uses_gemv(1, 2 * 14336, 4096)  # 8B MLP
     assert not default.uses_gemv(1, *LM_HEAD) and not default.uses_gemv(1, 2048, 2044)
+
+
+# (n, k): Llama-3.2-1B's gate/up (2 x 8192 units); odd k; tiles past the last
+SWIGLU_SHAPES = [(16384, 2048), (48, 520), (1040, 2056)]
+
+
+@pytest.mark.parametrize("n,k", SWIGLU_SHAPES)
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))
+def test_gate_up_swiglu(cuda, linear, weights, m, n, k):
+    """The GEMV's SwiGLU epilogue (m <= 8), and cuBLAS then silu_and_mul above, on weights whose rows are
+    interleaved as the backend packs them."""
+    _, w = weights(n, k)  # rows: the gate, then the up projection
+    rng = np.random.default_rng(7000 * m + n + k)
+    x_bits, x = random_bf16(rng, (m, k))
+    with np.errstate(over="ignore"):  # exp(-gate) of a very negative gate: inf, and SiLU 0 as it should be
+        ref = silu_and_mul(bf16_to_f32(f32_to_bf16(x @ w.T)))  # gate_up is bf16 before SwiGLU on both paths
+    x_dev, out = cuda.to_device(x_bits), cuda.to_device(np.full((m, n // 2), 0x7FC0, np.uint16))
+    w_dev = cuda.to_device(f32_to_bf16(interleave_gate_up(w.T).T))  # rows: 8 gate, the same units' 8 up, ...
+    gate_up = cuda.mem_alloc(m * n * 2)
+    linear.kernels.launched.clear()
+    linear.gate_up_swiglu(int(out), int(x_dev), int(w_dev), m, n, k, int(gate_up))
+    linear.stream.synchronize()
+    launched = linear.kernels.launched
+    assert ("gemv_swiglu_bf16" in launched) == (m <= MAX_ROWS) and ("silu_and_mul" in launched) == (m > MAX_ROWS)
+    result = np.empty((m, n // 2), np.uint16)
+    cuda.memcpy_dtoh(result, out)
+    assert rel_err(bf16_to_f32(result), ref) < 1e-2

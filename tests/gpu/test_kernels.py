@@ -12,7 +12,8 @@ import pytest
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
 from tinyvllm.backends.cuda.ops import prefill_tiles
-from tinyvllm.backends.numpy_backend import apply_rope, paged_attention, qk_norm, rms_norm, silu_and_mul
+from tinyvllm.backends.numpy_backend import (apply_rope, interleave_gate_up, paged_attention, qk_norm, rms_norm,
+                                             silu_and_mul)
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -102,7 +103,7 @@ def test_silu_and_mul(cuda, ops, tokens, inter):
     gpu, rng = Gpu(cuda), np.random.default_rng(inter)
     gate_up = bf16_round(rng.standard_normal((tokens, 2 * inter), dtype=np.float32) * 2)
     out = gpu.poisoned((tokens, inter), np.uint16)
-    ops.silu_and_mul(out, gpu.bf16(gate_up), tokens, inter)
+    ops.silu_and_mul(out, gpu.bf16(interleave_gate_up(gate_up)), tokens, inter)  # the order cuBLAS writes
     assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
 
 

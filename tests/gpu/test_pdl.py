@@ -97,7 +97,7 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(cuda,
     from tinyvllm.backends.cuda.ops import GEMV_UNROLL
 
     kernels = machine_code(tmp_path)["gemv"]
-    assert set(kernels) == {"gemv_bf16", "gemv_f32"}
+    assert set(kernels) == {"gemv_bf16", "gemv_f32", "gemv_swiglu_bf16"}
     for name, instructions in kernels.items():
         _, before = global_accesses_before_wait(instructions)
         assert sum(map(is_weight_load, before)) == 2 * GEMV_UNROLL, (name, before)

@@ -47,6 +47,15 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     return gate / (1.0 + np.exp(-gate)) * up
 
 
+def interleave_gate_up(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [..., 2 * I] (gate, then up) with its last axis in the cuda backend's order: groups of 8 gate entries,
+    each followed by the same units' 8 up entries. Twin: the gate/up weight's rows as cuda/forward.py packs them,
+    and so the columns of their product, which cuda/activation.cu and gemv.cu's gemv_swiglu read."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    pairs = np.stack([gate.reshape(*gate.shape[:-1], -1, 8), up.reshape(*up.shape[:-1], -1, 8)], axis=-2)
+    return pairs.reshape(gate_up.shape)
+
+
 KVScales = tuple[np.ndarray, np.ndarray]  # an fp8 cache's K and V scales of one layer, float32 [kv_heads] each
 
 

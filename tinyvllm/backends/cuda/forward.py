@@ -4,8 +4,10 @@ and the paged KV cache in device memory, and the launch sequence of a step.
 Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope_and_cache (RoPE, and K and
 V into the paged cache) -> attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down
 GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and
-float32 compute; the residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM head
-writes float32 logits that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
+float32 compute; the GEMV of the gate/up projection applies SwiGLU itself (silu_and_mul inside, on weight rows
+interleaved for it). The residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM
+head writes float32 logits that never leave the GPU: the sampler kernel returns token ids (and logprobs when
+asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
@@ -151,7 +153,30 @@ class CudaForward:
                         lambda i: sent[i].synchronize(), send)
         finally:
             self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
+        self._interleave_gate_up()
         log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
+
+    def _interleave_gate_up(self) -> None:
+        """Each layer's gate/up weight from its parts' order (the gate rows, then the up rows) to groups of 8 gate
+        rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
+        units and its epilogue applies SwiGLU (gemv.cu), and cuBLAS's output columns come in the order that
+        silu_and_mul reads (activation.cu). On the GPU, through one scratch copy."""
+        inter, hidden = self.config.intermediate_size, self.config.hidden_size
+        group = 8 * hidden * 2  # bytes of 8 rows
+        scratch = cuda.mem_alloc(2 * inter * hidden * 2)
+        try:
+            for layer in self.layers:
+                cuda.memcpy_dtod(scratch, layer["gate_up"], 2 * inter * hidden * 2)
+                for half in range(2):  # gate, then up: into every other group
+                    copy = cuda.Memcpy2D()
+                    copy.set_src_device(int(scratch) + half * inter * hidden * 2)
+                    copy.set_dst_device(layer["gate_up"] + half * group)
+                    copy.src_pitch, copy.dst_pitch = group, 2 * group
+                    copy.width_in_bytes, copy.height = group, inter // 8
+                    copy(aligned=True)
+            cuda.Context.synchronize()
+        finally:
+            scratch.free()
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms)
@@ -260,8 +285,7 @@ class CudaForward:
             attention(i)
             self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
             ops.rms_norm(b["h"], b["x"], layer["post_norm"], 0, n, hidden, eps)
-            self.linear.gemm(b["gate_up"], b["h"], layer["gate_up"], n, 2 * inter, hidden)
-            ops.silu_and_mul(b["act"], b["gate_up"], n, inter)
+            self.linear.gate_up_swiglu(b["act"], b["h"], layer["gate_up"], n, 2 * inter, hidden, b["gate_up"])
             self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
 
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:

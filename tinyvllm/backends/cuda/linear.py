@@ -1,4 +1,5 @@
-"""Linear layers: our GEMV kernel (cuda/gemv.cu) for a few rows, cuBLAS for more.
+"""Linear layers: our GEMV kernel (cuda/gemv.cu) for a few rows, cuBLAS for more. With the GEMV the gate/up
+projection ends in SwiGLU (gemv_swiglu); after cuBLAS, SwiGLU is a kernel of its own (silu_and_mul).
 
 At decode batch 1..8 a GEMM is one pass over the weights, and cuBLAS reaches only about half of the memory
 bandwidth there; gemv.cu is built to stream the weights at the copy rate. Both paths compute the same thing
@@ -42,3 +43,12 @@ class Linear:
             self.ops.gemv(out, x, w, m, n, k, out_fp32, accumulate)
         else:
             self.blas.gemm(out, x, w, m, n, k, out_fp32=out_fp32, accumulate=accumulate)
+
+    def gate_up_swiglu(self, out: int, x: int, w: int, m: int, n: int, k: int, gate_up: int) -> None:
+        """bf16 out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8
+        (8 gate, then the same units' 8 up); gate_up: a bf16 [m, n] buffer that the cuBLAS path goes through."""
+        if self.uses_gemv(m, n, k):
+            self.ops.gemv_swiglu(out, x, w, m, n, k)
+        else:
+            self.blas.gemm(gate_up, x, w, m, n, k)
+            self.ops.silu_and_mul(out, gate_up, m, n // 2)

@@ -121,6 +121,19 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, group: int) -> int:
     return num_tokens * group // PREFILL_BLOCK_M + num_seqs + 1
 
 
+def _gemv_geometry(kernel_name: str, m: int, n: int, k: int) -> tuple[tuple[int], int]:
+    """The grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv kernels."""
+    _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
+    _require_vectors(kernel_name, k=k)
+    # as many as k keeps busy for a full iteration, so that small n still has enough loads in flight (n = 2048 at
+    # k = 2048: all 8 MB requested at once)
+    split = 1
+    while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
+        split *= 2
+    tiles = -(-n // GEMV_TILE_ROWS)
+    return (-(-tiles // (GEMV_WARPS // split)),), split
+
+
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
 
 
@@ -171,6 +184,8 @@ class Ops:
 
     @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
     def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+        """out [num_tokens, inter] = SwiGLU of gate_up [num_tokens, 2 * inter], its columns interleaved in groups of
+        8 (8 gate, then the same units' 8 up)."""
         _require_vectors("silu_and_mul", intermediate_size=inter)
         per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
         self.launch("silu_and_mul", (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
@@ -282,16 +297,17 @@ class Ops:
             "gemv_bf16")
     def gemv(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
         """out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate), bf16 in, float32 accumulation, for m <= 8."""
-        _require(1 <= m <= GEMV_MAX_ROWS, f"gemv: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
-        _require_vectors("gemv", k=k)
-        # Warps sharing one 16-row tile, each taking a part of k: as many as k keeps busy for a full iteration, so
-        # that small n still has enough loads in flight (n = 2048 at k = 2048: all 8 MB requested at once).
-        split = 1
-        while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
-            split *= 2
-        tiles = -(-n // GEMV_TILE_ROWS)
-        self.launch("gemv_f32" if out_fp32 else "gemv_bf16", (-(-tiles // (GEMV_WARPS // split)),), GEMV_WARPS * 32,
-                    out, x, w, m, n, k, split, int(accumulate))
+        grid, split = _gemv_geometry("gemv", m, n, k)
+        self.launch("gemv_f32" if out_fp32 else "gemv_bf16", grid, GEMV_WARPS * 32, out, x, w, m, n, k, split,
+                    int(accumulate))
+
+    @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16")
+    def gemv_swiglu(self, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
+        """bf16 out[m, n / 2] = SwiGLU(x[m, k] . w[n, k]^T), w's rows interleaved in groups of 8 (8 gate rows, then
+        the same units' 8 up rows), for m <= 8."""
+        _require(n % GEMV_TILE_ROWS == 0, f"gemv_swiglu: n = {n} rows are not whole groups of 8 gate and 8 up rows")
+        grid, split = _gemv_geometry("gemv_swiglu", m, n, k)
+        self.launch("gemv_swiglu_bf16", grid, GEMV_WARPS * 32, out, x, w, m, n, k, split)
 
     @kernel("logits_processors", "float* logits, int vocab, const int* last_tokens, const int* last_src, "
                                  "const int* sampled, const int* penalty_slots, const float* presence, "
