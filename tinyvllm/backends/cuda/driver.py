@@ -12,6 +12,7 @@ in a graph becomes a programmatic edge of the graph, so replays overlap the same
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 
 _lib = ctypes.CDLL("libcuda.so.1")
@@ -83,17 +84,29 @@ def get_function(module: int, name: str) -> int:
 
 class Launcher:
     """Launches one kernel: its argument types from a format string ("P", "i", "f" per argument), optionally with
-    programmatic dependent launch."""
+    programmatic dependent launch. Safe to call from several threads (lazy graph capture launches the kernels the
+    engine's thread launches too)."""
 
     def __init__(self, function: int, arg_format: str, programmatic: bool) -> None:
         self.function = _p(function)
         self.convert = tuple(_ARGUMENT_TYPES[letter] for letter in arg_format)
-        self.config = _LaunchConfig()
+        self.attribute = None
         if programmatic:
             self.attribute = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
             self.attribute.value[0] = 1
-            self.config.attrs = ctypes.pointer(self.attribute)
-            self.config.num_attrs = 1
+        # A launch configuration per thread: ctypes lets go of the GIL during cuLaunchKernelEx, so with one shared
+        # struct another thread's next launch can rewrite its grid or stream while the driver reads it (the likely
+        # cause of one lazy-capture run differing in tests/gpu/test_cuda_model.py, session 14; tests/test_driver.py).
+        self._local = threading.local()
+
+    def _config(self) -> _LaunchConfig:
+        config = getattr(self._local, "config", None)
+        if config is None:
+            config = self._local.config = _LaunchConfig()
+            if self.attribute is not None:
+                config.attrs = ctypes.pointer(self.attribute)
+                config.num_attrs = 1
+        return config
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream_handle: int, args: tuple) -> int:
         """Enqueue the kernel; returns the CUresult."""
@@ -101,7 +114,7 @@ class Launcher:
             raise TypeError(f"{len(args)} arguments for a kernel of {len(self.convert)}")
         values = [convert(arg) for convert, arg in zip(self.convert, args)]
         params = (_p * len(values))(*[ctypes.addressof(value) for value in values])
-        config = self.config
+        config = self._config()
         config.grid[:] = (*grid, 1, 1)[:3]
         config.block[:] = block
         config.stream = stream_handle
