@@ -6,7 +6,6 @@ import ctypes
 import importlib.util
 import threading
 import time
-
 from pathlib import Path
 
 import pytest
