@@ -25,6 +25,12 @@
 // silu_and_mul, a kernel and a boundary fewer per layer): its weight rows come interleaved so that a 16-row tile
 // holds 8 units' gate rows and their up rows.
 //
+// A warp with more than one iteration of k (Llama-3.2-1B's down projection: 4) loads an iteration, waits for it,
+// multiplies, and only then loads the next, so HBM idles between iterations. The `_pipelined` kernels keep a second
+// register buffer: the next iteration's loads go out before this one's mmas. That needs ~210 registers, so one
+// block per SM; ops.py picks them only where the grid fits on the SMs at that (W3 1% faster; 8B's QKV and O, at 2-3
+// blocks per SM, were 10-15% slower in them).
+//
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
 #include "mma.cuh"
@@ -94,7 +100,7 @@ __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
 
 // Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, k % 8 == 0,
 // x and w 16-byte aligned; split in {1, 2, 4, 8}; SWIGLU: n % 16 == 0.
-template <typename T, bool SWIGLU = false>
+template <typename T, bool SWIGLU, bool PIPELINED>
 __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, int m, int n,
                      int k, int split, int accumulate) {
     __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
@@ -117,10 +123,21 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     int base = (warp % split) * GEMV_UNROLL * 4;
     if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
-    if (base < chunks) multiply(c, lo, hi, x_row, base, t, chunks);
-    for (base += stride; base < chunks; base += stride) {
-        load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
-        multiply(c, lo, hi, x_row, base, t, chunks);
+    if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
+        uint4 lo2[GEMV_UNROLL], hi2[GEMV_UNROLL];
+        for (; base < chunks; base += 2 * stride) {
+            if (base + stride < chunks) load_rows(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
+            multiply(c, lo, hi, x_row, base, t, chunks);
+            if (base + stride >= chunks) break;
+            if (base + 2 * stride < chunks) load_rows(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
+            multiply(c, lo2, hi2, x_row, base + stride, t, chunks);
+        }
+    } else {
+        if (base < chunks) multiply(c, lo, hi, x_row, base, t, chunks);
+        for (base += stride; base < chunks; base += stride) {
+            load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
+            multiply(c, lo, hi, x_row, base, t, chunks);
+        }
     }
     allow_dependents_launch();
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
@@ -150,19 +167,21 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
-gemv_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {
-    gemv(out, x, w, m, n, k, split, accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
-gemv_f32(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {
-    gemv(out, x, w, m, n, k, split, accumulate);
-}
-
-// out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate rows,
-// then the same units' 8 up rows; backends/cuda/forward.py packs it so).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
-gemv_swiglu_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {
-    gemv<bf16, true>(out, x, w, m, n, k, split, 0);
-}
+// Each kernel in two forms: plain, 2 blocks per SM (128 registers), and `_pipelined`, one block per SM (see the top).
+#define GEMV_KERNELS(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
+    gemv_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
+        gemv<bf16, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                       \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
+    gemv_f32##SUFFIX(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
+        gemv<float, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                      \
+    }                                                                                                              \
+    /* out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate \
+       rows, then the same units' 8 up rows; backends/cuda/forward.py packs it so) */                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
+    gemv_swiglu_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {            \
+        gemv<bf16, true, PIPELINED>(out, x, w, m, n, k, split, 0);                                                 \
+    }
+GEMV_KERNELS(, false, GEMV_MIN_BLOCKS)
+GEMV_KERNELS(_pipelined, true, 1)

@@ -21,7 +21,7 @@ def declared_kernels(file: str) -> dict[str, str]:
     kernels = {}
     for name, params in KERNEL.findall(source):
         parts = name.split("##")  # literal text, then a macro argument, alternately
-        pattern = "".join(re.escape(p) if i % 2 == 0 else r"\w+" for i, p in enumerate(parts))
+        pattern = "".join(re.escape(p) if i % 2 == 0 else r"\w*" for i, p in enumerate(parts))
         kernels[pattern] = ", ".join(" ".join(p.replace("__restrict__", "").split()) for p in params.split(","))
     return kernels
 
@@ -173,16 +173,29 @@ def test_prefill_tiles(recorder):
     assert recorder.launches == [("attention_prefill_d128", (7, 8), (128, 1, 1))]
 
 
-# 300 rows: 19 tiles of 16 rows; a block of 8 warps holds 8 / split tiles, split = the warps one tile's k keeps busy
-@pytest.mark.parametrize("k,blocks", [(64, 3), (512, 5), (1024, 10), (2048, 19), (8192, 19)])
-def test_gemv_splits_k_across_warps(recorder, k, blocks):
-    Ops(recorder, None).gemv(1, 2, 3, 8, 300, k, True, False)
-    assert recorder.launches == [("gemv_f32", (blocks,), (256, 1, 1))]
+# 300 rows: 19 tiles of 16 rows; a block of 8 warps holds 8 / split tiles, split = the warps one tile's k keeps busy;
+# past one iteration of 256 k per warp, the pipelined form
+@pytest.mark.parametrize("k,blocks,kernel", [(64, 3, "gemv_f32"), (512, 5, "gemv_f32"), (1024, 10, "gemv_f32"),
+                                             (2048, 19, "gemv_f32"), (2056, 19, "gemv_f32_pipelined"),
+                                             (8192, 19, "gemv_f32_pipelined")])
+def test_gemv_splits_k_across_warps(recorder, k, blocks, kernel):
+    Ops(recorder, None, num_sms=132).gemv(1, 2, 3, 8, 300, k, True, False)
+    assert recorder.launches == [(kernel, (blocks,), (256, 1, 1))]
+
+
+def test_gemv_pipelined_only_in_one_wave_at_one_block_per_sm(recorder):
+    Ops(recorder, None, num_sms=132).gemv(1, 2, 3, 1, 2048, 8192, True, True)  # Llama-3.2-1B's down: 128 blocks
+    Ops(recorder, None, num_sms=100).gemv(1, 2, 3, 1, 2048, 8192, True, True)
+    Ops(recorder, None).gemv(1, 2, 3, 1, 2048, 8192, True, True)  # SM count unknown
+    Ops(recorder, None, num_sms=132).gemv(1, 2, 3, 1, 4096, 4096, False, False)  # 8B's O: 256 blocks
+    assert [name for name, _, _ in recorder.launches] == ["gemv_f32_pipelined", "gemv_f32", "gemv_f32", "gemv_bf16"]
 
 
 def test_gemv_swiglu_shares_the_gemv_geometry(recorder):
-    Ops(recorder, None).gemv_swiglu(1, 2, 3, 1, 16384, 2048)  # Llama-3.2-1B's gate/up at batch 1
-    assert recorder.launches == [("gemv_swiglu_bf16", (1024,), (256, 1, 1))]
+    Ops(recorder, None, num_sms=132).gemv_swiglu(1, 2, 3, 1, 16384, 2048)  # Llama-3.2-1B's gate/up at batch 1
+    Ops(recorder, None, num_sms=132).gemv_swiglu(1, 2, 3, 8, 1040, 4104)  # 3 iterations, 65 blocks
+    assert recorder.launches == [("gemv_swiglu_bf16", (1024,), (256, 1, 1)),
+                                 ("gemv_swiglu_bf16_pipelined", (65,), (256, 1, 1))]
 
 
 def test_rope_and_cache_geometry(recorder):
@@ -204,7 +217,7 @@ def test_rope_and_cache_geometry(recorder):
     (lambda o: o.logprobs(1, 2, 3, 4, 5, 6, 100, ops.MAX_TOP_LOGPROBS + 1), "k = 65 not in 0..64"),
     (lambda o: o.gemv(1, 2, 3, 9, 64, 64, False, False), "m = 9 rows"),
     (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),
-    (lambda o: o.gemv_swiglu(1, 2, 3, 9, 64, 64), "gemv_swiglu: m = 9 rows"),
+    (lambda o: o.gemv_swiglu(1, 2, 3, 9, 64, 64), "gemv_swiglu_bf16: m = 9 rows"),
     (lambda o: o.gemv_swiglu(1, 2, 3, 1, 1000, 64), "n = 1000 rows are not whole groups"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 0), "num_splits 0 < 1"),

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 WORKSPACE_BYTES = 32 << 20
 MODES = [(False, False), (True, False), (True, True), (False, True)]  # (out_fp32, accumulate)
 # n = 1, odd n with a partial last tile and tiles past n; k < 256 (one warp per tile), k with a tail past the last
-# full iteration at each split (2, 8, and 8 over several iterations).
+# full iteration at each split (2, 8, and 8 over 2 and 3 iterations: the pipelined form).
 ODD_SHAPES = [(1, 8), (37, 520), (1000, 2056), (77, 4104), (130, 64)]
 # Llama-3.2-1B, each with the output the model uses: QKV and gate_up bf16; O and down float32 += (the residual)
 LLAMA_1B = [(3072, 2048, False, False), (2048, 2048, True, True), (16384, 2048, False, False),
@@ -101,13 +101,14 @@ def check(cuda, linear, weights, m, n, k, out_fp32, accumulate):
     else:
         start = np.full((m, n), np.nan, np.float32) if out_fp32 else np.full((m, n), 0x7FC0, np.uint16)
     out, x_dev = cuda.to_device(start), cuda.to_device(x_bits)
-    calls = linear.blas.calls
+    calls, launches = linear.blas.calls, len(linear.kernels.launched)
     linear.gemm(int(out), int(x_dev), int(w_dev), m, n, k, out_fp32=out_fp32, accumulate=accumulate)
     linear.stream.synchronize()
     assert linear.blas.calls - calls == (m > MAX_ROWS)  # the GEMV kernel for m <= MAX_ROWS, cuBLAS above
     result = np.empty_like(start)
     cuda.memcpy_dtoh(result, out)
     assert rel_err(result if out_fp32 else bf16_to_f32(result), ref) < 1e-2
+    return linear.kernels.launched[launches:]
 
 
 @pytest.mark.parametrize("out_fp32,accumulate", MODES)
@@ -120,7 +121,9 @@ def test_gemm_odd_shapes(cuda, linear, weights, m, n, k, out_fp32, accumulate):
 @pytest.mark.parametrize("n,k,out_fp32,accumulate", LLAMA_1B)
 @pytest.mark.parametrize("m", range(1, MAX_ROWS + 2))
 def test_gemm_llama_1b(cuda, linear, weights, m, n, k, out_fp32, accumulate):
-    check(cuda, linear, weights, m, n, k, out_fp32, accumulate)
+    launched = check(cuda, linear, weights, m, n, k, out_fp32, accumulate)
+    if m <= MAX_ROWS:  # down's k = 8192 is 4 iterations of a warp: the pipelined form; 2048, the plain one
+        assert launched == ["gemv_" + ("f32" if out_fp32 else "bf16") + "_pipelined" * (k == 8192)]
 
 
 @pytest.mark.parametrize("m", [1, MAX_ROWS])
@@ -139,8 +142,8 @@ def test_default_routing(linear):
     assert not default.uses_gemv(1, *LM_HEAD) and not default.uses_gemv(1, 2048, 2044)
 
 
-# (n, k): Llama-3.2-1B's gate/up (2 x 8192 units); odd k; tiles past the last
-SWIGLU_SHAPES = [(16384, 2048), (48, 520), (1040, 2056)]
+# (n, k): Llama-3.2-1B's gate/up (2 x 8192 units); odd k; tiles past the last; 3 iterations (pipelined)
+SWIGLU_SHAPES = [(16384, 2048), (48, 520), (1040, 2056), (64, 4104)]
 
 
 @pytest.mark.parametrize("n,k", SWIGLU_SHAPES)
@@ -160,7 +163,8 @@ def test_gate_up_swiglu(cuda, linear, weights, m, n, k):
     linear.gate_up_swiglu(int(out), int(x_dev), int(w_dev), m, n, k, int(gate_up))
     linear.stream.synchronize()
     launched = linear.kernels.launched
-    assert ("gemv_swiglu_bf16" in launched) == (m <= MAX_ROWS) and ("silu_and_mul" in launched) == (m > MAX_ROWS)
+    swiglu_gemv = [name for name in launched if name.startswith("gemv_swiglu_bf16")]
+    assert len(swiglu_gemv) == (m <= MAX_ROWS) and ("silu_and_mul" in launched) == (m > MAX_ROWS)
     result = np.empty((m, n // 2), np.uint16)
     cuda.memcpy_dtoh(result, out)
     assert rel_err(bf16_to_f32(result), ref) < 1e-2

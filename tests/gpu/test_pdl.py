@@ -97,7 +97,8 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(cuda,
     from tinyvllm.backends.cuda.ops import GEMV_UNROLL
 
     kernels = machine_code(tmp_path)["gemv"]
-    assert set(kernels) == {"gemv_bf16", "gemv_f32", "gemv_swiglu_bf16"}
+    forms = ("", "_pipelined")
+    assert set(kernels) == {f"gemv_{kind}{form}" for kind in ("bf16", "f32", "swiglu_bf16") for form in forms}
     for name, instructions in kernels.items():
         _, before = global_accesses_before_wait(instructions)
         assert sum(map(is_weight_load, before)) == 2 * GEMV_UNROLL, (name, before)

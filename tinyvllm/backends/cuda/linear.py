@@ -30,7 +30,8 @@ class Linear:
         self.blas = blas
         self.kernels = kernels
         self.stream = stream
-        self.ops = Ops(kernels, stream)
+        device = cuda.Context.get_device()
+        self.ops = Ops(kernels, stream, device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT))
         self.max_gemv_weights = max_gemv_weights
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:

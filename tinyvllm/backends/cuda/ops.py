@@ -121,8 +121,12 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, group: int) -> int:
     return num_tokens * group // PREFILL_BLOCK_M + num_seqs + 1
 
 
-def _gemv_geometry(kernel_name: str, m: int, n: int, k: int) -> tuple[tuple[int], int]:
-    """The grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv kernels."""
+def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int) -> tuple[str, tuple[int], int]:
+    """The kernel, the grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv
+    kernels. The kernel is kernel_name, or its `_pipelined` form where a warp has more than one iteration of k and
+    the grid fits on the GPU at one block per SM (that form's occupancy): Llama-3.2-1B's down projection, 2% faster
+    alone and W3 1% (docs/PERFORMANCE.md, session 15); 8B's QKV and O (2 iterations, 2-3 blocks per SM) were 10-15%
+    slower in it."""
     _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
     _require_vectors(kernel_name, k=k)
     # as many as k keeps busy for a full iteration, so that small n still has enough loads in flight (n = 2048 at
@@ -131,18 +135,22 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int) -> tuple[tuple[int]
     while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
         split *= 2
     tiles = -(-n // GEMV_TILE_ROWS)
-    return (-(-tiles // (GEMV_WARPS // split)),), split
+    blocks = -(-tiles // (GEMV_WARPS // split))
+    pipelined = k > split * GEMV_K_PER_ITERATION and blocks <= num_sms
+    return kernel_name + "_pipelined" * pipelined, (blocks,), split
 
 
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
 
 
 class Ops:
-    """The launchers, on one stream. `kernels` maps a kernel name to a callable(grid, block, stream, *args)."""
+    """The launchers, on one stream. `kernels` maps a kernel name to a callable(grid, block, stream, *args);
+    num_sms, the GPU's SM count, is what gemv chooses its form by (0: always the plain one)."""
 
-    def __init__(self, kernels: Mapping[str, Callable], stream) -> None:
+    def __init__(self, kernels: Mapping[str, Callable], stream, num_sms: int = 0) -> None:
         self.kernels = kernels
         self.stream = stream
+        self.num_sms = num_sms
 
     def launch(self, name: str, grid: tuple[int, ...], block: int, *args) -> None:
         self.kernels[name](grid, (block, 1, 1), self.stream, *args)
@@ -292,22 +300,22 @@ class Ops:
         self.launch("logprobs", (num_rows,), SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, vocab, k)
 
     @kernel("gemv", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
-            "gemv_f32")
+            "gemv_f32", "gemv_f32_pipelined")
     @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
-            "gemv_bf16")
+            "gemv_bf16", "gemv_bf16_pipelined")
     def gemv(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
         """out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate), bf16 in, float32 accumulation, for m <= 8."""
-        grid, split = _gemv_geometry("gemv", m, n, k)
-        self.launch("gemv_f32" if out_fp32 else "gemv_bf16", grid, GEMV_WARPS * 32, out, x, w, m, n, k, split,
-                    int(accumulate))
+        name, grid, split = _gemv_geometry("gemv_f32" if out_fp32 else "gemv_bf16", m, n, k, self.num_sms)
+        self.launch(name, grid, GEMV_WARPS * 32, out, x, w, m, n, k, split, int(accumulate))
 
-    @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16")
+    @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16",
+            "gemv_swiglu_bf16_pipelined")
     def gemv_swiglu(self, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
         """bf16 out[m, n / 2] = SwiGLU(x[m, k] . w[n, k]^T), w's rows interleaved in groups of 8 (8 gate rows, then
         the same units' 8 up rows), for m <= 8."""
         _require(n % GEMV_TILE_ROWS == 0, f"gemv_swiglu: n = {n} rows are not whole groups of 8 gate and 8 up rows")
-        grid, split = _gemv_geometry("gemv_swiglu", m, n, k)
-        self.launch("gemv_swiglu_bf16", grid, GEMV_WARPS * 32, out, x, w, m, n, k, split)
+        name, grid, split = _gemv_geometry("gemv_swiglu_bf16", m, n, k, self.num_sms)
+        self.launch(name, grid, GEMV_WARPS * 32, out, x, w, m, n, k, split)
 
     @kernel("logits_processors", "float* logits, int vocab, const int* last_tokens, const int* last_src, "
                                  "const int* sampled, const int* penalty_slots, const float* presence, "
