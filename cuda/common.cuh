@@ -13,11 +13,12 @@ typedef uint8_t e4m3;  // an fp8 KV cache entry: its e4m3 code (twin: model/dtyp
 // visible. It lets the next kernel launch first (allow_dependents_launch): that kernel's blocks are then resident
 // and waiting when this one ends, instead of a launch latency at every one of a decode step's ~180 kernel
 // boundaries. Blocks of the next kernel launch only after all of this kernel's blocks started, so they never take
-// an SM this kernel still needs. The two kernels that stream most of a step's bytes, gemv and attention_decode,
-// let the next kernel launch only after their loop. Launching it at their start, batch 1 (W3) took 1.10 ms per
-// token instead of 1.07-1.09 (gemv) and 1.26 instead of 1.10 (attention_decode; docs/PERFORMANCE.md, sessions 9
-// and 10), likely because that next kernel, a short one, lets its own next launch at once, whose weight loads then
-// compete with their streaming. Both are no-ops in a launch without the attribute and before sm_90.
+// an SM this kernel still needs. gemv lets it launch at its start too (W3 0.89-0.90 ms per token against 0.92-0.93
+// after its loop, session 16; session 10 measured the opposite, before gemv's first loads went ahead of its wait).
+// attention_decode lets it launch only after its loop: at its start, batch 1 took 1.26 ms per token instead of
+// 1.10 (session 9) and 1.00 instead of 0.89-0.90 (session 16; docs/PERFORMANCE.md), likely because the next
+// kernel, attention_combine, lets the O GEMV launch at once, whose weight loads then compete with attention's
+// streaming. Both calls are no-ops in a launch without the attribute and before sm_90.
 // ptxas treats a non-coherent load (__ldg, or a const __restrict__ pointer) as free to move, above the wait too:
 // a kernel reads what the previous kernel wrote with plain loads where ptxas would otherwise hoist them
 // (tests/gpu/test_pdl.py reads the machine code of every kernel for that).
@@ -33,9 +34,9 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// How every kernel begins, gemv and attention_decode excepted (gemv streams its weights before the wait; both let
-// the next kernel launch only after their loop): the next kernel may launch, and nothing is read or written before
-// the previous one is done.
+// How every kernel begins, gemv and attention_decode excepted (gemv streams its weights between the two;
+// attention_decode lets the next kernel launch only after its loop): the next kernel may launch, and nothing is read
+// or written before the previous one is done.
 __device__ __forceinline__ void pdl_begin() {
     allow_dependents_launch();
     grid_dependency_wait();

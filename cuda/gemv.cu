@@ -18,8 +18,8 @@
 // the first mma; at k = 2048 and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
 // The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
 // L1 keeps x, which every block re-reads. The first iteration's w loads go out before the wait for the previous
-// kernel (programmatic dependent launch, common.cuh), so they overlap its end; the next kernel may launch only once
-// the loop is done (common.cuh says why).
+// kernel (programmatic dependent launch, common.cuh), so they overlap its end; and the next kernel may launch at
+// once, so that its blocks are resident and its own first loads in flight as this one ends (common.cuh).
 //
 // The gate/up projection (gemv_swiglu_bf16) ends in SwiGLU instead of storing gate_up (activation.cu's
 // silu_and_mul, a kernel and a boundary fewer per layer): its weight rows come interleaved so that a 16-row tile
@@ -121,6 +121,7 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     // (tests/gpu/test_pdl.py counts them). W3 took the same time either way (docs/PERFORMANCE.md, session 13).
     const int stride = split * GEMV_UNROLL * 4;
     int base = (warp % split) * GEMV_UNROLL * 4;
+    allow_dependents_launch();  // at the start: W3 0.89-0.90 ms per token, 0.92-0.93 after the loop (session 16)
     if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
     if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
@@ -139,7 +140,6 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
             multiply(c, lo, hi, x_row, base, t, chunks);
         }
     }
-    allow_dependents_launch();
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();
