@@ -121,7 +121,7 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     // (tests/gpu/test_pdl.py counts them). W3 took the same time either way (docs/PERFORMANCE.md, session 13).
     const int stride = split * GEMV_UNROLL * 4;
     int base = (warp % split) * GEMV_UNROLL * 4;
-    allow_dependents_launch();  // at the start: W3 0.89-0.90 ms per token, 0.92-0.93 after the loop (session 16)
+    allow_dependents_launch();  // at the start: W3 0.89-0.90 ms per token, 0.92-0.94 after the loop (session 16)
     if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
     if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
