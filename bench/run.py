@@ -83,9 +83,15 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
 
-def _git_commit() -> str:
+def _git_commit(repo: Path = Path(__file__).resolve().parent.parent) -> str:
+    """HEAD's short hash, with "-dirty" when tracked files differ from it: the numbers then came from other code
+    (a copy of the tree whose git metadata is older than its files, say)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+        if head.returncode:
+            return "unknown"
+        differs = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=repo, capture_output=True).returncode
+        return head.stdout.strip() + ("-dirty" if differs else "")
     except OSError:
         return "unknown"
 
