@@ -62,8 +62,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                  int num_splits, const float* __restrict__ k_scales,
                                  const float* __restrict__ v_scales) {
     grid_dependency_wait();
-    // The next kernel may launch only once this one's loop is done (below), unlike pdl_begin: letting it launch
-    // at the start made W3 (batch 1) 1.26 ms per token instead of 1.10 (docs/PERFORMANCE.md, session 9).
+    // The next kernel may launch only once this one's loop is done (below), unlike pdl_begin: launched at the
+    // start, its successors' weight loads compete with this kernel's K/V streaming (common.cuh; docs/PERFORMANCE.md,
+    // Decisions: "attention_decode's launch point").
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int VEC = 16 / sizeof(Cache);        // cache entries per 16-byte copy
     constexpr int STAGES = D == 64 ? 4 : 2;        // 12 KB (D 64) or 8 KB (D 128) of K/V ahead of the tile in use

@@ -13,12 +13,11 @@ typedef uint8_t e4m3;  // an fp8 KV cache entry: its e4m3 code (twin: model/dtyp
 // visible. It lets the next kernel launch first (allow_dependents_launch): that kernel's blocks are then resident
 // and waiting when this one ends, instead of a launch latency at every one of a decode step's ~180 kernel
 // boundaries. Blocks of the next kernel launch only after all of this kernel's blocks started, so they never take
-// an SM this kernel still needs. gemv lets it launch at its start too (W3 0.89-0.90 ms per token against 0.92-0.93
-// after its loop, session 16; session 10 measured the opposite, before gemv's first loads went ahead of its wait).
-// attention_decode lets it launch only after its loop: at its start, batch 1 took 1.26 ms per token instead of
-// 1.10 (session 9) and 1.00 instead of 0.89-0.90 (session 16; docs/PERFORMANCE.md), likely because the next
-// kernel, attention_combine, lets the O GEMV launch at once, whose weight loads then compete with attention's
-// streaming. Both calls are no-ops in a launch without the attribute and before sm_90.
+// an SM this kernel still needs. gemv lets it launch at its start too, so the next kernel's blocks are resident,
+// and their first loads in flight, when the GEMV ends. attention_decode lets it launch only after its loop: its
+// next kernel, attention_combine, lets the O GEMV launch at once, whose weight loads would then compete with
+// attention's streaming (docs/PERFORMANCE.md, Decisions: "gemv's launch point", "attention_decode's launch
+// point"). Both calls are no-ops in a launch without the attribute and before sm_90.
 // ptxas treats a non-coherent load (__ldg, or a const __restrict__ pointer) as free to move, above the wait too:
 // a kernel reads what the previous kernel wrote with plain loads where ptxas would otherwise hoist them
 // (tests/gpu/test_pdl.py reads the machine code of every kernel for that).

@@ -28,8 +28,8 @@
 // A warp with more than one iteration of k (Llama-3.2-1B's down projection: 4) loads an iteration, waits for it,
 // multiplies, and only then loads the next, so HBM idles between iterations. The `_pipelined` kernels keep a second
 // register buffer: the next iteration's loads go out before this one's mmas. That needs ~210 registers, so one
-// block per SM; ops.py picks them only where the grid fits on the SMs at that (W3 1% faster; 8B's QKV and O, at 2-3
-// blocks per SM, were 10-15% slower in them).
+// block per SM; ops.py picks them only where the grid fits on the SMs at that (8B's QKV and O, at 2-3 blocks per SM
+// in the plain form, would lose occupancy; docs/PERFORMANCE.md, Decisions: "gemv's pipelined form").
 //
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
@@ -118,10 +118,11 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     // The first iteration's w loads go out before the wait for the previous kernel, which writes x (PDL): no
     // kernel writes w, so they overlap that kernel's end. That iteration is peeled so that the one wait is
     // straight-line code after them: with the wait behind a branch in the loop, ptxas issued 2 of the 16 before it
-    // (tests/gpu/test_pdl.py counts them). W3 took the same time either way (docs/PERFORMANCE.md, session 13).
+    // (tests/gpu/test_pdl.py counts them; docs/PERFORMANCE.md, Decisions: "gemv's first iteration of weights
+    // before the wait").
     const int stride = split * GEMV_UNROLL * 4;
     int base = (warp % split) * GEMV_UNROLL * 4;
-    allow_dependents_launch();  // at the start: W3 0.89-0.90 ms per token, 0.92-0.94 after the loop (session 16)
+    allow_dependents_launch();  // at the start (docs/PERFORMANCE.md, Decisions: "gemv's launch point")
     if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
     if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)

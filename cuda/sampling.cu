@@ -9,8 +9,8 @@
 // down exactly. 4 passes instead of the ~31 of a bisection, and exact where a bisection on values is not.
 //
 // A block reads its row in passes of ROW_UNROLL loads per thread in flight (row_loop): at batch 1 one block is all
-// there is, and a pass of one load per thread at a time waited out ~125 L2 round trips (49 µs of a 1 ms decode step
-// for a greedy token of a 128k vocabulary; docs/PERFORMANCE.md, session 11).
+// there is, and a pass of one load per thread at a time would wait out ~125 L2 round trips for a greedy token of a
+// 128k vocabulary (docs/PERFORMANCE.md, Decisions: "Small kernels keep their loads in flight together").
 //
 // Compiled with -DNTHREADS (threads per block: one block per row) and -DMAX_TOP_LOGPROBS (the most top logprobs per
 // row), from backends/cuda/ops.py, which also launches the kernels.
