@@ -31,7 +31,7 @@ FAMILIES = {
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
-# before anything is sized from it (a num_hidden_layers of 1e9 once allocated 5.8 GiB, then failed).
+# before anything is sized from it (a num_hidden_layers of 1e9 would allocate gigabytes, then fail).
 DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
               "num_hidden_layers": (1, 1 << 12), "num_attention_heads": (1, 1 << 12),
               "num_key_value_heads": (1, 1 << 12), "head_dim": (1, 1 << 12), "max_position_embeddings": (2, 1 << 24)}

@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType as QT
 from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.gguf_file import read_gguf
-from tinyvllm.model.layout import gguf_permuted_heads, hf_name_of_gguf, layout_of, layout_of_architecture, tied_copies
+from tinyvllm.model.layout import (gguf_permuted_heads, hf_name_of_gguf, layout_of, layout_of_architecture,
+                                   tied_copies)
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
