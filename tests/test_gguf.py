@@ -340,3 +340,20 @@ def test_structured_outputs_on_a_sentencepiece_gguf(tmp_path, sentencepiece_mode
                                         structured_outputs={"choice": ["Paris", "Lyon ünd Nice"]})])
     assert re.fullmatch("(yes|no) é[0-9]{2}", outs[0].outputs[0].text), outs[0].outputs[0].text
     assert outs[1].outputs[0].text in ("Paris", "Lyon ünd Nice")
+
+
+def test_qk_unpermute_follows_the_family_flag(tmp_path, monkeypatch):
+    """The Q/K rows are un-permuted where the family says llama.cpp permuted them, whatever its name."""
+    from tinyvllm.model.config import FAMILIES
+
+    config = tiny_config(architecture="Qwen2ForCausalLM")
+    weights = random_weights(config, seed=4)
+    path = write_gguf(tmp_path / "m.gguf", config, weights)  # a qwen2 file: rows as HF has them
+    permuting = FAMILIES[config.architecture]._replace(gguf_permute_qk=True)
+    monkeypatch.setitem(FAMILIES, config.architecture, permuting)
+    m = load_model(path)
+    for name, heads in (("model.layers.1.self_attn.q_proj.weight", config.num_attention_heads),
+                        ("model.layers.1.self_attn.k_proj.weight", config.num_key_value_heads)):
+        np.testing.assert_array_equal(m.weights[name], unpermute_qk(weights[name], heads), err_msg=name)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    np.testing.assert_array_equal(m.weights[name], weights[name])

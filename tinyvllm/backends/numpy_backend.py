@@ -7,15 +7,19 @@ sequences of a prefill step (their causal masks differ in shape).
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 
 import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
+from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.kv_scales import kv_cache_scales
+from tinyvllm.model.layout import row_slices
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
-from tinyvllm.model.weights import pack_weights
+from tinyvllm.model.weights import LayerWeights, pack_weights
 
 
 # ---- the operations (each the twin of a CUDA kernel) -------------------------------------------------------------
@@ -131,6 +135,18 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 # ---- the model -----------------------------------------------------------------------------------------------------
 
+def host_layer(layer: LayerWeights) -> LayerWeights[HostWeight]:
+    """A packed layer as the forward reads it: matrices as float32 HostWeights [in, out], vectors as float32 arrays,
+    the parts its family lacks None."""
+
+    def host(w: np.ndarray | None) -> HostWeight | np.ndarray | None:
+        if w is None:
+            return None
+        return HostWeight.from_rows(w) if w.ndim == 2 else np.asarray(w, dtype=np.float32)
+
+    return LayerWeights(**{f.name: host(getattr(layer, f.name)) for f in fields(layer)})
+
+
 class NumpyBackend(Backend):
     """The decoder forward (Llama and the families of model/config.py) in float32 over a paged KV cache held in
     numpy arrays."""
@@ -143,20 +159,11 @@ class NumpyBackend(Backend):
         self.engine_config = engine_config
         cfg.check_max_model_len(engine_config.max_model_len)
         packed = pack_weights(model.weights, cfg)
-
-        def matrix(w: np.ndarray) -> np.ndarray:  # [out, in] -> [in, out] float32: x @ w
-            return np.ascontiguousarray(w.T, dtype=np.float32)
-
-        def vector(w: np.ndarray | None) -> np.ndarray | None:
-            return None if w is None else np.asarray(w, dtype=np.float32)
-
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
-        self.lm_head_t = matrix(packed.lm_head)  # [hidden, vocab]
-        self.final_norm = vector(packed.final_norm)
-        self.layers = [{"input_norm": vector(layer.input_norm), "post_norm": vector(layer.post_norm),
-                        "qkv": matrix(layer.qkv), "o": matrix(layer.o), "gate_up": matrix(layer.gate_up),
-                        "down": matrix(layer.down), "qkv_bias": vector(layer.qkv_bias),
-                        "q_norm": vector(layer.q_norm), "k_norm": vector(layer.k_norm)} for layer in packed.layers]
+        self.lm_head = HostWeight.from_rows(packed.lm_head)  # [hidden, vocab]
+        self.final_norm = np.asarray(packed.final_norm, dtype=np.float32)
+        self.layers = [host_layer(layer) for layer in packed.layers]
+        self.qkv_columns = row_slices(cfg, "qkv")  # Q's, K's and V's columns of the fused projection
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.kv_scales: list[KVScales | None] = [None] * cfg.num_hidden_layers  # per layer, for an fp8 cache
@@ -190,24 +197,23 @@ class NumpyBackend(Backend):
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
         scale = 1.0 / float(np.sqrt(d))  # a Python float: a numpy float64 scalar would upcast float32 to float64
         x = self.embed[batch.token_ids]  # [T, hidden]
+        q_cols, k_cols, v_cols = self.qkv_columns
         for layer, k_cache, v_cache, kv_scales in zip(self.layers, self.k_cache, self.v_cache, self.kv_scales):
-            h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = h @ layer["qkv"]
-            if layer["qkv_bias"] is not None:  # Qwen2.  Twin: cuda/qkv.cu add_qkv_bias
-                qkv += layer["qkv_bias"]
-            q = qkv[:, : heads * d].reshape(-1, heads, d)
-            k = qkv[:, heads * d: (heads + kv_heads) * d].reshape(-1, kv_heads, d)
-            v = qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d)
-            if layer["q_norm"] is not None:  # Qwen3
-                q, k = qk_norm(q, k, layer["q_norm"], layer["k_norm"], cfg.rms_norm_eps)
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)  # Qwen2's bias
+            q = qkv[:, q_cols].reshape(-1, heads, d)
+            k = qkv[:, k_cols].reshape(-1, kv_heads, d)
+            v = qkv[:, v_cols].reshape(-1, kv_heads, d)
+            if layer.q_norm is not None:  # Qwen3
+                q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping, kv_scales)
             attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale, kv_scales)
-            x = x + attn.reshape(len(x), heads * d) @ layer["o"]
-            h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
-            x = x + silu_and_mul(h @ layer["gate_up"]) @ layer["down"]
+            x = x + linear(attn.reshape(len(x), heads * d), layer.o)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x = x + linear(silu_and_mul(linear(h, layer.gate_up)), layer.down)
         h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return h @ self.lm_head_t
+        return linear(h, self.lm_head)
 
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:

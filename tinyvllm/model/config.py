@@ -10,26 +10,28 @@ from pathlib import Path
 from typing import NamedTuple
 
 
-
 class Family(NamedTuple):
     """What a model family changes in the Llama decoder layer; the backends branch on these flags, not on names."""
 
     model_type: str
     attention_bias: bool  # biases on the Q, K and V projections (not on O)
     qk_norm: bool  # a per-head RMSNorm on Q and on K before RoPE
+    # llama.cpp stores the Q/K rows interleaved per head (its rotate-pairs RoPE): a GGUF file's are un-permuted
+    gguf_permute_qk: bool
 
 
-# HF architecture -> its family. Mistral is Llama with a sliding window (refused unless it never slides).
+# HF architecture -> its family. Mistral is Llama with a sliding window (refused unless it never slides). Each
+# family's checkpoint tensors are in model/layout.py (LAYOUTS, by model_type).
 FAMILIES = {
-    "LlamaForCausalLM": Family("llama", attention_bias=False, qk_norm=False),
-    "MistralForCausalLM": Family("mistral", attention_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True),
+    "LlamaForCausalLM": Family("llama", attention_bias=False, qk_norm=False, gguf_permute_qk=True),
+    "MistralForCausalLM": Family("mistral", attention_bias=False, qk_norm=False, gguf_permute_qk=True),
+    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False, gguf_permute_qk=False),
+    "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True, gguf_permute_qk=False),
 }
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
-# before anything is sized from it (a num_hidden_layers of 1e9 once allocated 5.8 GiB, then failed).
+# before anything is sized from it (a num_hidden_layers of 1e9 would allocate gigabytes, then fail).
 DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
               "num_hidden_layers": (1, 1 << 12), "num_attention_heads": (1, 1 << 12),
               "num_key_value_heads": (1, 1 << 12), "head_dim": (1, 1 << 12), "max_position_embeddings": (2, 1 << 24)}

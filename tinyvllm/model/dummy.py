@@ -17,7 +17,8 @@ import tokenizers
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
-from tinyvllm.model.loader import weight_shapes, write_safetensors
+from tinyvllm.model.layout import tied_copies, weight_shapes
+from tinyvllm.model.loader import write_safetensors
 from tinyvllm.model.weights import LazyWeights
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
@@ -102,16 +103,16 @@ def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """float32 weights, std 1/sqrt(fan_in) so activations and logits stay O(1); norm gains 1 + small noise."""
     rng = np.random.default_rng(seed)
-    weights = {}
+    weights, tied = {}, tied_copies(config)
     for name, shape in weight_shapes(config).items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if name in tied:
             continue
         mean, std = _init_scale(name, shape)
         w = rng.standard_normal(shape, dtype=np.float32)
         w *= np.float32(std)
         weights[name] = w + np.float32(mean) if mean else w
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    for name, source in tied.items():
+        weights[name] = weights[source]
     return weights
 
 
@@ -130,13 +131,13 @@ class RandomBf16Weights(LazyWeights):
         self.config = config
         self.seed = seed
         self.shapes = weight_shapes(config)
+        self.tied = tied_copies(config)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
     def stored(self, name: str) -> np.ndarray:
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            name = "model.embed_tokens.weight"
+        name = self.tied.get(name, name)
         shape = self.shapes[name]
         key = [self.seed, zlib.crc32(name.encode())]
         mean, std = _init_scale(name, shape)
@@ -182,7 +183,8 @@ def save_hf_model_dir(
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
-    names = [k for k in weights if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    tied = tied_copies(config)
+    names = [k for k in weights if k not in tied]
     if isinstance(weights, RandomBf16Weights) and dtype == "bfloat16":
         def write(file: Path, part: list[str]) -> None:
             write_bf16_safetensors(file, weights, part)

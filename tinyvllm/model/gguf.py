@@ -4,7 +4,6 @@ vocab -> Tokenizer."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,27 +15,14 @@ from gguf import GGMLQuantizationType as QT
 from tinyvllm.model.config import ModelConfig, check_dimension
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.gguf_file import read_gguf
+from tinyvllm.model.layout import (gguf_permuted_heads, hf_name_of_gguf, layout_of, layout_of_architecture,
+                                   tied_copies)
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # general.architecture -> HF architecture (convert_hf_to_gguf writes Mistral as "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (as in the model's own tokenizer.json).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -65,10 +51,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokeni
         raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
     tensors = {t.name: t for t in tensor_list}
     config = config_from_gguf(meta, tensors)
-    # rope_freqs.weight is already folded into config.rope_scaling
-    by_hf_name = {hf_name(name): t for name, t in tensors.items() if name != "rope_freqs.weight"}
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in by_hf_name:
-        by_hf_name["lm_head.weight"] = by_hf_name["model.embed_tokens.weight"]
+    rope_freqs = layout_of(config).gguf_rope_freqs  # already folded into config.rope_scaling
+    by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name != rope_freqs}
+    for name, source in tied_copies(config).items():
+        if source in by_hf_name:
+            by_hf_name[name] = by_hf_name[source]
     return config, GGUFWeights(by_hf_name, config), tokenizer_from_gguf(meta)
 
 
@@ -78,19 +65,17 @@ class GGUFWeights(LazyWeights):
     def __init__(self, tensors: dict[str, Any], config: ModelConfig) -> None:
         self.tensors = tensors
         self.config = config
+        self.permuted_heads = gguf_permuted_heads(config)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
 
     def __getitem__(self, name: str) -> np.ndarray:
         w = dequantize(self.tensors[name])
-        # llama.cpp stores Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undo it for the rotate-half
+        # llama.cpp stores a Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undone for the rotate-half
         # layout. Qwen's it keeps as HF has them (llama.cpp runs those with rotate-half "NEOX" RoPE).
-        if self.config.architecture == "LlamaForCausalLM" and name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, self.config.num_attention_heads)
-        elif self.config.architecture == "LlamaForCausalLM" and name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, self.config.num_key_value_heads)
-        return w
+        heads = self.permuted_heads.get(name)
+        return w if heads is None else unpermute_qk(w, heads)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -112,6 +97,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
             raise ValueError(f"GGUF metadata is missing {arch}.{key}")
     if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
         raise ValueError("GGUF metadata is missing tokenizer.ggml.tokens (the vocabulary)")
+    layout = layout_of_architecture(GGUF_ARCHITECTURES[arch])
     hidden, heads = get("embedding_length"), get("attention.head_count")
     check_dimension("hidden_size", hidden)  # both checked before head_dim is computed from them
     check_dimension("num_attention_heads", heads)
@@ -120,8 +106,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     if get("rope.scaling.type", "none") != "none":
         raise ValueError(f"unsupported GGUF rope scaling type {get('rope.scaling.type')!r}")
     rope_scaling = None
-    if "rope_freqs.weight" in tensors:
-        rope_scaling = _llama3_scaling_from_freqs(dequantize(tensors["rope_freqs.weight"]), head_dim, theta)
+    if layout.gguf_rope_freqs in tensors:
+        rope_scaling = _llama3_scaling_from_freqs(dequantize(tensors[layout.gguf_rope_freqs]), head_dim, theta)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     return ModelConfig(
@@ -136,7 +122,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         rope_theta=theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=get("context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensors,
+        tie_word_embeddings=not any(part.gguf in tensors for part in layout.packed("lm_head").parts),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         torch_dtype=_storage_dtype(tensors),
@@ -144,14 +130,12 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     )
 
 
-def hf_name(name: str) -> str:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    base = name.removesuffix(".weight")
-    if name.endswith(".weight") and base in GLOBAL_NAMES:
-        return GLOBAL_NAMES[base] + ".weight"
-    raise ValueError(f"unsupported GGUF tensor {name!r} (not a plain llama, qwen2 or qwen3 model?)")
+def hf_name(config: ModelConfig, name: str) -> str:
+    """The HF name of a GGUF tensor; ValueError for one the family's layout does not know."""
+    hf = hf_name_of_gguf(config, name)
+    if hf is None:
+        raise ValueError(f"unsupported GGUF tensor {name!r:.80} (not a plain llama, qwen2 or qwen3 model?)")
+    return hf
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -20,13 +20,13 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dtypes import E4M3_MAX
-from tinyvllm.model.weights import layer_parts
+from tinyvllm.model.layout import layer_parts, row_slices
 
 
 def kv_cache_scales(weights: Mapping[str, np.ndarray], config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """K and V scales, float32 [num_layers, num_kv_heads] each (powers of two), for the weights (HF names)."""
-    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    k_rows, v_rows = slice(heads * d, (heads + kv_heads) * d), slice((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)
+    kv_heads, d = config.num_key_value_heads, config.head_dim
+    _, k_rows, v_rows = row_slices(config, "qkv")
     radius = np.sqrt(np.float32(config.hidden_size))
     k_scales, v_scales = [], []
     for i in range(config.num_hidden_layers):
@@ -34,13 +34,13 @@ def kv_cache_scales(weights: Mapping[str, np.ndarray], config: ModelConfig) -> t
         gain = np.asarray(weights[parts["input_norm"][0]], np.float32)
         _, k_name, v_name = parts["qkv"]
         bias = (np.concatenate([np.asarray(weights[name], np.float32) for name in parts["qkv_bias"]])
-                if config.attention_bias else np.zeros((heads + 2 * kv_heads) * d, np.float32))
+                if "qkv_bias" in parts else np.zeros(v_rows.stop, np.float32))
 
         def row_bounds(name: str, rows: slice) -> np.ndarray:  # [kv_heads, d]
             w = np.asarray(weights[name], np.float32) * gain
             return (radius * np.linalg.norm(w, axis=1) + np.abs(bias[rows])).reshape(kv_heads, d)
 
-        if config.qk_norm:
+        if "k_norm" in parts:
             k_norm = np.abs(np.asarray(weights[parts["k_norm"][0]], np.float32))
             k_bound = np.broadcast_to(np.sqrt(np.float32(d)) * k_norm, (kv_heads, d))
         else:

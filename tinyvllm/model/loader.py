@@ -23,13 +23,13 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig, read_json_object
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.layout import layout_of, tied_copies, weight_shapes
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # safetensors dtype -> (numpy storage dtype, config/torch name)
 ST_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16")}
 ST_NAMES = {name: code for code, (_, name) in ST_DTYPES.items()}
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from the config
 
 
 @dataclass
@@ -181,33 +181,6 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, with its HF shape (the family's biases and q/k norms included)."""
-    h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
-                       p + "self_attn.k_norm.weight": (config.head_dim,)}
-    return shapes
-
-
 def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> None:
     """ValueError naming the first missing, unexpected or misshapen tensor (a checkpoint's from its headers)."""
     shapes = weight_shapes(config)
@@ -239,18 +212,19 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    wanted = set(weight_shapes(config))
+    wanted, ignored = set(weight_shapes(config)), layout_of(config).hf_ignored
     entries: dict[str, TensorEntry] = {}
     for file in files:
         for name, entry in safetensors_entries(path / file).items():
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(ignored):
                 continue
             if name not in wanted:
                 raise ValueError(f"{path / file}: unexpected tensor {name} (unsupported model variant?)")
             entries[name] = entry
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in entries:
+    for name, source in tied_copies(config).items():
         # Tied: the output projection IS the embedding (some checkpoints also store a copy; HF ignores it too).
-        entries["lm_head.weight"] = entries["model.embed_tokens.weight"]
+        if source in entries:
+            entries[name] = entries[source]
     return SafetensorsWeights(entries)
 
 

@@ -1,15 +1,23 @@
 """A checkpoint's weights, packed the way both backends run them: Q/K/V fused into one matrix (and their biases into
-one vector), gate/up into another, so that each is one GEMM instead of three (or two)."""
+one vector), gate/up into another, so that each is one GEMM instead of three (or two). What each packed tensor
+stacks is model/layout.py's table."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.layout import layer_parts, model_parts
+
+__all__ = ["LayerWeights", "LazyWeights", "ModelWeights", "layer_parts", "pack_weights"]
+
+# How a backend holds a layer's matrices: numpy arrays [out, in] as packed here; the numpy backend's HostWeight
+Matrix = TypeVar("Matrix")
 
 
 class LazyWeights(Mapping):
@@ -35,16 +43,16 @@ class LazyWeights(Mapping):
 
 
 @dataclass
-class LayerWeights:
-    """One decoder layer; matrices [out, in] as the checkpoint stores them. The optional parts are what the family
-    adds to Llama's layer (ModelConfig.attention_bias, ModelConfig.qk_norm); None where it has none."""
+class LayerWeights(Generic[Matrix]):
+    """One decoder layer; as packed, matrices [out, in] as the checkpoint stores them. The optional parts are what
+    the family adds to Llama's layer (ModelConfig.attention_bias, ModelConfig.qk_norm); None where it has none."""
 
     input_norm: np.ndarray  # [hidden]
     post_norm: np.ndarray  # [hidden]
-    qkv: np.ndarray  # [(heads + 2 * kv_heads) * head_dim, hidden]: Q rows, then K, then V
-    o: np.ndarray  # [hidden, heads * head_dim]
-    gate_up: np.ndarray  # [2 * intermediate, hidden]: gate rows, then up
-    down: np.ndarray  # [hidden, intermediate]
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]: Q rows, then K, then V
+    o: Matrix  # [hidden, heads * head_dim]
+    gate_up: Matrix  # [2 * intermediate, hidden]: gate rows, then up
+    down: Matrix  # [hidden, intermediate]
     qkv_bias: np.ndarray | None = None  # [(heads + 2 * kv_heads) * head_dim], laid out as qkv's rows
     q_norm: np.ndarray | None = None  # [head_dim], the same gain for every query head
     k_norm: np.ndarray | None = None  # [head_dim]
@@ -62,20 +70,6 @@ class ModelWeights:
         return self.lm_head is self.embed
 
 
-def layer_parts(config: ModelConfig, i: int) -> dict[str, list[str]]:
-    """Layer i's packed tensors (LayerWeights' fields; the family's extras only where it has them) -> the HF
-    tensors whose rows each one stacks, in order."""
-    p = f"model.layers.{i}."
-    parts = {"input_norm": [p + "input_layernorm.weight"], "post_norm": [p + "post_attention_layernorm.weight"],
-             "qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"], "o": [p + "self_attn.o_proj.weight"],
-             "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "down": [p + "mlp.down_proj.weight"]}
-    if config.attention_bias:
-        parts["qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
-    if config.qk_norm:
-        parts["q_norm"], parts["k_norm"] = [p + "self_attn.q_norm.weight"], [p + "self_attn.k_norm.weight"]
-    return parts
-
-
 def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
                  get: Callable[[str], np.ndarray] | None = None) -> ModelWeights:
     """The weights of a LoadedModel (Hugging Face names), packed for a backend, each tensor as `get(name)` gives it
@@ -90,6 +84,7 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
         for i in range(config.num_hidden_layers):
             yield LayerWeights(**{field: stack(names) for field, names in layer_parts(config, i).items()})
 
-    embed = get("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
-    return ModelWeights(embed, get("model.norm.weight"), lm_head, layers())
+    parts = model_parts(config)
+    embed = stack(parts["embed"])
+    lm_head = embed if config.tie_word_embeddings else stack(parts["lm_head"])
+    return ModelWeights(embed, stack(parts["final_norm"]), lm_head, layers())

@@ -1,0 +1,193 @@
+"""The model as data: every tensor of a family's checkpoint, in both file formats, and how the backends pack them.
+
+This is the one place that names a checkpoint tensor. A packed tensor (a field of ModelWeights or LayerWeights)
+stacks the rows of its parts in order (Q, K, V into qkv; gate, up into gate_up); each part names its tensor in an HF
+checkpoint and in a GGUF file and gives its shape in dimensions of the ModelConfig (`dimensions`). A packed tensor
+the family adds to Llama's layer carries the Family flag it is present under (Qwen2's Q/K/V biases, Qwen3's q/k
+norms); everything else is derived from the table: the tensors a checkpoint must hold (`weight_shapes`), what each
+packed tensor stacks (`model_parts`, `layer_parts`), the GGUF names (`hf_name_of_gguf`), and which GGUF rows
+llama.cpp interleaves (`gguf_permuted_heads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinyvllm.model.config import FAMILIES, ModelConfig
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor. A layer's names follow the layer's prefix (Layout.hf_layer / gguf_layer)."""
+
+    hf: str
+    gguf: str
+    shape: tuple[str, ...]  # keys of dimensions(config): ("q", "hidden") is [heads * head_dim, hidden]
+    # llama.cpp stores this tensor's rows interleaved per head, for a family whose gguf_permute_qk is set: the
+    # ModelConfig field that counts those heads
+    gguf_heads: str | None = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed tensor: a field of ModelWeights or LayerWeights, its parts' rows one after another."""
+
+    field: str
+    parts: tuple[Part, ...]
+    flag: str | None = None  # the Family flag it is present under; None: every family has it
+    tied_to: str | None = None  # the field it is (not a copy of) when the config ties word embeddings
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A family's checkpoint: the model's packed tensors outside the layers, and one layer's."""
+
+    model: tuple[Packed, ...]
+    layer: tuple[Packed, ...]
+    hf_layer: str = "model.layers.{i}."
+    gguf_layer: str = "blk.{i}."
+    hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # buffers old checkpoints saved; rebuilt from the config
+    gguf_rope_freqs: str = "rope_freqs.weight"  # Llama 3 RoPE scaling as a tensor, folded into ModelConfig
+
+    def packed(self, field: str) -> Packed:
+        """The packed tensor of a ModelWeights or LayerWeights field."""
+        return next(p for p in (*self.model, *self.layer) if p.field == field)
+
+
+def _packed(field: str, *parts: Part, flag: str | None = None, tied_to: str | None = None) -> Packed:
+    return Packed(field, parts, flag, tied_to)
+
+
+LLAMA = Layout(
+    model=(
+        _packed("embed", Part("model.embed_tokens.weight", "token_embd.weight", ("vocab", "hidden"))),
+        _packed("final_norm", Part("model.norm.weight", "output_norm.weight", ("hidden",))),
+        _packed("lm_head", Part("lm_head.weight", "output.weight", ("vocab", "hidden")), tied_to="embed"),
+    ),
+    layer=(
+        _packed("input_norm", Part("input_layernorm.weight", "attn_norm.weight", ("hidden",))),
+        _packed("post_norm", Part("post_attention_layernorm.weight", "ffn_norm.weight", ("hidden",))),
+        _packed("qkv", Part("self_attn.q_proj.weight", "attn_q.weight", ("q", "hidden"), "num_attention_heads"),
+                Part("self_attn.k_proj.weight", "attn_k.weight", ("kv", "hidden"), "num_key_value_heads"),
+                Part("self_attn.v_proj.weight", "attn_v.weight", ("kv", "hidden"))),
+        _packed("o", Part("self_attn.o_proj.weight", "attn_output.weight", ("hidden", "q"))),
+        _packed("gate_up", Part("mlp.gate_proj.weight", "ffn_gate.weight", ("intermediate", "hidden")),
+                Part("mlp.up_proj.weight", "ffn_up.weight", ("intermediate", "hidden"))),
+        _packed("down", Part("mlp.down_proj.weight", "ffn_down.weight", ("hidden", "intermediate"))),
+        _packed("qkv_bias", Part("self_attn.q_proj.bias", "attn_q.bias", ("q",)),
+                Part("self_attn.k_proj.bias", "attn_k.bias", ("kv",)),
+                Part("self_attn.v_proj.bias", "attn_v.bias", ("kv",)), flag="attention_bias"),
+        _packed("q_norm", Part("self_attn.q_norm.weight", "attn_q_norm.weight", ("head_dim",)), flag="qk_norm"),
+        _packed("k_norm", Part("self_attn.k_norm.weight", "attn_k_norm.weight", ("head_dim",)), flag="qk_norm"),
+    ),
+)
+
+# Family.model_type -> its checkpoint layout. The four families share Llama's names; what Qwen adds is flagged.
+LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA}
+
+
+def layout_of(config: ModelConfig) -> Layout:
+    return layout_of_architecture(config.architecture)
+
+
+def layout_of_architecture(architecture: str) -> Layout:
+    """The layout of an HF architecture (a key of config.FAMILIES)."""
+    return LAYOUTS[FAMILIES[architecture].model_type]
+
+
+def dimensions(config: ModelConfig) -> dict[str, int]:
+    """The sizes a Part's shape is spelled in."""
+    d = config.head_dim
+    return {"vocab": config.vocab_size, "hidden": config.hidden_size, "intermediate": config.intermediate_size,
+            "q": config.num_attention_heads * d, "kv": config.num_key_value_heads * d, "head_dim": d}
+
+
+def present(packed: Packed, config: ModelConfig) -> bool:
+    """Whether the config's family has this packed tensor."""
+    return packed.flag is None or getattr(config.family, packed.flag)
+
+
+def model_parts(config: ModelConfig) -> dict[str, list[str]]:
+    """The packed tensors outside the layers (ModelWeights' fields) -> the HF tensors each one stacks, in order.
+    A tied LM head is listed under its own name: the loaders make that name the embedding (tied_copies)."""
+    return {p.field: [part.hf for part in p.parts] for p in layout_of(config).model if present(p, config)}
+
+
+def layer_parts(config: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Layer i's packed tensors (LayerWeights' fields; the family's extras only where it has them) -> the HF
+    tensors whose rows each one stacks, in order."""
+    layout = layout_of(config)
+    prefix = layout.hf_layer.format(i=i)
+    return {p.field: [prefix + part.hf for part in p.parts] for p in layout.layer if present(p, config)}
+
+
+def tied_copies(config: ModelConfig) -> dict[str, str]:
+    """HF name -> the HF name of the tensor it is, where the config ties them (the LM head and the embedding)."""
+    if not config.tie_word_embeddings:
+        return {}
+    model = {p.field: p for p in layout_of(config).model}
+    return {p.parts[0].hf: model[p.tied_to].parts[0].hf for p in model.values() if p.tied_to}
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with its HF shape (the family's biases and q/k norms included; the LM head
+    also where it is tied)."""
+    layout, dims = layout_of(config), dimensions(config)
+
+    def shapes(packed: tuple[Packed, ...], prefix: str) -> dict[str, tuple[int, ...]]:
+        return {prefix + part.hf: tuple(dims[n] for n in part.shape)
+                for p in packed if present(p, config) for part in p.parts}
+
+    out = shapes(layout.model, "")
+    for i in range(config.num_hidden_layers):
+        out |= shapes(layout.layer, layout.hf_layer.format(i=i))
+    return out
+
+
+def row_slices(config: ModelConfig, field: str) -> list[slice]:
+    """The rows of each part of one of a layer's packed tensors (qkv: Q's, K's, V's), in its packed order."""
+    dims, start, out = dimensions(config), 0, []
+    for part in layout_of(config).packed(field).parts:
+        out.append(slice(start, start + dims[part.shape[0]]))
+        start = out[-1].stop
+    return out
+
+
+def hf_name_of_gguf(config: ModelConfig, name: str) -> str | None:
+    """The HF name of a GGUF tensor (of any packed tensor of the layout, the family's or not); None for one the
+    layout does not know."""
+    layout = layout_of(config)
+    by_gguf = {part.gguf: part.hf for p in layout.model for part in p.parts}
+    if name in by_gguf:
+        return by_gguf[name]
+    head, _, rest = layout.gguf_layer.partition("{i}")
+    index, dot, suffix = name.removeprefix(head).partition(rest)
+    if not name.startswith(head) or not dot or not index.isdigit() or index != str(int(index)):
+        return None
+    by_gguf = {part.gguf: part.hf for p in layout.layer for part in p.parts}
+    return layout.hf_layer.format(i=int(index)) + by_gguf[suffix] if suffix in by_gguf else None
+
+
+def gguf_name_map(config: ModelConfig) -> dict[str, str]:
+    """GGUF name -> HF name of every tensor the config's model holds (weight_shapes' names but the tied head's)."""
+    layout, out = layout_of(config), {}
+    for p in layout.model:
+        if present(p, config) and not (p.tied_to and config.tie_word_embeddings):
+            out |= {part.gguf: part.hf for part in p.parts}
+    for i in range(config.num_hidden_layers):
+        hf, gguf = layout.hf_layer.format(i=i), layout.gguf_layer.format(i=i)
+        out |= {gguf + part.gguf: hf + part.hf for p in layout.layer if present(p, config) for part in p.parts}
+    return out
+
+
+def gguf_permuted_heads(config: ModelConfig) -> dict[str, int]:
+    """HF name -> head count of every tensor whose rows a GGUF file holds interleaved per head (llama.cpp's
+    rotate-pairs RoPE layout), for a family with gguf_permute_qk; {} otherwise."""
+    if not config.family.gguf_permute_qk:
+        return {}
+    layout, out = layout_of(config), {}
+    for i in range(config.num_hidden_layers):
+        prefix = layout.hf_layer.format(i=i)
+        out |= {prefix + part.hf: getattr(config, part.gguf_heads) for p in layout.layer if present(p, config)
+                for part in p.parts if part.gguf_heads}
+    return out
