@@ -63,7 +63,7 @@ class InstantBackend(Backend):
         return self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
 
     def execute(self, batch, bitmask=None) -> SamplerOutput:
-        return SamplerOutput(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
+        return SamplerOutput.one_each(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
 
 
 class DeviceLikeBackend(InstantBackend):
