@@ -219,3 +219,30 @@ def test_the_scheduler_reserves_lookahead_slots_within_the_length_limit():
     assert step.num_lookahead_slots == [3, 0, 0]
     assert [len(s.block_table) for s in seqs] == [3, 2, 2]  # KV of 7 + 3 tokens: three blocks; of 7: two
     assert Scheduler(config, BlockManager(config, 16)).schedule().num_lookahead_slots is None
+
+
+def test_the_one_token_step_in_the_ragged_contract(tiny_model_dir):
+    """build_batch says the query lengths and sampled rows; the numpy backend returns [S, 1] and counts of 1."""
+    from tinyvllm.engine.model_inputs import build_batch
+    from tinyvllm.engine.scheduler import ScheduledStep
+
+    llm = LLM(tiny_model_dir, backend="numpy", max_num_seqs=4, block_size=4)
+    bm = llm.llm_engine.block_manager
+    seqs = [decoding(n, 4) for n in (3, 6)]
+    for seq in seqs:
+        bm.allocate(seq, len(seq.token_ids))
+    batch = build_batch(ScheduledStep(seqs, [3, 6]), 4)
+    assert batch.max_query_len == 6 and batch.logits_indices.tolist() == [2, 8]
+    assert batch.num_lookahead_slots is None
+    out = llm.backend.execute(batch)
+    assert out.sampled_token_ids.shape == (2, 1) and out.num_sampled.tolist() == [1, 1]
+    assert out.last_token_ids.tolist() == out.sampled_token_ids[:, 0].tolist()
+    with pytest.raises(ValueError, match="one row per sequence"):
+        batch.logits_indices = np.array([1, 2, 8], np.int32)
+        llm.backend.execute(batch)
+
+
+def test_a_sequence_takes_no_undeclared_field():
+    seq = decoding(3, 4)
+    with pytest.raises(AttributeError):
+        seq.groupp = None

@@ -59,12 +59,12 @@ class OutputProcessor:
         now = time.time()
         ended: list[Sequence] = []
         step, batch = launched.step, launched.batch
-        sampled = result.sampled_token_ids.tolist()
-        runs = result.sampled_token_ids.shape[1] > 1
+        first = result.sampled_token_ids[:, 0].tolist()
+        runs = result.sampled_token_ids.shape[1] > 1  # else one token each: the common path
         counts = result.num_sampled.tolist() if runs else None
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
-        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else None
-        prompt_logprobs = result.prompt_logprobs
+        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(first))
         block_size, finished = self.block_size, SequenceStatus.FINISHED
         for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
             if seq.status is finished:
@@ -76,52 +76,51 @@ class OutputProcessor:
                 self._end(seq, index, now, ended)
                 continue
             if prompt_logprobs and i in prompt_logprobs:
-                entries = logprob_dicts(prompt_logprobs[i], batch.prompt_logprob_targets[i],
-                                        seq.params.prompt_logprobs)
-                # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
-                # positions a prefix-cache hit skipped have none.
-                seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
-                seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
-            if index < 0:  # a prompt chunk: nothing sampled
-                if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
-                    self.block_manager.commit_full_blocks(seq)
+                self._read_prompt_logprobs(seq, start, prompt_logprobs[i], batch.prompt_logprob_targets[i])
+            run = None if counts is None or counts[i] == 1 else result.sampled_token_ids[i, :counts[i]].tolist()
+            if index >= 0:
+                seq.token_ids[index] = first[i]
+                seq.num_pending -= 1
+                if run is not None:
+                    _append_run(seq, index, run)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
+                self.block_manager.commit_full_blocks(seq)
+            if index < 0:
+                continue  # a prompt chunk: nothing sampled
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if run is None:
+                self._take(seq, first[i], index + 1, logprobs, lp_rows[i], now, ended, advance)
                 continue
-            tokens = sampled[i] if counts is None else sampled[i][:counts[i]]
-            self._read_tokens(seq, index, tokens, result.logprobs, i if lp_rows is None else lp_rows[i], now,
-                              ended, advance)
+            for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
+                if self._take(seq, token, index + j + 1, logprobs, lp_rows[i] + j, now, ended, advance):
+                    break
         self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
 
-    def _read_tokens(self, seq: Sequence, index: int, tokens: list[int], logprobs: Logprobs | None, lp_row: int,
-                     now: float, ended: list[Sequence], advance: list[tuple[OutputConstraint, int]]) -> None:
-        """Put the tokens a step accepted for the sequence at token_ids[index:] (over its placeholder), then go
-        through them in order: logprobs, stops; a stop cuts the tokens after it."""
-        seq.token_ids[index] = tokens[0]
-        seq.num_pending -= 1
-        if len(tokens) > 1:
-            # The step also computed the KV of every accepted token but the last (the next step's input); no later
-            # step is in flight for it (the engine reads such a step before scheduling the next).
-            assert seq.num_pending == 0 and index + 1 == len(seq.token_ids), "a later step holds a placeholder"
-            seq.token_ids += tokens[1:]
-            seq.num_computed_tokens += len(tokens) - 1
-        if seq.num_computed_tokens // self.block_size > seq.num_hashed_blocks:  # a block may have filled up
-            self.block_manager.commit_full_blocks(seq)
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        entries = None
+    def _read_prompt_logprobs(self, seq: Sequence, start: int, logprobs: Logprobs, targets: np.ndarray) -> None:
+        entries = logprob_dicts(logprobs, targets, seq.params.prompt_logprobs)
+        # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
+        # positions a prefix-cache hit skipped have none.
+        seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
+        seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
+
+    def _take(self, seq: Sequence, token: int, length: int, logprobs: Logprobs | None, lp_row: int, now: float,
+              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]]) -> bool:
+        """Go through one token read (the sequence is `length` tokens long with it): its logprobs, then the stop
+        rules; True if the sequence ends there."""
         if seq.logprobs is not None:
-            entries = logprob_dicts(logprobs, tokens, seq.params.logprobs, lp_row)
-        for j, token in enumerate(tokens):
-            if entries is not None:
-                seq.logprobs.append(entries[j])
-                seq.cumulative_logprob += entries[j][token]
-            if self._check_stop(seq, token, index + j + 1):
-                if seq.constraint is not None:
-                    self.structured_outputs.take(seq.constraint, token)  # for `complete`
-                self._end(seq, index + j + 1, now, ended)
-                return
+            entry = logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token]
+        if self._check_stop(seq, token, length):
             if seq.constraint is not None:
-                advance.append((seq.constraint, token))
+                self.structured_outputs.take(seq.constraint, token)  # for `complete`
+            self._end(seq, length, now, ended)
+            return True
+        if seq.constraint is not None:
+            advance.append((seq.constraint, token))
+        return False
 
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
@@ -192,6 +191,15 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, list(group.completions), True,
                              metrics, prompt_logprobs=first.prompt_logprobs,
                              extra={"num_preemptions": sum(s.num_preemptions for s in group.seqs)})
+
+
+def _append_run(seq: Sequence, index: int, run: list[int]) -> None:
+    """The tokens of a run after its first (already at token_ids[index]). The step computed the KV of every
+    accepted token but the last (the next step's input); no later step is in flight for the sequence (the engine
+    reads a step that may return runs before it schedules the next)."""
+    assert seq.num_pending == 0 and index + 1 == len(seq.token_ids), "a later step holds a placeholder"
+    seq.token_ids += run[1:]
+    seq.num_computed_tokens += len(run) - 1
 
 
 def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:

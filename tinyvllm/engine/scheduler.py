@@ -118,18 +118,18 @@ class Scheduler:
         live = [s for s in self.running if len(s.token_ids) < s.max_len]
         queue = deque(sorted((s for s in live if s.num_computed_tokens >= s.num_prompt_tokens), key=by_arrival))
         queue.extend(sorted((s for s in live if s.num_computed_tokens < s.num_prompt_tokens), key=by_arrival))
-        block_size = self.block_manager.block_size
+        block_size, lookahead = self.block_manager.block_size, step.num_lookahead_slots
         while queue and budget > 0:
             seq = queue.popleft()
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            extra = self.lookahead(seq, num_new) if self.num_lookahead_slots else 0
+            extra = 0 if lookahead is None else self.lookahead(seq, num_new)
             end = seq.num_computed_tokens + num_new + extra
             if len(seq.block_table) * block_size < end and not self._make_room(seq, end, queue, step):
                 continue  # it was preempted itself
             step.seqs.append(seq)
             step.num_new_tokens.append(num_new)
-            if step.num_lookahead_slots is not None:
-                step.num_lookahead_slots.append(extra)
+            if lookahead is not None:
+                lookahead.append(extra)
             budget -= num_new
         return budget
 

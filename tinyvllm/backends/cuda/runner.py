@@ -322,10 +322,8 @@ class CudaBackend(Backend):
             raise ValueError(f"block table of {batch.block_tables.shape[1]} blocks exceeds max_model_len")
         if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
             raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
-        if len(batch.sampled_rows) != batch.num_seqs:
-            raise ValueError("the cuda backend samples one row per sequence")
         n, k = batch.num_seqs, batch.sampling.num_logprobs
-        prefill = batch.max_query_len > 1  # else one token per sequence: the decode graphs
+        prefill = batch.max_query_len > 1  # else one token per sequence: the decode graphs (one sampled row each)
         out, copy = self.out, self.out_copy
         self.out_copy ^= 1
         if batch.block_copies is not None:
@@ -359,7 +357,6 @@ class CudaBackend(Backend):
                 ready.synchronize()
             except cuda.Error as exc:
                 raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
-            # one token per sequence: [S] wrapped as the ragged [S, 1]
             result = SamplerOutput.one_each(out.copies[copy]["ids"][:n].copy(), prompt_logprobs=prompt_lps)
             if k >= 0:
                 result.logprobs = self._read_logprobs(n, k, copy)
