@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-import tinyvllm.engine.llm_engine as engine_module
+import tinyvllm.engine.output_processor as output_module
 import tinyvllm.llm
 from tinyvllm import LLM
 from tinyvllm.backends.base import Backend, QueuedStep, SamplerOutput
@@ -170,7 +170,7 @@ def main() -> None:
     for name in ("apply_chat_template", "encode_prompts"):
         timed(Tokenizer, name)
     timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
-    timed(engine_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
+    timed(output_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
     timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
     timed(job_run, "output_record", "output_record")
     timed(readers, "_jsonl_records", "read + json.loads")
