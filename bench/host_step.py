@@ -47,12 +47,12 @@ def main() -> None:
     engine, vocab = llm.llm_engine, llm.model_config.vocab_size
     rng = np.random.default_rng(0)
 
-    shapes = []  # (prefill?, rows) of each step submitted
+    shapes = []  # (longest query, rows) of each step submitted
 
     def submit(batch):  # no forward: tokens at once
-        shapes.append((batch.is_prefill, batch.num_seqs))
+        shapes.append((batch.max_query_len, batch.num_seqs))
         ids = rng.integers(3, vocab, batch.num_seqs).astype(np.int32)
-        return QueuedStep(lambda: SamplerOutput(ids))
+        return QueuedStep(lambda: SamplerOutput.one_each(ids))
 
     llm.backend.submit = submit
     params = SamplingParams(max_tokens=MAX_MODEL_LEN - args.prompt_len, temperature=0, ignore_eos=True)
@@ -68,7 +68,7 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         times.append((time.perf_counter() - start) / args.steps * 1e3)
-    assert shapes == [(False, args.seqs)] * len(shapes), "a timed step was not a decode of every sequence"
+    assert shapes == [(1, args.seqs)] * len(shapes), "a timed step was not a decode of every sequence"
     print(f"{args.seqs} sequences decoding: engine host work {min(times):.2f} ms per step (best of {args.repeats} x "
           f"{args.steps} steps; median {np.median(times):.2f})")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-import tinyvllm.engine.llm_engine as engine_module
+import tinyvllm.engine.output_processor as output_module
 import tinyvllm.llm
 from tinyvllm import LLM
 from tinyvllm.backends.base import Backend, QueuedStep, SamplerOutput
@@ -63,7 +63,7 @@ class InstantBackend(Backend):
         return self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
 
     def execute(self, batch, bitmask=None) -> SamplerOutput:
-        return SamplerOutput(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
+        return SamplerOutput.one_each(self.rng.integers(0, 128000, batch.num_seqs, dtype=np.int32))
 
 
 class DeviceLikeBackend(InstantBackend):
@@ -170,7 +170,7 @@ def main() -> None:
     for name in ("apply_chat_template", "encode_prompts"):
         timed(Tokenizer, name)
     timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
-    timed(engine_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
+    timed(output_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
     timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
     timed(job_run, "output_record", "output_record")
     timed(readers, "_jsonl_records", "read + json.loads")

@@ -17,6 +17,7 @@ import time
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.benchmark import Request, make_workload
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.requests import RequestAdmission
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.structured_outputs import StructuredOutputManager
 
@@ -38,8 +39,9 @@ def timed(owner, name: str, label: str | None = None) -> None:
 
 
 def main() -> None:
-    for name in ("step", "_process", "_bitmask_rows", "_prepare", "_fork"):
+    for name in ("step", "_process", "_bitmask_rows", "_prepare"):
         timed(LLMEngine, name)
+    timed(RequestAdmission, "fork_ready", "_fork")
     timed(Scheduler, "schedule")
     timed(StructuredOutputManager, "start", "worker start")
     timed(StructuredOutputManager, "finish", "worker join")

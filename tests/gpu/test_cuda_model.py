@@ -77,7 +77,7 @@ def decode_against_numpy(cuda, ours, ref, seqs, tokens, bm, steps=6):
         ref_logits = ref.forward(batch, np.arange(len(seqs)))
         errors.append(rel_err(gpu_logits(cuda, ours, len(seqs)), ref_logits))
         tokens = ref_logits.argmax(-1)
-        agree.append(np.mean(got.sampled_token_ids == tokens))
+        agree.append(np.mean(got.last_token_ids == tokens))
     return errors, agree, tokens
 
 
@@ -110,8 +110,8 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     assert lp_diff < 0.1 and top_agree > 0.9
     assert np.abs(got.logprobs.token_logprobs - want.logprobs.token_logprobs).max() < 0.1
 
-    agree = [np.mean(got.sampled_token_ids == want.sampled_token_ids)]
-    decode_errors, decode_agree, tokens = decode_against_numpy(cuda, ours, ref, seqs, want.sampled_token_ids, bm)
+    agree = [np.mean(got.last_token_ids == want.last_token_ids)]
+    decode_errors, decode_agree, tokens = decode_against_numpy(cuda, ours, ref, seqs, want.last_token_ids, bm)
     errors, agree = errors + decode_errors, agree + decode_agree
     # Mixed steps: the three sequences decode while a fourth prompt is prefilled in two chunks beside them.
     newcomer = make_seqs([rng.integers(0, config.vocab_size, 40)])[0]
@@ -184,7 +184,7 @@ def test_matches_hf_transformers(cuda, cuda_backend, name):
     bm = BlockManager(EngineConfig(block_size=block_size, enable_prefix_caching=False), 128)
     out = ours.execute(prefill_batch(seqs, bm, block_size))
     logits = [gpu_logits(cuda, ours, 4)]
-    generated = [out.sampled_token_ids]
+    generated = [out.last_token_ids]
     step_seconds = []
     for _ in range(steps - 1):
         batch = decode_batch(seqs, generated[-1], bm, block_size)
@@ -192,7 +192,7 @@ def test_matches_hf_transformers(cuda, cuda_backend, name):
         out = ours.execute(batch)
         step_seconds.append(time.perf_counter() - start)
         logits.append(gpu_logits(cuda, ours, 4))
-        generated.append(out.sampled_token_ids)
+        generated.append(out.last_token_ids)
     logits, generated = np.stack(logits, 1), np.stack(generated, 1)  # [4, steps, vocab], [4, steps]
     ours.close()
 

@@ -197,7 +197,7 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
                          kv_heads, head_dim, block_size, width, splits,
                          None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
     got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
-    batch = Batch(False, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
+    batch = Batch(1, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
                   np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
     q = qkv[:, : heads * head_dim].reshape(num_seqs, heads, head_dim)
     ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(num_seqs, -1)
@@ -251,7 +251,7 @@ def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches):
                           gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
                           block_size, width, None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
     got = gpu.get_bf16(out, (tokens, heads * head_dim))
-    batch = Batch(True, np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
+    batch = Batch(int(np.diff(qsl).max()), np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
                   None)
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
     ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(tokens, -1)

@@ -97,7 +97,7 @@ def test_cuda_fp8_model_matches_numpy_fp8(cuda, cuda_backend, name, layers):
     got = ours.execute(batch)
     ref_logits = ref.forward(batch, batch.query_start_loc[1:] - 1)
     errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits)]
-    agree = [np.mean(got.sampled_token_ids == ref_logits.argmax(-1))]
+    agree = [np.mean(got.last_token_ids == ref_logits.argmax(-1))]
     decode_errors, decode_agree, _ = decode_against_numpy(cuda, ours, ref, seqs, ref_logits.argmax(-1), bm)
     errors, agree = errors + decode_errors, agree + decode_agree
     print(f"REPORT fp8 KV cuda vs numpy {name} ({layers} layers): logits rel err prefill {errors[0]:.2e}, decode max "

@@ -1,8 +1,8 @@
 """The interface between the engine and a backend.
 
 The engine prepares a `Batch` (flat numpy arrays: token ids, positions, slot mapping, block tables, sampling
-parameters); a backend runs the model over its paged KV cache and returns a `SamplerOutput` (sampled token ids and
-the logprobs asked for). Backends never see requests or the scheduler.
+parameters); a backend runs the model over its paged KV cache and returns a `SamplerOutput` (each sequence's
+accepted token ids, one or more, and the logprobs asked for). Backends never see requests or the scheduler.
 """
 
 from __future__ import annotations
@@ -67,9 +67,15 @@ class Batch:
 
     A sequence's new tokens are the last query_len of its context: a whole prompt, a chunk of one (chunked
     prefill, or after a prefix-cache hit), or the one token sampled last step (decode).
+
+    Sampling: the logits of rows `logits_indices` are sampled, at least one per sequence (today exactly one: its
+    last new token; a prompt chunk's is sampled and dropped by the engine). A backend returns for sequence i
+    between 1 and 1 + num_lookahead_slots[i] tokens (SamplerOutput.num_sampled). The engine reserved the KV slots
+    and the length for them; the KV a step writes covers its query tokens and every accepted token but the last,
+    which is the next step's input, as a single sampled token is.
     """
 
-    is_prefill: bool  # some sequence has more than one new token; else every sequence decodes one token
+    max_query_len: int  # the most new tokens of any sequence; 1: every sequence decodes one token (graph path)
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]; position of each token in its sequence
     slot_mapping: np.ndarray  # int32 [T]; cache slot (block * block_size + offset) each token's K/V goes to
@@ -89,6 +95,11 @@ class Batch:
     # int32 [S] or None: where >= 0, row i samples under a structured-output constraint whose token bitmask is row
     # bitmask_rows[i] of QueuedStep.bitmask, filled once the step's forward is queued (see Backend.submit).
     bitmask_rows: np.ndarray | None = None
+    # int32 [R], R >= S: the token rows whose logits are sampled, in sequence order (None: each sequence's last).
+    logits_indices: np.ndarray | None = None
+    # int32 [S] or None (none anywhere): tokens beyond one that row i may return this step (a decode that accepts a
+    # run of tokens: speculative or jump decoding).
+    num_lookahead_slots: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +108,11 @@ class Batch:
     @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        """The token rows whose logits are sampled (logits_indices, or each sequence's last new token)."""
+        return self.query_start_loc[1:] - 1 if self.logits_indices is None else self.logits_indices
 
 
 @dataclass
@@ -108,12 +124,34 @@ class Logprobs:
     top_logprobs: np.ndarray  # float32 [N, k]
 
 
+PLACEHOLDER_TOKEN_ID = -1  # pads SamplerOutput.sampled_token_ids past a row's accepted tokens
+
+
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: np.ndarray  # int32 [S]
-    logprobs: Logprobs | None = None  # of the sampled tokens, when sampling.num_logprobs >= 0
+    """A step's tokens, ragged: row i accepted sampled_token_ids[i, :num_sampled[i]] (at least one), padded with
+    PLACEHOLDER_TOKEN_ID to K, the most any row accepted (K = 1 when every row has one token)."""
+
+    sampled_token_ids: np.ndarray  # int32 [S, K]
+    num_sampled: np.ndarray  # int32 [S], each 1..K
+    # Of the accepted tokens, when sampling.num_logprobs >= 0: one row per accepted token, row i's num_sampled[i]
+    # rows after those of rows 0..i-1 (so row i itself when every row has one token).
+    logprobs: Logprobs | None = None
     # For each key of batch.prompt_logprob_targets: the logprobs of those targets (and the top tokens) per position.
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+
+    @classmethod
+    def one_each(cls, token_ids: np.ndarray, logprobs: Logprobs | None = None,
+                 prompt_logprobs: dict[int, Logprobs] | None = None) -> SamplerOutput:
+        """The output of a step that sampled one token per row: token_ids int32 [S]."""
+        return cls(token_ids.reshape(-1, 1), np.ones(len(token_ids), np.int32), logprobs, prompt_logprobs or {})
+
+    @property
+    def last_token_ids(self) -> np.ndarray:
+        """int32 [S]: each row's last accepted token (the next step's input)."""
+        if self.sampled_token_ids.shape[1] == 1:
+            return self.sampled_token_ids[:, 0]
+        return self.sampled_token_ids[np.arange(len(self.num_sampled)), self.num_sampled - 1]
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -138,7 +176,10 @@ class Backend(ABC):
     name: str
     vocab_size: int
     max_logprobs: int | None = None  # most top logprobs per token it can return (None: no limit)
-    _last_sampled = np.zeros(0, np.int32)  # the default submit(): the previous step's sampled ids
+    # Tokens beyond one that it may return for a decoding sequence: the engine reserves that many more KV slots and
+    # sets Batch.num_lookahead_slots (0: one token per sequence, the pipeline's fast path).
+    num_lookahead_slots: int = 0
+    _last_sampled = np.zeros(0, np.int32)  # the default submit(): each row's last token of the previous step
 
     @abstractmethod
     def init_kv_cache(self) -> int:
@@ -147,8 +188,9 @@ class Backend(ABC):
 
     @abstractmethod
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
-        """Run the model over the batch (writing its K/V into the cache) and sample one token per sequence (rows
-        with bitmask_rows >= 0 among the tokens their bitmask row allows)."""
+        """Run the model over the batch (writing its K/V into the cache) and sample each sequence's tokens: one,
+        or up to 1 + batch.num_lookahead_slots[i] (rows with bitmask_rows >= 0 among the tokens their bitmask row
+        allows)."""
 
     def submit(self, batch: Batch) -> QueuedStep:
         """Start a step (see QueuedStep). Steps run in submission order, so the host can prepare the next one while
@@ -160,7 +202,7 @@ class Backend(ABC):
 
         def run(bitmask: np.ndarray | None = None) -> None:
             outputs.append(self.execute(batch, bitmask))
-            self._last_sampled = outputs[0].sampled_token_ids
+            self._last_sampled = outputs[0].last_token_ids
 
         if batch.bitmask_rows is None:
             run()

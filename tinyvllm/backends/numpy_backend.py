@@ -95,7 +95,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
     """
     group = q.shape[1] // k_cache.shape[1]
     k_scale, v_scale = kv_scales or (None, None)
-    if not batch.is_prefill:
+    if batch.max_query_len == 1:
         return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group, k_scale, v_scale)
     out = np.empty_like(q)
     for i in range(batch.num_seqs):
@@ -221,11 +221,13 @@ class NumpyBackend(Backend):
             for cache in (*self.k_cache, *self.v_cache):
                 for src, dst in batch.block_copies:
                     cache[dst * bs: (dst + 1) * bs] = cache[src * bs: (src + 1) * bs]
-        last_rows = batch.query_start_loc[1:] - 1
+        sampled_rows = batch.sampled_rows
+        if len(sampled_rows) != batch.num_seqs:
+            raise ValueError("the numpy backend samples one row per sequence")
         # Sequences asking for prompt logprobs need logits at their new positions, not just the last.
         prompt_rows = [np.arange(batch.query_start_loc[i], batch.query_start_loc[i] + len(targets))
                        for i, targets in batch.prompt_logprob_targets.items()]
-        logits = self.forward(batch, np.concatenate([last_rows, *prompt_rows]))
+        logits = self.forward(batch, np.concatenate([sampled_rows, *prompt_rows]))
         return sample_from_logits(logits[: batch.num_seqs], batch, logits[batch.num_seqs:], self.token_counts,
                                   bitmask)
 
@@ -233,8 +235,9 @@ class NumpyBackend(Backend):
 def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarray | None = None,
                        token_counts: sampler.TokenCounts | None = None,
                        bitmask: np.ndarray | None = None) -> SamplerOutput:
-    """Apply the batch's token bitmask and logits processors (in place), sample one token per sequence and gather
-    the logprobs the batch asks for: the numpy backend's sampling, and the reference the GPU tests compare with.
+    """Apply the batch's token bitmask and logits processors (in place), sample one token per sequence (logits [S, V]:
+    its sampled row's) and gather the logprobs the batch asks for: the numpy backend's sampling, and the reference
+    the GPU tests compare with.
 
     prompt_logits holds, for each entry of batch.prompt_logprob_targets in order, the logits of its positions."""
     if batch.bitmask_rows is not None:
@@ -247,7 +250,7 @@ def sample_from_logits(logits: np.ndarray, batch: Batch, prompt_logits: np.ndarr
     token_ids = sampler.sample(logits, batch.sampling)
     if proc is not None:
         token_counts.count(proc, token_ids)
-    out = SamplerOutput(token_ids)
+    out = SamplerOutput.one_each(token_ids)
     if batch.sampling.num_logprobs >= 0:
         out.logprobs = sampler.gather_logprobs(logits, token_ids, batch.sampling.num_logprobs)
     offset = 0

@@ -101,8 +101,8 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     ends = starts + query_lens
     query_start_loc = np.zeros(n + 1, np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    is_prefill = bool(query_lens.max() > 1)
-    if is_prefill:
+    max_query_len = int(query_lens.max())
+    if max_query_len > 1:
         token_ids = np.concatenate([np.asarray(seq.token_ids[s:e], np.int32) for seq, s, e in zip(seqs, starts, ends)])
         positions = np.concatenate([np.arange(s, e, dtype=np.int32) for s, e in zip(starts, ends)])
     else:
@@ -134,5 +134,7 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
             targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
     copies = np.asarray(step.block_copies, np.int32).reshape(-1, 2) if step.block_copies else None
-    return Batch(is_prefill, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
-                 block_tables, sampling, targets, num_prompt_logprobs, token_sources, block_copies=copies)
+    lookahead = None if step.num_lookahead_slots is None else np.asarray(step.num_lookahead_slots, np.int32)
+    return Batch(max_query_len, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
+                 block_tables, sampling, targets, num_prompt_logprobs, token_sources, block_copies=copies,
+                 logits_indices=query_start_loc[1:] - 1, num_lookahead_slots=lookahead)

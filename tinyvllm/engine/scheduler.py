@@ -16,6 +16,10 @@ The engine schedules a step while the previous one still runs (see llm_engine), 
 not known yet (Sequence.num_pending). Such a sequence decodes that token next like any other; one whose pending
 token reaches its length limit is not scheduled again (it is certain to finish), and a preempted one is not
 readmitted until its token is known.
+
+Lookahead slots (`num_lookahead_slots` > 0, from a backend that may return a run of tokens per decode): a decode
+gets that many more KV slots reserved (fewer near its length limit; none with logits processors or a structured
+output, which see one token per step), and ScheduledStep.num_lookahead_slots says how many each sequence got.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ class ScheduledStep:
     num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens on
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before
+    # per sequence: tokens beyond one it may get this step (KV slots reserved for them); None: one each
+    num_lookahead_slots: list[int] | None = None
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.policy = config.batching
@@ -81,7 +88,8 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduledStep:
-        step = ScheduledStep([], [], block_copies=self._block_copies)
+        step = ScheduledStep([], [], block_copies=self._block_copies,
+                             num_lookahead_slots=[] if self.num_lookahead_slots else None)
         self._block_copies = []
         budget = self._schedule_running(step, self.max_num_batched_tokens)
         self._admit(step, budget)
@@ -110,17 +118,29 @@ class Scheduler:
         live = [s for s in self.running if len(s.token_ids) < s.max_len]
         queue = deque(sorted((s for s in live if s.num_computed_tokens >= s.num_prompt_tokens), key=by_arrival))
         queue.extend(sorted((s for s in live if s.num_computed_tokens < s.num_prompt_tokens), key=by_arrival))
-        block_size = self.block_manager.block_size
+        block_size, lookahead = self.block_manager.block_size, step.num_lookahead_slots
         while queue and budget > 0:
             seq = queue.popleft()
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            end = seq.num_computed_tokens + num_new
+            extra = 0 if lookahead is None else self.lookahead(seq, num_new)
+            end = seq.num_computed_tokens + num_new + extra
             if len(seq.block_table) * block_size < end and not self._make_room(seq, end, queue, step):
                 continue  # it was preempted itself
             step.seqs.append(seq)
             step.num_new_tokens.append(num_new)
+            if lookahead is not None:
+                lookahead.append(extra)
             budget -= num_new
         return budget
+
+    def lookahead(self, seq: Sequence, num_new: int) -> int:
+        """The tokens beyond one that the sequence may get this step: a decode's, as many as its length allows
+        (the KV of all accepted tokens but the last is written, so slots up to max_len - 1)."""
+        if (num_new != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids)
+                or seq.num_computed_tokens < seq.num_prompt_tokens or seq.processors is not None
+                or seq.constraint is not None):
+            return 0
+        return max(0, min(self.num_lookahead_slots, seq.max_len - len(seq.token_ids) - 1))
 
     def _make_room(self, seq: Sequence, num_tokens: int, queue: deque[Sequence], step: ScheduledStep) -> bool:
         """Grow the sequence's block table to num_tokens tokens, preempting the latest arrivals still queued (or
@@ -161,6 +181,8 @@ class Scheduler:
             self.running.append(seq)
             step.seqs.append(seq)
             step.num_new_tokens.append(num_new)
+            if step.num_lookahead_slots is not None:
+                step.num_lookahead_slots.append(0)
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,12 +1,18 @@
-"""A request's state as it moves through the engine."""
+"""A request's state as it moves through the engine: its n sequences (SequenceGroup), each a Sequence."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tinyvllm.outputs import RequestMetrics
+from tinyvllm.outputs import CompletionOutput, RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tinyvllm.engine.request_processors import RequestProcessors
+    from tinyvllm.engine.structured_outputs import OutputConstraint
+    from tinyvllm.tokenizer import IncrementalDetokenizer
 
 
 PENDING_TOKEN = -1  # stands in for a token that a step still in flight on the backend is sampling
@@ -18,8 +24,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Sequence:
+    """One completion of a request. Slotted, so a field not declared here fails loudly; equal only to itself."""
+
     request_id: str
     arrival_index: int  # order of arrival; preemption picks the latest
     prompt: str | None
@@ -35,8 +43,9 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the leading full blocks so far
     num_preemptions: int = 0
-    # The engine queues step N+1 before it reads step N's tokens: the token a step in flight is sampling sits at
-    # the end of token_ids as PENDING_TOKEN, and sample_row says which row of that step's batch samples it.
+    # The engine queues step N+1 before it reads step N's tokens: the first token each step in flight is sampling
+    # sits at the end of token_ids as PENDING_TOKEN (num_pending of them; the step's further accepted tokens are
+    # appended when it is read), and sample_row says which row of the last such step's batch samples it.
     num_pending: int = 0
     sample_row: int = -1
     max_len: int = 1 << 62  # prompt + max_tokens, capped by the model and cache: reaching it finishes the sequence
@@ -46,13 +55,14 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    detokenizer: object = None
-    processors: object = None  # logits_processing.RequestProcessors, or None: no logits processing
-    constraint: object = None  # structured_outputs.OutputConstraint: its structured output's state, or None
+    detokenizer: IncrementalDetokenizer | None = None  # text token by token, only to find stop strings
+    processors: RequestProcessors | None = None  # None: no logits processing
+    constraint: OutputConstraint | None = None  # its structured output's state, or None
     penalty_slot: int = -1  # its slot in the backend's token-count table while it runs with penalties
     table_row: int = -1  # its row in the engine's BatchRows (model_inputs), once it has run
     index: int = 0  # which of its request's n completions this is
     forks_left: int = 0  # completions still to fork from this one (the first of n) once its prompt is computed
+    group: SequenceGroup | None = None  # its request's n sequences
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,3 +84,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """A request's n sequences: the first, and those forked from it once its prompt is computed (engine/requests)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seed: int  # the first sequence's; the others' derive from it and their index
+    arrival_time: float
+    completions: list[CompletionOutput | None]
+    seqs: list[Sequence]
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)

@@ -323,14 +323,15 @@ class CudaBackend(Backend):
         if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
             raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
         n, k = batch.num_seqs, batch.sampling.num_logprobs
+        prefill = batch.max_query_len > 1  # else one token per sequence: the decode graphs (one sampled row each)
         out, copy = self.out, self.out_copy
         self.out_copy ^= 1
         if batch.block_copies is not None:
             self._copy_blocks(batch.block_copies)
-        rows = n if batch.is_prefill else next(b for b in self.buckets if b >= n)
+        rows = n if prefill else next(b for b in self.buckets if b >= n)
         self._stage_processing(batch, rows)
         deferred = batch.bitmask_rows is not None
-        if batch.is_prefill:
+        if prefill:
             prompt_lps = self._prefill(batch, copy)
             what = f"prefill step ({n} sequences, {len(batch.token_ids)} tokens)"
         else:
@@ -340,7 +341,7 @@ class CudaBackend(Backend):
         ready = self.out_ready[copy]
 
         def sample(masks: Staging | None = None) -> None:
-            if batch.is_prefill:
+            if prefill:
                 self.forward.sample_prefill(n, self.prefill_in, out, self.proc, masks)
             elif masks is not None:  # else the decode graph sampled
                 self.forward.sample_logits(rows, self.decode_in, out, self.proc, self.decode_in.ptr("token_ids"),
@@ -356,7 +357,7 @@ class CudaBackend(Backend):
                 ready.synchronize()
             except cuda.Error as exc:
                 raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
-            result = SamplerOutput(out.copies[copy]["ids"][:n].copy(), prompt_logprobs=prompt_lps)
+            result = SamplerOutput.one_each(out.copies[copy]["ids"][:n].copy(), prompt_logprobs=prompt_lps)
             if k >= 0:
                 result.logprobs = self._read_logprobs(n, k, copy)
             return result

@@ -1,0 +1,232 @@
+"""Output processing: a step's tokens read into its sequences (one or a run of accepted tokens each), stop rules,
+logprobs, text, and the RequestOutputs of the requests that finish. It needs no backend: it reads a SamplerOutput
+that is given to it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.backends.base import Batch, Logprobs, QueuedStep, SamplerOutput
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.scheduler import ScheduledStep
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
+from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.tokenizer import decode_continuations
+
+
+@dataclass
+class InFlightStep:
+    """A step submitted to the backend, with what is needed to read its output."""
+
+    step: ScheduledStep
+    batch: Batch
+    starts: list[int]  # per row: the sequence's computed tokens before this step
+    # per row: where in token_ids the step's first sampled token goes (-1: a prompt chunk, none); its further
+    # accepted tokens follow it
+    sample_index: list[int]
+    queued: QueuedStep | None = None  # once submitted
+
+    @property
+    def may_return_runs(self) -> bool:
+        """Whether some row may get more than one token (then the next step is scheduled after this one is read)."""
+        lookahead = self.batch.num_lookahead_slots
+        return lookahead is not None and bool(lookahead.any())
+
+
+class OutputProcessor:
+    """Reads each step's tokens into its sequences and finishes those that stop.
+
+    `release(seq)` takes a finished sequence out of the engine (scheduler, penalty slot, batch row);
+    `pass_on_forks(seq)` starts the completions a finished sequence had still to fork."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], block_manager: BlockManager,
+                 structured_outputs: StructuredOutputManager, release: Callable[[Sequence], None],
+                 pass_on_forks: Callable[[Sequence], None]) -> None:
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.block_manager, self.block_size = block_manager, block_manager.block_size
+        self.structured_outputs = structured_outputs
+        self.release, self.pass_on_forks = release, pass_on_forks
+
+    def process(self, launched: InFlightStep, result: SamplerOutput,
+                advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
+        """Read a step's tokens into its sequences; finish those that stop. The constrained sequences that go on
+        leave their tokens in `advance`, for their constraints to take."""
+        now = time.time()
+        ended: list[Sequence] = []
+        step, batch = launched.step, launched.batch
+        first = result.sampled_token_ids[:, 0].tolist()
+        runs = result.sampled_token_ids.shape[1] > 1  # else one token each: the common path
+        counts = result.num_sampled.tolist() if runs else None
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
+        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(first))
+        block_size, finished = self.block_size, SequenceStatus.FINISHED
+        for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
+            if seq.status is finished:
+                continue  # it stopped at the previous step: this step's work for it is dropped
+            if index >= 0 and seq.constraint is not None and seq.constraint.done:
+                # Complete with the token before (it has taken every token up to this one): this one, EOS or
+                # whatever its mask allowed once nothing more could follow, is dropped.
+                seq.finish_reason = "stop"
+                self._end(seq, index, now, ended)
+                continue
+            if prompt_logprobs and i in prompt_logprobs:
+                self._read_prompt_logprobs(seq, start, prompt_logprobs[i], batch.prompt_logprob_targets[i])
+            run = None if counts is None or counts[i] == 1 else result.sampled_token_ids[i, :counts[i]].tolist()
+            if index >= 0:
+                seq.token_ids[index] = first[i]
+                seq.num_pending -= 1
+                if run is not None:
+                    _append_run(seq, index, run)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
+                self.block_manager.commit_full_blocks(seq)
+            if index < 0:
+                continue  # a prompt chunk: nothing sampled
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if run is None:
+                self._take(seq, first[i], index + 1, logprobs, lp_rows[i], now, ended, advance)
+                continue
+            for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
+                if self._take(seq, token, index + j + 1, logprobs, lp_rows[i] + j, now, ended, advance):
+                    break
+        self._detokenize(ended)
+        return [output for seq in ended if (output := self._finish(seq)) is not None]
+
+    def _read_prompt_logprobs(self, seq: Sequence, start: int, logprobs: Logprobs, targets: np.ndarray) -> None:
+        entries = logprob_dicts(logprobs, targets, seq.params.prompt_logprobs)
+        # Entry p + 1 comes from position p; a recompute after preemption repeats what is already known; the
+        # positions a prefix-cache hit skipped have none.
+        seq.prompt_logprobs.extend([None] * (start + 1 - len(seq.prompt_logprobs)))
+        seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
+
+    def _take(self, seq: Sequence, token: int, length: int, logprobs: Logprobs | None, lp_row: int, now: float,
+              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]]) -> bool:
+        """Go through one token read (the sequence is `length` tokens long with it): its logprobs, then the stop
+        rules; True if the sequence ends there."""
+        if seq.logprobs is not None:
+            entry = logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token]
+        if self._check_stop(seq, token, length):
+            if seq.constraint is not None:
+                self.structured_outputs.take(seq.constraint, token)  # for `complete`
+            self._end(seq, length, now, ended)
+            return True
+        if seq.constraint is not None:
+            advance.append((seq.constraint, token))
+        return False
+
+    def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
+        """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
+        `ended`, whose texts and outputs are made together once the step is read."""
+        del seq.token_ids[length:]
+        seq.num_pending = 0
+        seq.metrics.finished_time = now
+        seq.metrics.num_generated_tokens = seq.num_output_tokens
+        self.release(seq)
+        ended.append(seq)
+
+    def _check_stop(self, seq: Sequence, token: int, length: int) -> bool:
+        """Decide whether the sequence, `length` tokens long with this token, is done; set its finish and stop
+        reasons. Up to min_tokens output tokens, only the length limit ends it (as vLLM: EOS and stop tokens are
+        banned from sampling then, stop strings not looked for). A complete structured output ends at the next
+        token read (process)."""
+        params = seq.params
+        stops_allowed = length - seq.num_prompt_tokens > params.min_tokens
+        if stops_allowed and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return True
+        if stops_allowed and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if seq.detokenizer is not None and _stop_string_hit(seq, token, stops_allowed):
+            return True
+        if length >= seq.max_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _detokenize(self, seqs: list[Sequence]) -> None:
+        """The text of the sequences that did not detokenize as they went (no stop strings), in one batch: a step
+        where hundreds of requests end decodes them in parallel, without the GIL."""
+        todo = [seq for seq in seqs if seq.detokenizer is None and seq.params.detokenize]
+        requests = []
+        for seq in todo:
+            # the EOS or stop token that ended it is not text (the last token of a complete structured output is)
+            ended_by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
+                seq.stop_reason is None and seq.output_token_ids[-1] in self.eos_token_ids))
+            text_ids = seq.output_token_ids[:-1] if ended_by_token else seq.output_token_ids
+            requests.append((seq.prompt_token_ids, text_ids, seq.params.skip_special_tokens))
+        for seq, text in zip(todo, decode_continuations(self.tokenizer, requests)):
+            seq.text = text
+
+    def _finish(self, seq: Sequence) -> RequestOutput | None:
+        """Record a finished sequence's completion; its request's output once all n are done."""
+        group = seq.group
+        group.completions[seq.index] = CompletionOutput(
+            seq.index, seq.text, seq.output_token_ids, seq.cumulative_logprob, seq.logprobs, seq.finish_reason,
+            seq.stop_reason, None if seq.constraint is None else seq.constraint.complete)
+        if seq.forks_left:  # it ended before all could fork (no room yet)
+            self.pass_on_forks(seq)
+        if not group.done:
+            return None
+        first = group.seqs[0]
+        metrics = first.metrics
+        if len(group.seqs) > 1:  # the request's span: from its arrival to its last completion
+            all_metrics = [s.metrics for s in group.seqs]
+            metrics = RequestMetrics(group.arrival_time,
+                                     min(m.first_scheduled_time for m in all_metrics),
+                                     min(m.first_token_time for m in all_metrics),
+                                     max(m.finished_time for m in all_metrics),
+                                     max(m.num_generated_tokens for m in all_metrics))
+        if first.prompt_logprobs is not None:  # the same entries whether a prefix-cache hit skipped them or not
+            skipped = min(first.params.prompt_logprobs_start, len(first.prompt_logprobs))
+            first.prompt_logprobs[:skipped] = [None] * skipped
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, list(group.completions), True,
+                             metrics, prompt_logprobs=first.prompt_logprobs,
+                             extra={"num_preemptions": sum(s.num_preemptions for s in group.seqs)})
+
+
+def _append_run(seq: Sequence, index: int, run: list[int]) -> None:
+    """The tokens of a run after its first (already at token_ids[index]). The step computed the KV of every
+    accepted token but the last (the next step's input); no later step is in flight for the sequence (the engine
+    reads a step that may return runs before it schedules the next)."""
+    assert seq.num_pending == 0 and index + 1 == len(seq.token_ids), "a later step holds a placeholder"
+    seq.token_ids += run[1:]
+    seq.num_computed_tokens += len(run) - 1
+
+
+def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
+    """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it, with
+    include_stop_str_in_output) and finish."""
+    before = len(seq.text)
+    seq.text += seq.detokenizer.add(token)
+    if len(seq.text) == before or not look:
+        return False
+    search_from = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+    hits = [(pos, s) for s in seq.params.stop if (pos := seq.text.find(s, search_from)) >= 0]
+    if not hits:
+        return False
+    pos, stop = min(hits)
+    seq.text = seq.text[:pos + len(stop) if seq.params.include_stop_str_in_output else pos]
+    seq.finish_reason, seq.stop_reason = "stop", stop
+    return True
+
+
+def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> list[dict[int, float]]:
+    """{token: logprob} per token, from rows first_row.. of `logprobs`: the actual token's and the top-k (k of this
+    request, the batch may have more) that a logits processor or constraint left possible (fewer than k when it
+    forbade the rest)."""
+    out = []
+    for r, token in enumerate(token_ids, first_row):
+        entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])
+                 if lp > -np.inf}
+        entry[int(token)] = float(logprobs.token_logprobs[r])
+        out.append(entry)
+    return out
