@@ -227,3 +227,280 @@ def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, mess
     with pytest.raises(ValueError, match=message):
         launch(Ops(recorder, None))
     assert recorder.launches == []
+
+
+# ---- device tensors, Linear's dispatch, and the whole forward's launches on a stand-in device ---------------------
+
+from dataclasses import fields  # noqa: E402
+
+from tinyvllm.backends.cuda import cublas  # noqa: E402  (no CUDA needed to import it)
+from tinyvllm.backends.cuda.linear import Linear  # noqa: E402
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceLayer, DeviceTensor  # noqa: E402
+from tinyvllm.model.weights import LayerWeights  # noqa: E402
+
+
+def test_device_tensor_sizes_come_from_the_dtype():
+    t = DeviceTensor(1000, BF16, (3, 8))
+    assert (t.nbytes, t.rows, t.row_bytes, t.row(2), t.element(5)) == (48, 3, 16, 1032, 1010)
+    assert DeviceTensor(0, E4M3, (4, 4)).nbytes == 16 and DeviceTensor(0, F32, (2, 3, 4)).rows == 6
+    with pytest.raises(ValueError, match="unknown device dtype 'fp4'"):
+        DeviceTensor(0, "fp4", (1,))
+
+
+def test_device_layer_has_the_host_layers_fields():
+    assert [f.name for f in fields(DeviceLayer)] == [f.name for f in fields(LayerWeights)]
+    assert [f.name for f in fields(DeviceLayer) if f.default is None] == ["qkv_bias", "q_norm", "k_norm"]
+
+
+class RecordingBlas:
+    """Stands in for Cublas: records each GEMM's (out, x, w, m, accumulate) and checks its types."""
+
+    def __init__(self):
+        self.calls = []
+        self.exact_rows, self.algos = frozenset(), {}
+
+    def gemm(self, out, x, w, m, accumulate=False):
+        cublas.gemm_types(out, x, w)
+        self.calls.append((out, x, w, m, accumulate))
+
+    def tune(self, out, x, w, m, elapsed):
+        cublas.gemm_types(out, x, w)
+        return 0
+
+
+def linear_layer(recorder):
+    return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132))
+
+
+def test_linear_picks_its_kernel_by_the_weights_dtype_and_rows(recorder):
+    linear = linear_layer(recorder)
+    x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, BF16, (3072, 2048))
+    out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
+    linear.gemm(out, x, w, 8)
+    linear.gemm(residual, x, w, 1, accumulate=True)
+    linear.gemm(out, x, w, 9)  # past the GEMV's rows: cuBLAS
+    assert [name for name, _, _ in recorder.launches] == ["gemv_bf16", "gemv_f32"]
+    assert recorder.args == [(30, 10, 20, 8, 3072, 2048, 8, 0), (40, 10, 20, 1, 3072, 2048, 8, 1)]
+    assert linear.blas.calls == [(out, x, w, 9, False)]
+
+
+def test_linear_refuses_what_it_cannot_run(recorder):
+    linear = linear_layer(recorder)
+    x, out = DeviceTensor(10, BF16, (4, 64)), DeviceTensor(30, F32, (4, 32))
+    with pytest.raises(ValueError, match="e4m3 weights are not supported"):
+        linear.gemm(out, x, DeviceTensor(20, E4M3, (32, 64)), 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.gemm(out, x, DeviceTensor(20, BF16, (32, 48)), 1)  # k 48 against x's 64
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.gemm(out, x, DeviceTensor(20, BF16, (32, 64)), 5)  # 5 rows in buffers of 4
+    with pytest.raises(ValueError, match="bf16 inputs into bf16 or f32 outputs, not f32 into f32"):
+        linear.gemm(out, DeviceTensor(10, F32, (4, 64)), DeviceTensor(20, BF16, (32, 64)), 1)
+    assert recorder.launches == [] and linear.blas.calls == []
+
+
+def test_gate_up_swiglu_dispatch(recorder):
+    linear = linear_layer(recorder)
+    x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, BF16, (16384, 2048))
+    act, gate_up = DeviceTensor(30, BF16, (16, 8192)), DeviceTensor(40, BF16, (16, 16384))
+    linear.gate_up_swiglu(act, x, w, 1, gate_up)
+    linear.gate_up_swiglu(act, x, w, 16, gate_up)
+    assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_bf16", "silu_and_mul"]
+    assert recorder.args[1] == (30, 40, 8192) and linear.blas.calls == [(gate_up, x, w, 16, False)]
+
+
+def test_cublas_types_come_from_the_tensors():
+    x, w = DeviceTensor(1, BF16, (4, 64)), DeviceTensor(2, BF16, (32, 64))
+    assert cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, w) == cublas.BF16_GEMM_F32_OUT
+    assert cublas.gemm_types(DeviceTensor(3, BF16, (4, 32)), x, w) == cublas.BF16_GEMM
+    with pytest.raises(ValueError, match="e4m3 weights"):
+        cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, DeviceTensor(2, E4M3, (32, 64)))
+
+
+def test_nothing_touches_a_gpu_at_import():
+    """No device is chosen, and no CUDA library is loaded, when the backend's modules are imported."""
+    package = Path(__file__).resolve().parents[1] / "tinyvllm"
+    for path in package.rglob("*.py"):
+        assert "autoprimaryctx" not in path.read_text(), path
+    for name in ("driver", "cublas"):
+        source = (package / "backends" / "cuda" / f"{name}.py").read_text()
+        assert not re.search(r"^\w+ = .*ctypes\.CDLL|^_lib = ", source, re.M), name
+
+
+class FakeDriver:
+    """Stands in for pycuda.driver: the copies, memsets and events forward.py calls, doing nothing."""
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Memcpy2D:
+        def set_src_device(self, address):
+            assert isinstance(address, int)
+
+        def set_dst_device(self, address):
+            assert isinstance(address, int)
+
+        def __call__(self, aligned=False):
+            assert self.height > 0 and self.width_in_bytes <= self.dst_pitch
+
+    class Context:
+        @staticmethod
+        def synchronize():
+            pass
+
+    @staticmethod
+    def memcpy_htod_async(address, array, stream):
+        assert isinstance(address, int) and array.dtype == np.uint8
+
+    @staticmethod
+    def memcpy_dtod(dst, src, size):
+        assert isinstance(dst, int) and isinstance(src, int) and size > 0
+
+    @staticmethod
+    def memset_d32(address, value, count):
+        assert isinstance(address, int) and count > 0
+
+    memset_d8 = memset_d32
+
+
+class TypedRecorder(Recorder):
+    """A Recorder that also checks each argument against its C type: pointers and ints are Python ints."""
+
+    def __missing__(self, name):
+        record = super().__missing__(name)
+
+        def launch(grid, block, stream, *args):
+            for letter, arg in zip(SIGNATURES[name].arg_format, args):
+                assert isinstance(arg, (int, float) if letter == "f" else int) and not isinstance(arg, bool), \
+                    (name, letter, arg)
+            record(grid, block, stream, *args)
+        return launch
+
+
+class FakeDevice:
+    """Stands in for device.Device: addresses handed out in order, kernels recorded."""
+
+    name, num_sms, closed = "stand-in", 132, False
+
+    def __init__(self, kernels):
+        self.kernels, self.next, self.live = kernels, 1 << 20, {}
+
+    def empty(self, dtype, shape):
+        tensor = DeviceTensor(self.next, dtype, tuple(shape))
+        self.next += -(-max(tensor.nbytes, 1) // 256) * 256
+        self.live[tensor.ptr] = tensor
+        return tensor
+
+    def upload(self, array, dtype):
+        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64}[dtype])
+        return self.empty(dtype, array.shape)
+
+    def free(self, tensor):
+        del self.live[tensor.ptr]
+
+    def pinned(self, size, dtype):
+        return np.zeros(size, dtype)
+
+    def free_pinned(self, array):
+        pass
+
+    def mem_get_info(self):
+        return 1 << 40, 1 << 40
+
+    def cublas(self, stream, workspace, exact_rows=frozenset(), algos=None):
+        return RecordingBlas()
+
+    def ops(self, stream):
+        return Ops(self.kernels, stream, self.num_sms)
+
+    def release(self, closable):
+        pass
+
+
+class FakeStream:
+    handle = 0
+
+    def synchronize(self):
+        pass
+
+
+class FakeBuffers:
+    def ptr(self, name, index=0):
+        return 0x7000_0000 + 4 * index
+
+
+@pytest.fixture
+def forward_module(monkeypatch):
+    """backends/cuda/forward.py imported against FakeDriver (and dropped again afterwards)."""
+    import importlib
+    import sys
+    import types
+
+    import tinyvllm.backends.cuda as package
+
+    fake = types.ModuleType("pycuda")
+    fake.driver = FakeDriver
+    monkeypatch.setitem(sys.modules, "pycuda", fake)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", FakeDriver)
+    names = ("forward", "device")
+    saved = {name: getattr(package, name) for name in names if hasattr(package, name)}
+    for name in names:
+        monkeypatch.delitem(sys.modules, f"tinyvllm.backends.cuda.{name}", raising=False)
+    yield importlib.import_module("tinyvllm.backends.cuda.forward")
+    for name in names:
+        sys.modules.pop(f"tinyvllm.backends.cuda.{name}", None)
+        if hasattr(package, name):
+            delattr(package, name)
+    for name, module in saved.items():
+        setattr(package, name, module)
+
+
+@pytest.mark.parametrize("architecture,kv_cache_dtype", [("LlamaForCausalLM", "auto"), ("Qwen2ForCausalLM", "auto"),
+                                                          ("Qwen3ForCausalLM", "fp8")])
+def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_module, architecture, kv_cache_dtype):
+    """The whole forward on a stand-in device: every launch has its kernel's argument count and types, the GEMMs
+    get device tensors of the weights' shapes, and the family's extras launch where it has them."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    config = tiny_config(head_dim=64, architecture=architecture)
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    forward = forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine, device,
+                                         FakeStream(), 16)
+    assert forward.layers[0].qkv.shape == (512, 64) and forward.layers[0].gate_up.shape == (256, 64)
+    assert (forward.layers[0].qkv_bias is not None) == (architecture == "Qwen2ForCausalLM")
+    assert (forward.layers[0].q_norm is not None) == (architecture == "Qwen3ForCausalLM")
+    forward.allocate_kv_cache(8)
+    forward.allocate_kv_cache(8)  # the first cache freed, not leaked
+    assert sum(t.ptr == forward.kv.memory.ptr for t in device.live.values()) == 1
+    buffers = FakeBuffers()
+    forward.tune_lm_head([1, 2, 4])
+    forward.decode(4, buffers, buffers, buffers)
+    decode = [name for name, _, _ in recorder.launches]
+    forward.prefill(10, buffers, buffers, 3, 2)
+    forward.norm_sample_rows(1, buffers.ptr("rows"), 2)
+    forward.compute_logits(2, forward.buf.sample_hidden)
+    forward.sample_prefill(2, buffers, buffers, buffers, masks=buffers)
+    forward.prompt_logprobs(3, buffers.ptr("rows"), buffers.ptr("targets"), 5, buffers)
+    forward.copy_blocks(buffers.ptr("pairs"), 2)
+    forward.init_token_slots(1, 2, 3, 4, 5)
+    fp8 = "fp8_" if kv_cache_dtype == "fp8" else ""
+    per_layer = ["rms_norm", "gemv_bf16", *(["add_qkv_bias"] if architecture == "Qwen2ForCausalLM" else []),
+                 *(["qk_norm"] if architecture == "Qwen3ForCausalLM" else []), f"rope_and_cache_{fp8 or 'bf16_'}"[:-1],
+                 f"attention_decode_{fp8}d64_r8", "attention_combine", "gemv_f32", "rms_norm", "gemv_swiglu_bf16",
+                 "gemv_f32"]
+    assert decode == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32",
+                      "apply_logits_processors", "sample", "count_tokens"]
+    blas = forward.linear.blas.calls  # the prefill's 10 rows: cuBLAS, each with a weight of the layer
+    assert [w.shape for _, _, w, m, _ in blas[:4]] == [(512, 64), (64, 256), (256, 64), (64, 128)]
+    assert all(m == 10 for _, _, _, m, _ in blas[:8])
+    other = forward.on_stream(FakeStream())
+    assert other.buf is forward.buf and other.linear.blas is not forward.linear.blas
+    other.close()
