@@ -2,6 +2,7 @@
 their geometry, and the preconditions they refuse. The kernels themselves are tested in tests/gpu."""
 
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -267,6 +268,9 @@ class RecordingBlas:
         cublas.gemm_types(out, x, w)
         return 0
 
+    def close(self):
+        pass
+
 
 def linear_layer(recorder):
     return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132))
@@ -351,9 +355,24 @@ class FakeDriver:
         def synchronize():
             pass
 
+        @staticmethod
+        def pop():
+            pass
+
+        @staticmethod
+        def push():
+            pass
+
+    class Error(Exception):
+        pass
+
     @staticmethod
     def memcpy_htod_async(address, array, stream):
-        assert isinstance(address, int) and array.dtype == np.uint8
+        assert isinstance(address, int) and array.dtype in (np.uint8, np.int32)
+
+    @staticmethod
+    def memcpy_dtoh_async(array, address, stream):
+        assert isinstance(address, int)
 
     @staticmethod
     def memcpy_dtod(dst, src, size):
@@ -384,6 +403,7 @@ class FakeDevice:
     """Stands in for device.Device: addresses handed out in order, kernels recorded."""
 
     name, num_sms, closed = "stand-in", 132, False
+    context = FakeDriver.Context
 
     def __init__(self, kernels):
         self.kernels, self.next, self.live = kernels, 1 << 20, {}
@@ -398,8 +418,8 @@ class FakeDevice:
         assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64}[dtype])
         return self.empty(dtype, array.shape)
 
-    def free(self, tensor):
-        del self.live[tensor.ptr]
+    def free(self, memory):
+        del self.live[memory.ptr if isinstance(memory, DeviceTensor) else memory]
 
     def pinned(self, size, dtype):
         return np.zeros(size, dtype)
@@ -417,7 +437,24 @@ class FakeDevice:
         return Ops(self.kernels, stream, self.num_sms)
 
     def release(self, closable):
-        pass
+        closable.close()
+
+    def alloc(self, size):
+        return self.empty("u8", (size,)).ptr
+
+    def stream(self, non_blocking=False):
+        return FakeStream()
+
+    def check_open(self):
+        if self.closed:
+            raise RuntimeError("closed")
+
+    def own(self, closable, worker=False):
+        return closable
+
+    def close(self):
+        self.closed = True
+        self.live.clear()
 
 
 class FakeStream:
@@ -445,7 +482,7 @@ def forward_module(monkeypatch):
     fake.driver = FakeDriver
     monkeypatch.setitem(sys.modules, "pycuda", fake)
     monkeypatch.setitem(sys.modules, "pycuda.driver", FakeDriver)
-    names = ("forward", "device")
+    names = ("forward", "device", "runner")
     saved = {name: getattr(package, name) for name in names if hasattr(package, name)}
     for name in names:
         monkeypatch.delitem(sys.modules, f"tinyvllm.backends.cuda.{name}", raising=False)
@@ -504,3 +541,209 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     other = forward.on_stream(FakeStream())
     assert other.buf is forward.buf and other.linear.blas is not forward.linear.blas
     other.close()
+
+
+class FakeGraph:
+    """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
+
+    made = []
+
+    def __init__(self, stream_handle, record):
+        record()
+        self.launches, self.closed = 0, False
+        FakeGraph.made.append(self)
+
+    def launch(self, stream_handle):
+        assert not self.closed
+        self.launches += 1
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("graphs", [None, "eager", "lazy"])
+def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, make_model_dir, monkeypatch,
+                                                                  graphs):
+    """CudaBackend through the engine on FakeDevice (eagerly, or with graphs captured at start-up or by the capture
+    thread): prefill and decode steps launch with arguments of their kernels' C types, and close() closes the
+    graphs and the device, after which a step stops before touching memory."""
+    import importlib
+
+    from tinyvllm import SamplingParams
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    FakeGraph.made = []
+    model = load_model(make_model_dir(head_dim=64))
+    engine_config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy")
+    engine_config = engine_config.for_model(model.config.max_position_embeddings)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    backend = runner.CudaBackend(model, engine_config, use_graphs=graphs is not None, device=device)
+    engine = LLMEngine(model, backend, engine_config)
+    backend.finish_startup()
+    every = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1,
+                           presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: 2.0},
+                           allowed_token_ids=list(range(100)))
+    for i, (prompt, params) in enumerate([([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+                                          (list(range(5, 45)), every)]):  # the second prompt: two prefill chunks
+        assert engine.add_request(str(i), prompt, params) is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    names = [name for name, _, _ in recorder.launches]
+    assert names.count("sample") >= 3 and any(name.startswith("attention_prefill") for name in names)
+    assert any(name.startswith("attention_decode") for name in names)
+    assert {"logprobs", "copy_blocks", "fill_token_slots", "apply_logits_processors"} <= set(names)
+    if graphs is not None:
+        assert sorted(backend.graphs) == backend.buckets and any(graph.launches for graph in FakeGraph.made)
+    backend.close()
+    backend.close()
+    assert device.closed and device.live == {} and all(graph.closed for graph in FakeGraph.made)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.decode_in.wait()
+
+
+class FakePycuda:
+    """Stands in for pycuda.driver where device.py uses it: allocations that count their frees, a context stack."""
+
+    def __init__(self):
+        self.stack, self.freed, self.next = [], [], 1 << 20
+
+    def init(self):
+        pass
+
+    @property
+    def Device(self):
+        fake = self
+
+        class Device:
+            @staticmethod
+            def count():
+                return 1
+
+            def __init__(self, index):
+                pass
+
+            def name(self):
+                return "stand-in"
+
+            def compute_capability(self):
+                return (9, 0)
+
+            def get_attribute(self, attribute):
+                return 132
+
+            def retain_primary_context(self):
+                return types.SimpleNamespace(push=lambda: fake.stack.append("primary"), synchronize=lambda: None)
+        return Device
+
+    device_attribute = types.SimpleNamespace(MULTIPROCESSOR_COUNT=16)
+
+    @property
+    def Context(self):
+        fake = self
+        return types.SimpleNamespace(synchronize=lambda: None, pop=lambda: fake.stack.pop())
+
+    def mem_alloc(self, size):
+        address, self.next = self.next, self.next + size
+        fake = self
+
+        class Allocation:
+            def __int__(self):
+                return address
+
+            def free(self):
+                fake.freed.append(address)
+        return Allocation()
+
+    def pagelocked_empty(self, size, dtype):
+        fake = self
+
+        class Pinned(np.ndarray):
+            def free(self):
+                fake.freed.append("pinned")
+        return Pinned((size,), dtype).view(np.ndarray)  # its base, the Pinned, owns the memory
+
+    def memcpy_htod(self, address, array):
+        pass
+
+    class Stream:
+        handle = 3
+
+        def __init__(self, flags=0):
+            self.flags = flags
+
+    def mem_get_info(self):
+        return 1 << 30, 1 << 31
+
+
+@pytest.fixture
+def device_module(monkeypatch):
+    """backends/cuda/device.py imported against FakePycuda (dropped again afterwards)."""
+    import importlib
+    import sys
+
+    import tinyvllm.backends.cuda as package
+
+    fake = FakePycuda()
+    monkeypatch.setitem(sys.modules, "pycuda", types.SimpleNamespace(driver=fake))
+    monkeypatch.setitem(sys.modules, "pycuda.driver", fake)
+    saved = getattr(package, "device", None)
+    monkeypatch.delitem(sys.modules, "tinyvllm.backends.cuda.device", raising=False)
+    module = importlib.import_module("tinyvllm.backends.cuda.device")
+    yield module, fake
+    sys.modules.pop("tinyvllm.backends.cuda.device", None)
+    if saved is not None:
+        package.device = saved
+
+
+def test_device_close_gives_back_everything_it_handed_out(device_module, monkeypatch):
+    import atexit
+    import threading
+
+    module, fake = device_module
+    unloaded, closed = [], []
+    monkeypatch.setattr(module.kernels, "load", lambda arch, programmatic: ({"k": (arch, programmatic)}, [5, 6]))
+    monkeypatch.setattr(module.driver, "unload_module", unloaded.append)
+    monkeypatch.setattr(module, "Cublas", lambda *args, **kwargs: types.SimpleNamespace(
+        close=lambda: closed.append("cublas")))
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", registered.remove)
+
+    device = module.Device(0, programmatic_launch=True)
+    assert fake.stack == ["primary"] and device.kernels == {"k": ("sm_90", True)} and device.num_sms == 132
+    a, w = device.alloc(100), device.upload(np.zeros((4, 8), np.uint16), "bf16")
+    device.empty("f32", (3, 3))
+    with pytest.raises(TypeError, match="bf16 device tensor is uploaded from uint16, not float32"):
+        device.upload(np.zeros(3, np.float32), "bf16")
+    device.free(a)
+    assert fake.freed == [a] and device.allocated_bytes == 64 + 36
+    pinned = [device.pinned(16, np.int32) for _ in range(2)]
+    device.free_pinned(pinned[0])
+    blas = device.cublas(device.stream(), w)
+    device.release(blas)
+    device.cublas(device.stream(), w)
+    worker = types.SimpleNamespace(close=lambda: closed.append("worker"))
+    device.own(worker, worker=True)
+    assert device.ops(None) is device.ops(None)
+    device.close()
+    assert closed == ["cublas", "worker", "cublas"]  # the worker stopped before the handles go
+    assert sorted(map(str, fake.freed)) == sorted(map(str, [a, w.ptr, w.ptr + 64, "pinned", "pinned"]))
+    assert unloaded == [5, 6] and fake.stack == [] and registered == [] and device.allocated_bytes == 0
+    device.close()  # idempotent
+    with pytest.raises(module.DeviceClosedError, match="was closed"):
+        device.alloc(1)
+
+    other = module.Device(0)
+    thread = threading.Thread(target=other.close)  # closed from another thread: its own push and pop there
+    thread.start()
+    thread.join()
+    assert other.closed and fake.stack == ["primary"]  # the main thread's push, left for the main thread: at exit
+    [pop_at_exit] = registered
+    pop_at_exit()
+    assert fake.stack == []

@@ -577,7 +577,7 @@ class CudaBackend(Backend):
             end = min(total, start + self.max_tokens)
             in_chunk = (lp_rows >= start) & (lp_rows < end)
             self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps, copy)
-        self.forward.compute_logits(batch.num_seqs, self.forward.buf["sample_hidden"])
+        self.forward.compute_logits(batch.num_seqs, self.forward.buf.sample_hidden)
         result = {}
         if prompt_lps:  # rows came out in lp_rows order; cut them back into sequences
             merged = [np.concatenate([getattr(p, f) for p in prompt_lps])
