@@ -240,7 +240,10 @@ def _cuda_limits(stream, blas) -> dict:
         return float(np.median(times))
 
     copy_s = median_seconds(lambda: cuda.memcpy_dtod_async(dst, src, copy_bytes, stream))
-    gemm_s = median_seconds(lambda: blas.gemm(int(c), int(a), int(b), n, n, n))
+    from tinyvllm.backends.cuda.tensors import BF16, DeviceTensor
+
+    square = {name: DeviceTensor(int(allocation), BF16, (n, n)) for name, allocation in (("a", a), ("b", b), ("c", c))}
+    gemm_s = median_seconds(lambda: blas.gemm(square["c"], square["a"], square["b"], n))
     for allocation in (src, dst, a, b, c):
         allocation.free()
     return {"bandwidth_bytes_s": 2 * copy_bytes / copy_s, "gemm_flops": 2 * n ** 3 / gemm_s}

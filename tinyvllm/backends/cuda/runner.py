@@ -102,9 +102,10 @@ class ProcessorBuffers:
     def __init__(self, device: Device, max_seqs: int, list_rows: int) -> None:
         s = max_seqs
         self.rows = Staging(device, {"penalty_slots": (s, np.int32), "count_slots": (s, np.int32),
-                             "presence": (s, np.float32), "frequency": (s, np.float32),
-                             "repetition": (s, np.float32), "last_tokens": (s, np.int32), "last_src": (s, np.int32),
-                             "allowed_ptr": (s + 1, np.int32), "bias_ptr": (s + 1, np.int32)})
+                                     "presence": (s, np.float32), "frequency": (s, np.float32),
+                                     "repetition": (s, np.float32), "last_tokens": (s, np.int32),
+                                     "last_src": (s, np.int32), "allowed_ptr": (s + 1, np.int32),
+                                     "bias_ptr": (s + 1, np.int32)})
         self.allowed = Staging(device, {"allowed_ids": (list_rows, np.int32)})
         self.bias = Staging(device, {"bias": (3 * list_rows, np.int32)})  # triples: token id, float bits, condition
         self.active = True  # the arrays may hold a step's processors: reset them before a step without
@@ -235,8 +236,9 @@ class CudaBackend(Backend):
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
         # seconds per start-up phase, for `tinyvllm bench --startup`
-        self.startup_times: dict[str, float] = {}
-        self.startup_times["cuda context"] = _seconds(lambda: setattr(self, "device", device or Device(0)))
+        start = time.perf_counter()
+        self.device = device or Device(0)
+        self.startup_times: dict[str, float] = {"cuda context": time.perf_counter() - start}
         # collected or at exit, the device is closed too (the finalizer holds the device, never the backend)
         self._finalizer = weakref.finalize(self, self.device.close)
         try:
@@ -279,8 +281,8 @@ class CudaBackend(Backend):
             "tile_row0": (max_tiles, np.int32), "sample_rows": (s, np.int32), "lp_rows": (t, np.int32),
             "lp_targets": (t, np.int32), **sampling, "block_tables": (s * self.max_blocks, np.int32)})
         self.out = Staging(self.device, {"ids": (s, np.int32), "token_lp": (t, np.float32),
-                            "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
-                            "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
+                                         "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
+                                         "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
         self.out_copy = 0  # the host copy of `out` the next step downloads into
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
@@ -421,7 +423,7 @@ class CudaBackend(Backend):
         words = bitmask_words(self.vocab_size)
         if self.masks is None:
             self.masks = Staging(self.device, {"bitmask_rows": (self.max_seqs, np.int32),
-                                  "bitmask": (self.max_seqs * words, np.int32)})
+                                               "bitmask": (self.max_seqs * words, np.int32)})
         masks = self.masks
         masks.wait()  # the previous step's upload has left the buffer
         masks["bitmask_rows"][: len(bitmask_rows)] = bitmask_rows
