@@ -747,3 +747,36 @@ def test_device_close_gives_back_everything_it_handed_out(device_module, monkeyp
     [pop_at_exit] = registered
     pop_at_exit()
     assert fake.stack == []
+
+
+class FakeCublasLt:
+    """Every cuBLASLt call succeeds; the heuristics find one algorithm; matmuls are recorded (handle, A, B, C)."""
+
+    def __init__(self):
+        self.matmuls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            if name == "cublasLtMatmulAlgoGetHeuristic":
+                args[-1]._obj.value = 1
+            if name == "cublasLtMatmul":
+                self.matmuls.append(tuple(getattr(args[i], "value", args[i]) for i in (3, 5, 8)))  # w, x, out
+            return 0
+        return call
+
+
+def test_cublas_gemm_and_tune_take_device_tensors(monkeypatch):
+    lib = FakeCublasLt()
+    monkeypatch.setattr(cublas, "_lib", lambda: lib)
+    blas = cublas.Cublas(0, 4096, 1 << 20, exact_rows=frozenset({4}))
+    x, w = DeviceTensor(100, BF16, (8, 64)), DeviceTensor(200, BF16, (32, 64))
+    out = DeviceTensor(300, F32, (8, 32))
+    blas.gemm(out, x, w, 6)
+    blas.gemm(DeviceTensor(400, BF16, (8, 32)), x, w, 6, accumulate=True)
+    assert blas.tune(out, x, w, 4, lambda run: run() or 1.0) == 0
+    assert lib.matmuls[:2] == [(200, 100, 300), (200, 100, 400)]
+    assert {key[:3] for key in blas.algos} == {(32, 64, cublas.BF16_GEMM_F32_OUT), (32, 64, cublas.BF16_GEMM)}
+    assert (32, 64, cublas.BF16_GEMM_F32_OUT, 4) in blas.algos
+    with pytest.raises(ValueError, match="do not fit"):
+        blas.gemm(out, x, w, 9)
+    blas.close()
