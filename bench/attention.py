@@ -45,11 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def launchers(source: Path) -> Ops:
-    """Ops whose attention kernels are those of `source`."""
+def launchers(source: Path, arch: str) -> Ops:
+    """Ops whose attention kernels are those of `source`, compiled for `arch`."""
     from tinyvllm.backends.cuda.kernels import compile_source
 
-    module = compile_source(source.read_text(), DEFINES["attention_decode"])
+    module = compile_source(source.read_text(), DEFINES["attention_decode"], arch)
     kernels = {}
     for name, signature in SIGNATURES.items():
         if signature.file == "attention_decode":
@@ -61,16 +61,17 @@ def launchers(source: Path) -> Ops:
 
 def main() -> None:
     args = parse_args()
-    import pycuda.autoprimaryctx  # noqa: F401  (after the arguments are checked: those need no GPU)
-    import pycuda.driver as cuda
+    import pycuda.driver as cuda  # after the arguments are checked: those need no GPU
 
-    from tinyvllm.backends.cuda.kernels import CUDA_DIR
+    from tinyvllm.backends.cuda.device import Device
+    from tinyvllm.backends.cuda.kernel_cache import cuda_dir
 
-    num_sms = cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+    device = Device(0)  # its context current from here on
+    num_sms = device.num_sms
     lo, hi = args.context
-    versions = {"cuda/attention_decode.cu": launchers(CUDA_DIR / "attention_decode.cu")}
+    versions = {"cuda/attention_decode.cu": launchers(cuda_dir() / "attention_decode.cu", device.arch)}
     for other in args.compare:
-        versions[str(other)] = launchers(other)
+        versions[str(other)] = launchers(other, device.arch)
     rng = np.random.default_rng(0)
     for seqs in args.seqs:
         ctx = rng.integers(lo, hi + 1, seqs).astype(np.int32)

@@ -18,10 +18,11 @@ import numpy as np
 import pycuda.driver as cuda
 from pycuda.compiler import SourceModule
 
-from tinyvllm.backends.cuda import kernels
 from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.forward import WORKSPACE_BYTES
 from tinyvllm.backends.cuda.linear import Linear
+from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor
 
 WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
 SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
@@ -90,9 +91,12 @@ def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_f
     x = cuda.to_device((rng.standard_normal((m_max, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
     out = cuda.to_device(np.zeros((m_max, n), np.float32))  # zeros: accumulating runs stay finite
 
+    out_tensor = DeviceTensor(int(out), F32 if out_fp32 else BF16, (m_max, n))
+    x_tensor = DeviceTensor(int(x), BF16, (m_max, k))
+    weights = [DeviceTensor(int(copy), BF16, (n, k)) for copy in copies]
+
     def launches(gemm: Callable[..., None], m: int) -> Callable[[int], None]:
-        return lambda i: gemm(int(out), int(x), int(copies[i % len(copies)]), m, n, k, out_fp32=out_fp32,
-                              accumulate=accumulate)
+        return lambda i: gemm(out_tensor, x_tensor, weights[i % len(weights)], m, accumulate=accumulate)
 
     results = {m: (timer.median_us(launches(linear.gemm, m)), timer.median_us(launches(blas.gemm, m))) for m in ms}
     for allocation in (*copies, x, out):
@@ -106,10 +110,10 @@ def main() -> None:
     parser.add_argument("--m", default="1,2,4,8")
     args = parser.parse_args()
     ms = [int(m) for m in args.m.split(",")]
-    stream = cuda.Stream()
-    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
-    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
-    linear = Linear(blas, kernels.load(), stream)
+    device = Device(0)
+    stream = device.stream()
+    blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)))
+    linear = Linear(blas, device.ops(stream))
     timer = Timer(stream, args.runs)
     copy = copy_rate(timer)
     print(f"{cuda.Context.get_device().name()}: copy rate {copy / 1e9:.0f} GB/s (memcpy_dtod_async of 256 MiB, "
@@ -135,8 +139,7 @@ def main() -> None:
         ours_bw, theirs_bw = step_bytes / ours * 1e6, step_bytes / theirs * 1e6
         print(f"{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}{theirs_bw / 1e9:>13.0f}"
               f"{ours_bw / copy:>11.0%}{theirs_bw / copy:>13.0%}{theirs / ours:>9.2f}")
-    blas.close()
-    workspace.free()
+    device.close()
 
 
 if __name__ == "__main__":

@@ -107,11 +107,20 @@ def per_kernel(llm: LLM) -> dict[str, float]:
         b.record(backend.stream)
         events.append((name, a, b))
 
-    def timed_launch(name, *args):
-        timed(name, lambda: launch(name, *args))
+    in_gemm = []  # the GEMV kernel a gemm launches is timed as the gemm (forward and Linear share one Ops)
 
-    def timed_gemm(out, x, w, m, n, k, **kw):
-        timed(f"gemm n={n} k={k}", lambda: gemm(out, x, w, m, n, k, **kw))
+    def timed_launch(name, *args):
+        if in_gemm:
+            launch(name, *args)
+        else:
+            timed(name, lambda: launch(name, *args))
+
+    def timed_gemm(out, x, w, m, **kw):
+        in_gemm.append(True)
+        try:
+            timed(f"gemm n={w.shape[0]} k={w.shape[1]}", lambda: gemm(out, x, w, m, **kw))
+        finally:
+            in_gemm.pop()
 
     backend.use_graphs, graphs, backend.graphs = False, backend.graphs, {}
     engine.step()  # untimed: the first eager step finds this forward's GEMM algorithms (host time the GPU waits for)

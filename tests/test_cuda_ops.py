@@ -2,6 +2,7 @@
 their geometry, and the preconditions they refuse. The kernels themselves are tested in tests/gpu."""
 
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,555 @@ def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, mess
     with pytest.raises(ValueError, match=message):
         launch(Ops(recorder, None))
     assert recorder.launches == []
+
+
+# ---- device tensors, Linear's dispatch, and the whole forward's launches on a stand-in device ---------------------
+
+from dataclasses import fields  # noqa: E402
+
+from tinyvllm.backends.cuda import cublas  # noqa: E402  (no CUDA needed to import it)
+from tinyvllm.backends.cuda.linear import Linear  # noqa: E402
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceLayer, DeviceTensor  # noqa: E402
+from tinyvllm.model.weights import LayerWeights  # noqa: E402
+
+
+def test_device_tensor_sizes_come_from_the_dtype():
+    t = DeviceTensor(1000, BF16, (3, 8))
+    assert (t.nbytes, t.rows, t.row_bytes, t.row(2), t.element(5)) == (48, 3, 16, 1032, 1010)
+    assert DeviceTensor(0, E4M3, (4, 4)).nbytes == 16 and DeviceTensor(0, F32, (2, 3, 4)).rows == 6
+    with pytest.raises(ValueError, match="unknown device dtype 'fp4'"):
+        DeviceTensor(0, "fp4", (1,))
+
+
+def test_device_layer_has_the_host_layers_fields():
+    assert [f.name for f in fields(DeviceLayer)] == [f.name for f in fields(LayerWeights)]
+    assert [f.name for f in fields(DeviceLayer) if f.default is None] == ["qkv_bias", "q_norm", "k_norm"]
+
+
+class RecordingBlas:
+    """Stands in for Cublas: records each GEMM's (out, x, w, m, accumulate) and checks its types."""
+
+    def __init__(self):
+        self.calls = []
+        self.exact_rows, self.algos = frozenset(), {}
+
+    def gemm(self, out, x, w, m, accumulate=False):
+        cublas.gemm_types(out, x, w)
+        self.calls.append((out, x, w, m, accumulate))
+
+    def tune(self, out, x, w, m, elapsed):
+        cublas.gemm_types(out, x, w)
+        return 0
+
+    def close(self):
+        pass
+
+
+def linear_layer(recorder):
+    return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132))
+
+
+def test_linear_picks_its_kernel_by_the_weights_dtype_and_rows(recorder):
+    linear = linear_layer(recorder)
+    x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, BF16, (3072, 2048))
+    out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
+    linear.gemm(out, x, w, 8)
+    linear.gemm(residual, x, w, 1, accumulate=True)
+    linear.gemm(out, x, w, 9)  # past the GEMV's rows: cuBLAS
+    assert [name for name, _, _ in recorder.launches] == ["gemv_bf16", "gemv_f32"]
+    assert recorder.args == [(30, 10, 20, 8, 3072, 2048, 8, 0), (40, 10, 20, 1, 3072, 2048, 8, 1)]
+    assert linear.blas.calls == [(out, x, w, 9, False)]
+
+
+def test_linear_refuses_what_it_cannot_run(recorder):
+    linear = linear_layer(recorder)
+    x, out = DeviceTensor(10, BF16, (4, 64)), DeviceTensor(30, F32, (4, 32))
+    with pytest.raises(ValueError, match="e4m3 weights are not supported"):
+        linear.gemm(out, x, DeviceTensor(20, E4M3, (32, 64)), 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.gemm(out, x, DeviceTensor(20, BF16, (32, 48)), 1)  # k 48 against x's 64
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.gemm(out, x, DeviceTensor(20, BF16, (32, 64)), 5)  # 5 rows in buffers of 4
+    with pytest.raises(ValueError, match="bf16 inputs into bf16 or f32 outputs, not f32 into f32"):
+        linear.gemm(out, DeviceTensor(10, F32, (4, 64)), DeviceTensor(20, BF16, (32, 64)), 1)
+    assert recorder.launches == [] and linear.blas.calls == []
+
+
+def test_gate_up_swiglu_dispatch(recorder):
+    linear = linear_layer(recorder)
+    x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, BF16, (16384, 2048))
+    act, gate_up = DeviceTensor(30, BF16, (16, 8192)), DeviceTensor(40, BF16, (16, 16384))
+    linear.gate_up_swiglu(act, x, w, 1, gate_up)
+    linear.gate_up_swiglu(act, x, w, 16, gate_up)
+    assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_bf16", "silu_and_mul"]
+    assert recorder.args[1] == (30, 40, 8192) and linear.blas.calls == [(gate_up, x, w, 16, False)]
+
+
+def test_cublas_types_come_from_the_tensors():
+    x, w = DeviceTensor(1, BF16, (4, 64)), DeviceTensor(2, BF16, (32, 64))
+    assert cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, w) == cublas.BF16_GEMM_F32_OUT
+    assert cublas.gemm_types(DeviceTensor(3, BF16, (4, 32)), x, w) == cublas.BF16_GEMM
+    with pytest.raises(ValueError, match="e4m3 weights"):
+        cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, DeviceTensor(2, E4M3, (32, 64)))
+
+
+def test_nothing_touches_a_gpu_at_import():
+    """No device is chosen, and no CUDA library is loaded, when the backend's modules are imported."""
+    package = Path(__file__).resolve().parents[1] / "tinyvllm"
+    for path in package.rglob("*.py"):
+        assert "autoprimaryctx" not in path.read_text(), path
+    for name in ("driver", "cublas"):
+        source = (package / "backends" / "cuda" / f"{name}.py").read_text()
+        assert not re.search(r"^\w+ = .*ctypes\.CDLL|^_lib = ", source, re.M), name
+
+
+class FakeDriver:
+    """Stands in for pycuda.driver: the copies, memsets and events forward.py calls, doing nothing."""
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Memcpy2D:
+        def set_src_device(self, address):
+            assert isinstance(address, int)
+
+        def set_dst_device(self, address):
+            assert isinstance(address, int)
+
+        def __call__(self, aligned=False):
+            assert self.height > 0 and self.width_in_bytes <= self.dst_pitch
+
+    class Context:
+        @staticmethod
+        def synchronize():
+            pass
+
+        @staticmethod
+        def pop():
+            pass
+
+        @staticmethod
+        def push():
+            pass
+
+    class Error(Exception):
+        pass
+
+    @staticmethod
+    def memcpy_htod_async(address, array, stream):
+        assert isinstance(address, int) and array.dtype in (np.uint8, np.int32)
+
+    @staticmethod
+    def memcpy_dtoh_async(array, address, stream):
+        assert isinstance(address, int)
+
+    @staticmethod
+    def memcpy_dtod(dst, src, size):
+        assert isinstance(dst, int) and isinstance(src, int) and size > 0
+
+    @staticmethod
+    def memset_d32(address, value, count):
+        assert isinstance(address, int) and count > 0
+
+    memset_d8 = memset_d32
+
+
+class TypedRecorder(Recorder):
+    """A Recorder that also checks each argument against its C type: pointers and ints are Python ints."""
+
+    def __missing__(self, name):
+        record = super().__missing__(name)
+
+        def launch(grid, block, stream, *args):
+            for letter, arg in zip(SIGNATURES[name].arg_format, args):
+                assert isinstance(arg, (int, float) if letter == "f" else int) and not isinstance(arg, bool), \
+                    (name, letter, arg)
+            record(grid, block, stream, *args)
+        return launch
+
+
+class FakeDevice:
+    """Stands in for device.Device: addresses handed out in order, kernels recorded."""
+
+    name, num_sms, closed = "stand-in", 132, False
+    context = FakeDriver.Context
+
+    def __init__(self, kernels):
+        self.kernels, self.next, self.live = kernels, 1 << 20, {}
+
+    def empty(self, dtype, shape):
+        tensor = DeviceTensor(self.next, dtype, tuple(shape))
+        self.next += -(-max(tensor.nbytes, 1) // 256) * 256
+        self.live[tensor.ptr] = tensor
+        return tensor
+
+    def upload(self, array, dtype):
+        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64}[dtype])
+        return self.empty(dtype, array.shape)
+
+    def free(self, memory):
+        del self.live[memory.ptr if isinstance(memory, DeviceTensor) else memory]
+
+    def pinned(self, size, dtype):
+        return np.zeros(size, dtype)
+
+    def free_pinned(self, array):
+        pass
+
+    def mem_get_info(self):
+        return 1 << 40, 1 << 40
+
+    def cublas(self, stream, workspace, exact_rows=frozenset(), algos=None):
+        return RecordingBlas()
+
+    def ops(self, stream):
+        return Ops(self.kernels, stream, self.num_sms)
+
+    def release(self, closable):
+        closable.close()
+
+    def alloc(self, size):
+        return self.empty("u8", (size,)).ptr
+
+    def stream(self, non_blocking=False):
+        return FakeStream()
+
+    def check_open(self):
+        if self.closed:
+            raise RuntimeError("closed")
+
+    def own(self, closable, worker=False):
+        return closable
+
+    def close(self):
+        self.closed = True
+        self.live.clear()
+
+
+class FakeStream:
+    handle = 0
+
+    def synchronize(self):
+        pass
+
+
+class FakeBuffers:
+    def ptr(self, name, index=0):
+        return 0x7000_0000 + 4 * index
+
+
+@pytest.fixture
+def forward_module(monkeypatch):
+    """backends/cuda/forward.py imported against FakeDriver (and dropped again afterwards)."""
+    import importlib
+    import sys
+    import types
+
+    import tinyvllm.backends.cuda as package
+
+    fake = types.ModuleType("pycuda")
+    fake.driver = FakeDriver
+    monkeypatch.setitem(sys.modules, "pycuda", fake)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", FakeDriver)
+    names = ("forward", "device", "runner")
+    saved = {name: getattr(package, name) for name in names if hasattr(package, name)}
+    for name in names:
+        monkeypatch.delitem(sys.modules, f"tinyvllm.backends.cuda.{name}", raising=False)
+    yield importlib.import_module("tinyvllm.backends.cuda.forward")
+    for name in names:
+        sys.modules.pop(f"tinyvllm.backends.cuda.{name}", None)
+        if hasattr(package, name):
+            delattr(package, name)
+    for name, module in saved.items():
+        setattr(package, name, module)
+
+
+@pytest.mark.parametrize("architecture,kv_cache_dtype", [("LlamaForCausalLM", "auto"), ("Qwen2ForCausalLM", "auto"),
+                                                          ("Qwen3ForCausalLM", "fp8")])
+def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_module, architecture, kv_cache_dtype):
+    """The whole forward on a stand-in device: every launch has its kernel's argument count and types, the GEMMs
+    get device tensors of the weights' shapes, and the family's extras launch where it has them."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    config = tiny_config(head_dim=64, architecture=architecture)
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8, kv_cache_dtype=kv_cache_dtype)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    forward = forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine, device,
+                                         FakeStream(), 16)
+    assert forward.layers[0].qkv.shape == (512, 64) and forward.layers[0].gate_up.shape == (256, 64)
+    assert (forward.layers[0].qkv_bias is not None) == (architecture == "Qwen2ForCausalLM")
+    assert (forward.layers[0].q_norm is not None) == (architecture == "Qwen3ForCausalLM")
+    forward.allocate_kv_cache(8)
+    forward.allocate_kv_cache(8)  # the first cache freed, not leaked
+    assert sum(t.ptr == forward.kv.memory.ptr for t in device.live.values()) == 1
+    buffers = FakeBuffers()
+    forward.tune_lm_head([1, 2, 4])
+    forward.decode(4, buffers, buffers, buffers)
+    decode = [name for name, _, _ in recorder.launches]
+    forward.prefill(10, buffers, buffers, 3, 2)
+    forward.norm_sample_rows(1, buffers.ptr("rows"), 2)
+    forward.compute_logits(2, forward.buf.sample_hidden)
+    forward.sample_prefill(2, buffers, buffers, buffers, masks=buffers)
+    forward.prompt_logprobs(3, buffers.ptr("rows"), buffers.ptr("targets"), 5, buffers)
+    forward.copy_blocks(buffers.ptr("pairs"), 2)
+    forward.init_token_slots(1, 2, 3, 4, 5)
+    fp8 = "fp8_" if kv_cache_dtype == "fp8" else ""
+    per_layer = ["rms_norm", "gemv_bf16", *(["add_qkv_bias"] if architecture == "Qwen2ForCausalLM" else []),
+                 *(["qk_norm"] if architecture == "Qwen3ForCausalLM" else []), f"rope_and_cache_{fp8 or 'bf16_'}"[:-1],
+                 f"attention_decode_{fp8}d64_r8", "attention_combine", "gemv_f32", "rms_norm", "gemv_swiglu_bf16",
+                 "gemv_f32"]
+    assert decode == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32",
+                      "apply_logits_processors", "sample", "count_tokens"]
+    blas = forward.linear.blas.calls  # the prefill's 10 rows: cuBLAS, each with a weight of the layer
+    assert [w.shape for _, _, w, m, _ in blas[:4]] == [(512, 64), (64, 256), (256, 64), (64, 128)]
+    assert all(m == 10 for _, _, _, m, _ in blas[:8])
+    other = forward.on_stream(FakeStream())
+    assert other.buf is forward.buf and other.linear.blas is not forward.linear.blas
+    other.close()
+
+
+class FakeGraph:
+    """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
+
+    made = []
+
+    def __init__(self, stream_handle, record):
+        record()
+        self.launches, self.closed = 0, False
+        FakeGraph.made.append(self)
+
+    def launch(self, stream_handle):
+        assert not self.closed
+        self.launches += 1
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("graphs", [None, "eager", "lazy"])
+def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, make_model_dir, monkeypatch,
+                                                                  graphs):
+    """CudaBackend through the engine on FakeDevice (eagerly, or with graphs captured at start-up or by the capture
+    thread): prefill and decode steps launch with arguments of their kernels' C types, and close() closes the
+    graphs and the device, after which a step stops before touching memory."""
+    import importlib
+
+    from tinyvllm import SamplingParams
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    FakeGraph.made = []
+    model = load_model(make_model_dir(head_dim=64))
+    engine_config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy")
+    engine_config = engine_config.for_model(model.config.max_position_embeddings)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    backend = runner.CudaBackend(model, engine_config, use_graphs=graphs is not None, device=device)
+    engine = LLMEngine(model, backend, engine_config)
+    backend.finish_startup()
+    every = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1,
+                           presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: 2.0},
+                           allowed_token_ids=list(range(100)))
+    for i, (prompt, params) in enumerate([([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+                                          (list(range(5, 45)), every)]):  # the second prompt: two prefill chunks
+        assert engine.add_request(str(i), prompt, params) is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    names = [name for name, _, _ in recorder.launches]
+    assert names.count("sample") >= 3 and any(name.startswith("attention_prefill") for name in names)
+    assert any(name.startswith("attention_decode") for name in names)
+    assert {"logprobs", "copy_blocks", "fill_token_slots", "apply_logits_processors"} <= set(names)
+    if graphs is not None:
+        assert sorted(backend.graphs) == backend.buckets and any(graph.launches for graph in FakeGraph.made)
+    backend.close()
+    backend.close()
+    assert device.closed and device.live == {} and all(graph.closed for graph in FakeGraph.made)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.decode_in.wait()
+
+
+class FakePycuda:
+    """Stands in for pycuda.driver where device.py uses it: allocations that count their frees, a context stack."""
+
+    def __init__(self):
+        self.stack, self.freed, self.next = [], [], 1 << 20
+
+    def init(self):
+        pass
+
+    @property
+    def Device(self):
+        fake = self
+
+        class Device:
+            @staticmethod
+            def count():
+                return 1
+
+            def __init__(self, index):
+                pass
+
+            def name(self):
+                return "stand-in"
+
+            def compute_capability(self):
+                return (9, 0)
+
+            def get_attribute(self, attribute):
+                return 132
+
+            def retain_primary_context(self):
+                return types.SimpleNamespace(push=lambda: fake.stack.append("primary"), synchronize=lambda: None)
+        return Device
+
+    device_attribute = types.SimpleNamespace(MULTIPROCESSOR_COUNT=16)
+
+    @property
+    def Context(self):
+        fake = self
+        return types.SimpleNamespace(synchronize=lambda: None, pop=lambda: fake.stack.pop())
+
+    def mem_alloc(self, size):
+        address, self.next = self.next, self.next + size
+        fake = self
+
+        class Allocation:
+            def __int__(self):
+                return address
+
+            def free(self):
+                fake.freed.append(address)
+        return Allocation()
+
+    def pagelocked_empty(self, size, dtype):
+        fake = self
+
+        class Pinned(np.ndarray):
+            def free(self):
+                fake.freed.append("pinned")
+        return Pinned((size,), dtype).view(np.ndarray)  # its base, the Pinned, owns the memory
+
+    def memcpy_htod(self, address, array):
+        pass
+
+    class Stream:
+        handle = 3
+
+        def __init__(self, flags=0):
+            self.flags = flags
+
+    def mem_get_info(self):
+        return 1 << 30, 1 << 31
+
+
+@pytest.fixture
+def device_module(monkeypatch):
+    """backends/cuda/device.py imported against FakePycuda (dropped again afterwards)."""
+    import importlib
+    import sys
+
+    import tinyvllm.backends.cuda as package
+
+    fake = FakePycuda()
+    monkeypatch.setitem(sys.modules, "pycuda", types.SimpleNamespace(driver=fake))
+    monkeypatch.setitem(sys.modules, "pycuda.driver", fake)
+    saved = getattr(package, "device", None)
+    monkeypatch.delitem(sys.modules, "tinyvllm.backends.cuda.device", raising=False)
+    module = importlib.import_module("tinyvllm.backends.cuda.device")
+    yield module, fake
+    sys.modules.pop("tinyvllm.backends.cuda.device", None)
+    if saved is not None:
+        package.device = saved
+
+
+def test_device_close_gives_back_everything_it_handed_out(device_module, monkeypatch):
+    import atexit
+    import threading
+
+    module, fake = device_module
+    unloaded, closed = [], []
+    monkeypatch.setattr(module.kernels, "load", lambda arch, programmatic: ({"k": (arch, programmatic)}, [5, 6]))
+    monkeypatch.setattr(module.driver, "unload_module", unloaded.append)
+    monkeypatch.setattr(module, "Cublas", lambda *args, **kwargs: types.SimpleNamespace(
+        close=lambda: closed.append("cublas")))
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", registered.remove)
+
+    device = module.Device(0, programmatic_launch=True)
+    assert fake.stack == ["primary"] and device.kernels == {"k": ("sm_90", True)} and device.num_sms == 132
+    a, w = device.alloc(100), device.upload(np.zeros((4, 8), np.uint16), "bf16")
+    device.empty("f32", (3, 3))
+    with pytest.raises(TypeError, match="bf16 device tensor is uploaded from uint16, not float32"):
+        device.upload(np.zeros(3, np.float32), "bf16")
+    device.free(a)
+    assert fake.freed == [a] and device.allocated_bytes == 64 + 36
+    pinned = [device.pinned(16, np.int32) for _ in range(2)]
+    device.free_pinned(pinned[0])
+    blas = device.cublas(device.stream(), w)
+    device.release(blas)
+    device.cublas(device.stream(), w)
+    worker = types.SimpleNamespace(close=lambda: closed.append("worker"))
+    device.own(worker, worker=True)
+    assert device.ops(None) is device.ops(None)
+    device.close()
+    assert closed == ["cublas", "worker", "cublas"]  # the worker stopped before the handles go
+    assert sorted(map(str, fake.freed)) == sorted(map(str, [a, w.ptr, w.ptr + 64, "pinned", "pinned"]))
+    assert unloaded == [5, 6] and fake.stack == [] and registered == [] and device.allocated_bytes == 0
+    device.close()  # idempotent
+    with pytest.raises(module.DeviceClosedError, match="was closed"):
+        device.alloc(1)
+
+    other = module.Device(0)
+    thread = threading.Thread(target=other.close)  # closed from another thread: its own push and pop there
+    thread.start()
+    thread.join()
+    assert other.closed and fake.stack == ["primary"]  # the main thread's push, left for the main thread: at exit
+    [pop_at_exit] = registered
+    pop_at_exit()
+    assert fake.stack == []
+
+
+class FakeCublasLt:
+    """Every cuBLASLt call succeeds; the heuristics find one algorithm; matmuls are recorded (handle, A, B, C)."""
+
+    def __init__(self):
+        self.matmuls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            if name == "cublasLtMatmulAlgoGetHeuristic":
+                args[-1]._obj.value = 1
+            if name == "cublasLtMatmul":
+                self.matmuls.append(tuple(getattr(args[i], "value", args[i]) for i in (3, 5, 8)))  # w, x, out
+            return 0
+        return call
+
+
+def test_cublas_gemm_and_tune_take_device_tensors(monkeypatch):
+    lib = FakeCublasLt()
+    monkeypatch.setattr(cublas, "_lib", lambda: lib)
+    blas = cublas.Cublas(0, 4096, 1 << 20, exact_rows=frozenset({4}))
+    x, w = DeviceTensor(100, BF16, (8, 64)), DeviceTensor(200, BF16, (32, 64))
+    out = DeviceTensor(300, F32, (8, 32))
+    blas.gemm(out, x, w, 6)
+    blas.gemm(DeviceTensor(400, BF16, (8, 32)), x, w, 6, accumulate=True)
+    assert blas.tune(out, x, w, 4, lambda run: run() or 1.0) == 0
+    assert lib.matmuls[:2] == [(200, 100, 300), (200, 100, 400)]
+    assert {key[:3] for key in blas.algos} == {(32, 64, cublas.BF16_GEMM_F32_OUT), (32, 64, cublas.BF16_GEMM)}
+    assert (32, 64, cublas.BF16_GEMM_F32_OUT, 4) in blas.algos
+    with pytest.raises(ValueError, match="do not fit"):
+        blas.gemm(out, x, w, 9)
+    blas.close()

@@ -83,3 +83,30 @@ def test_programmatic_launch_sets_its_attribute_in_every_thread(driver):
         assert config.num_attrs == 1
         assert config.attrs.contents.id == module.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert module.Launcher(1234, "", programmatic=False)._config().num_attrs == 0
+
+
+def test_importing_the_driver_loads_no_library(monkeypatch):
+    """libcuda is opened at the first driver call, not at import: the backend's modules import on a machine without
+    one, and no device is touched before a Device asks."""
+    opened = []
+
+    def no_libcuda(name):
+        opened.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_libcuda)
+    spec = importlib.util.spec_from_file_location("driver_without_libcuda", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert opened == []
+    with pytest.raises(OSError, match="libcuda.so.1"):
+        module.load_module(b"")
+    assert opened == ["libcuda.so.1"]
+
+
+def test_modules_are_unloaded_through_the_driver(driver):
+    module, lib = driver
+    calls = []
+    lib.cuModuleUnload = type("Function", (), {"__call__": staticmethod(lambda handle: calls.append(handle) or 0)})()
+    module.unload_module(77)
+    assert calls == [77]

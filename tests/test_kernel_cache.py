@@ -152,3 +152,12 @@ def test_nvcc_compiles_kernel_files_into_the_cache(tmp_path):
     broken = CompileJob("broken", "this is not CUDA", {}, ())
     with pytest.raises(KernelCompileError, match="compiling cuda/broken.cu failed"):
         build_cubins([broken], "sm_90", tmp_path)
+
+
+def test_the_kernel_sources_are_found_when_first_needed():
+    """kernel_cache looks for cuda/ at the first compile (cuda_dir), not at import."""
+    from tinyvllm.backends.cuda import kernel_cache
+
+    assert not hasattr(kernel_cache, "CUDA_DIR")
+    assert (kernel_cache.cuda_dir() / "common.cuh").is_file()
+    assert {job.name for job in compile_jobs()} >= {"embedding", "gemv", "attention_decode"}

@@ -54,6 +54,9 @@ class LLM:
     max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
     enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager; None stands for the default, as
     in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only.
+
+    close() (or leaving `with LLM(...) as llm:`) gives the device back at once: weights, KV cache, buffers and
+    graphs; garbage collection of an LLM does the same. A closed LLM refuses to generate.
     """
 
     def __init__(self, model: str | os.PathLike | LoadedModel, tokenizer: str | os.PathLike | None = None,
@@ -66,6 +69,19 @@ class LLM:
         self.backend = create_backend(self.model, self.engine_config)
         self.llm_engine = LLMEngine(self.model, self.backend, self.engine_config)
         self._request_ids = itertools.count()
+        self.closed = False
+
+    def close(self) -> None:
+        """Give back everything the backend holds (on the cuda backend every byte of device memory it took);
+        idempotent."""
+        self.closed = True
+        self.backend.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -124,6 +140,8 @@ class LLM:
 
     def _run(self, prompts: list, sampling_params, templated: bool, use_tqdm: bool, lora_request,
              error_outputs: bool) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("this LLM is closed (close() gave its device memory back): create a new LLM")
         if lora_request is not None:
             raise ValueError("lora_request: tinyvllm serves no LoRA adapters")
         if sampling_params is None:

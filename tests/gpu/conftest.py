@@ -35,21 +35,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def cuda():
-    """pycuda.driver, on the primary context (shared with cuBLAS and torch)."""
+def device():
+    """Device 0 for the session (its primary context current: shared with cuBLAS, torch and every backend's)."""
     if MISSING:
         pytest.skip(MISSING)
-    from tinyvllm.backends.cuda import kernels  # noqa: F401  (makes the primary context current)
+    from tinyvllm.backends.cuda.device import Device
+
+    opened = Device(0)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="session")
+def cuda(device):
+    """pycuda.driver, on the device's primary context."""
     import pycuda.driver
 
     return pycuda.driver
 
 
 @pytest.fixture(scope="session")
-def kernels(cuda):
-    from tinyvllm.backends.cuda import kernels
-
-    return kernels.load()
+def kernels(device):
+    return device.kernels
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,7 @@ def decode_batch(seqs, tokens, bm, block_size):
 def gpu_logits(cuda, backend, n):
     """The float32 logits of the last step's n sampled rows, still on the GPU after execute()."""
     out = np.empty((n, backend.config.vocab_size), np.float32)
-    cuda.memcpy_dtoh(out, backend.forward.buf["logits"])
+    cuda.memcpy_dtoh(out, backend.forward.buf.logits.ptr)
     return out
 
 
@@ -137,6 +137,7 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
 def test_lm_head_algorithm_timed_from_128_rows(cuda, cuda_backend):
     """At start-up the LM head's cuBLASLt algorithm is chosen by timing for the decode buckets of 128 rows or more
     (and those only), and a decode step at such a bucket gives the numpy backend's logits."""
+    from tinyvllm.backends.cuda.cublas import BF16_GEMM_F32_OUT
     from tinyvllm.backends.cuda.forward import LM_HEAD_TUNE_ROWS
 
     config = replace(smollm2_135m_config(), num_hidden_layers=1)
@@ -146,7 +147,7 @@ def test_lm_head_algorithm_timed_from_128_rows(cuda, cuda_backend):
     ours, ref = cuda_backend(model, limits, use_graphs=False), NumpyBackend(model, limits)
     ours.init_kv_cache()
     ref.init_kv_cache()
-    lm_head = (config.vocab_size, config.hidden_size, True)
+    lm_head = (config.vocab_size, config.hidden_size, BF16_GEMM_F32_OUT)
     tuned = sorted(rows for (*shape, rows) in ours.forward.blas.algos if tuple(shape) == lm_head)
     assert LM_HEAD_TUNE_ROWS == 128 and tuned == [128, 136] and "LM head tuning" in ours.startup_times
     rng = np.random.default_rng(5)
@@ -296,9 +297,9 @@ def test_lazy_capture_runs_steps_eagerly_until_their_graph_is_there(model_dir):
     release, order = threading.Event(), []
     take = GraphCapturer._next
 
-    def held_back(self):
+    def held_back(self, graphs):
         release.wait()
-        bucket = take(self)
+        bucket = take(self, graphs)
         order.append(bucket)
         return bucket
 

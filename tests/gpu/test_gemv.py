@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor
 from tinyvllm.backends.numpy_backend import interleave_gate_up, silu_and_mul
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 
@@ -62,15 +63,17 @@ class RecordingKernels(dict):
 
 
 @pytest.fixture(scope="module")
-def linear(cuda, kernels):
+def linear(cuda, device, kernels):
     from tinyvllm.backends.cuda.cublas import Cublas
     from tinyvllm.backends.cuda.linear import Linear
+    from tinyvllm.backends.cuda.ops import Ops
 
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
     # every m <= MAX_ROWS through the kernel, whatever the weights' size (the default sends big ones to cuBLAS)
-    yield Linear(CountingBlas(blas), RecordingKernels(kernels), stream, max_gemv_weights=1 << 62)
+    ops = Ops(RecordingKernels(kernels), stream, device.num_sms)
+    yield Linear(CountingBlas(blas), ops, max_gemv_weights=1 << 62)
     blas.close()
     workspace.free()
 
@@ -101,14 +104,15 @@ def check(cuda, linear, weights, m, n, k, out_fp32, accumulate):
     else:
         start = np.full((m, n), np.nan, np.float32) if out_fp32 else np.full((m, n), 0x7FC0, np.uint16)
     out, x_dev = cuda.to_device(start), cuda.to_device(x_bits)
-    calls, launches = linear.blas.calls, len(linear.kernels.launched)
-    linear.gemm(int(out), int(x_dev), int(w_dev), m, n, k, out_fp32=out_fp32, accumulate=accumulate)
-    linear.stream.synchronize()
+    calls, launches = linear.blas.calls, len(linear.ops.kernels.launched)
+    linear.gemm(DeviceTensor(int(out), F32 if out_fp32 else BF16, (m, n)), DeviceTensor(int(x_dev), BF16, (m, k)),
+                DeviceTensor(int(w_dev), BF16, (n, k)), m, accumulate=accumulate)
+    linear.ops.stream.synchronize()
     assert linear.blas.calls - calls == (m > MAX_ROWS)  # the GEMV kernel for m <= MAX_ROWS, cuBLAS above
     result = np.empty_like(start)
     cuda.memcpy_dtoh(result, out)
     assert rel_err(result if out_fp32 else bf16_to_f32(result), ref) < 1e-2
-    return linear.kernels.launched[launches:]
+    return linear.ops.kernels.launched[launches:]
 
 
 @pytest.mark.parametrize("out_fp32,accumulate", MODES)
@@ -135,7 +139,7 @@ def test_default_routing(linear):
     """The backend's Linear sends a 1B model's layer weights at small m to the kernel, the rest to cuBLAS."""
     from tinyvllm.backends.cuda.linear import Linear
 
-    default = Linear(linear.blas, linear.kernels, linear.stream)
+    default = Linear(linear.blas, linear.ops)
     assert default.uses_gemv(1, 3072, 2048) and default.uses_gemv(MAX_ROWS, 2048, 2048)
     assert default.uses_gemv(1, 16384, 2048) and default.uses_gemv(1, 2048, 8192)  # gate_up, down
     assert not default.uses_gemv(MAX_ROWS + 1, 2048, 2048) and not default.uses_gemv(1, 2 * 14336, 4096)  # 8B MLP
@@ -159,10 +163,11 @@ def test_gate_up_swiglu(cuda, linear, weights, m, n, k):
     x_dev, out = cuda.to_device(x_bits), cuda.to_device(np.full((m, n // 2), 0x7FC0, np.uint16))
     w_dev = cuda.to_device(f32_to_bf16(interleave_gate_up(w.T).T))  # rows: 8 gate, the same units' 8 up, ...
     gate_up = cuda.mem_alloc(m * n * 2)
-    linear.kernels.launched.clear()
-    linear.gate_up_swiglu(int(out), int(x_dev), int(w_dev), m, n, k, int(gate_up))
-    linear.stream.synchronize()
-    launched = linear.kernels.launched
+    linear.ops.kernels.launched.clear()
+    linear.gate_up_swiglu(DeviceTensor(int(out), BF16, (m, n // 2)), DeviceTensor(int(x_dev), BF16, (m, k)),
+                          DeviceTensor(int(w_dev), BF16, (n, k)), m, DeviceTensor(int(gate_up), BF16, (m, n)))
+    linear.ops.stream.synchronize()
+    launched = linear.ops.kernels.launched
     swiglu_gemv = [name for name in launched if name.startswith("gemv_swiglu_bf16")]
     assert len(swiglu_gemv) == (m <= MAX_ROWS) and ("silu_and_mul" in launched) == (m > MAX_ROWS)
     result = np.empty((m, n // 2), np.uint16)

@@ -12,6 +12,8 @@ import pytest
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
 from tinyvllm.backends.cuda.ops import prefill_tiles
+from tinyvllm.backends.cuda.tensors import BF16, F32
+from tinyvllm.backends.cuda.tensors import DeviceTensor as T
 from tinyvllm.backends.numpy_backend import (apply_rope, interleave_gate_up, paged_attention, qk_norm, rms_norm,
                                              silu_and_mul)
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
@@ -274,7 +276,8 @@ def test_cublas_gemm(cuda, m, n, k, out_fp32, accumulate):
     c = rng.standard_normal((m, n), dtype=np.float32)
     out = gpu.put(c) if accumulate else gpu.poisoned((m, n), np.float32 if out_fp32 else np.uint16)
     blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24)
-    blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=out_fp32, accumulate=accumulate)
+    blas.gemm(T(out, F32 if out_fp32 else BF16, (m, n)), T(gpu.bf16(x), BF16, (m, k)), T(gpu.bf16(w), BF16, (n, k)), m,
+              accumulate=accumulate)
     got = gpu.get(out, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out, (m, n))
     ref = x @ w.T + (c if accumulate else 0)
     assert rel_err(got, ref) < (1e-4 if out_fp32 else BF16_TOL)
@@ -296,7 +299,7 @@ def test_cublas_row_counts_of_a_class_share_one_heuristic_query(cuda):
     for m in (290, 300, 320, 321):
         x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
         out = gpu.poisoned((m, n), np.float32)
-        blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=True)
+        blas.gemm(T(out, F32, (m, n)), T(gpu.bf16(x), BF16, (m, k)), T(gpu.bf16(w), BF16, (n, k)), m)
         assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
         queries.append(blas.heuristic_queries)
     assert queries == [1, 1, 1, 2]  # 289..320 are one class; 321 starts the next
@@ -306,13 +309,13 @@ def test_cublas_row_counts_of_a_class_share_one_heuristic_query(cuda):
 def test_cublas_falls_back_to_the_row_counts_own_algorithm(cuda):
     """A class's algorithm that cannot run some m (CUBLAS_STATUS_NOT_SUPPORTED) gives way to the heuristics' choice
     for that m, asked for once."""
-    from tinyvllm.backends.cuda.cublas import CUBLAS_STATUS_NOT_SUPPORTED, Cublas
+    from tinyvllm.backends.cuda.cublas import BF16_GEMM_F32_OUT, CUBLAS_STATUS_NOT_SUPPORTED, Cublas
 
     gpu, rng = Gpu(cuda), np.random.default_rng(8)
     m, n, k = 300, 384, 256
     w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
     blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24)
-    class_algo = blas.algorithm(m, n, k, True)
+    class_algo = blas.algorithm(m, n, k, BF16_GEMM_F32_OUT)
     run = blas._matmul
 
     def refusing(algo, *args):  # the class's algorithm "cannot" run m
@@ -322,7 +325,7 @@ def test_cublas_falls_back_to_the_row_counts_own_algorithm(cuda):
     for _ in range(2):
         x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
         out = gpu.poisoned((m, n), np.float32)
-        blas.gemm(out, gpu.bf16(x), gpu.bf16(w), m, n, k, out_fp32=True)
+        blas.gemm(T(out, F32, (m, n)), T(gpu.bf16(x), BF16, (m, k)), T(gpu.bf16(w), BF16, (n, k)), m)
         assert rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
     assert blas.heuristic_queries == 2  # the class's, then m's own once
     blas.close()
@@ -331,15 +334,16 @@ def test_cublas_falls_back_to_the_row_counts_own_algorithm(cuda):
 def test_cublas_tune_keeps_the_fastest_candidate_for_its_row_count(cuda):
     """tune() times each of the heuristics' candidates (every one runs) and keeps the fastest for exactly m rows;
     gemm at m then runs it, and gets the product right; a Cublas given the same algos (another stream's) too."""
-    from tinyvllm.backends.cuda.cublas import TUNE_RUNS, Cublas
+    from tinyvllm.backends.cuda.cublas import BF16_GEMM_F32_OUT, TUNE_RUNS, Cublas
 
     gpu, rng = Gpu(cuda), np.random.default_rng(9)
     m, n, k = 256, 4096, 512
     x = bf16_round(rng.standard_normal((m, k), dtype=np.float32))
     w = bf16_round(rng.standard_normal((n, k), dtype=np.float32))
-    x_dev, w_dev, out = gpu.bf16(x), gpu.bf16(w), gpu.poisoned((m, n), np.float32)
+    x_dev, w_dev = T(gpu.bf16(x), BF16, (m, k)), T(gpu.bf16(w), BF16, (n, k))
+    out = T(gpu.poisoned((m, n), np.float32), F32, (m, n))
     blas = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24, exact_rows=frozenset({m}))
-    candidates = blas._heuristics(m, n, k, True, 8)
+    candidates = blas._heuristics(m, n, k, BF16_GEMM_F32_OUT, 8)
     if len(candidates) < 2:
         pytest.skip("cuBLASLt offers one algorithm for this shape")
     run, ran = blas._matmul, []
@@ -350,15 +354,15 @@ def test_cublas_tune_keeps_the_fastest_candidate_for_its_row_count(cuda):
 
     blas._matmul = counting
     fake = iter([5.0, 1.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0])  # the second candidate "is fastest"
-    kept = blas.tune(out, x_dev, w_dev, m, n, k, True, lambda timed_run: (timed_run(), next(fake))[1])
-    assert kept == 1 and bytes(blas.algorithm(m, n, k, True)) == bytes(candidates[1])
+    kept = blas.tune(out, x_dev, w_dev, m, lambda timed_run: (timed_run(), next(fake))[1])
+    assert kept == 1 and bytes(blas.algorithm(m, n, k, BF16_GEMM_F32_OUT)) == bytes(candidates[1])
     assert len(ran) == len(candidates) * (1 + TUNE_RUNS)  # each: one untimed, TUNE_RUNS timed
     ran.clear()
-    out = gpu.poisoned((m, n), np.float32)
-    blas.gemm(out, x_dev, w_dev, m, n, k, out_fp32=True)
-    assert ran == [bytes(candidates[1])] and rel_err(gpu.get(out, (m, n), np.float32), x @ w.T) < 1e-4
+    out = T(gpu.poisoned((m, n), np.float32), F32, (m, n))
+    blas.gemm(out, x_dev, w_dev, m)
+    assert ran == [bytes(candidates[1])] and rel_err(gpu.get(out.ptr, (m, n), np.float32), x @ w.T) < 1e-4
     other = Cublas(0, gpu.poisoned(1 << 22, np.int32), 1 << 24, exact_rows=frozenset({m}), algos=blas.algos)
-    assert bytes(other.algorithm(m, n, k, True)) == bytes(candidates[1]) and other.heuristic_queries == 0
+    assert bytes(other.algorithm(m, n, k, BF16_GEMM_F32_OUT)) == bytes(candidates[1]) and other.heuristic_queries == 0
     other.close()
     blas.close()
 

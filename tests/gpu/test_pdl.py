@@ -58,18 +58,17 @@ def is_weight_load(op: str) -> bool:
     return op.startswith("LDG") and ".NA" in op and "CONSTANT" in op
 
 
-def machine_code(tmp_path: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
+def machine_code(device, tmp_path: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
     """{kernel file: {function: instructions}} of every kernel as built for this GPU."""
     from tinyvllm.backends.cuda.kernel_cache import build_cubins, compile_jobs
-    from tinyvllm.backends.cuda.kernels import arch, compute_capability
 
-    if compute_capability() < (9, 0):
+    if device.compute_capability < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump (CUDA toolkit) not found")
     out = {}
-    for file, cubin in build_cubins(compile_jobs(), arch()).items():
+    for file, cubin in build_cubins(compile_jobs(), device.arch).items():
         path = tmp_path / f"{file}.cubin"
         path.write_bytes(cubin)
         sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
@@ -77,9 +76,9 @@ def machine_code(tmp_path: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
     return out
 
 
-def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
+def test_no_kernel_touches_global_memory_before_it_waits(device, tmp_path):
     checked, wrong = 0, []
-    for file, kernels in machine_code(tmp_path).items():
+    for file, kernels in machine_code(device, tmp_path).items():
         for name, instructions in kernels.items():
             waits, before = global_accesses_before_wait(instructions)
             if name.startswith("gemv"):
@@ -91,12 +90,12 @@ def test_no_kernel_touches_global_memory_before_it_waits(cuda, tmp_path):
     assert checked >= 30  # every kernel of cuda/*.cu, template instances included
 
 
-def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(cuda, tmp_path):
+def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(device, tmp_path):
     """All 2 * GEMV_UNROLL weight loads of a warp's first iteration go out before the wait, so that they overlap
     the previous kernel: with the wait inside the loop ptxas issued 2 of them there, the rest after it."""
     from tinyvllm.backends.cuda.ops import GEMV_UNROLL
 
-    kernels = machine_code(tmp_path)["gemv"]
+    kernels = machine_code(device, tmp_path)["gemv"]
     forms = ("", "_pipelined")
     assert set(kernels) == {f"gemv_{kind}{form}" for kind in ("bf16", "f32", "swiglu_bf16") for form in forms}
     for name, instructions in kernels.items():

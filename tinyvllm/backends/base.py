@@ -217,3 +217,7 @@ class Backend(ABC):
     def describe(self) -> dict:
         """Facts worth logging and storing in job metadata."""
         return {"backend": self.name}
+
+    def close(self) -> None:
+        """Give back what the backend holds (device memory, the KV cache) now rather than at garbage collection;
+        idempotent, and no step may follow. Nothing here."""

@@ -190,6 +190,10 @@ class NumpyBackend(Backend):
         self.v_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
 
+    def close(self) -> None:
+        """Free the KV cache (its arrays are this backend's largest memory); idempotent."""
+        self.k_cache, self.v_cache = [], []
+
     def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
         """Run the layers over the batch's tokens; return logits [len(logit_rows), vocab] of the chosen tokens."""
         cfg = self.config

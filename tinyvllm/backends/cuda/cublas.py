@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 
+from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor, matmul_shape
+
 CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUDA_TYPES = {BF16: CUDA_R_16BF, F32: CUDA_R_32F}  # device dtype -> cudaDataType, for the dtypes the GEMMs take
+WEIGHT_DTYPES = (BF16,)  # the weights (A) and inputs (B) a GEMM here takes; outputs bf16 or float32
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
@@ -56,7 +61,6 @@ class _HeuristicResult(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-_lib = _load_library()
 _p, _i, _f, _u64, _i64, _size = (ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
                                  ctypes.c_size_t)
 _pp = ctypes.POINTER(_p)
@@ -75,9 +79,31 @@ _SIGNATURES = {
                                        ctypes.POINTER(_i)],
     "cublasLtMatmul": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), _p, _size, _p],
 }
-for _name, _args in _SIGNATURES.items():
-    getattr(_lib, _name).argtypes = _args
-    getattr(_lib, _name).restype = _i
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    """cuBLASLt, loaded at the first handle (importing this module needs no CUDA)."""
+    lib = _load_library()
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = _i
+    return lib
+
+
+GemmTypes = tuple[int, int, int]  # the cudaDataTypes of A (the weights), B (the input rows), C (the output rows)
+BF16_GEMM = (CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF)
+BF16_GEMM_F32_OUT = (CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F)
+
+
+def gemm_types(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor) -> GemmTypes:
+    """The cudaDataTypes of out = x . w^T from the tensors' dtypes; ValueError for a pair cuBLAS is not set up for
+    here (a quantized weight needs its scales passed too: not yet)."""
+    if w.dtype not in WEIGHT_DTYPES or x.dtype != w.dtype:
+        raise ValueError(f"cuBLAS GEMM of {w.dtype} weights and {x.dtype} inputs is not supported (bf16 only)")
+    if out.dtype not in CUDA_TYPES:
+        raise ValueError(f"cuBLAS GEMM into a {out.dtype} output is not supported (bf16 or f32)")
+    return CUDA_TYPES[w.dtype], CUDA_TYPES[x.dtype], CUDA_TYPES[out.dtype]
 
 
 def check(status: int, call: str) -> None:
@@ -102,24 +128,24 @@ class Cublas:
         """algos: another Cublas's algorithms (shared, tuned ones included), for a handle on another stream."""
         self.exact_rows = exact_rows
         self.handle = _p()
-        check(_lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        check(_lib().cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.stream, self.workspace, self.workspace_bytes = _p(stream_handle), _p(workspace_ptr), workspace_bytes
         self.desc = _p()  # float32 compute and scale, A transposed
-        check(_lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+        check(_lib().cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
               "cublasLtMatmulDescCreate")
         for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T),
                                  (CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
             op = _i(value)
-            check(_lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op), ctypes.sizeof(op)),
+            check(_lib().cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op), ctypes.sizeof(op)),
                   "cublasLtMatmulDescSetAttribute")
         self.preference = _p()
-        check(_lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
+        check(_lib().cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
         limit = _u64(workspace_bytes)
-        check(_lib.cublasLtMatmulPreferenceSetAttribute(self.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        check(_lib().cublasLtMatmulPreferenceSetAttribute(self.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                         ctypes.byref(limit), ctypes.sizeof(limit)),
               "cublasLtMatmulPreferenceSetAttribute")
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
-        self.algos: dict[tuple[int, int, bool, int], _Algo] = {} if algos is None else algos
+        self.algos: dict[tuple[int, int, GemmTypes, int], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
@@ -129,81 +155,85 @@ class Cublas:
         layout = self._layouts.get(key)
         if layout is None:
             layout = _p()
-            check(_lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
+            check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
                   "cublasLtMatrixLayoutCreate")
             self._layouts[key] = layout
         return layout
 
-    def _layouts_for(self, m: int, n: int, k: int, out_fp32: bool) -> tuple[_p, _p, _p]:
+    def _layouts_for(self, m: int, n: int, k: int, types: GemmTypes) -> tuple[_p, _p, _p]:
         """A (the weights), B (the input rows), C = D (the output rows)."""
-        return (self._layout(CUDA_R_16BF, k, n, k), self._layout(CUDA_R_16BF, k, m, k),
-                self._layout(CUDA_R_32F if out_fp32 else CUDA_R_16BF, n, m, n))
+        a_type, b_type, c_type = types
+        return self._layout(a_type, k, n, k), self._layout(b_type, k, m, k), self._layout(c_type, n, m, n)
 
-    def _heuristics(self, m: int, n: int, k: int, out_fp32: bool, count: int = 1) -> list[_Algo]:
+    def _heuristics(self, m: int, n: int, k: int, types: GemmTypes, count: int = 1) -> list[_Algo]:
         """The heuristics' first `count` algorithms for exactly m rows, best guess first."""
-        a, b, c = self._layouts_for(m, n, k, out_fp32)
+        a, b, c = self._layouts_for(m, n, k, types)
         results, found = (_HeuristicResult * count)(), _i()
-        check(_lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, count,
-                                                  results, ctypes.byref(found)),
+        check(_lib().cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, count,
+                                                    results, ctypes.byref(found)),
               f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
         if found.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for m={m}, n={n}, k={k}")
         self.heuristic_queries += 1
         return [results[i].algo for i in range(found.value)]
 
-    def tune(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool,
+    def tune(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
              elapsed: Callable[[Callable[[], None]], float]) -> int:
         """Time the heuristics' first TUNE_CANDIDATES algorithms for exactly m rows on these buffers and keep the
         fastest for m (an exact row count: gemm() then uses it). elapsed(run) runs `run` on the stream and returns
         its time; the GEMMs run now, so not during a capture. Returns the index of the one kept (0: the
         heuristics' own choice)."""
         assert m in self.exact_rows, m
-        a, b, c = self._layouts_for(m, n, k, out_fp32)
+        n, k = matmul_shape(out, x, w, m)
+        types = gemm_types(out, x, w)
+        a, b, c = self._layouts_for(m, n, k, types)
         times: dict[int, float] = {}
-        candidates = self._heuristics(m, n, k, out_fp32, TUNE_CANDIDATES)
+        candidates = self._heuristics(m, n, k, types, TUNE_CANDIDATES)
         for i, algo in enumerate(candidates):
-            if self._matmul(algo, out, x, w, a, b, c, False) != 0:  # untimed; one may refuse this shape
+            if self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, False) != 0:  # untimed; one may refuse this shape
                 continue
-            times[i] = elapsed(lambda: [self._matmul(algo, out, x, w, a, b, c, False) for _ in range(TUNE_RUNS)])
+            times[i] = elapsed(lambda: [self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, False)
+                                        for _ in range(TUNE_RUNS)])
         if not times:
             raise RuntimeError(f"cublasLtMatmul(m={m}, n={n}, k={k}): none of the heuristics' algorithms ran")
         best = min(times, key=times.__getitem__)
-        self.algos[(n, k, out_fp32, m)] = candidates[best]
+        self.algos[(n, k, types, m)] = candidates[best]
         return best
 
-    def algorithm(self, m: int, n: int, k: int, out_fp32: bool = False) -> _Algo:
+    def algorithm(self, m: int, n: int, k: int, types: GemmTypes = BF16_GEMM) -> _Algo:
         """The algorithm of m's class (found by the heuristics at the class's row count, once)."""
-        return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, out_fp32)
+        return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, types)
 
-    def _algorithm_at(self, rows: int, n: int, k: int, out_fp32: bool) -> _Algo:
+    def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""
-        key = (n, k, out_fp32, rows)
+        key = (n, k, types, rows)
         algo = self.algos.get(key)
         if algo is None:
-            algo = self.algos[key] = self._heuristics(rows, n, k, out_fp32)[0]
+            algo = self.algos[key] = self._heuristics(rows, n, k, types)[0]
         return algo
 
-    def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,
-             accumulate: bool = False) -> None:
-        """Row-major out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate); bf16 inputs, float32 compute,
-        output bf16 or float32."""
-        a, b, c = self._layouts_for(m, n, k, out_fp32)
-        status = self._matmul(self.algorithm(m, n, k, out_fp32), out, x, w, a, b, c, accumulate)
+    def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
+        """Row-major out[:m] = x[:m] . w^T (+ out when accumulate), w [n, k]; the types from the tensors' dtypes
+        (gemm_types): bf16 inputs, float32 compute, output bf16 or float32."""
+        n, k = matmul_shape(out, x, w, m)
+        types = gemm_types(out, x, w)
+        a, b, c = self._layouts_for(m, n, k, types)
+        status = self._matmul(self.algorithm(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for this m's own
-            status = self._matmul(self._algorithm_at(m, n, k, out_fp32), out, x, w, a, b, c, accumulate)
+            status = self._matmul(self._algorithm_at(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
 
     def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool) -> int:
-        return _lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self._alpha), w, a, x, b,
-                                   ctypes.byref(self._betas[accumulate]), out, c, out, c, ctypes.byref(algo),
-                                   self.workspace, self.workspace_bytes, self.stream)
+        return _lib().cublasLtMatmul(self.handle, self.desc, ctypes.byref(self._alpha), w, a, x, b,
+                                     ctypes.byref(self._betas[accumulate]), out, c, out, c, ctypes.byref(algo),
+                                     self.workspace, self.workspace_bytes, self.stream)
 
     def close(self) -> None:
         if self.handle:
             for layout in self._layouts.values():
-                check(_lib.cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
+                check(_lib().cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
             self._layouts = {}
-            check(_lib.cublasLtMatmulPreferenceDestroy(self.preference), "cublasLtMatmulPreferenceDestroy")
-            check(_lib.cublasLtMatmulDescDestroy(self.desc), "cublasLtMatmulDescDestroy")
-            check(_lib.cublasLtDestroy(self.handle), "cublasLtDestroy")
+            check(_lib().cublasLtMatmulPreferenceDestroy(self.preference), "cublasLtMatmulPreferenceDestroy")
+            check(_lib().cublasLtMatmulDescDestroy(self.desc), "cublasLtMatmulDescDestroy")
+            check(_lib().cublasLtDestroy(self.handle), "cublasLtDestroy")
             self.handle = _p()

@@ -12,10 +12,10 @@ in a graph becomes a programmatic edge of the graph, so replays overlap the same
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 
-_lib = ctypes.CDLL("libcuda.so.1")
 _p = ctypes.c_void_p
 
 
@@ -35,6 +35,7 @@ class _LaunchConfig(ctypes.Structure):
 _SIGNATURES = {
     "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
+    "cuModuleUnload": [_p],
     "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), _p, ctypes.POINTER(_p), ctypes.POINTER(_p)],
     "cuStreamBeginCapture_v2": [_p, ctypes.c_int],
     "cuStreamEndCapture": [_p, ctypes.POINTER(_p)],
@@ -44,9 +45,18 @@ _SIGNATURES = {
     "cuGraphExecDestroy": [_p],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
 }
-for _name, _args in _SIGNATURES.items():
-    getattr(_lib, _name).argtypes = _args
-    getattr(_lib, _name).restype = ctypes.c_int
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    """libcuda, loaded at the first driver call (importing this module needs no driver)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
 # Thread-local: a capture restricts only its own thread's calls, so one thread may capture while another runs steps.
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -60,7 +70,7 @@ _ARGUMENT_TYPES: dict[str, Callable[[object], ctypes._SimpleCData]] = {
 
 def error_name(status: int) -> str:
     name = ctypes.c_char_p()
-    _lib.cuGetErrorName(status, ctypes.byref(name))
+    _lib().cuGetErrorName(status, ctypes.byref(name))
     return name.value.decode() if name.value else f"CUresult {status}"
 
 
@@ -70,15 +80,19 @@ def check(status: int, call: str) -> None:
 
 
 def load_module(cubin: bytes) -> int:
-    """Load a cubin into the current context (it stays loaded for the process's life)."""
+    """Load a cubin into the current context (until unload_module)."""
     module = _p()
-    check(_lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+    check(_lib().cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     return module.value
+
+
+def unload_module(module: int) -> None:
+    check(_lib().cuModuleUnload(module), "cuModuleUnload")
 
 
 def get_function(module: int, name: str) -> int:
     function = _p()
-    check(_lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
+    check(_lib().cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
     return function.value
 
 
@@ -89,6 +103,7 @@ class Launcher:
 
     def __init__(self, function: int, arg_format: str, programmatic: bool) -> None:
         self.function = _p(function)
+        self._launch = _lib().cuLaunchKernelEx
         self.convert = tuple(_ARGUMENT_TYPES[letter] for letter in arg_format)
         self.attribute = None
         if programmatic:
@@ -96,7 +111,7 @@ class Launcher:
             self.attribute.value[0] = 1
         # A launch configuration per thread: ctypes lets go of the GIL during cuLaunchKernelEx, so with one shared
         # struct another thread's next launch can rewrite its grid or stream while the driver reads it (the likely
-        # cause of one lazy-capture run differing in tests/gpu/test_cuda_model.py, session 14; tests/test_driver.py).
+        # cause of a lazy-capture run that differed in tests/gpu/test_cuda_model.py; tests/test_driver.py).
         self._local = threading.local()
 
     def _config(self) -> _LaunchConfig:
@@ -118,31 +133,31 @@ class Launcher:
         config.grid[:] = (*grid, 1, 1)[:3]
         config.block[:] = block
         config.stream = stream_handle
-        return _lib.cuLaunchKernelEx(ctypes.byref(config), self.function, params, None)
+        return self._launch(ctypes.byref(config), self.function, params, None)
 
 
 class Graph:
     """An instantiated CUDA graph of whatever `record` enqueues on the stream."""
 
     def __init__(self, stream_handle: int, record: Callable[[], None]) -> None:
-        check(_lib.cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        check(_lib().cuStreamBeginCapture_v2(stream_handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
               "cuStreamBeginCapture_v2")
         graph = _p()
         try:
             record()
         finally:  # always leave capture mode, or the stream stays unusable
-            status = _lib.cuStreamEndCapture(stream_handle, ctypes.byref(graph))
+            status = _lib().cuStreamEndCapture(stream_handle, ctypes.byref(graph))
         check(status, "cuStreamEndCapture")
         self.exec = _p()
         try:
-            check(_lib.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), graph, 0), "cuGraphInstantiateWithFlags")
+            check(_lib().cuGraphInstantiateWithFlags(ctypes.byref(self.exec), graph, 0), "cuGraphInstantiateWithFlags")
         finally:
-            check(_lib.cuGraphDestroy(graph), "cuGraphDestroy")
+            check(_lib().cuGraphDestroy(graph), "cuGraphDestroy")
 
     def launch(self, stream_handle: int) -> None:
-        check(_lib.cuGraphLaunch(self.exec, stream_handle), "cuGraphLaunch")
+        check(_lib().cuGraphLaunch(self.exec, stream_handle), "cuGraphLaunch")
 
     def close(self) -> None:
         if self.exec:
-            check(_lib.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            check(_lib().cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
             self.exec = _p()

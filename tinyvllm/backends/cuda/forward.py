@@ -20,15 +20,16 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import pycuda.driver as cuda
 
-from tinyvllm.backends.cuda import kernels
-from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Linear
-from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, Ops, decode_splits
+from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
+from tinyvllm.backends.cuda.tensors import BF16, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
@@ -44,7 +45,7 @@ WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace, fixed so that captured GEMMs nev
 STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 # Decode row counts from which the LM head's cuBLASLt algorithm is chosen by timing (tune_lm_head): there the GEMM
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
-# took 306 (docs/PERFORMANCE.md, sessions 10 and 12); below, it reads its 0.5 GB of weights either way.
+# took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
 
 
@@ -60,10 +61,42 @@ class Buffers(Protocol):
     def ptr(self, name: str, index: int = 0) -> int: ...
 
 
+@dataclass(frozen=True)
+class Activations:
+    """The forward's own device buffers: t rows of activations (a prefill chunk's tokens), s of sampling (the
+    sequences of a step)."""
+
+    x: DeviceTensor  # f32 [t, hidden]: the residual stream
+    h: DeviceTensor  # bf16 [t, hidden]: normalized activations (GEMM input)
+    qkv: DeviceTensor  # bf16 [t, qkv_width]
+    attn: DeviceTensor  # bf16 [t, q_width]
+    gate_up: DeviceTensor  # bf16 [t, 2 * intermediate]
+    act: DeviceTensor  # bf16 [t, intermediate]
+    logits: DeviceTensor  # f32 [s, vocab]
+    sample_hidden: DeviceTensor  # bf16 [s, hidden]: final-normed hidden states of the positions that sample
+    token_counts: DeviceTensor  # i32 [s, vocab]: the logits processors' token counts, a slot per running sequence
+    prompt_mask: DeviceTensor  # u8 [s, vocab]
+    partial_o: DeviceTensor  # f32 [rows, head_dim]: attention_decode's parts of a cut context
+    partial_ml: DeviceTensor  # f32 [rows, 2]: their (max, sum) pairs (float2)
+    workspace: DeviceTensor  # u8 [WORKSPACE_BYTES]: cuBLAS's
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 (or e4m3 codes) each, in one
+    allocation; `pointers` lists the 2 * layers caches (u64, for copy_blocks)."""
+
+    memory: DeviceTensor  # u8 [2 * layers * layer_bytes]
+    k: list[int]
+    v: list[int]
+    pointers: DeviceTensor
+
+
 class CudaForward:
     """The model on the GPU, for steps of up to max_tokens tokens (prefill chunks) and max_num_seqs sequences."""
 
-    def __init__(self, model, engine_config: EngineConfig, stream: cuda.Stream, max_tokens: int) -> None:
+    def __init__(self, model, engine_config: EngineConfig, device: Device, stream: cuda.Stream,
+                 max_tokens: int) -> None:
         cfg = self.config = model.config
         self.engine_config = engine_config
         cfg.check_max_model_len(engine_config.max_model_len)
@@ -71,11 +104,9 @@ class CudaForward:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
             raise ValueError(f"the cuda backend needs hidden_size and intermediate_size divisible by {VECTOR}")
-        compiled = kernels.load()
-        self.stream = stream
-        device = cuda.Context.get_device()
-        self.device_name = device.name()
-        self.num_sms = device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self.device, self.stream = device, stream
+        self.device_name = device.name
+        self.num_sms = device.num_sms
 
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.group = self.heads // self.kv_heads
@@ -85,34 +116,22 @@ class CudaForward:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.max_tokens, self.max_seqs = max_tokens, engine_config.max_num_seqs
 
-        self._allocations: list[cuda.DeviceAllocation] = []
         self.kv_entry_bytes = 1 if engine_config.fp8_kv_cache else 2  # e4m3 codes or bf16
         # an fp8 cache's (K, V) scales of each layer: device float32 [kv_heads] each (model/kv_scales.py)
         self.kv_scales: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
         if engine_config.fp8_kv_cache:
-            k_scales, v_scales = (self._to_device(s) for s in kv_cache_scales(model.weights, cfg))
-            row = 4 * self.kv_heads
-            self.kv_scales = [(k_scales + i * row, v_scales + i * row) for i in range(cfg.num_hidden_layers)]
+            k_scales, v_scales = (device.upload(s, F32) for s in kv_cache_scales(model.weights, cfg))
+            self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
         self._upload_weights(model.weights)
         self._allocate_buffers()
-        self.blas = Cublas(self.stream.handle, self.buf["workspace"], WORKSPACE_BYTES,
-                           exact_rows=frozenset(decode_buckets(self.max_seqs)))
-        self.ops = Ops(compiled, stream)
-        self.linear = Linear(self.blas, compiled, self.stream)  # our GEMV for a few rows, else cuBLAS
+        self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)))
+        self.ops = device.ops(stream)
+        self.linear = Linear(self.blas, self.ops)  # our GEMV for a few rows, else cuBLAS
+        self.kv: KVCache | None = None
         self.k_cache: list[int] = []
         self.v_cache: list[int] = []
 
     # ---- memory ----------------------------------------------------------------------------------------------------
-
-    def _alloc(self, nbytes: int) -> int:
-        allocation = cuda.mem_alloc(max(nbytes, 1))
-        self._allocations.append(allocation)
-        return int(allocation)
-
-    def _to_device(self, array: np.ndarray) -> int:
-        allocation = cuda.to_device(np.ascontiguousarray(array))
-        self._allocations.append(allocation)
-        return int(allocation)
 
     def _upload_weights(self, w: Mapping[str, np.ndarray]) -> None:
         """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them: a packed tensor is its parts'
@@ -121,31 +140,37 @@ class CudaForward:
         through a few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces."""
         cfg, shapes = self.config, weight_shapes(self.config)
         tied = cfg.tie_word_embeddings
-        nbytes = 2 * sum(math.prod(shape) for name, shape in shapes.items() if not (tied and name == "lm_head.weight"))
-        free, total = cuda.mem_get_info()
-        if nbytes > free:
-            raise MemoryError(f"the model's bf16 weights need {nbytes / GIB:.2f} GiB but the GPU ({self.device_name})"
+        size = sum(nbytes(BF16, shape) for name, shape in shapes.items() if not (tied and name == "lm_head.weight"))
+        free, total = self.device.mem_get_info()
+        if size > free:
+            raise MemoryError(f"the model's bf16 weights need {size / GIB:.2f} GiB but the GPU ({self.device_name})"
                               f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
         parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
 
-        def place(names: list[str]) -> int:
-            """Device memory for one packed tensor, the named parts at their offsets in it."""
-            sizes = [2 * math.prod(shapes[name]) for name in names]
-            address = self._alloc(sum(sizes))
-            parts.extend(zip(itertools.accumulate(sizes[:-1], initial=address), names))
-            return address
+        def place(names: list[str]) -> DeviceTensor:
+            """Device memory for one packed tensor (its parts' rows stacked), the named parts at their offsets."""
+            part_shapes = [shapes[name] for name in names]
+            tensor = self.device.empty(BF16, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
+            sizes = [nbytes(BF16, shape) for shape in part_shapes]
+            parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
+            return tensor
 
         self.embed = place(["model.embed_tokens.weight"])
         self.lm_head = self.embed if tied else place(["lm_head.weight"])
         self.final_norm = place(["model.norm.weight"])
-        self.layers = [{"qkv_bias": None, "q_norm": None, "k_norm": None}  # a family's extras (Qwen2, Qwen3)
-                       | {field: place(names) for field, names in layer_parts(cfg, i).items()}
+        self.layers = [DeviceLayer(**{field: place(names) for field, names in layer_parts(cfg, i).items()})
                        for i in range(cfg.num_hidden_layers)]
-        staging = [cuda.pagelocked_empty(STAGING_BYTES, np.uint8) for _ in range(STAGING_BUFFERS)]
+        self._stream_parts(w, parts)
+        self._interleave_gate_up()
+        log.info("cuda weights: %.2f GiB bf16 on %s", size / GIB, self.device_name)
+
+    def _stream_parts(self, w: Mapping[str, np.ndarray], parts: list[tuple[int, str]]) -> None:
+        """Each (device address, HF name) part's bf16 bytes to its address, through the pinned staging buffers."""
+        staging = [self.device.pinned(STAGING_BYTES, np.uint8) for _ in range(STAGING_BUFFERS)]
         sent = [cuda.Event() for _ in staging]  # one not yet recorded counts as done
 
-        def send(i: int, nbytes: int, address: int) -> None:
-            cuda.memcpy_htod_async(address, staging[i][:nbytes], self.stream)
+        def send(i: int, size: int, address: int) -> None:
+            cuda.memcpy_htod_async(address, staging[i][:size], self.stream)
             sent[i].record(self.stream)
 
         try:  # a generator: each part is opened (or converted) only when its turn comes
@@ -153,30 +178,32 @@ class CudaForward:
                         lambda i: sent[i].synchronize(), send)
         finally:
             self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
-        self._interleave_gate_up()
-        log.info("cuda weights: %.2f GiB bf16 on %s", nbytes / GIB, self.device_name)
+            for buffer in staging:
+                self.device.free_pinned(buffer)
 
     def _interleave_gate_up(self) -> None:
         """Each layer's gate/up weight from its parts' order (the gate rows, then the up rows) to groups of 8 gate
         rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
         units and its epilogue applies SwiGLU (gemv.cu), and cuBLAS's output columns come in the order that
         silu_and_mul reads (activation.cu). On the GPU, through one scratch copy."""
-        inter, hidden = self.config.intermediate_size, self.config.hidden_size
-        group = 8 * hidden * 2  # bytes of 8 rows
-        scratch = cuda.mem_alloc(2 * inter * hidden * 2)
+        if not self.layers:
+            return
+        scratch = self.device.empty(BF16, self.layers[0].gate_up.shape)
         try:
             for layer in self.layers:
-                cuda.memcpy_dtod(scratch, layer["gate_up"], 2 * inter * hidden * 2)
+                w = layer.gate_up  # [2 * inter, hidden]
+                group = 8 * w.row_bytes  # bytes of 8 rows
+                cuda.memcpy_dtod(scratch.ptr, w.ptr, w.nbytes)
                 for half in range(2):  # gate, then up: into every other group
                     copy = cuda.Memcpy2D()
-                    copy.set_src_device(int(scratch) + half * inter * hidden * 2)
-                    copy.set_dst_device(layer["gate_up"] + half * group)
+                    copy.set_src_device(scratch.ptr + half * (w.nbytes // 2))
+                    copy.set_dst_device(w.ptr + half * group)
                     copy.src_pitch, copy.dst_pitch = group, 2 * group
-                    copy.width_in_bytes, copy.height = group, inter // 8
+                    copy.width_in_bytes, copy.height = group, w.shape[0] // 2 // 8
                     copy(aligned=True)
             cuda.Context.synchronize()
         finally:
-            scratch.free()
+            self.device.free(scratch)
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms)
@@ -185,108 +212,103 @@ class CudaForward:
         cfg, t, s = self.config, self.max_tokens, self.max_seqs
         hidden, inter, vocab, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.head_dim
         partial_rows = max(n * self.num_splits(n) for n in range(1, s + 1)) * self.heads
-        self.buf = {name: self._alloc(nbytes) for name, nbytes in {
-            "x": t * hidden * 4,  # float32 residual stream
-            "h": t * hidden * 2,  # normalized activations (GEMM input)
-            "qkv": t * self.qkv_width * 2,
-            "attn": t * self.q_width * 2,
-            "gate_up": t * 2 * inter * 2,
-            "act": t * inter * 2,
-            "logits": s * vocab * 4,
-            "sample_hidden": s * hidden * 2,  # final-normed hidden states of the positions that sample
-            # the logits processors' token-count table (LogitsProcessing): a slot per possible running sequence
-            "token_counts": s * vocab * 4,
-            "prompt_mask": s * vocab,
-            "partial_o": partial_rows * d * 4,
-            "partial_ml": partial_rows * 8,
-            "workspace": WORKSPACE_BYTES,
-        }.items()}
-        cuda.memset_d32(self.buf["token_counts"], 0, s * vocab)
-        cuda.memset_d8(self.buf["prompt_mask"], 0, s * vocab)
+        empty = self.device.empty
+        self.buf = Activations(
+            x=empty(F32, (t, hidden)), h=empty(BF16, (t, hidden)), qkv=empty(BF16, (t, self.qkv_width)),
+            attn=empty(BF16, (t, self.q_width)), gate_up=empty(BF16, (t, 2 * inter)), act=empty(BF16, (t, inter)),
+            logits=empty(F32, (s, vocab)), sample_hidden=empty(BF16, (s, hidden)),
+            token_counts=empty(I32, (s, vocab)), prompt_mask=empty(U8, (s, vocab)),
+            partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
+            workspace=empty(U8, (WORKSPACE_BYTES,)))
+        cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
+        cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
         cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
                                                                                    cfg.rope_scaling))
-        self.cos_sin = self._to_device(np.stack([cos, sin], axis=-1))  # float2 [max_model_len, d / 2]
+        self.cos_sin = self.device.upload(np.stack([cos, sin], axis=-1).astype(np.float32, copy=False),
+                                          F32)  # float2 [max_model_len, d / 2]
 
     def kv_bytes_per_block(self) -> int:
         return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * self.kv_entry_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """K and V of every layer, [num_blocks * block_size, kv_heads, head_dim] bf16 (or e4m3 codes) each, in one
-        allocation.
+        allocation (a cache allocated before is freed first).
 
         Only block 0 is zeroed (zeroing ~120 GB took 38 ms on an H200): attention reads a slot only after the step
         that owns it wrote it (keys before a row's context end; rope_and_cache runs before attention; past the
         end the kernels load zeros), except the padded rows of a decode batch, which read slot 0 of block 0. Their
         output is dropped, and rows never mix, but zeros keep them finite."""
-        nbytes = num_blocks * self.kv_bytes_per_block()
-        base = self._alloc(nbytes)
+        self.free_kv_cache()
+        layers = range(self.config.num_hidden_layers)
         block_bytes = self.engine_config.block_size * self.kv_width * self.kv_entry_bytes  # of one layer's K (or V)
         layer_bytes = num_blocks * block_bytes
-        layers = range(self.config.num_hidden_layers)
-        self.k_cache = [base + 2 * i * layer_bytes for i in layers]
-        self.v_cache = [base + (2 * i + 1) * layer_bytes for i in layers]
-        for cache in (*self.k_cache, *self.v_cache):
+        memory = self.device.empty(U8, (num_blocks * self.kv_bytes_per_block(),))
+        caches = [memory.ptr + c * layer_bytes for c in range(2 * len(layers))]  # K0, V0, K1, V1, ...
+        self.k_cache, self.v_cache = caches[0::2], caches[1::2]
+        for cache in caches:
             cuda.memset_d32(cache, 0, block_bytes // 4)
-        self.kv_caches = self._to_device(np.array([base + c * layer_bytes for c in range(2 * len(layers))],
-                                                  np.uint64))  # for copy_blocks
+        self.kv = KVCache(memory, self.k_cache, self.v_cache, self.device.upload(np.array(caches, np.uint64), U64))
+
+    def free_kv_cache(self) -> None:
+        if self.kv is not None:
+            self.device.free(self.kv.memory)
+            self.device.free(self.kv.pointers)
+        self.kv, self.k_cache, self.v_cache = None, [], []
 
     def copy_blocks(self, pairs: int, num_pairs: int) -> None:
         """Copy KV blocks (source, destination) (pairs: device int32 [num_pairs, 2]) in every layer's K and V."""
-        self.ops.copy_blocks(self.kv_caches, 2 * len(self.k_cache), pairs, num_pairs,
+        self.ops.copy_blocks(self.kv.pointers.ptr, self.kv.pointers.numel, pairs, num_pairs,
                              self.engine_config.block_size * self.kv_width * self.kv_entry_bytes // 2)
 
     def init_token_slots(self, slots: int, num_slots: int, tokens: int, token_slots: int, num_tokens: int) -> None:
         """Reset the token-count slots `slots` (device int32 [num_slots]) to `tokens`, token i going to slot
         token_slots[i]'s output counts, or (as -1 - slot) its prompt mask."""
         vocab, b = self.config.vocab_size, self.buf
-        self.ops.clear_token_slots(b["token_counts"], b["prompt_mask"], vocab, slots, num_slots)
+        self.ops.clear_token_slots(b.token_counts.ptr, b.prompt_mask.ptr, vocab, slots, num_slots)
         if num_tokens:
-            self.ops.fill_token_slots(b["token_counts"], b["prompt_mask"], vocab, tokens, token_slots, num_tokens)
+            self.ops.fill_token_slots(b.token_counts.ptr, b.prompt_mask.ptr, vocab, tokens, token_slots, num_tokens)
 
     def on_stream(self, stream: cuda.Stream) -> CudaForward:
         """The same model (weights, buffers, KV cache) launching on another stream, with a cuBLAS handle of its own:
         what another thread captures graphs with. Its close() releases that handle only."""
         other = copy.copy(self)
         other.stream = stream
-        other.blas = Cublas(stream.handle, self.buf["workspace"], WORKSPACE_BYTES, exact_rows=self.blas.exact_rows,
-                            algos=self.blas.algos)
-        other.ops = Ops(self.ops.kernels, stream)
-        other.linear = Linear(other.blas, self.ops.kernels, stream)
-        other._allocations = []
+        other.blas = self.device.cublas(stream, self.buf.workspace, exact_rows=self.blas.exact_rows,
+                                        algos=self.blas.algos)
+        other.ops = self.device.ops(stream)
+        other.linear = Linear(other.blas, other.ops)
         return other
 
     def close(self) -> None:
-        """Release the cuBLAS handle and device memory now rather than at garbage collection."""
-        self.blas.close()
-        for allocation in self._allocations:
-            allocation.free()
-        self._allocations = []
+        """Release this forward's cuBLAS handle now; its memory is the Device's, freed by Device.close()."""
+        if not self.device.closed:
+            self.device.release(self.blas)
 
     # ---- the launch sequence ---------------------------------------------------------------------------------------
 
     def _layers(self, n: int, inp: Buffers, out: Buffers, attention: Callable[[int], None]) -> None:
-        """Embed n tokens and run every layer on them, the residual stream ending in buf["x"]."""
-        cfg, b, ops = self.config, self.buf, self.ops
-        hidden, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        """Embed n tokens and run every layer on them, the residual stream ending in buf.x."""
+        cfg, b, ops, linear = self.config, self.buf, self.ops, self.linear
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         # tokens sampled by the previous step, which is queued before this one but not read back yet
         ops.resolve_tokens(inp.ptr("token_ids"), inp.ptr("token_src"), out.ptr("ids"), n)
-        ops.embedding(b["x"], self.embed, inp.ptr("token_ids"), n, hidden)
+        ops.embedding(b.x.ptr, self.embed.ptr, inp.ptr("token_ids"), n, hidden)
         for i, layer in enumerate(self.layers):
-            ops.rms_norm(b["h"], b["x"], layer["input_norm"], 0, n, hidden, eps)
-            self.linear.gemm(b["qkv"], b["h"], layer["qkv"], n, self.qkv_width, hidden)
-            if layer["qkv_bias"] is not None:
-                ops.add_qkv_bias(b["qkv"], layer["qkv_bias"], n, self.qkv_width)
-            if layer["q_norm"] is not None:
-                ops.qk_norm(b["qkv"], layer["q_norm"], layer["k_norm"], n, self.heads, self.kv_heads, self.head_dim,
-                            self.qkv_width, eps)
-            ops.rope_and_cache(b["qkv"], self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
-                               inp.ptr("slot_mapping"), self.cos_sin, n, self.heads, self.kv_heads, self.head_dim,
-                               self.qkv_width, self.kv_scales[i])
+            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps)
+            linear.gemm(b.qkv, b.h, layer.qkv, n)
+            if layer.qkv_bias is not None:
+                ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
+            if layer.q_norm is not None:
+                ops.qk_norm(b.qkv.ptr, layer.q_norm.ptr, layer.k_norm.ptr, n, self.heads, self.kv_heads,
+                            self.head_dim, self.qkv_width, eps)
+            ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
+                               inp.ptr("slot_mapping"), self.cos_sin.ptr, n, self.heads, self.kv_heads,
+                               self.head_dim, self.qkv_width, self.kv_scales[i])
             attention(i)
-            self.linear.gemm(b["x"], b["attn"], layer["o"], n, hidden, self.q_width, out_fp32=True, accumulate=True)
-            ops.rms_norm(b["h"], b["x"], layer["post_norm"], 0, n, hidden, eps)
-            self.linear.gate_up_swiglu(b["act"], b["h"], layer["gate_up"], n, 2 * inter, hidden, b["gate_up"])
-            self.linear.gemm(b["x"], b["act"], layer["down"], n, hidden, inter, out_fp32=True, accumulate=True)
+            linear.gemm(b.x, b.attn, layer.o, n, accumulate=True)
+            ops.rms_norm(b.h.ptr, b.x.ptr, layer.post_norm.ptr, 0, n, hidden, eps)
+            linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up)
+            linear.gemm(b.x, b.act, layer.down, n, accumulate=True)
 
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
         """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more
@@ -300,14 +322,13 @@ class CudaForward:
             end.synchronize()
             return end.time_since(start)
 
-        vocab, hidden = self.config.vocab_size, self.config.hidden_size
-        return {m: self.blas.tune(self.buf["logits"], self.lm_head, self.lm_head, m, vocab, hidden, True, elapsed)
+        return {m: self.blas.tune(self.buf.logits, self.lm_head, self.lm_head, m, elapsed)
                 for m in buckets if m >= LM_HEAD_TUNE_ROWS}
 
-    def compute_logits(self, n: int, hidden_rows: int) -> None:
-        """The logits of n final-normed rows (device bf16 [n, hidden]) into buf["logits"]."""
-        self.linear.gemm(self.buf["logits"], hidden_rows, self.lm_head, n, self.config.vocab_size,
-                         self.config.hidden_size, out_fp32=True)
+    def compute_logits(self, n: int, hidden_rows: DeviceTensor) -> None:
+        """The float32 logits of the first n final-normed rows of hidden_rows (bf16 [>= n, hidden]) into
+        buf.logits."""
+        self.linear.gemm(self.buf.logits, hidden_rows, self.lm_head, n)
 
     def sample_logits(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, last_tokens: int,
                       masks: Buffers | None = None) -> None:
@@ -317,16 +338,16 @@ class CudaForward:
         it. last_tokens: each row's last input token (device int32 [n])."""
         b, vocab = self.buf, self.config.vocab_size
         if masks is not None:
-            self.ops.apply_token_bitmask(b["logits"], n, vocab, masks.ptr("bitmask"), masks.ptr("bitmask_rows"))
+            self.ops.apply_token_bitmask(b.logits.ptr, n, vocab, masks.ptr("bitmask"), masks.ptr("bitmask_rows"))
         # out["ids"] still holds the previous step's tokens here: a last input token not known to the host is there
-        self.ops.apply_logits_processors(b["logits"], n, vocab, last_tokens, proc.ptr("last_src"), out.ptr("ids"),
+        self.ops.apply_logits_processors(b.logits.ptr, n, vocab, last_tokens, proc.ptr("last_src"), out.ptr("ids"),
                                          proc.ptr("penalty_slots"), proc.ptr("presence"), proc.ptr("frequency"),
-                                         proc.ptr("repetition"), b["token_counts"], b["prompt_mask"],
+                                         proc.ptr("repetition"), b.token_counts.ptr, b.prompt_mask.ptr,
                                          proc.ptr("allowed_ptr"), proc.ptr("allowed_ids"), proc.ptr("bias_ptr"),
                                          proc.ptr("bias"))
-        self.ops.sample(out.ptr("ids"), b["logits"], n, vocab, inp.ptr("temperature"), inp.ptr("top_p"),
+        self.ops.sample(out.ptr("ids"), b.logits.ptr, n, vocab, inp.ptr("temperature"), inp.ptr("top_p"),
                         inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
-        self.ops.count_tokens(b["token_counts"], vocab, out.ptr("ids"), proc.ptr("count_slots"), n)
+        self.ops.count_tokens(b.token_counts.ptr, vocab, out.ptr("ids"), proc.ptr("count_slots"), n)
 
     def decode(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, sample: bool = True) -> None:
         """One decode step of n (bucket-padded) sequences, sampled ids into out (sample=False: up to the logits):
@@ -335,15 +356,16 @@ class CudaForward:
         splits = self.num_splits(n)
 
         def attention(i: int) -> None:
-            self.ops.attention_decode(b["attn"], b["partial_o"], b["partial_ml"], b["qkv"], self.k_cache[i],
+            self.ops.attention_decode(b.attn.ptr, b.partial_o.ptr, b.partial_ml.ptr, b.qkv.ptr, self.k_cache[i],
                                       self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
                                       inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
                                       self.head_dim, self.engine_config.block_size, self.qkv_width, splits,
                                       self.kv_scales[i])
 
         self._layers(n, inp, out, attention)
-        self.ops.rms_norm(b["h"], b["x"], self.final_norm, 0, n, self.config.hidden_size, self.config.rms_norm_eps)
-        self.compute_logits(n, b["h"])
+        self.ops.rms_norm(b.h.ptr, b.x.ptr, self.final_norm.ptr, 0, n, self.config.hidden_size,
+                          self.config.rms_norm_eps)
+        self.compute_logits(n, b.h)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
 
@@ -352,7 +374,7 @@ class CudaForward:
         b = self.buf
 
         def attention(i: int) -> None:
-            self.ops.attention_prefill(b["attn"], b["qkv"], self.k_cache[i], self.v_cache[i],
+            self.ops.attention_prefill(b.attn.ptr, b.qkv.ptr, self.k_cache[i], self.v_cache[i],
                                        inp.ptr("block_tables"), bt_width, inp.ptr("query_start_loc"),
                                        inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
                                        num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
@@ -364,8 +386,8 @@ class CudaForward:
         """Final-norm `count` rows of the residual stream (rows: device int32) into the sample_hidden rows of
         sequences first_seq.."""
         cfg = self.config
-        self.ops.rms_norm(self.buf["sample_hidden"] + first_seq * cfg.hidden_size * 2, self.buf["x"],
-                          self.final_norm, rows, count, cfg.hidden_size, cfg.rms_norm_eps)
+        self.ops.rms_norm(self.buf.sample_hidden.row(first_seq), self.buf.x.ptr, self.final_norm.ptr, rows, count,
+                          cfg.hidden_size, cfg.rms_norm_eps)
 
     def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers, proc: Buffers,
                        masks: Buffers | None = None) -> None:
@@ -374,13 +396,12 @@ class CudaForward:
 
     def logprobs(self, n: int, token_ids: int, k: int, out: Buffers) -> None:
         """Logprobs of token_ids (device int32 [n]) and the top k of the last n rows of logits, into out."""
-        self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf["logits"], token_ids,
-                          n, self.config.vocab_size, k)
+        self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf.logits.ptr,
+                          token_ids, n, self.config.vocab_size, k)
 
     def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
         """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""
         cfg, buf = self.config, self.buf
-        self.ops.rms_norm(buf["h"], buf["x"], self.final_norm, rows, m, cfg.hidden_size, cfg.rms_norm_eps)
-        self.compute_logits(m, buf["h"])
+        self.ops.rms_norm(buf.h.ptr, buf.x.ptr, self.final_norm.ptr, rows, m, cfg.hidden_size, cfg.rms_norm_eps)
+        self.compute_logits(m, buf.h)
         self.logprobs(m, targets, k, out)
-

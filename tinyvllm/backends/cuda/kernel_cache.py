@@ -12,6 +12,7 @@ followed) is a miss that is compiled again and replaced, never an error.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -33,15 +34,15 @@ SUFFIX = ".cubin"
 OPTIONS = ("-O3", "-std=c++17")
 
 
-def _cuda_dir() -> Path:
-    """cuda/ of the source tree (an editable install), else where a wheel installs it (setup.cfg data_files)."""
+@functools.cache
+def cuda_dir() -> Path:
+    """cuda/ of the source tree (an editable install), else where a wheel installs it (setup.cfg data_files); looked
+    up at the first compile, not at import."""
     for candidate in (Path(__file__).resolve().parents[3] / "cuda", Path(sys.prefix) / "share" / "tinyvllm" / "cuda"):
         if (candidate / "common.cuh").is_file():
             return candidate
     raise RuntimeError("cannot find the CUDA kernel sources (cuda/*.cu); reinstall tinyvllm")
 
-
-CUDA_DIR = _cuda_dir()
 
 
 class KernelCompileError(RuntimeError):
@@ -176,13 +177,13 @@ def build_all(jobs: Sequence[CompileJob], compile_job: Callable[[CompileJob], by
 
 def compile_jobs() -> list[CompileJob]:
     """One job per kernel file that SIGNATURES names, with its -D defines."""
-    return [CompileJob(file, (CUDA_DIR / f"{file}.cu").read_text(), DEFINES.get(file, {}), OPTIONS)
+    return [CompileJob(file, (cuda_dir() / f"{file}.cu").read_text(), DEFINES.get(file, {}), OPTIONS)
             for file in dict.fromkeys(signature.file for signature in SIGNATURES.values())]
 
 
 def build_cubins(jobs: Sequence[CompileJob], arch: str, cache_dir: Path | None = None) -> dict[str, bytes]:
     """The jobs' cubins for `arch` through nvcc and the cache in cache_dir (default: default_cache_dir())."""
-    nvcc = find_nvcc()
-    headers = {path.name: path.read_text() for path in sorted(CUDA_DIR.glob("*.cuh"))}
-    return build_all(jobs, lambda job: nvcc_compile(job, nvcc, arch, CUDA_DIR),
+    nvcc, include_dir = find_nvcc(), cuda_dir()
+    headers = {path.name: path.read_text() for path in sorted(include_dir.glob("*.cuh"))}
+    return build_all(jobs, lambda job: nvcc_compile(job, nvcc, arch, include_dir),
                      KernelCache(cache_dir or default_cache_dir()), headers, compiler_version(nvcc), arch)

@@ -1,10 +1,10 @@
-"""Compile cuda/*.cu for this device's architecture and hand out the kernels, ready to launch.
+"""Compile cuda/*.cu for a device's architecture and hand out the kernels, ready to launch.
 
-PyCUDA runs on the device's primary context (pycuda.autoprimaryctx), the one the CUDA runtime and so cuBLAS use:
-all see the same allocations and streams. The files become cubins through kernel_cache.py (cached on disk across
-runs, compiled by parallel nvcc processes when missing); driver.py loads them and launches their kernels, with
-programmatic dependent launch on sm_90 and later. Which kernels each file holds, their argument types and the -D
-defines they are compiled with come from ops.py, whose launchers launch them.
+The files become cubins through kernel_cache.py (cached on disk across runs, compiled by parallel nvcc processes
+when missing); driver.py loads them into the current context and launches their kernels, with programmatic
+dependent launch on sm_90 and later. Which kernels each file holds, their argument types and the -D defines they
+are compiled with come from ops.py, whose launchers launch them. Nothing here touches a GPU at import: a Device
+(device.py) loads the kernels into its context and unloads them at its close.
 """
 
 from __future__ import annotations
@@ -12,18 +12,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
-import pycuda.driver as cuda
-
 from tinyvllm.backends.cuda import driver
-from tinyvllm.backends.cuda.kernel_cache import CUDA_DIR, OPTIONS, CompileJob, build_cubins, compile_jobs
+from tinyvllm.backends.cuda.kernel_cache import OPTIONS, CompileJob, build_cubins, compile_jobs
 from tinyvllm.backends.cuda.ops import SIGNATURES
 
-__all__ = ["CUDA_DIR", "Kernel", "arch", "compile_source", "load"]
-
-# Launch with programmatic dependent launch where the GPU has it (sm_90+). Set False before load() to measure
-# without it (docs/PERFORMANCE.md's A/B).
-PROGRAMMATIC_LAUNCH = True
+__all__ = ["Kernel", "compile_source", "load"]
 
 
 class Kernel:
@@ -33,34 +26,35 @@ class Kernel:
         self.name = name
         self.launcher = driver.Launcher(function, arg_format, programmatic)
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream: cuda.Stream | None, *args) -> None:
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream, *args) -> None:
+        """stream: a pycuda Stream, or None for the default stream."""
         status = self.launcher(grid, block, stream.handle if stream is not None else 0, args)
         if status != 0:
             raise RuntimeError(f"CUDA kernel {self.name} grid={grid} block={block} failed to launch: "
                                f"{driver.error_name(status)}")
 
 
-def compute_capability() -> tuple[int, int]:
-    return cuda.Context.get_device().compute_capability()
-
-
-def arch() -> str:
-    major, minor = compute_capability()
-    return f"sm_{major}{minor}"
-
-
-def compile_source(source: str, defines: Mapping[str, int]) -> cuda.Module:
-    """One kernel source (a variant under study, as bench/attention.py compiles), through the same cache, as a
-    PyCUDA module."""
-    cubins = build_cubins([CompileJob("source", source, defines, OPTIONS)], arch())
-    return cuda.module_from_buffer(cubins["source"])
-
-
 @functools.cache
-def load() -> dict[str, Kernel]:
-    """Every kernel of cuda/*.cu for this device, from the cubin cache or compiled now (in parallel)."""
-    modules = {name: driver.load_module(cubin) for name, cubin in build_cubins(compile_jobs(), arch()).items()}
-    programmatic = PROGRAMMATIC_LAUNCH and compute_capability() >= (9, 0)
-    return {name: Kernel(name, driver.get_function(modules[signature.file], name), signature.arg_format,
-                         programmatic)
-            for name, signature in SIGNATURES.items()}
+def cubins(arch: str) -> dict[str, bytes]:
+    """Every kernel file's cubin for `arch`, from the disk cache or compiled now (in parallel); host bytes, kept for
+    the process so that a second Device of the same kind loads them without asking the cache again."""
+    return build_cubins(compile_jobs(), arch)
+
+
+def compile_source(source: str, defines: Mapping[str, int], arch: str):
+    """One kernel source (a variant under study, as bench/attention.py compiles), through the same cache, as a
+    PyCUDA module of the current context."""
+    import pycuda.driver as cuda
+
+    compiled = build_cubins([CompileJob("source", source, defines, OPTIONS)], arch)
+    return cuda.module_from_buffer(compiled["source"])
+
+
+def load(arch: str, programmatic: bool) -> tuple[dict[str, Kernel], list[int]]:
+    """Every kernel of cuda/*.cu, loaded into the current context (of a device of `arch`), launched with
+    programmatic dependent launch when `programmatic`; and the modules loaded, for driver.unload_module."""
+    modules = {name: driver.load_module(cubin) for name, cubin in cubins(arch).items()}
+    kernels = {name: Kernel(name, driver.get_function(modules[signature.file], name), signature.arg_format,
+                            programmatic)
+               for name, signature in SIGNATURES.items()}
+    return kernels, list(modules.values())

@@ -9,11 +9,9 @@ a CUDA graph.
 
 from __future__ import annotations
 
-import pycuda.driver as cuda
-
 from tinyvllm.backends.cuda.cublas import Cublas
-from tinyvllm.backends.cuda.kernels import Kernel
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS, VECTOR, Ops
+from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
 # a few MB (Llama-3.2-1B's QKV and O) and ties at 16-32 MB (its MLP). In a decode step it also starts streaming its
@@ -23,33 +21,44 @@ GEMV_MAX_WEIGHTS = 64 << 20  # n * k up to which the kernel runs
 
 
 class Linear:
-    """out[m, n] = x[m, k] . w[n, k]^T, row-major, with Cublas.gemm's meaning and arguments."""
+    """out[:m] = x[:m] . w^T, row-major, w [n, k]: the kernel chosen by the weight's dtype (bf16: our GEMV for a few
+    rows, else cuBLAS), with the launchers of `ops` (the device's, on the stream `blas` runs on)."""
 
-    def __init__(self, blas: Cublas, kernels: dict[str, Kernel], stream: cuda.Stream,
-                 max_gemv_weights: int = GEMV_MAX_WEIGHTS) -> None:
+    def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS) -> None:
         self.blas = blas
-        self.kernels = kernels
-        self.stream = stream
-        device = cuda.Context.get_device()
-        self.ops = Ops(kernels, stream, device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT))
+        self.ops = ops
         self.max_gemv_weights = max_gemv_weights
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
         return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % VECTOR == 0
 
-    def gemm(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool = False,
-             accumulate: bool = False) -> None:
-        """bf16 x and w, float32 accumulation; out bf16 or float32 (out_fp32), out += x . w^T when accumulate."""
-        if self.uses_gemv(m, n, k):
-            self.ops.gemv(out, x, w, m, n, k, out_fp32, accumulate)
-        else:
-            self.blas.gemm(out, x, w, m, n, k, out_fp32=out_fp32, accumulate=accumulate)
+    @staticmethod
+    def _check(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+        if w.dtype != BF16:
+            raise ValueError(f"linear layers with {w.dtype} weights are not supported on the cuda backend (bf16)")
+        if x.dtype != BF16 or out.dtype not in (BF16, F32):
+            raise ValueError(f"a bf16 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
+                             f"{out.dtype}")
+        return matmul_shape(out, x, w, m)
 
-    def gate_up_swiglu(self, out: int, x: int, w: int, m: int, n: int, k: int, gate_up: int) -> None:
-        """bf16 out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8
-        (8 gate, then the same units' 8 up); gate_up: a bf16 [m, n] buffer that the cuBLAS path goes through."""
+    def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
+        """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate."""
+        n, k = self._check(out, x, w, m)
         if self.uses_gemv(m, n, k):
-            self.ops.gemv_swiglu(out, x, w, m, n, k)
+            self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         else:
-            self.blas.gemm(gate_up, x, w, m, n, k)
-            self.ops.silu_and_mul(out, gate_up, m, n // 2)
+            self.blas.gemm(out, x, w, m, accumulate=accumulate)
+
+    def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
+                       gate_up: DeviceTensor) -> None:
+        """bf16 out[:m, n / 2] = SwiGLU(x . w^T), w [n, k] the gate/up projection with its rows interleaved in groups
+        of 8 (8 gate, then the same units' 8 up); gate_up: a bf16 [>= m, n] buffer that the cuBLAS path goes
+        through."""
+        n, k = self._check(gate_up, x, w, m)
+        if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
+            raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
+        if self.uses_gemv(m, n, k):
+            self.ops.gemv_swiglu(out.ptr, x.ptr, w.ptr, m, n, k)
+        else:
+            self.blas.gemm(gate_up, x, w, m)
+            self.ops.silu_and_mul(out.ptr, gate_up.ptr, m, n // 2)

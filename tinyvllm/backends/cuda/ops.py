@@ -3,7 +3,7 @@
 A kernel's launch facts live here and nowhere else: CudaBackend and the GPU tests call these launchers, and the tile
 constants below reach the compiler as -D defines (DEFINES), so Python is their single source. A launcher raises
 ValueError on a shape its kernel cannot run (a kernel would read out of bounds instead). No pycuda here: launchers
-call whatever `kernels` maps a kernel name to (kernels.load() gives the compiled ones), so their geometry and checks
+call whatever `kernels` maps a kernel name to (Device.kernels gives the compiled ones), so their geometry and checks
 can be tested on any machine.
 """
 
@@ -22,7 +22,7 @@ PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per 
 DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence)
 # attention_decode: fewest 16-key tiles in each part of a context cut into parts (a shorter context gets fewer
 # parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
-# per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md, session 11)
+# per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md)
 DECODE_MIN_SPLIT_TILES = 4
 NORM_CHUNKS = 2  # rms_norm: most 8-entry chunks of a row per thread (held in registers)
 MAX_THREADS = 1024  # threads per block the GPU allows
@@ -125,7 +125,7 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int) -> tu
     """The kernel, the grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv
     kernels. The kernel is kernel_name, or its `_pipelined` form where a warp has more than one iteration of k and
     the grid fits on the GPU at one block per SM (that form's occupancy): Llama-3.2-1B's down projection, 2% faster
-    alone and W3 1% (docs/PERFORMANCE.md, session 15); 8B's QKV and O (2 iterations, 2-3 blocks per SM) were 10-15%
+    alone and W3 1% (docs/PERFORMANCE.md); 8B's QKV and O (2 iterations, 2-3 blocks per SM) were 10-15%
     slower in it."""
     _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
     _require_vectors(kernel_name, k=k)

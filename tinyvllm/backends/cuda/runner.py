@@ -16,10 +16,10 @@ outputs come back through one of two host copies, so they stay readable after st
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -27,9 +27,9 @@ import pycuda.driver as cuda
 
 from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, QueuedStep, SamplerOutput,
                                     SamplingBatch, bitmask_words)
-from tinyvllm.backends.cuda import kernels
-from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets
+from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.driver import Graph
+from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
 
@@ -47,17 +47,19 @@ def _seconds(work: Callable[[], object]) -> float:
 class Staging:
     """Named 4-byte arrays packed in one device buffer and pinned host buffers: a step's inputs travel in one
     copy (the last field is copied only as far as it is used), its outputs come back from fixed places. Outputs
-    have two host copies used in turn: step N's stay readable while step N+1's are already queued."""
+    have two host copies used in turn: step N's stay readable while step N+1's are already queued. The memory is
+    the device's (freed by close(), or with the device)."""
 
-    def __init__(self, fields: dict[str, tuple[int, type]], host_copies: int = 1) -> None:
+    def __init__(self, device: Device, fields: dict[str, tuple[int, type]], host_copies: int = 1) -> None:
+        self.device = device
         self.offsets: dict[str, int] = {}
         total = 0
         for name, (size, _) in fields.items():
             self.offsets[name] = total
             total += size
-        self.hosts = [cuda.pagelocked_empty(total, np.int32) for _ in range(host_copies)]
+        self.hosts = [device.pinned(total, np.int32) for _ in range(host_copies)]
         self.host = self.hosts[0]
-        self.dev = cuda.mem_alloc(total * 4)
+        self.dev = device.alloc(total * 4)
         self.copies = [{name: host[self.offsets[name]: self.offsets[name] + size].view(dtype)
                         for name, (size, dtype) in fields.items()} for host in self.hosts]
         self.views = self.copies[0]
@@ -67,10 +69,12 @@ class Staging:
         return self.views[name]
 
     def ptr(self, name: str, index: int = 0) -> int:
-        return int(self.dev) + 4 * (self.offsets[name] + index)
+        return self.dev + 4 * (self.offsets[name] + index)
 
     def wait(self) -> None:
-        """Block until the last upload has left the host buffer (call before refilling it)."""
+        """Block until the last upload has left the host buffer (call before refilling it): every step's staging
+        begins here, so a step on a closed backend stops here, before it touches freed memory."""
+        self.device.check_open()
         self.copied.synchronize()
 
     def upload(self, stream: cuda.Stream, last_field: str, used: int) -> None:
@@ -83,19 +87,27 @@ class Staging:
     def size(self, name: str) -> int:
         return len(self.views[name])
 
+    def close(self) -> None:
+        """Free the buffers now (after wait(): no upload may still read them)."""
+        if not self.device.closed:
+            self.device.free(self.dev)
+            for host in self.hosts:
+                self.device.free_pinned(host)
+
 
 class ProcessorBuffers:
     """The device arrays of a step's LogitsProcessing: per-row fields in one Staging, the allowed-id and bias lists
     in two more (re-made larger when a step needs it; the decode graphs are captured again then)."""
 
-    def __init__(self, max_seqs: int, list_rows: int) -> None:
+    def __init__(self, device: Device, max_seqs: int, list_rows: int) -> None:
         s = max_seqs
-        self.rows = Staging({"penalty_slots": (s, np.int32), "count_slots": (s, np.int32),
-                             "presence": (s, np.float32), "frequency": (s, np.float32),
-                             "repetition": (s, np.float32), "last_tokens": (s, np.int32), "last_src": (s, np.int32),
-                             "allowed_ptr": (s + 1, np.int32), "bias_ptr": (s + 1, np.int32)})
-        self.allowed = Staging({"allowed_ids": (list_rows, np.int32)})
-        self.bias = Staging({"bias": (3 * list_rows, np.int32)})  # triples: token id, float bits, condition
+        self.rows = Staging(device, {"penalty_slots": (s, np.int32), "count_slots": (s, np.int32),
+                                     "presence": (s, np.float32), "frequency": (s, np.float32),
+                                     "repetition": (s, np.float32), "last_tokens": (s, np.int32),
+                                     "last_src": (s, np.int32), "allowed_ptr": (s + 1, np.int32),
+                                     "bias_ptr": (s + 1, np.int32)})
+        self.allowed = Staging(device, {"allowed_ids": (list_rows, np.int32)})
+        self.bias = Staging(device, {"bias": (3 * list_rows, np.int32)})  # triples: token id, float bits, condition
         self.active = True  # the arrays may hold a step's processors: reset them before a step without
 
     PADDING = (("penalty_slots", -1), ("count_slots", -1), ("presence", 0), ("frequency", 0), ("repetition", 1),
@@ -134,45 +146,55 @@ class ProcessorBuffers:
         staging = self.allowed if name == "allowed_ids" else self.bias if name == "bias" else self.rows
         return staging.ptr(name, index)
 
+    def close(self) -> None:
+        for staging in (self.rows, self.allowed, self.bias):
+            staging.wait()
+            staging.close()
+
 
 class GraphCapturer:
     """Lazy capture: a thread that captures the backend's missing decode graphs, the buckets steps asked for first
     (want()), then the others from the largest down (the sizes a draining batch meets), on a stream and cuBLAS
     handle of its own. Its host time (~4 ms a graph on the H200, mostly Python recording the launches; instantiation
     runs without the GIL) overlaps the engine's: W1 with captures taken at each bucket's first step lost 14-17% to
-    them on the main thread."""
+    them on the main thread. It holds the backend weakly (a dropped backend is collected, and stops it); the device
+    owns it, so that closing the device (at close(), collection or exit) stops it before the memory goes."""
 
     def __init__(self, backend: CudaBackend) -> None:
-        self.backend = backend
-        self.context = cuda.Context.get_current()
-        self.stream = cuda.Stream(flags=1)  # non-blocking: no implicit synchronization with other streams' work
+        self.backend = weakref.ref(backend)
+        self.device = backend.device
+        self.stream = self.device.stream(non_blocking=True)
         self.forward = backend.forward.on_stream(self.stream)
         self.todo = list(backend.buckets)  # ascending: pop() takes the largest
         self.wanted: list[int] = []
         self.stopping = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="tinyvllm-graph-capture", daemon=True)
-        atexit.register(self.stop)  # before the CUDA context goes at exit (pycuda's atexit hook is older)
+        self.device.own(self, worker=True)
         self.thread.start()
 
     def want(self, bucket: int) -> None:
         """A step met `bucket` without its graph: capture it next."""
         self.wanted.append(bucket)
 
-    def _next(self) -> int | None:
+    def _next(self, graphs: dict[int, Graph]) -> int | None:
         while self.wanted or self.todo:
             bucket = self.wanted.pop() if self.wanted else self.todo.pop()
-            if bucket not in self.backend.graphs:
+            if bucket not in graphs:
                 return bucket
         return None
 
     def _run(self) -> None:
-        self.context.push()
-        be = self.backend
+        self.device.context.push()
         try:
-            while not self.stopping and (bucket := self._next()) is not None:
-                be.graphs[bucket] = Graph(self.stream.handle,
-                                          lambda: self.forward.decode(bucket, be.decode_in, be.out, be.proc))
+            while not self.stopping:
+                be = self.backend()
+                bucket = None if be is None else self._next(be.graphs)
+                if bucket is None:
+                    break
+                be.graphs[bucket] = be.device.own(
+                    Graph(self.stream.handle, lambda: self.forward.decode(bucket, be.decode_in, be.out, be.proc)))
+                del be
         except Exception as exc:  # noqa: BLE001 - the main thread captures what is left itself
             self.error = exc
             log.warning("cuda: capturing decode graphs in the background failed: %s", exc)
@@ -183,8 +205,10 @@ class GraphCapturer:
     def stop(self) -> None:
         """Stop after the capture in progress."""
         self.stopping = True
-        self.thread.join()
-        atexit.unregister(self.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    close = stop
 
 
 class CudaBackend(Backend):
@@ -194,54 +218,71 @@ class CudaBackend(Backend):
     name = "cuda"
     max_logprobs = MAX_TOP_LOGPROBS
 
-    def __init__(self, model, engine_config: EngineConfig, use_graphs: bool = True) -> None:
+    def __init__(self, model, engine_config: EngineConfig, use_graphs: bool = True,
+                 device: Device | None = None) -> None:
+        """device: the GPU to run on (default: device 0, with programmatic launch); the backend owns it: close(),
+        and the backend's collection, close it, which gives back every byte the backend holds there."""
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.engine_config = engine_config
         self.use_graphs = use_graphs
-        self.stream = cuda.Stream()
         self.max_seqs = engine_config.max_num_seqs
         self.max_tokens = max(engine_config.max_num_batched_tokens, engine_config.max_num_seqs)  # per prefill chunk
         self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
         self.buckets = decode_buckets(self.max_seqs)
-        # seconds per start-up phase, for `tinyvllm bench --startup`
-        self.startup_times: dict[str, float] = {"kernels": _seconds(kernels.load)}
-        start = time.perf_counter()
-        self.forward = CudaForward(model, engine_config, self.stream, self.max_tokens)  # uploads the weights
-        self.startup_times["weights upload"] = time.perf_counter() - start
-        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
-                 self.startup_times["weights upload"])
-        self._allocate_staging()
-        self.proc = ProcessorBuffers(self.max_seqs, PROCESSOR_LIST_ROWS)
-        self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
-        self.copies_in = Staging({"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
-        self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (self.max_tokens, np.int32),
-                                 "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
         self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
         self.capturer: GraphCapturer | None = None  # lazy capture's thread, while it runs
         self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
+        # seconds per start-up phase, for `tinyvllm bench --startup`
+        start = time.perf_counter()
+        self.device = device or Device(0)
+        self.startup_times: dict[str, float] = {"cuda context": time.perf_counter() - start}
+        # collected or at exit, the device is closed too (the finalizer holds the device, never the backend)
+        self._finalizer = weakref.finalize(self, self.device.close)
+        try:
+            self._build(model)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _build(self, model) -> None:
+        self.stream = self.device.stream()
+        self.startup_times["kernels"] = _seconds(lambda: self.device.kernels)
+        start = time.perf_counter()
+        self.forward = CudaForward(model, self.engine_config, self.device, self.stream,
+                                   self.max_tokens)  # uploads the weights
+        self.startup_times["weights upload"] = time.perf_counter() - start
+        log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
+                 self.startup_times["weights upload"])
+        self._allocate_staging()
+        self.proc = ProcessorBuffers(self.device, self.max_seqs, PROCESSOR_LIST_ROWS)
+        self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
+        self.copies_in = Staging(self.device, {"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
+        self.slots_in = Staging(self.device, {"slots": (self.max_seqs, np.int32),
+                                              "token_slots": (self.max_tokens, np.int32),
+                                              "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
 
     def _allocate_staging(self) -> None:
         t, s = self.max_tokens, self.max_seqs
         sampling = {"temperature": (s, np.float32), "top_p": (s, np.float32), "top_k": (s, np.int32),
                     "min_p": (s, np.float32), "noise_keys": (s, np.uint32)}
-        self.decode_in = Staging({
+        self.decode_in = Staging(self.device, {
             "token_ids": (s, np.int32), "token_src": (s, np.int32), "positions": (s, np.int32),
             "slot_mapping": (s, np.int32),
             "context_lens": (s, np.int32), **sampling, "bt_stride": (1, np.int32),
             "block_tables": (s * self.max_blocks, np.int32)})
         max_tiles = max_prefill_tiles(t, s, self.forward.group)
-        self.prefill_in = Staging({
+        self.prefill_in = Staging(self.device, {
             "token_ids": (t, np.int32), "token_src": (t, np.int32), "positions": (t, np.int32),
             "slot_mapping": (t, np.int32),
             "query_start_loc": (s + 1, np.int32), "context_lens": (s, np.int32), "tile_seq": (max_tiles, np.int32),
             "tile_row0": (max_tiles, np.int32), "sample_rows": (s, np.int32), "lp_rows": (t, np.int32),
             "lp_targets": (t, np.int32), **sampling, "block_tables": (s * self.max_blocks, np.int32)})
-        self.out = Staging({"ids": (s, np.int32), "token_lp": (t, np.float32),
-                            "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
-                            "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
+        self.out = Staging(self.device, {"ids": (s, np.int32), "token_lp": (t, np.float32),
+                                         "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
+                                         "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
         self.out_copy = 0  # the host copy of `out` the next step downloads into
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
@@ -253,7 +294,9 @@ class CudaBackend(Backend):
         allocation."""
         ec = self.engine_config
         block_bytes = self.kv_bytes_per_block()
-        free, total = cuda.mem_get_info()
+        self._close_graphs()  # they point at the old cache, if there is one: it goes before the count of what is free
+        self.forward.free_kv_cache()
+        free, total = self.device.mem_get_info()
         if ec.num_kv_blocks is not None:
             num_blocks = ec.num_kv_blocks
         else:
@@ -263,7 +306,6 @@ class CudaBackend(Backend):
                 f"no room for a KV cache of {max(num_blocks, 1)} blocks ({block_bytes} bytes each): "
                 f"{free / GIB:.2f} of {total / GIB:.2f} GiB free after weights and buffers, "
                 f"gpu_memory_utilization={ec.gpu_memory_utilization}")
-        self._close_graphs()  # they point at the old cache
         self.startup_times["KV cache allocation"] = _seconds(lambda: self.forward.allocate_kv_cache(num_blocks))
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
@@ -291,16 +333,19 @@ class CudaBackend(Backend):
                 "cuda_graphs": self.use_graphs}
 
     def close(self) -> None:
-        """Release graphs, the cuBLAS handle and device memory now rather than at garbage collection."""
-        self._close_graphs()
-        self.forward.close()
+        """Give the GPU back now rather than at garbage collection: the graphs and the capture thread, the KV cache,
+        weights, buffers, pinned host memory, cuBLAS handles, kernels and streams (the device's, which this closes).
+        Idempotent; a step after it raises DeviceClosedError."""
+        if not self.device.closed:
+            self._close_graphs()
+        self._finalizer()
 
     def _close_graphs(self) -> None:
         capturer, self.capturer = self.capturer, None
         if capturer is not None:
-            capturer.stop()
+            self.device.release(capturer)  # stops it
         for graph in (*self.graphs.values(), *self.forward_graphs.values()):
-            graph.close()
+            self.device.release(graph)
         self.graphs, self.forward_graphs = {}, {}
 
     # ---- steps -----------------------------------------------------------------------------------------------------
@@ -378,8 +423,8 @@ class CudaBackend(Backend):
         [C, words] in the same pinned buffer, uploaded with them."""
         words = bitmask_words(self.vocab_size)
         if self.masks is None:
-            self.masks = Staging({"bitmask_rows": (self.max_seqs, np.int32),
-                                  "bitmask": (self.max_seqs * words, np.int32)})
+            self.masks = Staging(self.device, {"bitmask_rows": (self.max_seqs, np.int32),
+                                               "bitmask": (self.max_seqs * words, np.int32)})
         masks = self.masks
         masks.wait()  # the previous step's upload has left the buffer
         masks["bitmask_rows"][: len(bitmask_rows)] = bitmask_rows
@@ -433,7 +478,7 @@ class CudaBackend(Backend):
         """The decode graph of one bucket. Capturing records the launches without running them (cuBLAS has its
         fixed workspace, and the driver loads a kernel not loaded yet during capture), so it can be taken while
         earlier steps are queued."""
-        return Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample))
+        return self.device.own(Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample)))
 
     def _decode_forward(self, bucket: int, sample: bool = True) -> None:
         self.forward.decode(bucket, self.decode_in, self.out, self.proc, sample)
@@ -442,7 +487,8 @@ class CudaBackend(Backend):
         """Forks' KV block copies, queued before the step that reads them."""
         if self.copies_in.size("pairs") < pairs.size:
             self.copies_in.wait()
-            self.copies_in = Staging({"pairs": (pairs.size, np.int32)})
+            self.copies_in.close()
+            self.copies_in = Staging(self.device, {"pairs": (pairs.size, np.int32)})
         self.copies_in.wait()
         self.copies_in["pairs"][: pairs.size] = pairs.ravel()
         self.copies_in.upload(self.stream, "pairs", pairs.size)
@@ -459,11 +505,10 @@ class CudaBackend(Backend):
                 self._init_token_slots(proc)
             needed = max(len(proc.allowed_ids), len(proc.bias_ids))
             if needed > self.proc.allowed.size("allowed_ids"):
-                for staging in (self.proc.rows, self.proc.allowed, self.proc.bias):
-                    staging.wait()
-                self.proc = ProcessorBuffers(self.max_seqs, needed)
                 lazy = self.capturer is not None
                 self._close_graphs()  # they read the old arrays
+                self.proc.close()
+                self.proc = ProcessorBuffers(self.device, self.max_seqs, needed)
                 if lazy:
                     self._start_lazy_capture()
         last = batch.query_start_loc[1:] - 1
@@ -479,8 +524,10 @@ class CudaBackend(Backend):
                                       for slot, p, o in proc.slot_inits]).astype(np.int32)
         if self.slots_in.size("tokens") < len(tokens):
             self.slots_in.wait()
-            self.slots_in = Staging({"slots": (self.max_seqs, np.int32), "token_slots": (len(tokens), np.int32),
-                                     "tokens": (len(tokens), np.int32)})
+            self.slots_in.close()
+            self.slots_in = Staging(self.device, {"slots": (self.max_seqs, np.int32),
+                                                  "token_slots": (len(tokens), np.int32),
+                                                  "tokens": (len(tokens), np.int32)})
         buffers = self.slots_in
         buffers.wait()
         buffers["slots"][: len(slots)] = slots
@@ -533,7 +580,7 @@ class CudaBackend(Backend):
             end = min(total, start + self.max_tokens)
             in_chunk = (lp_rows >= start) & (lp_rows < end)
             self._prefill_chunk(batch, start, end, lp_rows[in_chunk], lp_targets[in_chunk], prompt_lps, copy)
-        self.forward.compute_logits(batch.num_seqs, self.forward.buf["sample_hidden"])
+        self.forward.compute_logits(batch.num_seqs, self.forward.buf.sample_hidden)
         result = {}
         if prompt_lps:  # rows came out in lp_rows order; cut them back into sequences
             merged = [np.concatenate([getattr(p, f) for p in prompt_lps])
