@@ -196,9 +196,13 @@ def _check_report_input(output: Path) -> None:
                                    f"{', '.join(wrong)})")
 
 
+# The engine settings the benchmarks take: all but the seed (the benchmarks' --seed makes their requests and weights).
+BENCH_SETTINGS = tuple(s.name for s in settings(EngineConfig) if s.name != "seed")
+
+
 def bench_options(workloads: str, json_path: str | None):
-    """The options of `tinyvllm bench` and bench/run.py: what to run, and every EngineConfig setting but the seed
-    (the benchmarks' --seed makes their requests and dummy weights), shown with the benchmarks' defaults."""
+    """The options of `tinyvllm bench` and bench/run.py: what to run, and BENCH_SETTINGS' flags, shown with the
+    benchmarks' defaults."""
     from tinyvllm.benchmark import BENCH_ENGINE, BENCH_MAX_MODEL_LEN
 
     shown = {**BENCH_ENGINE, "max_model_len": f"the model's, at most {BENCH_MAX_MODEL_LEN}"}
@@ -215,7 +219,7 @@ def bench_options(workloads: str, json_path: str | None):
                      help="of the workloads' random prompts and of the dummy weights"),
         click.option("--json", "json_path", type=click.Path(path_type=Path), default=json_path,
                      show_default=json_path is not None, help="also write the results as JSON"),
-        *_settings_options(EngineConfig, names={s.name for s in settings(EngineConfig)} - {"seed"}, shown=shown),
+        *_settings_options(EngineConfig, names=BENCH_SETTINGS, shown=shown),
     ])
 
 
@@ -224,7 +228,7 @@ def bench_llm(options: dict):
     Takes the model and engine options out of `options`, leaving the rest."""
     from tinyvllm.benchmark import bench_llm as build
 
-    engine = {s.name: options.pop(s.name) for s in settings(EngineConfig) if s.name in options}
+    engine = {name: options.pop(name) for name in BENCH_SETTINGS}
     try:
         return build(options.pop("model"), options.pop("dummy_weights"), options["workloads"].split(","),
                      options["seed"], **engine)

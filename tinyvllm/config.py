@@ -104,14 +104,6 @@ def _parse(f: dataclasses.Field, annotation: str) -> Setting:
     return Setting(f.name, SCALARS[text], container, optional, one_or_list, f)
 
 
-def setting_type(annotation) -> type:
-    """The base type of a scalar setting's annotation ("int | None" -> int)."""
-    text = str(annotation).split(" | ")[0]
-    if text in SCALARS:
-        return SCALARS[text]
-    raise TypeError(f"unsupported setting type {annotation}")
-
-
 def check_settings(obj) -> None:
     """Check every `setting()` field of a dataclass instance against its declaration (a float setting given an
     integer is made a float); SettingError names the first invalid one."""

@@ -45,10 +45,12 @@ def _type_words(expected: type | tuple) -> str:
 
 
 def unknown_key(key: str) -> str:
-    """One line for a key no job file takes, naming the nearest ones that it does."""
-    near = difflib.get_close_matches(key, JOB_FILE_KEYS, n=3, cutoff=0.6)
-    if not near and "." not in key:  # a [sampling] or [ray] key written at the top level
-        near = [k for k in JOB_FILE_KEYS if k.partition(".")[2] == key]
+    """One line for a key no job file takes, naming the nearest ones of its table that it does (else the same
+    name in another table: a [sampling] key written at the top level)."""
+    table, _, name = key.rpartition(".")
+    same_table = {k.rpartition(".")[2]: k for k in JOB_FILE_KEYS if k.rpartition(".")[0] == table}
+    near = [same_table[n] for n in difflib.get_close_matches(name, same_table, n=3, cutoff=0.8)]
+    near = near or [k for k in JOB_FILE_KEYS if k.rpartition(".")[2] == name]
     hint = f"did you mean {' or '.join(near)}?" if near else "jobs/example.toml lists every key"
     return f"unknown key {key!r} ({hint})"
 
