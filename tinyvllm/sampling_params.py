@@ -97,8 +97,8 @@ class SamplingParams:
     n: int = setting(1, "completions per prompt (its prompt computed once, its KV blocks shared)", low=1, high=MAX_N,
                      per_row=True)
     max_tokens: int = setting(16, "tokens to generate at most", low=1, high=INT32_MAX, per_row=True)
-    temperature: float = setting(1.0, "sampling temperature; 0 = greedy", low=TEMPERATURE_MIN, high=TEMPERATURE_MAX, also=(0,),
-                                 per_row=True)
+    temperature: float = setting(1.0, "sampling temperature; 0 = greedy", low=TEMPERATURE_MIN,
+                                 high=TEMPERATURE_MAX, also=(0,), per_row=True)
     top_p: float = setting(1.0, "nucleus: keep the smallest set of tokens whose probability sums to top_p",
                            low=0, high=1, low_open=True, per_row=True)
     top_k: int = setting(0, "keep the k most likely tokens; 0 (or -1) = all", low=0, high=INT32_MAX, per_row=True)
