@@ -1,16 +1,15 @@
-"""`make bench`: tinyvllm's workloads, the machine's measured limits and HF transformers' peers, in one run.
+"""tinyvllm's workloads, the machine's measured limits and HF transformers' peers, in one run.
 
-    python bench/run.py [--dummy-weights llama-3.2-1b | --model PATH] [--backend cuda] [--workloads W1,W3,J1]
-                        [--scale 1.0] [--peers static,compiled,generate_batch] [--json out.json]
+    python bench/run.py [tinyvllm bench's options] [--peers static,compiled,generate_batch]
 
-Peers (bench/hf_peers.py) run the identical requests on the same weights (W1 and W3: the workloads HF's static
-batches can express) in their own process, before tinyvllm loads, so each side has the GPU to itself; the report
-gives the ratios of the one run.
+`tinyvllm bench` with every workload by default, the results written to out/bench.json with the run's date, host
+and commit, and HF's peers: bench/hf_peers.py runs the identical requests on the same weights (W1 and W3: the
+workloads HF's static batches can express) in its own process, before tinyvllm loads, so each side has the GPU to
+itself; the report gives the ratios of the one run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
@@ -20,22 +19,24 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import click
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tinyvllm import LLM  # noqa: E402
-from tinyvllm.benchmark import WORKLOADS, dummy_model, format_results, run_benchmark  # noqa: E402
-from tinyvllm.model.loader import load_model  # noqa: E402
+from tinyvllm.benchmark import WORKLOADS, format_results, run_benchmark  # noqa: E402
+from tinyvllm.cli import bench_llm, bench_options  # noqa: E402
 
 PEERS = ("static", "compiled", "generate_batch")
 
 
-def run_peers(args) -> dict:
+def run_peers(options: dict, peers: str, batch_sizes: str) -> dict:
     """HF's peers on the same work, in a child process that exits (releasing the GPU) before tinyvllm starts."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peers.json"
-        source = ["--model", args.model] if args.model else ["--dummy-weights", args.dummy_weights]
-        command = [sys.executable, str(Path(__file__).with_name("hf_peers.py")), "--peers", args.peers, *source,
-                   "--scale", str(args.scale), "--seed", str(args.seed), "--batch-sizes", args.peer_batch_sizes,
+        source = ["--model", str(options["model"])] if options["model"] else ["--dummy-weights",
+                                                                              options["dummy_weights"]]
+        command = [sys.executable, str(Path(__file__).with_name("hf_peers.py")), "--peers", peers, *source,
+                   "--scale", str(options["scale"]), "--seed", str(options["seed"]), "--batch-sizes", batch_sizes,
                    "--json", str(out)]
         done = subprocess.run(command)
         if done.returncode != 0 or not out.exists():
@@ -43,34 +44,20 @@ def run_peers(args) -> dict:
         return json.loads(out.read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dummy-weights", default="llama-3.2-1b")
-    parser.add_argument("--model", help="a real model instead of dummy weights")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--peers", default="", help=f"comma-separated subset of {','.join(PEERS)}")
-    parser.add_argument("--peer-batch-sizes", default="256,512", help="HF static batch sizes tried on W1")
-    parser.add_argument("--json", default="out/bench.json")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-
-    peers = run_peers(args) if args.peers else {}
+@click.command(help=__doc__)
+@bench_options(",".join(WORKLOADS), "out/bench.json")
+@click.option("--peers", default="", help=f"comma-separated subset of {','.join(PEERS)}")
+@click.option("--peer-batch-sizes", default="256,512", show_default=True, help="HF static batch sizes tried on W1")
+def main(peers: str, peer_batch_sizes: str, **options) -> None:
+    peer_results = run_peers(options, peers, peer_batch_sizes) if peers else {}
     t0 = time.perf_counter()
-    # J1 decodes the text of every generated id: dummy weights get a tokenizer covering their vocabulary
-    model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed,
-                                                                  text="J1" in args.workloads.split(","))
-    llm = LLM(model, backend=args.backend, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=min(4096, model.config.max_position_embeddings))
-    print(f"loaded {model.source} on {llm.backend.name} in {time.perf_counter() - t0:.1f}s: {llm.info()}", flush=True)
-    results = run_benchmark(llm, args.workloads.split(","), args.scale, args.seed)
-    results["peers"] = peers
+    llm = bench_llm(options)
+    print(f"loaded {llm.model.source} on {llm.backend.name} in {time.perf_counter() - t0:.1f}s: {llm.info()}",
+          flush=True)
+    results = run_benchmark(llm, options["workloads"].split(","), options["scale"], options["seed"])
+    results["peers"] = peer_results
     results["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-                       "commit": _git_commit(), "llm": llm.info(), "scale": args.scale}
+                       "commit": _git_commit(), "llm": llm.info(), "scale": options["scale"]}
     print(format_results(results))
     for key, peer in results["peers"].items():
         workload = key.split("/")[0]
@@ -79,8 +66,8 @@ def main() -> None:
             batch = f", batch {peer['batch_size']}" if "batch_size" in peer else ""
             print(f"tinyvllm / HF {key}: {ours / peer['output_tok_s']:.2f}x  "
                   f"(HF {peer['output_tok_s']:.0f} tok/s{batch}; same requests)")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    options["json_path"].parent.mkdir(parents=True, exist_ok=True)
+    options["json_path"].write_text(json.dumps(results, indent=2, default=str))
 
 
 def _git_commit(repo: Path = Path(__file__).resolve().parent.parent) -> str:

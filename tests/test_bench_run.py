@@ -36,3 +36,26 @@ def test_commit_outside_a_repository_is_unknown(tmp_path):
     if inside:
         pytest.skip(f"{tmp_path} lies inside a git repository")
     assert _git_commit(tmp_path) == "unknown"
+
+
+def test_bench_run_takes_tinyvllm_benchs_options_and_runs_the_same_way(tmp_path, monkeypatch):
+    """bench/run.py is `tinyvllm bench` plus the HF peers and the record of the run: the same options (every
+    workload by default), the same LLM."""
+    import json
+
+    from click.testing import CliRunner
+
+    from run import main as bench_run
+    from tinyvllm.cli import main
+
+    assert {p.name for p in bench_run.params} - {"peers", "peer_batch_sizes"} == \
+        {p.name for p in main.commands["bench"].params} - {"startup"}
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: {"bandwidth_bytes_s": 1e10,
+                                                                             "gemm_flops": 1e11})
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench_run, ["--dummy-weights", "tiny", "--backend", "numpy", "--workloads", "W3",
+                                            "--scale", "0.02", "--max-num-seqs", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(out.read_text())
+    assert recorded["meta"]["llm"]["max_num_seqs"] == 4 and recorded["peers"] == {}
+    assert recorded["workloads"]["W3"]["output_tokens"] > 0

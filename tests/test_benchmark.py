@@ -190,3 +190,63 @@ def test_bench_refuses_an_unknown_dummy_model_in_one_line():
     result = CliRunner().invoke(main, ["bench", "--dummy-weights", "llama-9b", "--backend", "numpy"])
     assert result.exit_code == 1
     assert "unknown dummy model 'llama-9b': choose from" in result.output and "Traceback" not in result.output
+
+
+FAST_LIMITS = {"bandwidth_bytes_s": 1e10, "gemm_flops": 1e11}
+
+
+def test_switched_settings_go_through_engine_config_and_are_recorded(monkeypatch):
+    """W2 and W5 switch chunked prefill and the prefix cache through the LLM's EngineConfig: what llm.info()
+    says while a run goes is what the engine does, each result records its settings, and the LLM's own return."""
+    from tinyvllm import benchmark
+
+    llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=8, enable_prefix_caching=False)
+    seen, real = [], benchmark.run_workload
+
+    def spy(llm_, requests, *args, **kwargs):
+        info, engine = llm_.info(), llm_.llm_engine
+        seen.append(((info["enable_prefix_caching"], info["enable_chunked_prefill"]),
+                     (engine.block_manager.enable_prefix_caching, engine.scheduler.enable_chunked_prefill)))
+        return real(llm_, requests, *args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "run_workload", spy)
+    work = run_benchmark(llm, ["W1", "W2", "W5"], scale=0.02, limits=FAST_LIMITS)["workloads"]
+    assert len(seen) == 5 and all(recorded == running for recorded, running in seen)
+    # the LLM's own setting: the prefix cache is not switched on behind its back
+    assert work["W1"]["engine_settings"] == {"enable_chunked_prefill": True, "enable_prefix_caching": False}
+    assert work["W2"]["engine_settings"]["enable_chunked_prefill"] is True
+    assert work["W2"]["unchunked"]["engine_settings"]["enable_chunked_prefill"] is False
+    assert work["W5"]["engine_settings"]["enable_prefix_caching"] is True
+    assert work["W5"]["cache_off"]["engine_settings"]["enable_prefix_caching"] is False
+    assert not llm.info()["enable_prefix_caching"] and not llm.llm_engine.block_manager.enable_prefix_caching
+    with pytest.raises(ValueError, match="max_num_seqs cannot change on a running LLM"):
+        with benchmark.engine_settings(llm, max_num_seqs=4):
+            pass
+
+
+def test_bench_llm_takes_the_benchmarks_defaults_under_the_given_settings():
+    from tinyvllm.benchmark import BENCH_ENGINE, bench_llm
+
+    llm = bench_llm(None, "tiny", ["W1"], backend="numpy", max_num_batched_tokens=None)
+    assert llm.engine_config.max_num_seqs == BENCH_ENGINE["max_num_seqs"] == 512
+    assert llm.engine_config.max_num_batched_tokens == 8192  # EngineConfig's own default
+    assert llm.engine_config.max_model_len == min(4096, llm.model_config.max_position_embeddings)
+    assert bench_llm(None, "tiny", ["W1"], backend="numpy", max_num_seqs=8).engine_config.max_num_seqs == 8
+    assert bench_llm(None, "tiny", ["J1"], backend="numpy").tokenizer.vocab_size >= 512  # J1: text tokenizer
+
+
+def test_bench_command_records_what_ran(tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from tinyvllm.cli import main
+
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: FAST_LIMITS)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--dummy-weights", "tiny", "--backend", "numpy", "--workloads", "W3",
+                                       "--scale", "0.02", "--no-prefix-caching", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(out.read_text())
+    assert recorded["llm"]["max_num_seqs"] == 512 and recorded["llm"]["enable_prefix_caching"] is False
+    assert recorded["workloads"]["W3"]["engine_settings"]["enable_prefix_caching"] is False

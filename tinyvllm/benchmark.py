@@ -13,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tinyvllm.jobs.config import JobConfig
-from tinyvllm.jobs.dummy import dummy_model, english_text  # noqa: F401  (dummy_model: the benchmarks import it here)
+from tinyvllm.jobs.dummy import dummy_model, english_text
 from tinyvllm.jobs.run import LocalExecutor, run_job
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ def run_workload(llm, requests: list[Request], sequential: bool = False, outputs
     ttft = [o.metrics.ttft_ms for o in outputs]
     tpot = [o.metrics.tpot_ms for o in outputs if o.metrics.tpot_ms is not None]
     return {
+        "engine_settings": {name: getattr(llm.engine_config, name) for name in SWITCHABLE},
         "requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens, "wall_s": wall,
         "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
         "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
@@ -249,50 +251,85 @@ def _cuda_limits(stream, blas) -> dict:
     return {"bandwidth_bytes_s": 2 * copy_bytes / copy_s, "gemm_flops": 2 * n ** 3 / gemm_s}
 
 
+# The engine settings the benchmarks run with unless told otherwise, and the longest sequence they need (the KV cache
+# need not hold a model's 128k context).
+BENCH_ENGINE = {"max_num_seqs": 512}
+BENCH_MAX_MODEL_LEN = 4096
+# EngineConfig settings a benchmark switches between runs on one LLM (W2 chunked prefill, W5 the prefix cache), and
+# the engine part that reads each.
+SWITCHABLE = {"enable_chunked_prefill": "scheduler", "enable_prefix_caching": "block_manager"}
+
+
+def bench_llm(model: str | Path | None, dummy_weights: str = "llama-3.2-1b", workloads: Iterable[str] = (),
+              seed: int = 0, **settings):
+    """The LLM the benchmarks run on: `model` loaded, or random weights of the preset `dummy_weights` (with a
+    tokenizer covering their vocabulary when J1 is among `workloads`: it decodes the text of every generated id);
+    BENCH_ENGINE's settings under the given ones (None: not given), max_model_len at most BENCH_MAX_MODEL_LEN.
+    ValueError: an unknown preset, a model that does not load, a bad setting."""
+    from tinyvllm.llm import LLM
+    from tinyvllm.model.loader import load_model
+
+    loaded = load_model(model) if model else dummy_model(dummy_weights, seed, text="J1" in workloads)
+    engine = {**BENCH_ENGINE, "max_model_len": min(BENCH_MAX_MODEL_LEN, loaded.config.max_position_embeddings),
+              **{k: v for k, v in settings.items() if v is not None}}
+    return LLM(loaded, **engine)
+
+
+@contextmanager
+def engine_settings(llm, **changes):
+    """Run the block with these SWITCHABLE settings changed: the LLM's EngineConfig is replaced by one with them (so
+    llm.info() and each result's "engine_settings" say what ran), and the engine parts follow it; restored after."""
+    unknown = sorted(set(changes) - set(SWITCHABLE))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} cannot change on a running LLM (only {', '.join(SWITCHABLE)})")
+    before = llm.engine_config
+    _use_config(llm, replace(before, **changes))
+    try:
+        yield
+    finally:
+        _use_config(llm, before)
+
+
+def _use_config(llm, config) -> None:
+    llm.engine_config = llm.llm_engine.engine_config = config
+    for name, part in SWITCHABLE.items():
+        setattr(getattr(llm.llm_engine, part), name, getattr(config, name))
+
+
 def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
                   limits: dict | None = None) -> dict:
     """Run each workload on the LLM and set it against the floor from the measured limits.
 
-    W5 runs twice, with the prefix cache on and off (the LLM's cache is switched in place, and emptied between);
-    W2 runs twice, with chunked prefill on and off (issue: decodes must not stall behind long prompts)."""
+    W5 runs with the prefix cache off and on, W2 with chunked prefill on and off (decodes must not stall behind
+    long prompts): each through engine_settings, so every result records the settings it ran with."""
     config = llm.model_config
-    # Steady state: decode graphs still being captured on a thread (lazy capture) slowed W3's first steps by up to
-    # 0.1 ms per token in session 12's runs (docs/PERFORMANCE.md); start-up has its own benchmark (--startup).
+    # Steady state: decode graphs still being captured on a thread (lazy capture) slow the first steps
+    # (docs/PERFORMANCE.md); start-up has its own benchmark (--startup).
     llm.backend.finish_startup()
     limits = limits or measure_limits(llm.backend)
     results = {"limits": limits, "workloads": {}}
     for name in workloads:
         requests = make_workload(name, config.vocab_size, scale, seed) if name != "J1" else []
         if name == "W5":
-            runs = {}
-            for caching in (False, True):
-                _reset_prefix_cache(llm, caching)
-                runs["cache_on" if caching else "cache_off"] = run_workload(llm, requests)
-            result = {**runs["cache_on"], "cache_off": runs["cache_off"],
-                      "speedup_vs_cache_off": runs["cache_on"]["output_tok_s"] / runs["cache_off"]["output_tok_s"]}
+            runs = _both_ways(llm, requests, "enable_prefix_caching")
+            result = {**runs[True], "cache_off": runs[False],
+                      "speedup_vs_cache_off": runs[True]["output_tok_s"] / runs[False]["output_tok_s"]}
         elif name == "W2":
-            _reset_prefix_cache(llm, True)
-            scheduler = llm.llm_engine.scheduler
-            chunked = scheduler.enable_chunked_prefill
-            scheduler.enable_chunked_prefill = not chunked
-            other = run_workload(llm, requests)
-            scheduler.enable_chunked_prefill = chunked
-            _reset_prefix_cache(llm, True)
-            result = run_workload(llm, requests)
-            result["chunked_prefill" if not chunked else "unchunked"] = other
+            chunked = llm.engine_config.enable_chunked_prefill
+            runs = _both_ways(llm, requests, "enable_chunked_prefill")
+            result = {**runs[chunked], "chunked_prefill" if not chunked else "unchunked": runs[not chunked]}
         elif name == "W6":
             result, requests = _structured_vs_free(llm, requests)
         elif name == "J1":
             result, requests = run_j1(llm, max(1, round(20000 * scale)), max(1, round(128 * scale)), seed=seed)
         else:
-            _reset_prefix_cache(llm, True)
+            _reset_prefix_cache(llm)
             result = run_workload(llm, requests, sequential=name == "W3")
         cached = _common_prefix_len(requests) if name == "W5" else 0  # what the prefix cache saves
         floor = workload_floor(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
                               llm.engine_config.max_num_seqs, cached_prefix=cached)
-        result["floor_s"] = floor.seconds
-        result["floor_parts_s"] = asdict(floor)
-        result["fraction_of_limit"] = floor.seconds / result["wall_s"]
+        result.update(floor_s=floor.seconds, floor_parts_s=asdict(floor), fraction_of_limit=floor.seconds /
+                      result["wall_s"])
         if name == "W4":
             flops = sum(2 * matmul_params(config) * len(r.prompt_token_ids) for r in requests)
             result["prefill_tok_s"] = result["input_tokens"] / result["wall_s"]
@@ -304,6 +341,16 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
     return results
 
 
+def _both_ways(llm, requests: list[Request], name: str) -> dict[bool, dict]:
+    """The requests run with the switchable setting `name` the other way from the LLM's, then its own way."""
+    own, runs = getattr(llm.engine_config, name), {}
+    for value in (not own, own):
+        with engine_settings(llm, **{name: value}):
+            _reset_prefix_cache(llm)
+            runs[value] = run_workload(llm, requests)
+    return runs
+
+
 def _structured_vs_free(llm, requests: list[Request]) -> tuple[dict, list[Request]]:
     """W6: the constrained requests twice (the first run captures the forward-only decode graphs), then the same
     prompts unconstrained, each row generating as many tokens as it did constrained: the identical work, so the
@@ -312,7 +359,7 @@ def _structured_vs_free(llm, requests: list[Request]) -> tuple[dict, list[Reques
     stats = llm.llm_engine.structured_outputs.stats
     runs, outputs = [], []
     for _ in range(2):
-        _reset_prefix_cache(llm, True)
+        _reset_prefix_cache(llm)
         before = replace(stats)
         outputs.clear()
         run = run_workload(llm, requests, outputs=outputs)
@@ -322,7 +369,7 @@ def _structured_vs_free(llm, requests: list[Request]) -> tuple[dict, list[Reques
                    constrained_steps=steps)
         runs.append(run)
     same = [Request(r.prompt_token_ids, len(o.outputs[0].token_ids)) for r, o in zip(requests, outputs)]
-    _reset_prefix_cache(llm, True)
+    _reset_prefix_cache(llm)
     free = run_workload(llm, same)
     complete = sum(bool(o.outputs[0].structured_output_complete) for o in outputs)
     result = {**runs[1], "first_run": runs[0], "unconstrained": free, "complete_outputs": complete,
@@ -367,7 +414,7 @@ def run_j1(llm, num_rows: int = 20000, max_tokens: int = 128, num_words: int = 1
     tokenizer = llm.tokenizer
     requests = [Request(tokenizer.encode_prompt(tokenizer.apply_chat_template(r["messages"]), templated=True),
                         max_tokens) for r in rows]
-    _reset_prefix_cache(llm, True)
+    _reset_prefix_cache(llm)
     outputs: list = []
     engine = run_workload(llm, requests, outputs=outputs)
     with tempfile.TemporaryDirectory(prefix="tinyvllm-j1-", dir=workdir) as tmp:
@@ -377,7 +424,7 @@ def run_j1(llm, num_rows: int = 20000, max_tokens: int = 128, num_words: int = 1
                         sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
                         output_token_ids=output_token_ids, quiet=True)
         executor = _TimedExecutor(llm)
-        _reset_prefix_cache(llm, True)
+        _reset_prefix_cache(llm)
         start = time.perf_counter()
         summary = run_job(cfg, executor)
         end = time.perf_counter()
@@ -406,11 +453,9 @@ def _common_prefix_len(requests: list[Request]) -> int:
                for r in requests[1:]) if len(requests) > 1 else 0
 
 
-def _reset_prefix_cache(llm, enabled: bool) -> None:
-    """Forget every cached block (so one workload cannot warm the next) and switch caching on or off."""
-    bm = llm.llm_engine.block_manager
-    bm.reset_prefix_cache()
-    bm.enable_prefix_caching = enabled
+def _reset_prefix_cache(llm) -> None:
+    """Forget every cached block, so that one run cannot warm the next."""
+    llm.llm_engine.block_manager.reset_prefix_cache()
 
 
 def format_results(results: dict) -> str:

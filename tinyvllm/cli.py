@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -12,13 +13,14 @@ import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tinyvllm.config import EngineConfig, setting_type
+from tinyvllm.config import EngineConfig, Setting, settings
 from tinyvllm.errors import JobError
 from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
-from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
+from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
 from tinyvllm.jobs.guard import OutputBusy
 from tinyvllm.jobs.run import JobInterrupted, run_job
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
 class JsonObject(click.ParamType):
@@ -34,84 +36,75 @@ class JsonObject(click.ParamType):
         return parsed
 
 
-# Defaults for every row's SamplingParams (a row's own fields win; SamplingParams checks the values). The engine's
-# --seed is the job seed (a row's `seed` sets its own); the job-level --logprobs adds the logprob columns.
-SAMPLING_OPTIONS = [
-    click.option("--max-tokens", type=int, help="default per row [default: 16]"),
-    click.option("--temperature", type=float, help="default per row; 0 = greedy [default: 1.0]"),
-    click.option("--top-p", type=float, help="default per row [default: 1.0]"),
-    click.option("--top-k", type=int, help="default per row; 0 = off [default: 0]"),
-    click.option("--min-p", type=float, help="default per row [default: 0.0]"),
-    click.option("--stop", multiple=True, help="stop string, repeatable (a row's `stop` replaces these)"),
-    click.option("--n", type=int, help="completions per row [default: 1]"),
-    click.option("--presence-penalty", type=float, help="[default: 0.0]"),
-    click.option("--frequency-penalty", type=float, help="[default: 0.0]"),
-    click.option("--repetition-penalty", type=float, help="[default: 1.0]"),
-    click.option("--min-tokens", type=int, help="EOS and stop token ids cannot end a completion before [default: 0]"),
-    click.option("--stop-token-ids", type=int, multiple=True, help="stop token id, repeatable"),
-    click.option("--ignore-eos", is_flag=True, default=None, help="generate past EOS, up to max_tokens"),
-    click.option("--include-stop-str-in-output", is_flag=True, default=None, help="keep the stop string in the text"),
-    click.option("--skip-special-tokens/--keep-special-tokens", "skip_special_tokens", default=None,
-                 help="leave special tokens out of the text [default: skip]"),
-    click.option("--logit-bias", type=JsonObject(), help='JSON {token id: bias in [-100, 100]}, e.g. \'{"42": -100}\''),
-    click.option("--allowed-token-ids", type=int, multiple=True, help="generate only these token ids, repeatable"),
-    click.option("--bad-words", multiple=True, help="a word never to generate, repeatable"),
-    click.option("--structured-outputs", type=JsonObject(),
-                 help='constraint on every output, vLLM\'s fields: \'{"json": {schema}}\', regex, choice, grammar, '
-                      "json_object (pip install 'tinyvllm[structured]')"),
+# The structured_outputs flag's shorthands (at most one of the four is given).
+STRUCTURED_SHORTHANDS = [
     click.option("--json-schema", type=click.Path(dir_okay=False, path_type=Path),
                  help="a JSON schema file every output must match (--structured-outputs '{\"json\": ...}')"),
     click.option("--regex", help="a regex every output must match in full"),
     click.option("--choice", help="every output is one of these strings, comma-separated"),
 ]
-SAMPLING_FLAGS = tuple(k for k in SAMPLING_DEFAULTS if k != "seed")
-STRUCTURED_FLAGS = ("structured_outputs", "json_schema", "regex", "choice")  # at most one of these
+STRUCTURED_FLAGS = ("structured_outputs", "json_schema", "regex", "choice")
+# SamplingParams fields with a flag: the defaults of every row (a row's own fields win).
+SAMPLING_FLAGS = tuple(s.name for s in settings(SamplingParams) if s.meta["flag"] is not False)
+SAMPLING_PREFIX = "row default: "
 
 
-def _setting_option(f: dataclasses.Field, annotation: str, flag: str | None = None):
-    """A click option for a settings field: its flag, type and bounds from the field, its help and default shown.
-    The option defaults to None (unset) so that a job file's value is overridden only by a flag given."""
-    meta, kind = f.metadata, setting_type(annotation)
-    flag = flag or "--" + f.name.replace("_", "-")
-    shown = "" if f.default in (None, False) else f" [default: {'on' if f.default is True else f.default}]"
-    help_text = meta["help"] + ("" if "[default:" in meta["help"] else shown)
-    if kind is bool and f.name.startswith("enable_"):
-        name = f.name.removeprefix("enable_").replace("_", "-")
-        return click.option(f"--{name}/--no-{name}", f.name, default=None, help=help_text)
-    if kind is bool:
-        return click.option(flag, f.name, is_flag=True, default=None, help=help_text)
+def _setting_option(s: Setting, ranges: bool = True, shown: object = None, prefix: str = ""):
+    """A click option for a setting: its flag, type and (with `ranges`) bounds from the declaration, its help with
+    the default shown (`shown` instead of the declared default; False: none shown). The option defaults to None
+    (unset), so that a job file's value is overridden only by a flag given."""
+    meta, flag = s.meta, s.meta["flag"] or "--" + s.name.replace("_", "-")
+    help_text = prefix + re.sub(r" \[default: [^]]*]", "", meta["help"]) if shown is not None else prefix + meta["help"]
+    default = s.default if shown is None else shown
+    hidden = default is None or default is False or (isinstance(default, (list, str)) and not default)
+    if not hidden and "[default:" not in help_text:
+        word = flag.partition("/")[0 if default else 2] if "/" in flag else "on" if default is True else default
+        help_text += f" [default: {word}]"
+    if s.kind is bool:
+        pair = {} if "/" in flag else {"is_flag": True}
+        return click.option(flag, s.name, **pair, default=None, help=help_text)
+    if s.kind is None or s.container is dict:
+        return click.option(flag, s.name, type=JsonObject(), help=help_text)
+    if s.container is list:
+        return click.option(flag, s.name, type=s.kind, multiple=True, help=help_text + " (repeatable)")
     if meta["choices"]:
-        return click.option(flag, f.name, type=click.Choice(meta["choices"]), help=help_text)
-    if kind is int:
-        return click.option(flag, f.name, type=click.IntRange(meta["low"], meta["high"]), help=help_text)
-    if kind is float:
-        return click.option(flag, f.name, type=click.FloatRange(meta["low"], meta["high"], min_open=meta["low_open"]),
+        return click.option(flag, s.name, type=click.Choice(meta["choices"]), help=help_text)
+    if s.kind is int and ranges:
+        return click.option(flag, s.name, type=click.IntRange(meta["low"], meta["high"]), help=help_text)
+    if s.kind is float and ranges:
+        return click.option(flag, s.name, type=click.FloatRange(meta["low"], meta["high"], min_open=meta["low_open"]),
                             help=help_text)
-    return click.option(flag, f.name, help=help_text)
+    return click.option(flag, s.name, type=s.kind, help=help_text)
 
 
-def _settings_options(cls, flags: dict[str, str] | None = None) -> list:
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    return [_setting_option(f, str(hints[f.name]), (flags or {}).get(f.name))
-            for f in dataclasses.fields(cls) if "help" in f.metadata and (flags is None or f.name in flags)]
+def _settings_options(cls, *, ranges: bool = True, show_defaults: bool = True, names=None, shown=None,
+                      prefix: str = "") -> list:
+    """The click options of a settings dataclass's fields that have a flag (`names`: only those)."""
+    return [_setting_option(s, ranges, (shown or {}).get(s.name, None if show_defaults else False), prefix)
+            for s in settings(cls) if s.meta["flag"] is not False and (names is None or s.name in names)]
 
 
-JOB_OPTIONS = [
-    click.option("--model", type=click.Path(path_type=Path),
-                 help="HF model dir or .gguf [default: the fetched default model]"),
-    *_settings_options(EngineConfig),
-    *SAMPLING_OPTIONS,
-    *_settings_options(JobConfig),
-    click.option("--ray", is_flag=True, default=None, help="run on a Ray cluster (pip install 'tinyvllm[ray]')"),
-    *_settings_options(RayConfig, {"address": "--ray-address", "num_replicas": "--num-replicas",
-                                   "batch_size": "--ray-batch-size", "cpus_per_replica": "--ray-cpus-per-replica"}),
-]
+def _job_options(show_defaults: bool) -> list:
+    """Every setting's flag. Sampling flags are left to SamplingParams' checks (no click ranges), so that a bad
+    default reads like a bad row."""
+    return [
+        click.option("--model", type=click.Path(path_type=Path),
+                     help="HF model dir or .gguf" + (" [default: the fetched default model]" if show_defaults else "")),
+        *_settings_options(EngineConfig, show_defaults=show_defaults),
+        *_settings_options(SamplingParams, ranges=False, show_defaults=show_defaults, prefix=SAMPLING_PREFIX),
+        *STRUCTURED_SHORTHANDS,
+        *_settings_options(JobConfig, show_defaults=show_defaults),
+        click.option("--ray", is_flag=True, default=None, help="run on a Ray cluster (pip install 'tinyvllm[ray]')"),
+        *_settings_options(RayConfig, show_defaults=show_defaults),
+    ]
 
 
-def job_options(f):
-    for option in reversed(JOB_OPTIONS):
-        f = option(f)
-    return f
+def _with(options: list):
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
 
 
 @click.group()
@@ -125,7 +118,7 @@ def main() -> None:
               help="prompts: .jsonl (plain or OpenAI batch) or .parquet")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="the file to write: .parquet, or .jsonl for the OpenAI Batch API's output format")
-@job_options
+@_with(_job_options(show_defaults=True))
 def run(input_: Path, output: Path, **options) -> None:
     """Run every row of INPUT through the model and write OUTPUT (Parquet or OpenAI batch JSONL) plus a
     .summary.json.
@@ -143,12 +136,16 @@ def run(input_: Path, output: Path, **options) -> None:
 @click.argument("job_file", type=click.Path(path_type=Path))
 @click.option("--input", "input_", type=click.Path(path_type=Path), help="replaces the job file's input")
 @click.option("--output", type=click.Path(path_type=Path), help="replaces the job file's output")
-@job_options
+@_with(_job_options(show_defaults=False))
 def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> None:
-    """Run the job described by JOB_FILE (TOML, see jobs/example.toml); flags override its values.
+    """Run the job described by JOB_FILE (TOML; jobs/example.toml lists every key).
 
-    Relative paths inside the file are resolved against the file's folder, those of flags against the current
-    directory. Rerunning a finished job does nothing; rerunning an interrupted one resumes it."""
+    The values come from the file. A flag given overrides the file's key of the same name: top-level keys for the
+    engine and job flags, [sampling] for the row defaults (--max-tokens: max_tokens), [ray] for the Ray flags
+    (--ray-address: address). A key neither in the file nor given as a flag takes its default (`tinyvllm run
+    --help` shows them). Relative paths inside the file are resolved against the file's folder, those of flags
+    against the current directory. Rerunning a finished job does nothing; rerunning an interrupted one resumes
+    it."""
     flags, sampling, ray = _split(options)
     try:
         cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling, ray)
@@ -199,44 +196,65 @@ def _check_report_input(output: Path) -> None:
                                    f"{', '.join(wrong)})")
 
 
+# The engine settings the benchmarks take: all but the seed (the benchmarks' --seed makes their requests and weights).
+BENCH_SETTINGS = tuple(s.name for s in settings(EngineConfig) if s.name != "seed")
+
+
+def bench_options(workloads: str, json_path: str | None):
+    """The options of `tinyvllm bench` and bench/run.py: what to run, and BENCH_SETTINGS' flags, shown with the
+    benchmarks' defaults."""
+    from tinyvllm.benchmark import BENCH_ENGINE, BENCH_MAX_MODEL_LEN
+
+    shown = {**BENCH_ENGINE, "max_model_len": f"the model's, at most {BENCH_MAX_MODEL_LEN}"}
+    return _with([
+        click.option("--model", type=click.Path(exists=True, path_type=Path),
+                     help="a real model instead of dummy weights"),
+        click.option("--dummy-weights", default="llama-3.2-1b", show_default=True,
+                     help="random weights of a known shape: llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m or "
+                          "tiny"),
+        click.option("--workloads", default=workloads, show_default=True, help="comma-separated subset"),
+        click.option("--scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+                     help="shrink the workloads' counts and lengths (e.g. 0.05 on a CPU)"),
+        click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+                     help="of the workloads' random prompts and of the dummy weights"),
+        click.option("--json", "json_path", type=click.Path(path_type=Path), default=json_path,
+                     show_default=json_path is not None, help="also write the results as JSON"),
+        *_settings_options(EngineConfig, names=BENCH_SETTINGS, shown=shown),
+    ])
+
+
+def bench_llm(options: dict):
+    """The LLM of a benchmark's options (benchmark.bench_llm); ClickException (one line) if it cannot be made.
+    Takes the model and engine options out of `options`, leaving the rest."""
+    from tinyvllm.benchmark import bench_llm as build
+
+    engine = {name: options.pop(name) for name in BENCH_SETTINGS}
+    try:
+        return build(options.pop("model"), options.pop("dummy_weights"), options["workloads"].split(","),
+                     options["seed"], **engine)
+    except ValueError as e:  # an unknown --dummy-weights, a model that does not load, a setting it cannot meet
+        raise click.ClickException(str(e).splitlines()[0]) from None
+
+
 @main.command()
-@click.option("--model", type=click.Path(exists=True, path_type=Path), help="a real model instead of dummy weights")
-@click.option("--dummy-weights", default="llama-3.2-1b", show_default=True,
-              help="random weights of a known shape: llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m or tiny")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cuda"]), default="auto", show_default=True)
-@click.option("--workloads", default="W1,W2,W3,W4,W5", show_default=True, help="comma-separated subset")
-@click.option("--scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="shrink the workloads' counts and lengths (e.g. 0.05 on a CPU)")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="also write the results as JSON")
-@_settings_options(EngineConfig, {"cuda_graph_capture": "--cuda-graph-capture"})[0]
+@bench_options("W1,W2,W3,W4,W5", None)
 @click.option("--startup", is_flag=True,
               help="instead: time each start-up phase of --model (default: the fetched default model), twice in "
                    "fresh processes, the first with an empty kernel cache")
-def bench(model: Path | None, dummy_weights: str, backend: str, workloads: str, scale: float, max_num_seqs: int,
-          max_num_batched_tokens: int, json_path: Path | None, cuda_graph_capture: str, startup: bool) -> None:
+def bench(startup: bool, **options) -> None:
     """Throughput and latency workloads (W1-W6, J1) against the machine's measured limits.
 
-    HF transformers peers on the same requests: `python bench/run.py --peers static,compiled`."""
+    HF transformers peers on the same requests: `python bench/run.py --peers static,compiled` (the same options)."""
     if startup:
-        _bench_startup(model, backend, json_path)
+        _bench_startup(options["model"], options["backend"] or "auto", options["json_path"])
         return
-    from tinyvllm.benchmark import dummy_model, format_results, run_benchmark
-    from tinyvllm.llm import LLM
-    from tinyvllm.model.loader import load_model
+    from tinyvllm.benchmark import format_results, run_benchmark
 
-    try:
-        loaded = load_model(model) if model else dummy_model(dummy_weights, text="J1" in workloads.split(","))
-    except ValueError as e:  # an unknown --dummy-weights, or a model that does not load
-        raise click.ClickException(str(e)) from None
-    llm = LLM(loaded, backend=backend, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=min(4096, loaded.config.max_position_embeddings),
-              **({"cuda_graph_capture": cuda_graph_capture} if cuda_graph_capture else {}))
-    results = run_benchmark(llm, workloads.split(","), scale)
+    llm = bench_llm(options)
+    results = run_benchmark(llm, options["workloads"].split(","), options["scale"], options["seed"])
     click.echo(format_results(results))
-    if json_path:
-        json_path.write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
+    if options["json_path"]:
+        options["json_path"].write_text(json.dumps({**results, "llm": llm.info()}, indent=2, default=str))
 
 
 def _bench_startup(model: Path | None, backend: str, json_path: Path | None) -> None:
@@ -294,8 +312,9 @@ def _split(options: dict) -> tuple[dict, dict, dict | None]:
     structured = _structured_flag({k: options.pop(k) for k in STRUCTURED_FLAGS})
     sampling = {k: options.pop(k) for k in SAMPLING_FLAGS if k != "structured_outputs"}
     sampling["structured_outputs"] = structured
-    for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):  # repeatable: () when not given
-        sampling[name] = list(sampling[name]) or None
+    for s in settings(SamplingParams):  # a repeatable flag: () when not given
+        if s.container is list and s.name in sampling:
+            sampling[s.name] = list(sampling[s.name]) or None
     flags = {k: v for k, v in options.items() if v is not None}
     return flags, {k: v for k, v in sampling.items() if v is not None}, ray if use_ray or ray else None
 

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import json as json_module
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
-from tinyvllm.config import INT32_MAX
+from tinyvllm.config import INT32_MAX, check_settings, setting, settings
 
 SEED_MAX = 2**64 - 1  # the sampler keys on a seed's 64 bits
 # Below TEMPERATURE_MIN, logits / temperature overflows float32 (vLLM's bound too); beyond TEMPERATURE_MAX every token
 # is about as likely anyway, and the value must still fit a float32.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-2, 1e6
 
-# Fields a row of a job's input may override (validate() checks their values): every field, each means something for
-# one request.
-OVERRIDABLE_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                      "ignore_eos", "min_tokens", "include_stop_str_in_output", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
-                      "logprobs", "prompt_logprobs", "prompt_logprobs_start", "detokenize", "skip_special_tokens",
-                      "spaces_between_special_tokens", "structured_outputs")
 MAX_N = 256  # completions per prompt
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -86,114 +78,104 @@ class StructuredOutputsParams:
         return json_module.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
+def _no_blank_words(words: list[str]) -> str | None:
+    return None if all(w.strip() for w in words) else "must be a list of words, not blanks"
+
+
+def _not_empty(token_ids: list[int]) -> str | None:
+    return None if token_ids else "must be a non-empty list of token ids"
+
+
 @dataclass
 class SamplingParams:
-    n: int = 1  # completions of the prompt (its prompt computed once, its KV blocks shared)
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability sums to top_p
-    top_k: int = 0  # 0 (or -1) = all tokens
-    min_p: float = 0.0  # drop tokens less likely than min_p * p(most likely token)
-    seed: int | None = None  # per request: same seed -> same text, whatever else is in the batch
-    stop: list[str] = field(default_factory=list)  # stop strings, removed from the text
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
-    include_stop_str_in_output: bool = False
-    # Logits processors, with vLLM's meanings: presence/frequency penalties count output tokens only, the repetition
-    # penalty the prompt's and output's (logit / p where positive, * p where not); logit_bias {token id: bias} is
-    # added; allowed_token_ids keeps only those; bad_words are never generated (each word as it tokenizes with and
-    # without a leading space).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logprobs: int | None = None  # number of top logprobs returned per generated token
-    prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token (besides its own)
-    # tinyvllm's: prompt logprobs only for the prompt tokens from this index on (the entries before it are None), so
-    # the tokens before it may come from the prefix cache (a few-shot context shared by an item's choices).
-    prompt_logprobs_start: int = 0
-    detokenize: bool = True  # False: token ids only, the text stays "" (no stop strings then)
-    skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the text
+    """Each field is declared once, with `setting()`: its type, default, bounds and help here are what checks the
+    value (`validate`), the CLI's flags (the defaults of every row of a job), the job file's [sampling] keys and a
+    job row's fields (every field is `per_row`). Only the checks across fields are written out, in `validate`.
+    Integers end up in int32 arrays and kernel arguments (a seed in 64 bits): they are bounded here, so that no
+    value gets as far as the engine and fails there for the whole batch."""
+
+    n: int = setting(1, "completions per prompt (its prompt computed once, its KV blocks shared)", low=1, high=MAX_N,
+                     per_row=True)
+    max_tokens: int = setting(16, "tokens to generate at most", low=1, high=INT32_MAX, per_row=True)
+    temperature: float = setting(1.0, "sampling temperature; 0 = greedy", low=TEMPERATURE_MIN,
+                                 high=TEMPERATURE_MAX, also=(0,), per_row=True)
+    top_p: float = setting(1.0, "nucleus: keep the smallest set of tokens whose probability sums to top_p",
+                           low=0, high=1, low_open=True, per_row=True)
+    top_k: int = setting(0, "keep the k most likely tokens; 0 (or -1) = all", low=0, high=INT32_MAX, per_row=True)
+    min_p: float = setting(0.0, "drop tokens less likely than min_p x p(most likely token)", low=0, high=1,
+                           per_row=True)
+    # The engine's --seed is the job's (a row without a seed gets one from it and its row number): no flag here.
+    seed: int | None = setting(None, "per request: same seed -> same text, whatever else is in the batch", low=0,
+                               high=SEED_MAX, flag=False, per_row=True)
+    stop: str | list[str] = setting([], "stop strings, removed from the text (a row's own list "
+                                    "replaces the job's)", per_row=True)
+    stop_token_ids: list[int] = setting([], "token ids that end the output", low=0,
+                                        high=INT32_MAX, per_row=True)
+    ignore_eos: bool = setting(False, "generate past EOS, up to max_tokens", per_row=True)
+    min_tokens: int = setting(0, "EOS and stop_token_ids cannot end the output before this many tokens", low=0,
+                              high=INT32_MAX, per_row=True)
+    include_stop_str_in_output: bool = setting(False, "keep the stop string in the text", per_row=True)
+    # Logits processors, with vLLM's meanings.
+    presence_penalty: float = setting(0.0, "subtracted from the logit of every token the output holds", low=-2,
+                                      high=2, per_row=True)
+    frequency_penalty: float = setting(0.0, "subtracted per occurrence of a token in the output", low=-2,
+                                       high=2, per_row=True)
+    repetition_penalty: float = setting(1.0, "tokens of the prompt and output: logit / p where positive, x p where "
+                                        "not", low=0, high=100, low_open=True, per_row=True)
+    logit_bias: dict[int, float] | None = setting(None, "{token id: bias} added to the logits, e.g. "
+                                                  "'{\"42\": -100}'", low=-100, high=100, per_row=True)
+    allowed_token_ids: list[int] | None = setting(None, "generate only these token ids", low=0,
+                                                  high=INT32_MAX, check=_not_empty, per_row=True)
+    bad_words: list[str] | None = setting(None, "words never generated, as each tokenizes with and without a "
+                                          "leading space", check=_no_blank_words, per_row=True)
+    # The job's --logprobs (and a job file's top-level `logprobs`) sets it for every row: no flag of its own.
+    logprobs: int | None = setting(None, "top logprobs returned per generated token", low=0, high=INT32_MAX,
+                                   flag=False, per_row=True)
+    prompt_logprobs: int | None = setting(None, "top logprobs returned per prompt token (besides its own)", low=0,
+                                          high=INT32_MAX, per_row=True)
+    # tinyvllm's: the tokens before the index may come from the prefix cache (a few-shot context shared by an item's
+    # choices).
+    prompt_logprobs_start: int = setting(0, "prompt logprobs only from this prompt token on (the earlier entries "
+                                         "None)", low=0, high=INT32_MAX, per_row=True)
+    detokenize: bool = setting(True, "false: token ids only, the text stays empty (no stop strings then)",
+                               flag="--detokenize/--no-detokenize", per_row=True)
+    skip_special_tokens: bool = setting(True, "leave special tokens (e.g. <|im_end|>) out of the text",
+                                        flag="--skip-special-tokens/--keep-special-tokens", per_row=True)
     # Kept for vLLM scripts: it changes only HF's slow tokenizers; tinyvllm's, like the fast ones, add no spaces.
-    spaces_between_special_tokens: bool = True
-    # The output must match this constraint (JSON schema, regex, choice, grammar); its logprobs are those of the
-    # distribution with the tokens it forbids removed.
-    structured_outputs: StructuredOutputsParams | None = None
+    spaces_between_special_tokens: bool = setting(True, "no effect (vLLM's; tinyvllm's tokenizers add no spaces)",
+                                                  flag=False, per_row=True)
+    # Its logprobs are those of the distribution with the tokens it forbids removed.
+    structured_outputs: StructuredOutputsParams | None = setting(
+        None, "a constraint every output must match, vLLM's fields: '{\"json\": {schema}}', regex, choice, "
+        "grammar, json_object (pip install 'tinyvllm[structured]')", own_type=True, per_row=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, tuple) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, tuple) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:  # JSON gives string keys ({"50256": -100}), as OpenAI's API does
             try:
                 self.logit_bias = {int(t): v for t, v in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
-                raise ValueError(f"invalid logit_bias={self.logit_bias!r}: must map token ids to numbers") from None
+                raise ValueError(f"invalid logit_bias={self.logit_bias!r:.40}: must map token ids to numbers") \
+                    from None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid {name}={getattr(self, name)!r:.40}: {why}")
-
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            bad("n", f"must be an integer in [1, {MAX_N}]")
-        # Integers end up in int32 arrays and kernel arguments (a seed in 64 bits): bounded here, so that no value
-        # gets as far as the engine and fails there for the whole batch.
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
-            bad("max_tokens", f"must be an integer in [1, {INT32_MAX}]")
-        if not _is_number(self.temperature) or not (
-                self.temperature == 0 or TEMPERATURE_MIN <= self.temperature <= TEMPERATURE_MAX):
-            bad("temperature", f"must be 0 (greedy) or in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
-            bad("top_k", f"must be an integer in [0, {INT32_MAX}] (0 or -1 = no limit)")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX):
-            bad("seed", "must be an integer in [0, 2**64 - 1] or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a list of non-empty strings")
-        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of token ids")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", "must be an integer in [0, max_tokens]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
-                bad(name, "must be a number in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
-            bad("repetition_penalty", "must be a number in (0, 100]")
-        if self.logit_bias is not None and not all(
-                t >= 0 and _is_number(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()):
-            bad("logit_bias", "must map token ids to biases in [-100, 100]")
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
-            bad("allowed_token_ids", "must be a non-empty list of token ids")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list)
-                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
-            bad("bad_words", "must be a list of non-empty strings")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= INT32_MAX):
-                bad(name, f"must be an integer in [0, {INT32_MAX}] or None (at most the vocabulary's size)")
-        if not _is_int(self.prompt_logprobs_start) or not 0 <= self.prompt_logprobs_start <= INT32_MAX:
-            bad("prompt_logprobs_start", f"must be an integer in [0, {INT32_MAX}]")
-        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be true or false")
+        """Raise ValueError naming the first invalid field: each against its declaration, then across fields."""
+        check_settings(self)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
         if self.stop and not self.detokenize:
-            bad("detokenize", "stop strings need the text: pass detokenize=True or stop_token_ids")
+            raise ValueError("invalid detokenize=False: stop strings need the text: pass detokenize=True or "
+                             "stop_token_ids")
 
     @property
     def has_penalties(self) -> bool:
@@ -208,9 +190,6 @@ class SamplingParams:
         return replace(self, **overrides)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
-
-def _is_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+# Fields a row of a job's input may override (every field: each means something for one request).
+OVERRIDABLE_FIELDS = tuple(s.name for s in settings(SamplingParams) if s.meta["per_row"])

@@ -24,7 +24,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tinyvllm.config import INT32_MAX
+from tinyvllm.config import INT32_MAX, settings
 from tinyvllm.errors import JobError
 from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
 
@@ -32,8 +32,10 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 OPENAI_LINE_FIELDS = ("custom_id", "method", "url", "body")
-INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
-BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")  # SamplingParams.validate() checks the others
+# From SamplingParams' declarations: integer fields (a float that is an integer is taken: JSON writers and pandas
+# make floats of ints), and the list fields a single string may stand for (`stop`).
+INT_FIELDS = tuple(s.name for s in settings(SamplingParams) if s.kind is int and s.container is None)
+ONE_OR_LIST_FIELDS = tuple(s.name for s in settings(SamplingParams) if s.one_or_list)
 # vLLM's LLM.chat options, per row (a job sets their defaults).
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 # OpenAI's names for SamplingParams fields: max_completion_tokens is max_tokens; chat's `logprobs: true` with
@@ -476,18 +478,13 @@ def _checked_messages(messages: object, refuse) -> list[dict]:
 
 
 def _checked_overrides(overrides: dict) -> dict:
-    for name in INT_FIELDS:  # 32.0 is 32 (JSON writers and pandas make floats of ints); 32.5 stays invalid
+    for name in INT_FIELDS:  # 32.0 is 32; 32.5 stays invalid
         value = overrides.get(name)
         if isinstance(value, float) and value.is_integer():
             overrides[name] = int(value)
-    for name in BOOL_FIELDS:
-        if name in overrides and not isinstance(overrides[name], bool):
-            raise BadRow(f"invalid {name}={overrides[name]!r:.40}: must be true or false")
-    stop = overrides.get("stop")
-    if isinstance(stop, str):
-        overrides["stop"] = [stop]
-    elif stop is not None and not isinstance(stop, list):
-        raise BadRow(f"invalid stop={stop!r:.80}: must be a string or a list of strings")
+    for name in ONE_OR_LIST_FIELDS:
+        if isinstance(overrides.get(name), str):
+            overrides[name] = [overrides[name]]
     try:
         # The one place that knows what is valid. The job's max_tokens is not known here: min_tokens is checked
         # against it once the row's SamplingParams are made (prepare_request).

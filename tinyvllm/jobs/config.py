@@ -14,21 +14,17 @@ from tinyvllm.config import EngineConfig, check_settings, setting
 from tinyvllm.io.writer import PIECE_ROWS
 from tinyvllm.sampling_params import SamplingParams
 
-# SamplingParams fields the CLI and job files set as defaults for every row (a row's own values win).
-SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-                     "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "allowed_token_ids",
-                     "bad_words", "structured_outputs")
-
-
 @dataclass
 class RayConfig:
-    address: str | None = setting(None, "Ray cluster address [default: $RAY_ADDRESS, else a local Ray]")
+    address: str | None = setting(None, "Ray cluster address [default: $RAY_ADDRESS, else a local Ray]",
+                                  flag="--ray-address")
     num_replicas: int | None = setting(None, "Ray: LLM replicas [default: one per GPU (cuda) or CPU (numpy)]",
                                        low=1, high=1 << 16)
     batch_size: int | None = setting(None, "Ray: rows per batch, the unit a dead replica's work is retried in "
-                                     "[default: min(4 x max_num_seqs, an even share)]", low=1, high=1 << 24)
-    cpus_per_replica: float = setting(1.0, "Ray: CPUs reserved per replica", low=0.0, high=1 << 16)
+                                     "[default: min(4 x max_num_seqs, an even share)]", low=1, high=1 << 24,
+                                     flag="--ray-batch-size")
+    cpus_per_replica: float = setting(1.0, "Ray: CPUs reserved per replica", low=0.0, high=1 << 16,
+                                      flag="--ray-cpus-per-replica")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -93,7 +89,8 @@ class JobConfig:
 
     def sampling_params(self) -> SamplingParams:
         """The SamplingParams every row starts from (its own fields win); ValueError names a bad default."""
-        return SamplingParams(**self.sampling, logprobs=self.logprobs)
+        logprobs = {} if self.logprobs is None else {"logprobs": self.logprobs}  # the job's setting wins
+        return SamplingParams(**{**self.sampling, **logprobs})
 
     @property
     def in_flight_limit(self) -> int:

@@ -1,43 +1,58 @@
 """Job files (jobs/*.toml): the settings of a run, with command-line flags on top.
 
-The keys are derived from the settings' dataclasses: EngineConfig's and JobConfig's fields at the top level,
-SamplingParams' defaults under [sampling], RayConfig's under [ray]. Values are checked by the same code as flags
-(the dataclasses' __post_init__).
+The keys are derived from the settings' declarations (`setting()` fields whose `job_key` is set): EngineConfig's and
+JobConfig's at the top level, SamplingParams' under [sampling] (the defaults of every row), RayConfig's under [ray].
+Values are checked by the same code as flags (the dataclasses' __post_init__).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import os
 import tomllib
 from pathlib import Path
 
-from tinyvllm.config import EngineConfig, setting_type
+from tinyvllm.config import EngineConfig, Setting, settings
 from tinyvllm.errors import JobError
-from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
+from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.sampling_params import SamplingParams
 
 PATH_KEYS = ("input", "output", "model", "chat_template")
 
 
-def _keys(cls, names=None) -> dict[str, type | tuple]:
-    """TOML types of a settings dataclass's fields (a float setting also takes an integer)."""
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    out = {}
-    for name in names or [f.name for f in dataclasses.fields(cls) if "help" in f.metadata]:
-        text = str(hints[name])
-        kind = list if text.startswith("list") else dict if text.startswith("dict") else setting_type(text)
-        out[name] = (int, float) if kind is float else kind
-    return out
+def toml_type(s: Setting) -> type | tuple:
+    """What a TOML value of the setting may be (a float also takes an integer; `str | list[str]` either)."""
+    if s.kind is None or s.container is dict:
+        return dict  # a table: an own_type's fields (structured_outputs), or {token id: value}
+    if s.container is list:
+        return (str, list) if s.one_or_list else list
+    return (int, float) if s.kind is float else s.kind
 
 
-ENGINE_KEYS = _keys(EngineConfig)
-JOB_KEYS = {**{k: str for k in PATH_KEYS}, **_keys(JobConfig)}
-SAMPLING_KEYS = {**_keys(SamplingParams, [k for k in SAMPLING_DEFAULTS if k != "structured_outputs"]),
-                 "structured_outputs": dict}  # a table of StructuredOutputsParams' fields
-RAY_KEYS = _keys(RayConfig)
-JOB_FILE_KEYS: dict[str, type | tuple] = {**JOB_KEYS, **ENGINE_KEYS, **{f"sampling.{k}": v for k, v in SAMPLING_KEYS.items()},
-                                          **{f"ray.{k}": v for k, v in RAY_KEYS.items()}}
+def _keys(cls, prefix: str = "") -> dict[str, type | tuple]:
+    return {prefix + s.name: toml_type(s) for s in settings(cls) if s.meta["job_key"]}
+
+
+JOB_FILE_KEYS: dict[str, type | tuple] = {**{k: str for k in PATH_KEYS}, **_keys(JobConfig), **_keys(EngineConfig),
+                                          **_keys(SamplingParams, "sampling."), **_keys(RayConfig, "ray.")}
+
+
+def _type_words(expected: type | tuple) -> str:
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+             dict: "a table"}
+    return "a number" if expected == (int, float) else " or ".join(words[t] for t in (
+        expected if isinstance(expected, tuple) else (expected,)))
+
+
+def unknown_key(key: str) -> str:
+    """One line for a key no job file takes, naming the nearest ones of its table that it does (else the same
+    name in another table: a [sampling] key written at the top level)."""
+    table, _, name = key.rpartition(".")
+    same_table = {k.rpartition(".")[2]: k for k in JOB_FILE_KEYS if k.rpartition(".")[0] == table}
+    near = [same_table[n] for n in difflib.get_close_matches(name, same_table, n=3, cutoff=0.8)]
+    near = near or [k for k in JOB_FILE_KEYS if k.rpartition(".")[2] == name]
+    hint = f"did you mean {' or '.join(near)}?" if near else "jobs/example.toml lists every key"
+    return f"unknown key {key!r} ({hint})"
 
 
 def load_job_file(path: Path, flags: dict, sampling_flags: dict, ray_flags: dict | None = None) -> JobConfig:
@@ -58,13 +73,18 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict, ray_flags: dict
     for key, value in flat:
         expected = JOB_FILE_KEYS.get(key)
         if expected is None:
-            raise JobError(f"{path}: unknown key {key!r} (known: {', '.join(JOB_FILE_KEYS)})")
+            raise JobError(f"{path}: {unknown_key(key)}")
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise JobError(f"{path}: {key} = {value!r} has the wrong type "
-                           f"(expected {getattr(expected, '__name__', 'a number')})")
+                           f"(expected {_type_words(expected)})")
+    if "logprobs" in sampling:  # the job's `logprobs` setting, spelled as the SamplingParams field
+        if data.setdefault("logprobs", sampling["logprobs"]) != sampling["logprobs"]:
+            raise JobError(f"{path}: logprobs = {data['logprobs']} and sampling.logprobs = {sampling['logprobs']} "
+                           "disagree: give one")
+        del sampling["logprobs"]
     for key in PATH_KEYS:
         if key in data:
-            data[key] = Path(os.path.normpath(path.parent / data[key]))
+            data[key] = Path(os.path.normpath(path.parent / os.path.expanduser(data[key])))
     data.update({k: v for k, v in flags.items() if v is not None})
     sampling.update({k: v for k, v in sampling_flags.items() if v is not None})
     if ray_flags is not None:  # --ray or a Ray flag given
