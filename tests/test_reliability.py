@@ -243,7 +243,7 @@ def test_a_change_only_the_hash_sees(tiny_model_dir, tmp_path, monkeypatch, gree
     """Within one tick of the file system's clock a rewrite can keep size and times: the hash at the end sees it."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
     src.write_bytes(PROMPTS.read_bytes())
-    monkeypatch.setattr("tinyvllm.jobs.run._input_stamp", lambda path: "unchanged")
+    monkeypatch.setattr("tinyvllm.jobs.resume.input_stamp", lambda path: "unchanged")
     rewrite_input_after(monkeypatch, src, commits=1)
     result = run(tiny_model_dir, src, out, *GREEDY)
     assert "changed while the job ran, so the job is not complete" in one_line_error(result) and not out.exists()
