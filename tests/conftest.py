@@ -16,7 +16,13 @@ from tinyvllm import fetch
 # The tests `make test-fast` leaves out (marked `slow` here, in one place, beside those marked in their files): test
 # file -> its slow test functions, or "*" for all of them. Local Ray clusters, the HF torch references, subprocess
 # kill-and-resume runs and other end-to-end runs of several seconds each.
-SLOW: dict[str, set[str] | str] = {}
+SLOW: dict[str, set[str] | str] = {
+    "test_ray.py": "*",
+    "test_numpy_vs_hf.py": "*",
+    "test_request_surface.py": {"test_ray_job_carries_columns_and_request_fields"},
+    "test_cli.py": {"test_sigkill_and_resume_exactly_once", "test_signal_stops_then_resume_checks_manifest"},
+    "test_reliability.py": {"test_lock_removed_mid_run"},
+}
 TESTS = Path(__file__).resolve().parent
 
 
