@@ -1,4 +1,6 @@
-# `make run`: set up, fetch the default model, run the example job.  `make test`: set up and run the tests.
+# `make run`: set up, fetch the default model, run the example job.  `make test`: set up and run every test (what CI
+# runs).  `make test-fast`: the tests not marked `slow` or `model` (no Ray cluster, lm-eval, HF torch reference or
+# long end-to-end run; no default model needed), a couple of minutes on two cores.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +8,7 @@ INPUT ?= examples/prompts.jsonl
 OUTPUT ?= out/prompts.parquet
 RUN_ARGS ?= --max-tokens 64
 
-.PHONY: setup setup-test run test test-gpu bench fetch clean
+.PHONY: setup setup-test run test test-fast test-gpu bench fetch clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +38,9 @@ run: fetch
 
 test: setup-test fetch
 	$(BIN)/python -m pytest -q
+
+test-fast: setup-test
+	$(BIN)/python -m pytest -q -m "not slow and not model"
 
 test-gpu: setup-test
 	$(BIN)/python -m pytest -q -m gpu tests/gpu

@@ -12,29 +12,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import EXAMPLES, cli, job_args, make_input, ok_run, run
 
 from tinyvllm.benchmark import job_peak_rss
 from tinyvllm.cli import main
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BASE_COLUMNS = ["row", "id", "prompt", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                 "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms", "finished_at"]
 RESULT_COLUMNS = ["chat", "ignored_fields", "structured_output_complete", "cumulative_logprob", "logprobs", "top_logprobs", "prompt_logprobs",
                   "prompt_top_logprobs", "completions", "completions_tokens", "completions_finish_reasons",
                   "completions_cumulative_logprobs"]
-
-
-def run(model, input_path, output, *args):
-    result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(input_path), "--output",
-                                       str(output), "--backend", "numpy", "--quiet", *args])
-    return result
-
-
-def ok_run(model, input_path, output, *args) -> pa.Table:
-    result = run(model, input_path, output, *args)
-    assert result.exit_code == 0, result.output + str(result.exception)
-    assert not Path(str(output) + ".parts").exists()
-    return pq.read_table(output)
 
 
 def metadata(table: pa.Table) -> dict:
@@ -210,43 +197,10 @@ def test_hostile_input(tiny_model_dir, tmp_path):
     assert "duplicate id 'ok-1'" in rows[23]["error"]
 
 
-def make_input(path: Path, n: int) -> Path:
-    """n rows: mostly greedy, some sampled without a seed (reproducible through the job's per-row seeds), every
-    tenth malformed and every eleventh refused (error rows among the good ones)."""
-    with open(path, "w") as f:
-        for i in range(n):
-            row = {"id": f"r{i}", "prompt": f"Item {i}: " + "abc " * (i % 7), "max_tokens": 4 + i % 13}
-            row["temperature"] = 0.8 if i % 5 == 0 else 0
-            if i % 11 == 6:
-                row["best_of"] = 2
-            f.write("{malformed\n" if i % 10 == 9 else json.dumps(row) + "\n")
-    return path
-
-
-def cli(*args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tinyvllm", *map(str, args)], cwd=EXAMPLES.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-def job_args(model, src, out):
-    return ["run", "--model", model, "--input", src, "--output", out, "--backend", "numpy", "--max-num-seqs", "4",
-            "--piece-rows", "3", "--quiet"]
-
-
 def wait_for_pieces(proc, parts: Path, n: int) -> None:
     while proc.poll() is None and len(list(parts.glob("piece-*.parquet"))) < n:
         time.sleep(0.002)
     assert proc.poll() is None, f"finished before {n} pieces: " + proc.communicate()[1]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory):
-    """An uninterrupted run of the kill tests' input."""
-    tmp = tmp_path_factory.mktemp("reference")
-    src, out = make_input(tmp / "in.jsonl", 150), tmp / "ref.parquet"
-    proc = cli(*job_args(tiny_model_dir, src, out))
-    assert proc.wait() == 0, proc.communicate()[1]
-    return src, pq.read_table(out)
 
 
 @pytest.mark.parametrize("kill_points", [[0], [1], [12], [2, 9, 25]], ids=lambda p: "pieces-" + "-".join(map(str, p)))

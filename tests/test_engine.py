@@ -2,18 +2,14 @@
 
 import numpy as np
 import pytest
+from helpers import llm_for
 
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
 from tinyvllm.backends import sampler
 from tinyvllm.engine import block_manager
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
            "émoji 🙂 and 漢字", "Once upon a time, in a land far away, there lived", "x y z", "tinyvllm"]
-
-
-def llm_for(model_dir, **kw):
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(model_dir, backend="numpy", **kw)
 
 
 def texts_and_ids(outputs):

@@ -7,15 +7,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import write_jsonl
 
 from tinyvllm.io import JobError, PartsWriter, count_rows, output_record, read_rows
 from tinyvllm.io.writer import RowSet, output_schema, parts_dir, summary_path
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-
-def write_jsonl(path, lines):
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines))
-    return path
 
 
 def test_jsonl_rows(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import require
 
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
@@ -38,7 +39,7 @@ def test_round_trip_bfloat16(make_model_dir):
 
 
 def test_bf16_rounding_matches_torch():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     x = np.random.default_rng(0).standard_normal(10_000, dtype=np.float32) * 100
     np.testing.assert_array_equal(bf16_to_f32(f32_to_bf16(x)), torch.from_numpy(x).bfloat16().float().numpy())
 
@@ -58,7 +59,7 @@ def test_bf16_helpers():
 
 
 def test_safetensors_files_are_standard(tmp_path):
-    st_numpy = pytest.importorskip("safetensors.numpy")
+    st_numpy = require("safetensors.numpy")
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((3, 5), dtype=np.float32), "b": rng.standard_normal(7, dtype=np.float32)}
     for dtype, np_dtype in (("float32", np.float32), ("float16", np.float16)):
@@ -73,8 +74,8 @@ def test_safetensors_files_are_standard(tmp_path):
 
 
 def test_bfloat16_files_written_by_torch(tmp_path):
-    torch = pytest.importorskip("torch")
-    st_torch = pytest.importorskip("safetensors.torch")
+    torch = require("torch")
+    st_torch = require("safetensors.torch")
     t = torch.randn(4, 6).bfloat16()
     st_torch.save_file({"w": t}, str(tmp_path / "t.safetensors"))
     np.testing.assert_array_equal(read_safetensors(tmp_path / "t.safetensors")["w"], t.float().numpy())
@@ -184,7 +185,7 @@ QWEN3_STYLE_TEMPLATE = (
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 def test_qwen3_chat_template_renders_as_hf(tmp_path, kwargs):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     config = tiny_config(architecture="Qwen3ForCausalLM")
     path = save_hf_model_dir(tmp_path / "qwen3", config, random_weights(config))
     tok_config = json.loads((path / "tokenizer_config.json").read_text())

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import require
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend
@@ -14,8 +15,8 @@ from tinyvllm.model.loader import LoadedModel
 from tinyvllm.outputs import RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import EXAMPLES, cli, job_args, ok_run, reference, run  # noqa: F401 (reference: a fixture)
+from helpers import EXAMPLES, Crash, cli, job_args, ok_run, one_line_error, run
 
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, output_record
@@ -27,16 +27,6 @@ from tinyvllm.sampling_params import SamplingParams
 
 PROMPTS = EXAMPLES / "prompts.jsonl"
 GREEDY = ("--temperature", "0", "--max-tokens", "4", "--piece-rows", "3")
-
-
-class Crash(Exception):
-    """Stands for a kill at a chosen point of an in-process run."""
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code != 0, result.output
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
-    return result.stderr
 
 
 def texts(table: pa.Table) -> list:
@@ -83,7 +73,7 @@ def test_a_held_lock_keeps_a_second_run_out(tiny_model_dir, tmp_path, note):
     try:
         assert holder.stdout.readline() == "held\n"
         result = run(tiny_model_dir, PROMPTS, out)
-        assert result.exit_code == 75 and "is being written by another run" in one_line_error(result)
+        assert "is being written by another run" in one_line_error(result, exit_code=75)
         assert ("pid 1 on" if note.startswith(b"1 ") else "its lock names no process") in result.stderr
         assert "delete" not in result.stderr and "remove" not in result.stderr and not out.exists()
     finally:
@@ -243,7 +233,7 @@ def test_a_change_only_the_hash_sees(tiny_model_dir, tmp_path, monkeypatch, gree
     """Within one tick of the file system's clock a rewrite can keep size and times: the hash at the end sees it."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
     src.write_bytes(PROMPTS.read_bytes())
-    monkeypatch.setattr("tinyvllm.jobs.run._input_stamp", lambda path: "unchanged")
+    monkeypatch.setattr("tinyvllm.jobs.resume.input_stamp", lambda path: "unchanged")
     rewrite_input_after(monkeypatch, src, commits=1)
     result = run(tiny_model_dir, src, out, *GREEDY)
     assert "changed while the job ran, so the job is not complete" in one_line_error(result) and not out.exists()

@@ -13,42 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import EXAMPLES, Crash, one_line_error, run, write_jsonl
+from helpers import ok_result as ok_run
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.cli import main
 from tinyvllm.io import JobError, input_columns, read_rows
 from tinyvllm.io.readers import parse_request
 from tinyvllm.io.writer import PartsWriter, parts_dir
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-class Crash(Exception):
-    pass
-
-
-def run(model, src, out, *args):
-    return CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(out),
-                                     "--backend", "numpy", "--quiet", *map(str, args)])
-
-
-def ok_run(model, src, out, *args):
-    result = run(model, src, out, *args)
-    assert result.exit_code == 0, result.output + str(result.exception)
-    return result
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 def crash_before_finalize(model, src, out, monkeypatch, *args) -> None:
     """Run the job until every row is committed, then crash before the output is assembled."""

@@ -3,17 +3,13 @@ include_stop_str_in_output. Each is checked against a direct computation on the 
 
 import numpy as np
 import pytest
+from helpers import llm_for
 
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import LogitsProcessing
 
 PROMPT = "The quick brown fox jumps over"
-
-
-def llm_for(model_dir, **kw):
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(model_dir, backend="numpy", **kw)
 
 
 def penalized(logits: np.ndarray, prompt: list[int], output: list[int], presence=0.0, frequency=0.0,
@@ -91,22 +87,25 @@ def test_min_tokens_defers_eos(tiny_model_dir):
 def test_bad_words_are_never_generated(tiny_model_dir):
     llm = llm_for(tiny_model_dir)
     tok = llm.tokenizer
-    base = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    base = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+
+    def own_tokens(ids: list[int]) -> bool:  # the text of `ids` tokenizes back to `ids`: banning it bans them
+        return tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+
     # A two-token word the greedy output contains: banned, its second token must not follow its first.
-    first, second = base.token_ids[2], base.token_ids[3]
-    word = tok.decode([first, second])
-    if tok.encode(word, add_special_tokens=False) != [first, second]:
-        pytest.skip("the greedy tokens do not re-tokenize to themselves")
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                              bad_words=[word]))[0].outputs[0]
-    ids = out.token_ids
-    assert ids[:3] == base.token_ids[:3] and ids[3] != second
+    k = next((k for k in range(len(base) - 1) if own_tokens(base[k:k + 2])), None)
+    assert k is not None, f"no two greedy tokens in a row tokenize back to themselves: {base}"
+    first, second = base[k], base[k + 1]
+    ids = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                              bad_words=[tok.decode([first, second])]))[0].outputs[0].token_ids
+    assert ids[:k + 1] == base[:k + 1] and ids[k + 1] != second
     assert not any(a == first and b == second for a, b in zip(ids, ids[1:]))
-    single = tok.decode([base.token_ids[0]])
-    if tok.encode(single, add_special_tokens=False) == [base.token_ids[0]]:
-        out = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                  bad_words=[single]))[0].outputs[0]
-        assert base.token_ids[0] not in out.token_ids
+    # A one-token word the greedy output contains: never generated.
+    single = next((t for t in base if own_tokens([t])), None)
+    assert single is not None, f"no greedy token tokenizes back to itself: {base}"
+    ids = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                              bad_words=[tok.decode([single])]))[0].outputs[0].token_ids
+    assert single not in ids
 
 
 def test_n_completions_share_one_prefill(tiny_model_dir):

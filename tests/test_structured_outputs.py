@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import llm_for
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backends.sampler import apply_token_bitmask
@@ -24,11 +25,6 @@ llguidance = pytest.importorskip("llguidance")
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-def llm_for(model_dir, **kw):
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(model_dir, backend="numpy", **kw)
 
 
 # ---- the mask -------------------------------------------------------------------------------------------------------

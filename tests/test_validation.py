@@ -13,22 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import tokenizers
 from click.testing import CliRunner
+from helpers import ok_run, run, write_jsonl
+from helpers import one_line_error as one_line_failure
 
 from tinyvllm import tokenizer
 from tinyvllm.cli import main
 from tinyvllm.model.gguf import config_from_gguf
-
-from test_cli import ok_run, run
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def one_line_failure(result, message: str) -> None:
-    assert result.exit_code != 0 and not isinstance(result.exception, (AssertionError, TypeError, KeyError))
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def model_copy(model_dir: Path, tmp_path: Path) -> Path:

@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 import pytest
+from helpers import require
 
 from tinyvllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from tinyvllm.backends import create_backend
@@ -142,7 +143,7 @@ def test_sampling_params_vllm_fields_checked():
 
 
 def test_tokenizer_offers_the_hf_subset(tiny_model_dir):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tok = numpy_llm(tiny_model_dir).get_tokenizer()
     assert (tok.bos_token_id, tok.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)

@@ -1,12 +1,13 @@
 """A batch job: read rows -> submit to the engine (a bounded number in flight) -> write rows as they finish.
 
 Memory stays bounded whatever the input size: rows are read lazily, at most `max_in_flight` requests live in the
-engine, and finished rows go to disk in small pieces (see io/writer.py). The runner knows nothing of kernels.
+engine, and finished rows go to disk in small pieces (see io/writer.py). The job drives the engine through
+`LLMEngine.add_request` and `step` alone; what runs a step (the backend, its kernels) is below it.
 
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
 `<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
-results. A lock in that folder keeps two runs off one output (jobs/guard.py). Rerunning a finished job is a no-op:
-the output's metadata (the job, and rows 0..N-1 each once) is what says it is finished.
+results (jobs/resume.py). A lock in that folder keeps two runs off one output (jobs/guard.py). Rerunning a finished
+job is a no-op: the output's metadata (the job, and rows 0..N-1 each once) is what says it is finished.
 Job files (jobs/*.toml) are read by jobs/file.py.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import queue
 import signal
@@ -23,31 +23,29 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
-from tinyvllm.io.writer import (OPENAI_LINE_KEYS, atomic_write, clear_parts, lock_path, output_format,
-                                output_rows_problem, output_schema, parts_dir, summarize_output, summary_path)
+from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
+from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
-__all__ = ["JobInterrupted", "LocalExecutor", "complete_rows", "load_llm", "prepare_request", "run_job",
-           "sampling_defaults"]
+__all__ = ["JobInterrupted", "LocalExecutor", "RowPipeline", "complete_rows", "load_llm", "prepare_request",
+           "run_job", "sampling_defaults"]
 
 _request_ids = itertools.count()
 PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
-PREPARE_BATCH = 64  # rows the worker tokenizes at once
-_END = object()  # the worker's last item: no rows left
+PREPARE_BATCH = 64  # rows the producer tokenizes at once
+_END = object()  # the producer's last item: no rows left
 
 
 class JobInterrupted(JobError):
@@ -59,7 +57,8 @@ class JobInterrupted(JobError):
 
 
 class LocalExecutor:
-    """Runs a job's rows through one LLM in this process. (ray_runner.RayExecutor spreads them over a cluster.)
+    """Runs a job's rows through one LLM in this process. (jobs/ray_executor.py's RayExecutor
+    spreads them over a cluster.)
 
     An executor is a context (what it holds, e.g. a cluster connection, lives from before the job's lock and signal
     handlers until after) with one method, run(). `llm`: an LLM already built to run the rows on (a benchmark's),
@@ -90,69 +89,92 @@ class LocalExecutor:
 def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobConfig, emit: Callable[[dict], None],
                   max_in_flight: int, on_step: Callable[[], None] = lambda: None,
                   stopped: Callable[[], bool] = lambda: False) -> None:
-    """The row loop of every executor: emit() one output record per row (an error record for a bad one) as it
-    finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once stopped(),
-    no row is admitted and the requests in flight are abandoned.
+    """The row loop of every executor (RowPipeline): emit() one output record per row (an error record for a bad
+    one) as it finishes, keeping at most max_in_flight requests in the engine; on_step() after each engine step. Once
+    stopped(), no row is admitted and the requests in flight are abandoned."""
+    RowPipeline(llm, defaults, cfg, emit, max_in_flight, on_step, stopped).run(rows)
 
-    A worker thread takes the rows from `rows` (a reader reads and parses the input there), renders and tokenizes
-    them PREPARE_AHEAD ahead of this thread, which runs the engine (the worker's Python runs while this thread waits
-    for the device). It hands them over through one queue, in row order, error rows included, so emit() and the
-    engine are only ever called from this thread; an error the reader raises comes through the queue after the rows
-    before it. Rows are admitted as they are ready, so the engine starts on the first rows instead of waiting for
-    max_in_flight."""
-    engine, max_model_len = llm.llm_engine, llm.engine_config.max_model_len
-    in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt sent, templated)
 
-    def prepare(batch: list[Row]) -> list[tuple[str | list[int], bool, SamplingParams, list[int]] | str]:
-        """For each row what to send and its token ids, or the reason it is an error row. The texts are tokenized
-        together (Tokenizer.encode_prompts), which leaves the GIL to the engine's thread meanwhile."""
-        requests: list[tuple | str] = []
-        for row in batch:
+class RowPipeline:
+    """Rows -> the engine -> output records, in two threads.
+
+    A producer thread (`_produce`) takes the rows from `rows` (a reader reads and parses the input there), renders
+    and tokenizes them (`_prepare`) PREPARE_AHEAD ahead of the calling thread, which runs the engine (the producer's
+    Python runs while the engine waits for the device). It hands them over through one queue (`_offer`), in row
+    order, error rows included, so emit() and the engine are only ever called from the calling thread; an error the
+    reader raises comes through the queue after the rows before it. The calling thread admits rows as they are ready
+    (`_admit_ready`), so the engine starts on the first rows instead of waiting for max_in_flight, and steps the
+    engine (`_step`), emitting the rows that finish."""
+
+    def __init__(self, llm, defaults: SamplingParams, cfg: JobConfig, emit: Callable[[dict], None],
+                 max_in_flight: int, on_step: Callable[[], None] = lambda: None,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
+        self.llm, self.engine, self.max_model_len = llm, llm.llm_engine, llm.engine_config.max_model_len
+        self.defaults, self.cfg, self.emit, self.max_in_flight = defaults, cfg, emit, max_in_flight
+        self.on_step, self.stopped = on_step, stopped
+        self.in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt, templated)
+        self.ready: queue.Queue = queue.Queue(PREPARE_AHEAD)  # (row, prepared), in row order; then _END or the error
+        self.cancelled = threading.Event()  # the loop has ended: the producer stops
+
+    def run(self, rows: Iterable[Row]) -> None:
+        """Complete `rows`: return once each is emitted, or once stopped()."""
+        producer = threading.Thread(target=self._produce, args=(rows,), name="tinyvllm-prepare", daemon=True)
+        producer.start()
+        try:
+            exhausted = False
+            while not self.stopped():
+                if not exhausted:
+                    exhausted = self._admit_ready()
+                if self.in_flight:
+                    self._step()
+                elif exhausted:
+                    return
+        finally:
+            self.cancelled.set()
+            producer.join()
+
+    # ---- the engine's thread ----
+
+    def _admit_ready(self) -> bool:
+        """Admit every row that is ready, up to max_in_flight; wait for one only when the engine has nothing else to
+        do. True once the producer has no rows left; raises the error the producer met."""
+        while len(self.in_flight) < self.max_in_flight:
             try:
-                requests.append(row.error if row.error is not None else
-                                prepare_request(row, llm.tokenizer, defaults, cfg, max_model_len))
-            except ValueError as e:
-                requests.append(str(e))
-        texts = [i for i, r in enumerate(requests) if not isinstance(r, str) and isinstance(r[0], str)]
-        token_ids = dict(zip(texts, llm.tokenizer.encode_prompts([requests[i][:2] for i in texts]))) if texts else {}
-        return [r if isinstance(r, str) else (*r, token_ids.get(i, r[0])) for i, r in enumerate(requests)]
+                item = self.ready.get(block=not self.in_flight)
+            except queue.Empty:
+                return False
+            if item is _END:
+                return True
+            if isinstance(item, Exception):
+                raise item
+            self._admit(*item)
+        return False
 
-    def step() -> None:
-        for out in engine.step():
-            row, prompt, templated = in_flight.pop(out.request_id)
-            emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated)))
-        on_step()
-        if in_flight and not engine.has_unfinished_requests():
-            raise RuntimeError(f"engine lost {len(in_flight)} request(s)")
-
-    def admit(row: Row, prepared: tuple | str) -> None:
+    def _admit(self, row: Row, prepared: tuple | str) -> None:
+        """Add the row's request to the engine, or emit its error record."""
         if isinstance(prepared, str):
-            emit(output_record(row.index, row.id, None, error=prepared, extras=record_extras(row)))
+            self.emit(output_record(row.index, row.id, None, error=prepared, extras=record_extras(row)))
             return
         prompt, templated, params, token_ids = prepared
         request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
         # The text was tokenized as the engine would (Tokenizer.encode_prompt): the engine gets the ids.
-        engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
-        in_flight[request_id] = (row, prompt, templated)
+        self.engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
+        self.in_flight[request_id] = (row, prompt, templated)
 
-    ready: queue.Queue = queue.Queue(PREPARE_AHEAD)  # (row, prepared), in row order; then _END or the error
-    cancelled = threading.Event()
+    def _step(self) -> None:
+        """One engine step; emit the rows it finished."""
+        for out in self.engine.step():
+            row, prompt, templated = self.in_flight.pop(out.request_id)
+            self.emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated)))
+        self.on_step()
+        if self.in_flight and not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"engine lost {len(self.in_flight)} request(s)")
 
-    def offer(item) -> bool:
-        """Queue the item unless the loop has ended; False once it has."""
-        while not cancelled.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+    # ---- the producer's thread ----
 
-    def offer_prepared(batch: list[Row]) -> bool:
-        return all(offer(item) for item in zip(batch, prepare(batch)))
-
-    def produce() -> None:
-        """Rows in batches: the first alone (the engine starts at once), then doubling up to PREPARE_BATCH."""
+    def _produce(self, rows: Iterable[Row]) -> None:
+        """Rows in batches: the first alone (the engine starts at once), then doubling up to PREPARE_BATCH; then
+        _END, or the error reading them raised."""
         batch: list[Row] = []
         size = 1
         try:
@@ -160,41 +182,44 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
                 batch.append(row)
                 if len(batch) >= size:
                     ready_rows, batch, size = batch, [], min(2 * size, PREPARE_BATCH)
-                    if not offer_prepared(ready_rows):
+                    if not self._offer_prepared(ready_rows):
                         return
             end: object = _END
-        except Exception as e:  # the loop raises it, after the rows before it
+        except Exception as e:  # the engine's thread raises it, after the rows before it
             end = e
         try:
-            if offer_prepared(batch):
-                offer(end)
+            if self._offer_prepared(batch):
+                self._offer(end)
         except Exception as e:
-            offer(e)
+            self._offer(e)
 
-    worker = threading.Thread(target=produce, name="tinyvllm-prepare", daemon=True)
-    worker.start()
-    exhausted = False
-    try:
-        while not stopped():
-            # Admit every row that is ready; wait for one only when the engine has nothing else to do.
-            while not exhausted and len(in_flight) < max_in_flight:
-                try:
-                    item = ready.get(block=not in_flight)
-                except queue.Empty:
-                    break
-                if item is _END:
-                    exhausted = True
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    admit(*item)
-            if in_flight:
-                step()
-            elif exhausted:
-                return
-    finally:
-        cancelled.set()
-        worker.join()
+    def _offer_prepared(self, batch: list[Row]) -> bool:
+        return all(self._offer(item) for item in zip(batch, self._prepare(batch)))
+
+    def _offer(self, item) -> bool:
+        """Queue the item unless the loop has ended; False once it has."""
+        while not self.cancelled.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _prepare(self, batch: list[Row]) -> list[tuple[str | list[int], bool, SamplingParams, list[int]] | str]:
+        """For each row what to send and its token ids, or the reason it is an error row. The texts are tokenized
+        together (Tokenizer.encode_prompts), which leaves the GIL to the engine's thread meanwhile."""
+        tokenizer = self.llm.tokenizer
+        requests: list[tuple | str] = []
+        for row in batch:
+            try:
+                requests.append(row.error if row.error is not None else
+                                prepare_request(row, tokenizer, self.defaults, self.cfg, self.max_model_len))
+            except ValueError as e:
+                requests.append(str(e))
+        texts = [i for i, r in enumerate(requests) if not isinstance(r, str) and isinstance(r[0], str)]
+        token_ids = dict(zip(texts, tokenizer.encode_prompts([requests[i][:2] for i in texts]))) if texts else {}
+        return [r if isinstance(r, str) else (*r, token_ids.get(i, r[0])) for i, r in enumerate(requests)]
 
 
 def record_extras(row: Row, chat: bool | None = None) -> dict:
@@ -223,87 +248,99 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields)
     total = count_rows(cfg.input)
     with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
-        stamp = _input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
-        job = _job_identity(cfg, defaults)
-        if not cfg.overwrite and cfg.output.exists():
-            problem = _finished_problem(cfg.output, job, total)
-            if problem is None:
-                summary = _finished_summary(cfg.output)
-                clear_parts(parts_dir(cfg.output))  # left by a run killed while it removed them
-                return summary
-            manifest = _read_manifest(parts_dir(cfg.output))
-            if manifest is None or manifest["job"] != job:  # else: pieces of this job are pending; resume
-                raise JobError(f"{cfg.output} exists {problem}; pass --overwrite to replace it")
-        manifest = _open_parts(cfg, job)
+        stamp = resume.input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
+        job = resume.job_identity(cfg, defaults)
+        summary = resume.finished_summary(cfg, job, total)
+        if summary is not None:
+            return summary
+        manifest = resume.open_parts(cfg, job)
 
         def before_commit() -> None:
             lock.verify()
-            if _input_stamp(cfg.input) != stamp:  # rows read since may come from other content: none is committed
+            if resume.input_stamp(cfg.input) != stamp:  # rows read since may come from other content: none committed
                 raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
                                "before: restore it and run the same command again, or pass --overwrite to start over")
 
-        return _run(cfg, executor, rows, columns, total, defaults, manifest, signals, before_commit)
+        job_run = _JobRun(cfg, columns, total, signals, before_commit)
+        info, stats = job_run.execute(executor, defaults, rows)
+        job_run.check_complete(manifest)
+        return job_run.writer.finalize(_metadata(cfg, defaults, manifest, info), stats)
 
 
-def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, total: int, defaults: SamplingParams,
-         manifest: dict, signals: StopSignals, before_commit: Callable[[], None]) -> dict:
-    started = time.time()
-    writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), started, total,
-                         piece_rows=cfg.piece_rows, guard=before_commit)
-    for damaged in writer.damaged:
-        print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
-    done = writer.committed_rows()
-    warned: set[str] = set()
-    bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
-    tokens = 0
+class _JobRun:
+    """One run of a job in this process: the pieces writer, the progress bar, and the rows still to do."""
 
-    def emit(record: dict) -> None:
-        nonlocal tokens
-        writer.add(record)
-        tokens += record["completion_tokens"]
-        bar.update(1)
-        bar.set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
+    def __init__(self, cfg: JobConfig, columns: pa.Schema, total: int, signals: StopSignals,
+                 before_commit: Callable[[], None]) -> None:
+        self.cfg, self.columns, self.total, self.signals = cfg, columns, total, signals
+        self.started = time.time()
+        self.writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), self.started, total,
+                                  piece_rows=cfg.piece_rows, guard=before_commit)
+        for damaged in self.writer.damaged:
+            print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
+        self.done = self.writer.committed_rows()
+        self.warned: set[str] = set()  # the ignored fields warned about
+        self.tokens = 0  # completion tokens emitted by this run
+        self.bar = tqdm(total=total, initial=len(self.done), unit="row", file=sys.stderr, disable=cfg.quiet,
+                        dynamic_ncols=True)
 
-    def stopped() -> bool:
-        return signals.received is not None
+    def execute(self, executor, defaults: SamplingParams, rows: Iterator[Row]) -> tuple[dict, dict]:
+        """The executor's run over the rows not done yet; returns its (engine info, engine stats). What was emitted
+        is flushed, whatever happens."""
+        try:
+            return executor.run(self.cfg, defaults, self.pending(rows), self.total - len(self.done), self.emit,
+                                self.commit, self.stopped, self.columns)
+        finally:
+            self.writer.flush()
+            self.bar.close()
 
-    def pending() -> Iterator[Row]:
+    def emit(self, record: dict) -> None:
+        self.writer.add(record)
+        self.tokens += record["completion_tokens"]
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{self.tokens / max(time.time() - self.started, 1e-9):.1f} tok/s", refresh=False)
+
+    def commit(self, force: bool = False) -> None:
+        self.writer.flush() if force else self.writer.maybe_flush()
+
+    def stopped(self) -> bool:
+        return self.signals.received is not None
+
+    def pending(self, rows: Iterator[Row]) -> Iterator[Row]:
         """The rows still to do, those that failed to parse included (the executor emits their error records). It
         may run on the executor's worker thread: it touches nothing but `warned` and what does not change."""
-        for row in _readable(rows, cfg.input):
-            if stopped():
+        for row in _readable(rows, self.cfg.input):
+            if self.stopped():
                 return
-            if row.index in done:
+            if row.index in self.done:
                 continue
-            for name in set(row.ignored_fields) - warned:
-                warned.add(name)
+            for name in set(row.ignored_fields) - self.warned:
+                self.warned.add(name)
                 tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
                            "counts the rows that had it", file=sys.stderr)
             yield row
 
-    try:
-        def commit(force: bool = False) -> None:
-            writer.flush() if force else writer.maybe_flush()
+    def check_complete(self, manifest: dict) -> None:
+        """JobInterrupted if a signal stopped the run; JobError if the input changed under it."""
+        if self.signals.received:
+            name = signal.Signals(self.signals.received).name
+            raise JobInterrupted(f"interrupted by {name}: {len(self.done) + self.writer.committed} rows committed in "
+                                 f"{self.writer.parts}; run the same command again to resume",
+                                 128 + self.signals.received)
+        if resume.input_sha256(self.cfg.input) != manifest["job"]["input_sha256"]:  # a change the stamp missed
+            raise JobError(f"input {self.cfg.input} changed while the job ran, so the job is not complete: the "
+                           f"{self.writer.discard()} rows this run computed are dropped (they may come from the "
+                           "changed input), those committed before are kept: restore it and run the same command "
+                           "again, or pass --overwrite to start over")
 
-        info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped, columns)
-    finally:
-        writer.flush()
-        bar.close()
-    if signals.received:
-        name = signal.Signals(signals.received).name
-        raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
-                             f"{writer.parts}; run the same command again to resume", 128 + signals.received)
-    if _input_sha256(cfg.input) != manifest["job"]["input_sha256"]:  # a change the stamp missed (same clock tick)
-        raise JobError(f"input {cfg.input} changed while the job ran, so the job is not complete: the "
-                       f"{writer.discard()} rows this run computed are dropped (they may come from the changed input), "
-                       "those committed before are kept: restore it and run the same command again, or pass "
-                       "--overwrite to start over")
-    metadata = {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
-                "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
-                "chat": cfg.chat, "chat_template": cfg.chat_template,
-                "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
-                "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
-    return writer.finalize(metadata, stats)
+
+def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: dict) -> dict:
+    """The output's metadata: what ran, on what, and the job's identity (what says the output is finished)."""
+    return {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
+            "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
+            "chat": cfg.chat, "chat_template": cfg.chat_template,
+            "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
+            "job": manifest["job"], "start_time": manifest["started_at"], "end_time": resume.iso_time(time.time())}
 
 
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:
@@ -368,124 +405,6 @@ def _check_columns(columns: pa.Schema, output: Path) -> None:
 
 def _row_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()) >> 1
-
-
-def _job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
-    """What must not change between a run and its resumption: the input's content and what shapes the results.
-    (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
-    return {"input_size": cfg.input.stat().st_size, "input_sha256": _input_sha256(cfg.input),
-            "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()),
-            "max_model_len": cfg.engine.max_model_len, "seed": cfg.engine.seed,
-            "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
-            "logprobs": cfg.logprobs,
-            "chat_template_sha256": (hashlib.sha256(cfg.chat_template_source.encode()).hexdigest()
-                                     if cfg.chat_template_source is not None else None),
-            "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,
-            "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns}
-
-
-def _input_sha256(path: Path) -> str | None:
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    except OSError:  # gone or unreadable since the job started
-        return None
-    return digest.hexdigest()
-
-
-def _input_stamp(path: Path) -> tuple | None:
-    """What changes whenever the file's content does (its ctime cannot be set back), short of a change within one
-    tick of the file system's clock, which the hash at the end of a run catches."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _differences(old: dict, new: dict) -> str:
-    old, new = _flat(old), _flat(new)
-    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    return ", ".join(f"{k} {str(old.get(k))[:60]} -> {str(new.get(k))[:60]}" for k in keys)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
-def _finished_problem(output: Path, job: dict, num_rows: int) -> str | None:
-    """None if `output` is this job's finished output (its metadata names this job; rows 0..num_rows-1 each once),
-    else what it is instead. An OpenAI JSONL output's metadata is in its summary, written after it."""
-    try:
-        if output_format(output) == "parquet":
-            previous = json.loads((pq.read_schema(output).metadata or {})[b"tinyvllm.job"])
-        else:
-            previous = json.loads(summary_path(output).read_bytes())["metadata"]["job"]
-    except Exception:  # not Parquet, or not ours; a JSONL output without its summary
-        return "and is not a finished tinyvllm output"
-    if previous != job:
-        return f"from a different job ({_differences(previous, job)})"
-    try:
-        problem = output_rows_problem(output, num_rows)
-    except Exception as e:  # pyarrow raises several types for damaged data
-        problem = f"its rows cannot be read: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
-    return None if problem is None else f"but is not complete: {problem}"
-
-
-def _finished_summary(output: Path) -> dict:
-    """The summary of a finished output; written again if it is missing or damaged (the output holds it all)."""
-    try:
-        summary = json.loads(summary_path(output).read_text())
-    except (OSError, ValueError):
-        summary = summarize_output(output)
-        try:
-            atomic_write(summary_path(output), lambda f: f.write(json.dumps(summary, indent=2).encode() + b"\n"),
-                         parts_dir(output))
-        except OSError as e:
-            raise JobError(f"cannot write {summary_path(output)}: {e.strerror}") from None
-    return {**summary, "already_complete": True}
-
-
-def _read_manifest(parts: Path) -> dict | None:
-    """The manifest of the pieces in `parts` (None: there is none); JobError if it is damaged."""
-    path = parts / "manifest.json"
-    try:
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise JobError(f"cannot resume: {path} is damaged ({e}); pass --overwrite to start over") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("job"), dict):
-        raise JobError(f"cannot resume: {path} is damaged (no job in it); pass --overwrite to start over")
-    return manifest
-
-
-def _open_parts(cfg: JobConfig, job: dict) -> dict:
-    """Create `<output>.parts/` with its manifest, or check that the one there is this job's (to resume)."""
-    parts = parts_dir(cfg.output)
-    manifest_path = parts / "manifest.json"
-    try:
-        if cfg.overwrite:
-            clear_parts(parts)
-        manifest = _read_manifest(parts)
-        if manifest is not None:
-            if manifest["job"] != job:
-                raise JobError(f"cannot resume: {parts} holds rows of a different job "
-                               f"({_differences(manifest['job'], job)}); rerun with the original input and "
-                               "settings, or pass --overwrite to start over")
-            return manifest
-        if any(parts.glob("piece-*.parquet")):
-            raise JobError(f"cannot resume: {parts} has pieces but no manifest.json; pass --overwrite to start over")
-        manifest = {"job": job, "input": str(cfg.input), "started_at": _iso(time.time()), "version": __version__}
-        atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"), parts)
-    except OSError as e:
-        raise JobError(f"cannot prepare {parts}: {e.strerror}") from None
-    return manifest
 
 
 def _check_output(output: Path, input_path: Path) -> None:
@@ -560,7 +479,3 @@ def load_llm(cfg: JobConfig):
     # bug and keeps its traceback.
     except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
         raise JobError(f"cannot load model {cfg.model}: {e}".splitlines()[0]) from None
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,130 @@
+"""The helpers the test files share: a tiny model and an LLM on it, running the CLI in-process and as a subprocess,
+the one-line-error contract, writing JSONL inputs, and `require` for the optional references.
+
+Fixtures built on them are in conftest.py (tiny_model_dir, make_model_dir, reference)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+class Crash(Exception):
+    """Stands for a kill at a chosen point of an in-process run."""
+
+
+def require(module: str) -> ModuleType:
+    """Import a module a check needs (a reference: torch, transformers...). Missing, it fails the test when the
+    environment variable CI is set (CI installs the test extra, so a missing one is a broken setup, not a reason to
+    pass), and skips it elsewhere. Works at module level, like pytest.importorskip."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{module} is required when CI is set: {e}", pytrace=False)
+        pytest.skip(f"{module} is not installed: {e}", allow_module_level=True)
+
+
+# ---- models ----
+
+def tiny_model(path: Path, *, dtype: str = "float32", shards: int = 1, seed: int = 0, **overrides) -> Path:
+    """A tiny random HF model dir at `path`: random_weights(tiny_config(**overrides), seed), stored in `dtype`."""
+    from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
+
+    config = tiny_config(**overrides)
+    return save_hf_model_dir(path, config, random_weights(config, seed), dtype=dtype, shards=shards)
+
+
+def llm_for(model_dir, **kw):
+    """An LLM on the numpy backend for `model_dir` (max_num_seqs 8 unless given)."""
+    from tinyvllm import LLM
+
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(model_dir, backend="numpy", **kw)
+
+
+# ---- the CLI ----
+
+def run(model, src, out, *args) -> Result:
+    """`tinyvllm run` in this process on the numpy backend, quiet; the click Result, whatever happened."""
+    from tinyvllm.cli import main
+
+    return CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(out),
+                                     "--backend", "numpy", "--quiet", *map(str, args)])
+
+
+def ok_result(model, src, out, *args) -> Result:
+    """run(), which must succeed and leave no pieces behind; its Result (for any output format)."""
+    result = run(model, src, out, *args)
+    assert result.exit_code == 0, result.output + str(result.exception)
+    assert not Path(str(out) + ".parts").exists()
+    return result
+
+
+def ok_run(model, src, out, *args) -> pa.Table:
+    """ok_result() for a Parquet output: the output's table."""
+    ok_result(model, src, out, *args)
+    return pq.read_table(out)
+
+
+def one_line_error(result: Result, message: str | None = None, exit_code: int | None = 1) -> str:
+    """The contract for bad input: the run failed (with `exit_code`; None: any but 0) on purpose, not by a bug in the
+    code (an AssertionError, TypeError or KeyError), with one line on stderr and no traceback, containing
+    `message` if given. Returns that line."""
+    assert result.exit_code != 0 if exit_code is None else result.exit_code == exit_code, \
+        (result.exit_code, result.output)
+    assert not isinstance(result.exception, (AssertionError, TypeError, KeyError)), repr(result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message is None or message in lines[0], (message, lines[0])
+    return lines[0]
+
+
+def cli(*args, **kwargs) -> subprocess.Popen:
+    """`python -m tinyvllm *args` as a subprocess (a real process: signals, kill -9), stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "tinyvllm", *map(str, args)], cwd=EXAMPLES.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def job_args(model, src, out) -> list:
+    """The arguments of the kill tests' job: small batches and pieces, so that a kill lands between commits."""
+    return ["run", "--model", model, "--input", src, "--output", out, "--backend", "numpy", "--max-num-seqs", "4",
+            "--piece-rows", "3", "--quiet"]
+
+
+# ---- inputs ----
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """One line per item: a dict or list as JSON, a str or bytes as it is (a malformed line, a blank one)."""
+    def line(item) -> bytes:
+        if isinstance(item, bytes):
+            return item
+        return (item if isinstance(item, str) else json.dumps(item)).encode()
+
+    path.write_bytes(b"".join(line(item) + b"\n" for item in lines))
+    return path
+
+
+def make_input(path: Path, n: int) -> Path:
+    """n rows: mostly greedy, some sampled without a seed (reproducible through the job's per-row seeds), every
+    tenth malformed and every eleventh refused (error rows among the good ones)."""
+    rows = []
+    for i in range(n):
+        row = {"id": f"r{i}", "prompt": f"Item {i}: " + "abc " * (i % 7), "max_tokens": 4 + i % 13}
+        row["temperature"] = 0.8 if i % 5 == 0 else 0
+        if i % 11 == 6:
+            row["best_of"] = 2
+        rows.append("{malformed" if i % 10 == 9 else row)
+    return write_jsonl(path, rows)
