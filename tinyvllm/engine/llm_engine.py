@@ -90,6 +90,10 @@ class LLMEngine:
 
     # ---- requests in -----------------------------------------------------------------------------------------------
 
+    def get_tokenizer(self):
+        """The tokenizer, as vLLM's LLMEngine.get_tokenizer()."""
+        return self.tokenizer
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_is_templated: bool = False) -> str | None:
         """Queue a request. Problems of this request alone come back from step() as an error output; the reason
@@ -100,8 +104,11 @@ class LLMEngine:
             token_ids = self._prompt_token_ids(prompt, prompt_is_templated)
         except ValueError as exc:
             return self._reject(request_id, text, [], metrics, str(exc) or type(exc).__name__)
-        most = self.backend.max_logprobs
+        most, cap = self.backend.max_logprobs, self.engine_config.max_logprobs
         wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if cap is not None and cap >= 0 and wanted > cap:
+            return self._reject(request_id, text, token_ids, metrics,
+                                f"{wanted} logprobs asked; max_logprobs is {cap}")
         if most is not None and wanted > most:
             return self._reject(request_id, text, token_ids, metrics, f"{wanted} logprobs asked; the "
                                 f"{self.backend.name} backend returns at most {most} per token")

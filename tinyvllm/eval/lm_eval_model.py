@@ -119,8 +119,9 @@ class TinyvllmLM(TemplateLM):
         for (cache_key, _, _), tokens, start, output in zip(requests, prompts, starts, outputs):
             # Entry i holds token i's logprob and the most likely token's at position i.
             entries = list(zip(tokens[start:], output.prompt_logprobs[start:]))
-            answer = (sum(entry[token] for token, entry in entries),
-                      all(entry[token] == max(entry.values()) for token, entry in entries))
+            answer = (sum(entry[token].logprob for token, entry in entries),
+                      all(entry[token].logprob == max(e.logprob for e in entry.values())
+                          for token, entry in entries))
             results.append(answer)
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)
@@ -167,7 +168,8 @@ class TinyvllmLM(TemplateLM):
         for request, output, until in zip(requests, outputs, stops):
             # The generated ids decoded on their own, as the hf model does (the engine's text would leave out an
             # incomplete UTF-8 sequence at the end), then cut at the first stop string.
-            text = postprocess_generated_text(self.tokenizer.decode(output.outputs[0].token_ids), until, None)
+            text = postprocess_generated_text(
+                self.tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True), until, None)
             texts.append(text)
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts
