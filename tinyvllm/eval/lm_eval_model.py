@@ -30,7 +30,8 @@ from tinyvllm.inputs import TokensPrompt
 from tinyvllm.llm import LLM
 from tinyvllm.sampling_params import SamplingParams
 
-DEVICE_BACKENDS = {"cpu": "numpy", "cuda": "cuda", "cuda:0": "cuda"}  # lm-eval's --device, when backend= is not given
+# lm-eval's --device, when backend= is not given; auto: the backend's own choice (cuda when a GPU is usable)
+DEVICE_BACKENDS = {"auto": "auto", "cpu": "numpy", "cuda": "cuda", "cuda:0": "cuda"}
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -188,10 +189,14 @@ class TinyvllmLM(TemplateLM):
 
 
 def main(argv: list[str]) -> None:
-    """lm-eval's command line (`lm_eval run`) with this model: `tinyvllm eval --model_args pretrained=PATH ...`."""
+    """lm-eval's command line (`lm_eval run`) with this model: `tinyvllm eval --model_args pretrained=PATH ...`.
+    Without --device (nor a --config file, which may set one) the backend picks the device, as tinyvllm's `auto`
+    does, where lm-eval would pass its own default, cuda:0."""
     from lm_eval.__main__ import cli_evaluate
 
-    saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "tinyvllm", *argv]  # lm-eval parses sys.argv
+    given = {arg.split("=", 1)[0] for arg in argv}
+    device = [] if given & {"--device", "--config", "-C"} else ["--device", "auto"]
+    saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "tinyvllm", *argv, *device]  # lm-eval parses sys.argv
     try:
         cli_evaluate()
     finally:

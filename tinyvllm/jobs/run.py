@@ -254,7 +254,7 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
         print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
     done = writer.committed_rows()
     warned: set[str] = set()
-    bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
+    bar: tqdm | None = None  # shown once the rows are read, after the model loaded: a load error shows none
     tokens = 0
 
     def emit(record: dict) -> None:
@@ -269,7 +269,10 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
 
     def pending() -> Iterator[Row]:
         """The rows still to do, those that failed to parse included (the executor emits their error records). It
-        may run on the executor's worker thread: it touches nothing but `warned` and what does not change."""
+        may run on the executor's worker thread: it touches nothing but `warned`, `bar` (before any row reaches
+        emit()) and what does not change."""
+        nonlocal bar
+        bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
         for row in _readable(rows, cfg.input):
             if stopped():
                 return
@@ -288,7 +291,8 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
         info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped, columns)
     finally:
         writer.flush()
-        bar.close()
+        if bar is not None:
+            bar.close()
     if signals.received:
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
