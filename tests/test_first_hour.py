@@ -130,10 +130,14 @@ DAMAGED = [
 ]
 
 
-@pytest.mark.parametrize("name,content,reason", DAMAGED)
+@pytest.mark.parametrize("name,content,reason", [*DAMAGED, ("chat_template.jinja", b"\xff{{ x }}", "is not UTF-8")])
 def test_a_damaged_tokenizer_file_is_one_line_naming_it(tiny_model_dir, tmp_path, name, content, reason):
     model = model_copy(tiny_model_dir, tmp_path)
-    (model / name).write_text(content)
+    if name == "chat_template.jinja":  # read when tokenizer_config.json has no template
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config.pop("chat_template")
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=str(model / name)):
         Tokenizer.from_dir(model)
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])

@@ -15,5 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestMetrics", "__version__"]

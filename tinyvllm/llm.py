@@ -48,12 +48,13 @@ IGNORED_ARGS = ("disable_log_stats",)  # vLLM's periodic stats log: tinyvllm has
 class LLM:
     """A model loaded on a backend, with a paged KV cache and a scheduler.
 
-    model: an HF model directory, a .gguf file, or an already loaded model; tokenizer: a tokenizer directory to use
-    instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py): backend ("auto" |
-    "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens, block_size,
-    max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
-    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager; None stands for the default, as
-    in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only.
+    model: an HF model directory, a .gguf file, or an already loaded model; tokenizer: a tokenizer directory (or a
+    .gguf file) to use instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py):
+    backend ("auto" | "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens,
+    block_size, max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
+    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager, max_logprobs; None stands for the
+    default, as in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only. Outputs hold
+    logprobs as vLLM's {token_id: Logprob} (the engine's own outputs hold floats).
     """
 
     def __init__(self, model: str | os.PathLike | LoadedModel, tokenizer: str | os.PathLike | None = None,

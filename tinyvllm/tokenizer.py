@@ -68,7 +68,10 @@ class Tokenizer:
         template = _named_template(cfg.get("chat_template"), cfg_file)
         jinja_file = path / "chat_template.jinja"  # transformers>=4.43 may save it on its own
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+            try:
+                template = jinja_file.read_text()
+            except UnicodeDecodeError:
+                raise ValueError(f"{jinja_file} is not UTF-8 text") from None
         eos = _token_content(cfg.get("eos_token"))
         return cls(
             _read_backend(tok_file),

@@ -254,25 +254,23 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
         print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
     done = writer.committed_rows()
     warned: set[str] = set()
-    bar: tqdm | None = None  # shown once the rows are read, after the model loaded: a load error shows none
+    bar = [tqdm(disable=True)]  # the shown one comes once the rows are read (the model loaded): a load error has none
     tokens = 0
 
     def emit(record: dict) -> None:
         nonlocal tokens
         writer.add(record)
         tokens += record["completion_tokens"]
-        bar.update(1)
-        bar.set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
+        bar[0].update(1)
+        bar[0].set_postfix_str(f"{tokens / max(time.time() - started, 1e-9):.1f} tok/s", refresh=False)
 
     def stopped() -> bool:
         return signals.received is not None
 
     def pending() -> Iterator[Row]:
         """The rows still to do, those that failed to parse included (the executor emits their error records). It
-        may run on the executor's worker thread: it touches nothing but `warned`, `bar` (before any row reaches
-        emit()) and what does not change."""
-        nonlocal bar
-        bar = tqdm(total=total, initial=len(done), unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
+        may run on the executor's worker thread: it touches only `warned`, `bar` (first) and what does not change."""
+        bar[0] = _progress_bar(cfg, total, len(done))
         for row in _readable(rows, cfg.input):
             if stopped():
                 return
@@ -291,8 +289,7 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
         info, stats = executor.run(cfg, defaults, pending(), total - len(done), emit, commit, stopped, columns)
     finally:
         writer.flush()
-        if bar is not None:
-            bar.close()
+        bar[0].close()
     if signals.received:
         name = signal.Signals(signals.received).name
         raise JobInterrupted(f"interrupted by {name}: {len(done) + writer.committed} rows committed in "
@@ -308,6 +305,10 @@ def _run(cfg: JobConfig, executor, rows: Iterator[Row], columns: pa.Schema, tota
                 "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
                 "job": manifest["job"], "start_time": manifest["started_at"], "end_time": _iso(time.time())}
     return writer.finalize(metadata, stats)
+
+
+def _progress_bar(cfg: JobConfig, total: int, initial: int) -> tqdm:
+    return tqdm(total=total, initial=initial, unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
 
 
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:
