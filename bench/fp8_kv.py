@@ -50,7 +50,7 @@ def accuracy(llm: LLM, prompts, ref_logprobs, ref_greedy) -> dict:
                         SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, prompt_logprobs=0, ignore_eos=True,
                                        detokenize=False),
                         use_tqdm=False)
-    errors = np.concatenate([np.array([d[t] for d, t in zip(o.prompt_logprobs[1:], p[1:])]) - ref
+    errors = np.concatenate([np.array([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]) - ref
                              for o, p, ref in zip(outs, prompts, ref_logprobs)])
     agreed = [next((i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids, want)) if a != b), len(want))
               for o, want in zip(outs, ref_greedy)]

@@ -78,21 +78,21 @@ def test_logprobs_and_prompt_logprobs(tiny_model_dir):
     assert len(comp.logprobs) == 5
     for token, entry in zip(comp.token_ids, comp.logprobs):
         assert token in entry and 3 <= len(entry) <= 4
-        assert entry[token] == pytest.approx(max(entry.values()))  # greedy: the sampled token is the most likely
-    assert comp.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs)))
+        assert entry[token].logprob == pytest.approx(max(v.logprob for v in entry.values()))  # greedy: the most likely
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     # prompt logprobs agree with the logprob the model gives each next token when generating greedily
     ids = out.prompt_token_ids
     prefix = llm.generate([ids[:2]], SamplingParams(max_tokens=1, temperature=0, logprobs=0, ignore_eos=True))[0]
     first = prefix.outputs[0]
     if first.token_ids[0] == ids[2]:
-        assert out.prompt_logprobs[2][ids[2]] == pytest.approx(first.logprobs[0][ids[2]], abs=1e-4)
+        assert out.prompt_logprobs[2][ids[2]].logprob == pytest.approx(first.logprobs[0][ids[2]].logprob, abs=1e-4)
     assert all(ids[i] in out.prompt_logprobs[i] and len(out.prompt_logprobs[i]) <= 3 for i in range(1, len(ids)))
     # the prompt logprob of token i equals log_softmax of the logits at position i-1 (checked via a 1-token step)
     probe = llm.generate([ids[:3]], SamplingParams(max_tokens=1, temperature=0, logprobs=20, ignore_eos=True))[0]
     probe_entry = probe.outputs[0].logprobs[0]
     if ids[3] in probe_entry:
-        assert out.prompt_logprobs[3][ids[3]] == pytest.approx(probe_entry[ids[3]], abs=1e-4)
+        assert out.prompt_logprobs[3][ids[3]].logprob == pytest.approx(probe_entry[ids[3]].logprob, abs=1e-4)
 
 
 def test_more_logprobs_than_the_backend_returns_fail_alone(tiny_model_dir):
@@ -195,7 +195,7 @@ def test_chunked_prefill_keeps_prompt_logprobs(tiny_model_dir):
     chunked = llm_for(tiny_model_dir, max_num_batched_tokens=5).generate(SHARED_PREFIX, params)[0]
     assert len(chunked.prompt_logprobs) == len(whole.prompt_logprobs) == len(whole.prompt_token_ids)
     for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
-        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)
+        assert a.keys() == b.keys() and all(a[k].logprob == pytest.approx(b[k].logprob, abs=1e-4) for k in a)
     assert whole.outputs[0].token_ids == chunked.outputs[0].token_ids
 
 
@@ -258,7 +258,8 @@ def test_prompt_logprobs_start_lets_the_prefix_cache_serve_the_context(tiny_mode
     assert min(computed) == 36 // 4 * 4, "positions before the last block that predicts no asked token come cached"
     assert warm.prompt_logprobs[: len(context)] == [None] * len(context) == cold.prompt_logprobs[: len(context)]
     for a, b in zip(warm.prompt_logprobs[len(context):], cold.prompt_logprobs[len(context):]):
-        assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
+        assert a.keys() == b.keys() and np.allclose([v.logprob for v in a.values()], [v.logprob for v in b.values()],
+                                                    atol=1e-5)
     everything = llm.generate([context + tail], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert everything.prompt_logprobs[0] is None and all(e is not None for e in everything.prompt_logprobs[1:])
     for bad in (-1, 1.5, "3"):

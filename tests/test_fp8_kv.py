@@ -78,8 +78,9 @@ def prompt_scores(llm: LLM, prompts: list[list[int]]) -> tuple[np.ndarray, np.nd
     (returned as the top-1 ids), and 16 greedy tokens per prompt."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=1), use_tqdm=False)
-    logprobs = np.concatenate([[d[t] for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, prompts)])
-    top1 = np.concatenate([[max(d, key=d.get) for d in o.prompt_logprobs[1:]] for o in outs])
+    logprobs = np.concatenate([[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                               for o, p in zip(outs, prompts)])
+    top1 = np.concatenate([[max(d, key=lambda t: d[t].logprob) for d in o.prompt_logprobs[1:]] for o in outs])
     return logprobs, top1, [o.outputs[0].token_ids for o in outs]
 
 

@@ -154,7 +154,7 @@ def test_tied_and_tokenizer_metadata(tmp_path):
         assert tok.encode(text) == ids if ids[0] == 1 else [1] + ids  # add_bos_token=True, never twice
         assert tok.encode_prompt(text, templated=True) == ids
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [2]
-    assert tok.decode(tok.encode(TEXTS[2])) == "user\nhi\n"
+    assert tok.decode(tok.encode(TEXTS[2]), skip_special_tokens=True) == "user\nhi\n"
 
 
 def test_pre_tokenizer_digits(tmp_path):
@@ -311,7 +311,7 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(sentencepiece_model):
     # As llama.cpp does (not sentencepiece): text after a special or user-defined token gets its own space prefix.
     assert tok.encode("<|im_start|>user hi", add_special_tokens=False) == [sp.piece_to_id("<|im_start|>")] + \
         sp.encode("user hi")
-    assert tok.decode(tok.encode("</s>hi", add_special_tokens=False)) == "hi"  # control: special, skipped
+    assert tok.decode(tok.encode("</s>hi", add_special_tokens=False), skip_special_tokens=True) == "hi"  # control
 
 
 def test_sentencepiece_gguf_model_runs(tmp_path, sentencepiece_model):

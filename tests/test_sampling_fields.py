@@ -42,7 +42,7 @@ def test_penalties_equal_a_direct_computation(tiny_model_dir, monkeypatch, penal
     assert len(raw) == len(output)
     for t, entry in enumerate(out.outputs[0].logprobs):
         want = penalized(raw[t], prompt, output[:t], **penalties)
-        got = np.array([entry[i] for i in range(vocab)])
+        got = np.array([entry[i].logprob for i in range(vocab)])
         np.testing.assert_allclose(got, want, atol=2e-4)
         assert output[t] == int(np.argmax(want))
 

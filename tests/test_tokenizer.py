@@ -54,7 +54,7 @@ def test_incremental_equals_full_decode(tok, text):
     ids = tok.encode(text)
     for prompt in ([], tok.encode("Prompt: say something. ")):
         pieces = _stream(tok, prompt, ids)
-        assert "".join(pieces) == tok.decode(ids)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
         assert not any("\ufffd" in p for p in pieces)
     # multi-byte characters split across byte tokens really occur here, so the holding back is exercised
     if any(ord(c) > 127 for c in text):
@@ -85,7 +85,8 @@ def test_incremental_keeps_sentencepiece_spaces(text):
     spm = sentencepiece_like()
     prompt = spm.encode("Once upon a time")
     ids = spm.encode(" " + text, add_special_tokens=False)
-    full = spm.decode(prompt + ids)[len(spm.decode(prompt)):]
+    skip = True  # the detokenizer's default, as SamplingParams'
+    full = spm.decode(prompt + ids, skip)[len(spm.decode(prompt, skip)):]
     assert "".join(_stream(spm, prompt, ids)) == full
     assert full.startswith(" ")  # a lone decode of ids would lose this space
 
@@ -98,7 +99,7 @@ def test_incremental_skips_special_tokens(tok):
 def test_special_tokens_are_single_ids(tok):
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == tok.bos_token_id == 1 and 2 in ids and tok.eos_token_ids == [2]
-    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
 
 

@@ -225,7 +225,8 @@ def test_report_on_foreign_or_garbage_files(tiny_model_dir, tmp_path):
     output = tmp_path / "real.parquet"
     ok_run(tiny_model_dir, write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}]), output, "--max-tokens", "2")
     cases = {"garbage.parquet": "is not a Parquet file", "foreign.parquet": "no tinyvllm.counts metadata",
-             "mistyped.parquet": "columns missing or mistyped: finish_reason", "in.jsonl": "is not a Parquet file",
+             "mistyped.parquet": "columns missing or mistyped: finish_reason",
+             "in.jsonl": "is not a tinyvllm output (its first line is not an OpenAI batch output line)",
              _damaged_pages(output, tmp_path).name: "cannot read"}
     for name, message in cases.items():
         one_line_failure(CliRunner().invoke(main, ["report", str(tmp_path / name)]), message)

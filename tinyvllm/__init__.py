@@ -1,7 +1,7 @@
 """tinyvllm: an offline batch-inference job runner for Llama-family LLMs."""
 
 from tinyvllm.inputs import TextPrompt, TokensPrompt
-from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
@@ -15,5 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestMetrics", "__version__"]

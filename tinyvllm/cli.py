@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, Setting, settings
 from tinyvllm.errors import JobError
-from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
+from tinyvllm.io.writer import (LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output,
+                                summary_path)
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
 from tinyvllm.jobs.guard import OutputBusy
@@ -157,10 +158,15 @@ def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> 
 @main.command()
 @click.argument("output", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def report(output: Path) -> None:
-    """Print the figures of a finished OUTPUT and plot latency histograms and tokens over time next to it."""
-    _check_report_input(output)
+    """Print the figures of a finished OUTPUT (.parquet, or .jsonl with its summary file) and plot latency
+    histograms and tokens over time next to it."""
+    openai = output.suffix == ".jsonl"
+    if openai:
+        _check_openai_output(output)
+    else:
+        _check_report_input(output)
     try:
-        summary = summarize_output(output)
+        summary = _openai_summary(output) if openai else summarize_output(output)
         click.echo(json.dumps(summary, indent=2))
         try:
             import matplotlib
@@ -169,11 +175,66 @@ def report(output: Path) -> None:
                        "pip install matplotlib)", err=True)
             return
         matplotlib.use("Agg")  # files only, no display
-        for path in _plots(output):
+        table = _openai_plot_table(output) if openai else pq.read_table(output, columns=PLOT_COLUMNS)
+        for path in _plots(output, table):
             click.echo(f"wrote {path}", err=True)
-    except (OSError, pa.ArrowException) as e:  # data pages damaged behind a readable footer
+    except (OSError, ValueError, pa.ArrowException) as e:  # data pages damaged behind a readable footer
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise click.ClickException(f"cannot read {output}: {reason}") from None
+
+
+PLOT_COLUMNS = ["finish_reason", "completion_tokens", "finished_at", *LATENCIES]
+
+
+def _check_openai_output(output: Path) -> None:
+    """ClickException (one line, exit 1) unless OUTPUT starts as a tinyvllm OpenAI batch output does."""
+    try:
+        with open(output, encoding="utf-8") as f:
+            first = f.readline()
+        line = json.loads(first) if first.strip() else {"id": "batch_req_", "custom_id": None, "response": None}
+    except (OSError, UnicodeDecodeError, ValueError):
+        line = None
+    if not (isinstance(line, dict) and str(line.get("id", "")).startswith("batch_req_") and "custom_id" in line):
+        raise click.ClickException(f"{output} is not a tinyvllm output (its first line is not an OpenAI batch "
+                                   "output line)")
+
+
+def _openai_summary(output: Path) -> dict:
+    """The figures of a .jsonl output: its summary file, which the job wrote beside it (JSONL has no metadata of
+    its own to hold the wall time and the settings)."""
+    path = summary_path(output)
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise click.ClickException(f"{output} has no summary file {path}: it is written when the job finishes "
+                                   "(run the job's command again to finish it)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.ClickException(f"cannot read {path}: {e}") from None
+    if not isinstance(summary, dict) or "rows" not in summary:
+        raise click.ClickException(f"{path} is not a tinyvllm summary (no rows count)")
+    return summary
+
+
+def _openai_plot_table(output: Path) -> pa.Table:
+    """PLOT_COLUMNS of a .jsonl output's answered requests (an error line adds no tokens and has no latencies).
+    finished_at is the body's `created`: whole seconds."""
+    rows = []
+    with open(output, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                response = json.loads(line).get("response")
+            except (ValueError, AttributeError):
+                raise ValueError(f"line {number} is not an OpenAI batch output line") from None
+            body = response.get("body") if isinstance(response, dict) else None
+            if not isinstance(body, dict):
+                continue
+            metrics, choices = body.get("metrics") or {}, body.get("choices") or [{}]
+            rows.append({"finish_reason": choices[0].get("finish_reason"),
+                         "completion_tokens": (body.get("usage") or {}).get("completion_tokens"),
+                         "finished_at": body.get("created"), **{name: metrics.get(name) for name in LATENCIES}})
+    schema = pa.schema([("finish_reason", pa.string()), ("completion_tokens", pa.int64()),
+                        ("finished_at", pa.float64()), *((name, pa.float64()) for name in LATENCIES)])
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def _check_report_input(output: Path) -> None:
@@ -292,8 +353,11 @@ def eval_(lm_eval_args: tuple[str, ...]) -> None:
         raise click.ClickException(f"tinyvllm eval needs lm-eval: pip install 'tinyvllm[eval]' ({e})") from None
     try:
         lm_eval_main(list(lm_eval_args))
-    except (ValueError, TypeError, OSError) as e:  # a bad model path, setting or model_args key
-        raise click.ClickException(str(e).splitlines()[0]) from None
+    # a bad model path, setting or model_args key; a backend this machine cannot run (its hint names run's flag)
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = "--device cpu (or backend=numpy in --model_args)"
+        raise click.ClickException(line.replace("--backend numpy", hint)) from None
 
 
 @main.command("fetch-default-model")
@@ -353,22 +417,30 @@ def _run(cfg: JobConfig) -> None:
     except JobError as e:
         raise click.ClickException(str(e)) from None
     if summary.get("already_complete"):
-        click.echo(f"already complete: {cfg.output} has {summary['rows']} rows ({summary['error_rows']} errors); "
-                   "nothing to do (--overwrite to run it again)", err=True)
+        click.echo(f"already complete: {cfg.output} has {_count(summary['rows'], 'row')} "
+                   f"({_count(summary['error_rows'], 'error')}); nothing to do (--overwrite to run it again)",
+                   err=True)
     elif not cfg.quiet:
         tps = summary["output_tok_per_s"]
-        click.echo(f"wrote {summary['rows']} rows ({summary['error_rows']} errors) to {cfg.output} in "
-                   f"{summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s", err=True)
+        click.echo(f"wrote {_count(summary['rows'], 'row')} ({_count(summary['error_rows'], 'error')}) to "
+                   f"{cfg.output} in {summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s",
+                   err=True)
         if summary.get("structured_output_incomplete"):
-            click.echo(f"{summary['structured_output_incomplete']} rows ran out of max_tokens (or met a stop string) "
-                       "before their structured output was complete: see structured_output_complete", err=True)
+            click.echo(f"{_count(summary['structured_output_incomplete'], 'row')} ran out of max_tokens (or met a "
+                       "stop string) before the structured output was complete: see structured_output_complete",
+                       err=True)
 
 
-def _plots(output: Path) -> list[Path]:
+def _count(n: int, noun: str) -> str:
+    """'1 row', '2 rows'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _plots(output: Path, table: pa.Table) -> list[Path]:
+    """Latency histograms and tokens over time of `table` (PLOT_COLUMNS), written next to the output."""
     import matplotlib.pyplot as plt
     import pyarrow.compute as pc
 
-    table = pq.read_table(output, columns=["finish_reason", "completion_tokens", "finished_at", *LATENCIES])
     ok = table.filter(pc.not_equal(table.column("finish_reason"), "error"))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     for ax, name in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):

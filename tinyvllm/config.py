@@ -220,6 +220,9 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
                                   "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
+    max_logprobs: int | None = setting(None, "most logprobs (or prompt logprobs) a request may ask per token; a "
+                                       "request asking more fails (vLLM's; -1: no limit) [default: the backend's "
+                                       "limit, cuda 64]", low=-1, high=INT32_MAX)
     # lazy by default: its thread keeps the ~4 ms a graph off the engine's thread (W1 and W3 within 1% of eager on
     # the H200: docs/PERFORMANCE.md), and start-up does not wait for 66 captures.
     cuda_graph_capture: str = setting("lazy", "cuda: capture every batch size's decode graph at start-up (eager), "

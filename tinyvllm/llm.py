@@ -18,7 +18,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.inputs import PromptType
 from tinyvllm.model.loader import LoadedModel, load_model
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import RequestOutput, logprob_objects
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer
 
@@ -48,12 +48,13 @@ IGNORED_ARGS = ("disable_log_stats",)  # vLLM's periodic stats log: tinyvllm has
 class LLM:
     """A model loaded on a backend, with a paged KV cache and a scheduler.
 
-    model: an HF model directory, a .gguf file, or an already loaded model; tokenizer: a tokenizer directory to use
-    instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py): backend ("auto" |
-    "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens, block_size,
-    max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
-    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager; None stands for the default, as
-    in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only.
+    model: an HF model directory, a .gguf file, or an already loaded model; tokenizer: a tokenizer directory (or a
+    .gguf file) to use instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py):
+    backend ("auto" | "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens,
+    block_size, max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
+    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager, max_logprobs; None stands for the
+    default, as in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only. Outputs hold
+    logprobs as vLLM's {token_id: Logprob} (the engine's own outputs hold floats).
 
     close() (or leaving `with LLM(...) as llm:`) gives the device back at once: weights, KV cache, buffers and
     graphs; garbage collection of an LLM does the same. A closed LLM refuses to generate.
@@ -157,10 +158,12 @@ class LLM:
                 error = self.llm_engine.add_request(ids[-1], prompt, params, prompt_is_templated=templated)
                 if error is not None and not error_outputs:
                     raise ValueError(f"prompt {index}: {error}")
-            return self._complete(ids, use_tqdm)
+            outputs = self._complete(ids, use_tqdm)
         except BaseException:  # a bad prompt, Ctrl-C, a device error: the next call starts with an empty engine
             self.llm_engine.abort_request(ids)
             raise
+        return [_with_logprob_objects(output, params, self.tokenizer)
+                for output, params in zip(outputs, sampling_params)]
 
     def _complete(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -177,6 +180,24 @@ class LLM:
         if progress is not None:
             progress.close()
         return [results[i] for i in ids]
+
+
+def _with_logprob_objects(output: RequestOutput, params: SamplingParams, tokenizer: Tokenizer) -> RequestOutput:
+    """The output with vLLM's {token_id: Logprob} entries in place of the engine's {token_id: logprob}."""
+    completions = [c for c in output.outputs if c.logprobs is not None]
+    if output.prompt_logprobs is None and not completions:
+        return output
+    decoded = None
+    if params.detokenize:
+        ids = sorted({t for entries in [output.prompt_logprobs or [], *(c.logprobs for c in completions)]
+                      for entry in entries if entry is not None for t in entry})
+        decoded = dict(zip(ids, tokenizer.backend.decode_batch([[t] for t in ids], skip_special_tokens=False)))
+    if output.prompt_logprobs is not None:
+        output.prompt_logprobs = logprob_objects(output.prompt_logprobs, output.prompt_token_ids,
+                                                 params.prompt_logprobs, decoded)
+    for completion in completions:
+        completion.logprobs = logprob_objects(completion.logprobs, completion.token_ids, params.logprobs, decoded)
+    return output
 
 
 def _engine_kwargs(kwargs: dict) -> dict:

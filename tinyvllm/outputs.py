@@ -6,13 +6,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's logprob at one position, as vLLM's `Logprob`.
+
+    rank: the token's 1-based rank among the vocabulary at that position (1 = the most likely); None for a sampled
+    or prompt token outside the top `logprobs` asked (the engine ranks only the top ones). decoded_token: the
+    token's text, decoded on its own with special tokens kept (vLLM's); None when the request has detokenize=False.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # One dict per generated token: {token_id: logprob} for the sampled token and the top-`logprobs` tokens.
-    logprobs: list[dict[int, float]] | None = None
+    # One dict per generated token: {token_id: Logprob} for the sampled token and the top-`logprobs` tokens. LLM's
+    # outputs hold Logprob objects; the engine's own (LLMEngine.step(), what the job layer reads) hold plain floats.
+    logprobs: list[dict[int, Logprob]] | list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # With a structured_outputs constraint: whether the output is complete (matches it in full); False when it ran
@@ -63,7 +78,27 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # One entry per prompt token: None for the first, then {token_id: logprob} (the actual token plus the top ones).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # One entry per prompt token: None for the first, then {token_id: Logprob} (the actual token plus the top ones;
+    # plain floats in the engine's own outputs, as `CompletionOutput.logprobs`).
+    prompt_logprobs: list[dict[int, Logprob] | None] | list[dict[int, float] | None] | None = None
     error: str | None = None  # set when the request failed (finish_reason "error"); the job goes on
     extra: dict = field(default_factory=dict)
+
+
+def logprob_objects(entries: list[dict[int, float] | None], token_ids: list[int], k: int,
+                    decoded: dict[int, str] | None) -> list[dict[int, Logprob] | None]:
+    """The engine's {token_id: logprob} entries as {token_id: Logprob}. Entry i holds the top-k tokens (in the
+    engine's order: most likely first) and token_ids[i], appended after them when it is not one of them;
+    `decoded` maps every id to its text (None: no text)."""
+    out: list[dict[int, Logprob] | None] = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ids = list(entry)
+        # More entries than k: the last is token i, outside the top k, with no rank known.
+        ranked = len(ids) if len(ids) <= k or i >= len(token_ids) or ids[-1] != token_ids[i] else len(ids) - 1
+        out.append({t: Logprob(entry[t], rank + 1 if rank < ranked else None,
+                               None if decoded is None else decoded[t])
+                    for rank, t in enumerate(ids)})
+    return out

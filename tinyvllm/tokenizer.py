@@ -1,8 +1,10 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus BOS policy, chat template and incremental detokenization.
 
 It also offers the subset of an HF tokenizer that evaluation tools call (lm-eval, scripts written for vLLM's
-`llm.get_tokenizer()`): `bos_token_id`, `eos_token_id`, `pad_token_id`, `tokenizer(texts).input_ids`,
-`encode`, `decode` of one id or a list, `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`.
+`llm.get_tokenizer()`): `bos_token_id`, `eos_token_id`, `pad_token_id`, `tokenizer(texts).input_ids`, `len()`,
+`encode`, `decode` of one id or a list and `batch_decode` (special tokens kept unless skip_special_tokens=True, as
+HF), `convert_ids_to_tokens`, `convert_tokens_to_ids`,
+`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class Tokenizer:
         eos_tokens: list[str] | None = None,
         add_bos: bool = False,
         chat_template: str | None = None,
+        unk_token: str | None = None,
     ) -> None:
         self.backend = backend
+        self.unk_token = unk_token
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
@@ -53,26 +57,34 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer of an HF folder (tokenizer.json, tokenizer_config.json, chat_template.jinja); ValueError
+        naming the file when one is damaged."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        cfg = _read_json_object(cfg_file) if cfg_file.is_file() else {}
+        template = _named_template(cfg.get("chat_template"), cfg_file)
         jinja_file = path / "chat_template.jinja"  # transformers>=4.43 may save it on its own
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+            try:
+                template = jinja_file.read_text()
+            except UnicodeDecodeError:
+                raise ValueError(f"{jinja_file} is not UTF-8 text") from None
         eos = _token_content(cfg.get("eos_token"))
         return cls(
-            tokenizers.Tokenizer.from_file(str(tok_file)),
+            _read_backend(tok_file),
             bos_token=_token_content(cfg.get("bos_token")),
             eos_tokens=[eos] if eos else [],
             add_bos=bool(cfg.get("add_bos_token", False)),
             chat_template=template,
+            unk_token=_token_content(cfg.get("unk_token")),
         )
+
+    def __len__(self) -> int:
+        """The vocabulary's size, added tokens included (HF's len(tokenizer))."""
+        return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._with_bos(self.backend.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
@@ -82,9 +94,39 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        """The text of one id or a list; special tokens (<|im_end|>) are kept unless skip_special_tokens, as HF."""
         ids = [ids] if isinstance(ids, numbers.Integral) else ids
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """decode() of each list of ids (HF's batch_decode)."""
+        return self.backend.decode_batch([[int(i) for i in ids] for ids in sequences],
+                                         skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | list[int],
+                              skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        """The vocabulary's token string of an id (None outside it), or of each id of a list, as HF's (e.g.
+        'Ġworld': the stored form, not the text); skip_special_tokens leaves special ones out of a list."""
+        if isinstance(ids, numbers.Integral):
+            return self.backend.id_to_token(int(ids))
+        special = self._special_ids() if skip_special_tokens else set()
+        return [self.backend.id_to_token(int(i)) for i in ids if int(i) not in special]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """The id of a token string (the unknown token's, else None, for one outside the vocabulary), or of each
+        string of a list, as HF's."""
+        if isinstance(tokens, str):
+            found = self.backend.token_to_id(tokens)
+            return found if found is not None else self.unk_token_id
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self.backend.token_to_id(self.unk_token) if self.unk_token else None
+
+    def _special_ids(self) -> set[int]:
+        return {i for i, token in self.backend.get_added_tokens_decoder().items() if token.special}
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True,
                  return_attention_mask: bool = True) -> BatchEncoding:
@@ -153,7 +195,9 @@ class Tokenizer:
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {reserved[0]!r}")
         try:
-            text = _render(_compile(template), **{
+            compiled = _compile(template)
+            _check_roles(messages, template)
+            text = _render(compiled, **{
                 **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except Exception as e:  # a template may raise anything: raise_exception(), 1/0, content of the wrong type
@@ -229,6 +273,41 @@ class BatchEncoding(dict):
             raise AttributeError(name) from None
 
 
+def _read_json_object(path: Path) -> dict:
+    """A JSON file holding an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path} is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _read_backend(tok_file: Path) -> tokenizers.Tokenizer:
+    """tokenizer.json as a `tokenizers.Tokenizer`; ValueError naming the file when the library cannot read it (it
+    raises a plain Exception for text that is not JSON, or JSON that is no tokenizer)."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"{tok_file} is not a readable tokenizer: {reason}") from None
+
+
+def _named_template(template: object, cfg_file: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or named templates ([{"name": "default", "template":
+    ...}, ...]: the default one); ValueError naming the file for anything else."""
+    if template is None or isinstance(template, str):
+        return template
+    if not isinstance(template, list) or not all(isinstance(t, dict) for t in template):
+        raise ValueError(f"{cfg_file}: chat_template must be a string or a list of {{\"name\": ..., "
+                         "\"template\": ...} objects")
+    default = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if default is not None and not isinstance(default, str):
+        raise ValueError(f"{cfg_file}: the default chat_template's \"template\" must be a string")
+    return default
+
+
 def _token_content(tok: str | dict | None) -> str | None:
     # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
     return tok.get("content") if isinstance(tok, dict) else tok
@@ -242,6 +321,46 @@ def _check_messages(messages: list[dict]) -> None:
             raise ValueError(f"message {i} must be a dict with a string 'role': {m!r}")
         if not isinstance(m.get("content"), (str, list)):
             raise ValueError(f"message {i} must have 'content' (a string or a list of parts): {m!r}")
+
+
+# The roles every conversation may use; a template may know more (Llama 3.1's 'ipython'), found in its source.
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_roles(messages: list[dict], template: str) -> None:
+    """ValueError for a message whose role is neither a standard one nor one the template compares a role with
+    (a misspelt 'usr' would otherwise be rendered as a role of its own)."""
+    known = None
+    for i, message in enumerate(messages):
+        if message["role"] not in STANDARD_ROLES:
+            known = _template_roles(template) if known is None else known
+            if message["role"] not in known:
+                raise ValueError(f"message {i} has role {message['role']!r}: the chat template knows "
+                                 f"{', '.join(sorted(known))}")
+
+
+@functools.lru_cache(maxsize=64)
+def _template_roles(source: str) -> frozenset[str]:
+    """The standard roles plus the strings the template compares a role with (`message['role'] == 'ipython'`,
+    `message.role in ['tool', 'ipython']`, `role == ...` after `set role = message['role']`)."""
+    roles = set(STANDARD_ROLES)
+    tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    for compare in tree.find_all(nodes.Compare):
+        sides = [compare.expr, *(operand.expr for operand in compare.ops)]
+        if any(_names_a_role(side) for side in sides):
+            for side in sides:
+                items = side.items if isinstance(side, (nodes.List, nodes.Tuple)) else [side]
+                roles.update(item.value for item in items if isinstance(item, nodes.Const)
+                             and isinstance(item.value, str))
+    return frozenset(roles)
+
+
+def _names_a_role(node: nodes.Node) -> bool:
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "role"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "role"
+    return isinstance(node, nodes.Name) and "role" in node.name
 
 
 def _raise_exception(message: str) -> None:

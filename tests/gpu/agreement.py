@@ -9,8 +9,13 @@ def agreed_tokens(want, got, margin: float = 0.1, tolerance: float = 0.05) -> in
     may split); anything else fails the test."""
     for t, (x, y) in enumerate(zip(want.token_ids, got.token_ids)):
         if x != y:
-            gap = want.logprobs[t][x] - want.logprobs[t].get(y, -np.inf)
+            gap = want.logprobs[t][x].logprob - logprob_of(want.logprobs[t], y)
             assert gap < margin, f"diverged at step {t} with margin {gap}"
             return t
-        assert abs(want.logprobs[t][x] - got.logprobs[t][y]) < tolerance
+        assert abs(want.logprobs[t][x].logprob - got.logprobs[t][y].logprob) < tolerance
     return min(len(want.token_ids), len(got.token_ids))
+
+
+def logprob_of(entry: dict, token: int) -> float:
+    """A token's logprob in one position's {token_id: Logprob}; -inf when it is not there."""
+    return entry[token].logprob if token in entry else -np.inf

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from agreement import logprob_of
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.benchmark import measure_limits
@@ -247,8 +248,8 @@ def divergence_margins(want, got) -> list[float]:
         t = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if t is not None:
             x, y = a.token_ids[t], b.token_ids[t]
-            margins.append(max(a.logprobs[t][x] - a.logprobs[t].get(y, -np.inf),
-                               b.logprobs[t][y] - b.logprobs[t].get(x, -np.inf)))
+            margins.append(max(a.logprobs[t][x].logprob - logprob_of(a.logprobs[t], y),
+                               b.logprobs[t][y].logprob - logprob_of(b.logprobs[t], x)))
     return margins
 
 
@@ -417,7 +418,7 @@ def test_prompt_logprobs_after_a_prefix_cache_hit(model_dir):
     for prompt, a, b in zip(prompts, want, got):
         assert a.prompt_logprobs[: len(context)] == b.prompt_logprobs[: len(context)] == [None] * len(context)
         for token, x, y in list(zip(prompt, a.prompt_logprobs, b.prompt_logprobs))[len(context):]:
-            worst = max(worst, abs(x[token] - y[token]))
+            worst = max(worst, abs(x[token].logprob - y[token].logprob))
     print(f"REPORT prompt logprobs after a prefix-cache hit: worst difference to a cold run {worst:.4f}")
     assert worst < 0.05
     llm.backend.close()

@@ -106,9 +106,9 @@ def test_family_matches_hf(name):
     outputs = llm.generate(prompts, params)
     llm.backend.close()
     generated = [o.outputs[0].token_ids for o in outputs]
-    ours = {"prefill": [np.array([lp[t] for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
+    ours = {"prefill": [np.array([lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
                         for o, p in zip(outputs, prompts)],
-            "decode": [np.array([lp[t] for lp, t in zip(o.outputs[0].logprobs, g)])
+            "decode": [np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, g)])
                        for o, g in zip(outputs, generated)]}
 
     # HF over prompt + our tokens (teacher forcing), in fp32 then bf16; and each one's own greedy run

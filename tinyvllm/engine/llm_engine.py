@@ -67,6 +67,10 @@ class LLMEngine:
 
     # ---- requests in -----------------------------------------------------------------------------------------------
 
+    def get_tokenizer(self):
+        """The tokenizer, as vLLM's LLMEngine.get_tokenizer()."""
+        return self.tokenizer
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_is_templated: bool = False) -> str | None:
         """Queue a request. Problems of this request alone come back from step() as an error output; the reason

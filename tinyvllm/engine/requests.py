@@ -61,8 +61,10 @@ class RequestAdmission:
 
     def _check(self, params: SamplingParams, token_ids: list[int]) -> None:
         """ValueError: what the backend, the vocabulary or the length limit cannot serve."""
-        most = self.backend.max_logprobs
+        most, cap = self.backend.max_logprobs, self.engine_config.max_logprobs
         wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if cap is not None and cap >= 0 and wanted > cap:
+            raise ValueError(f"{wanted} logprobs asked; max_logprobs is {cap}")
         if most is not None and wanted > most:
             raise ValueError(f"{wanted} logprobs asked; the {self.backend.name} backend returns at most {most} per "
                              "token")

@@ -30,7 +30,8 @@ from tinyvllm.inputs import TokensPrompt
 from tinyvllm.llm import LLM
 from tinyvllm.sampling_params import SamplingParams
 
-DEVICE_BACKENDS = {"cpu": "numpy", "cuda": "cuda", "cuda:0": "cuda"}  # lm-eval's --device, when backend= is not given
+# lm-eval's --device, when backend= is not given; auto: the backend's own choice (cuda when a GPU is usable)
+DEVICE_BACKENDS = {"auto": "auto", "cpu": "numpy", "cuda": "cuda", "cuda:0": "cuda"}
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -119,8 +120,9 @@ class TinyvllmLM(TemplateLM):
         for (cache_key, _, _), tokens, start, output in zip(requests, prompts, starts, outputs):
             # Entry i holds token i's logprob and the most likely token's at position i.
             entries = list(zip(tokens[start:], output.prompt_logprobs[start:]))
-            answer = (sum(entry[token] for token, entry in entries),
-                      all(entry[token] == max(entry.values()) for token, entry in entries))
+            answer = (sum(entry[token].logprob for token, entry in entries),
+                      all(entry[token].logprob == max(e.logprob for e in entry.values())
+                          for token, entry in entries))
             results.append(answer)
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)
@@ -167,7 +169,8 @@ class TinyvllmLM(TemplateLM):
         for request, output, until in zip(requests, outputs, stops):
             # The generated ids decoded on their own, as the hf model does (the engine's text would leave out an
             # incomplete UTF-8 sequence at the end), then cut at the first stop string.
-            text = postprocess_generated_text(self.tokenizer.decode(output.outputs[0].token_ids), until, None)
+            text = postprocess_generated_text(
+                self.tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True), until, None)
             texts.append(text)
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts
@@ -186,10 +189,14 @@ class TinyvllmLM(TemplateLM):
 
 
 def main(argv: list[str]) -> None:
-    """lm-eval's command line (`lm_eval run`) with this model: `tinyvllm eval --model_args pretrained=PATH ...`."""
+    """lm-eval's command line (`lm_eval run`) with this model: `tinyvllm eval --model_args pretrained=PATH ...`.
+    Without --device (nor a --config file, which may set one) the backend picks the device, as tinyvllm's `auto`
+    does, where lm-eval would pass its own default, cuda:0."""
     from lm_eval.__main__ import cli_evaluate
 
-    saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "tinyvllm", *argv]  # lm-eval parses sys.argv
+    given = {arg.split("=", 1)[0] for arg in argv}
+    device = [] if given & {"--device", "--config", "-C"} else ["--device", "auto"]
+    saved, sys.argv = sys.argv, ["lm_eval", "run", "--model", "tinyvllm", *argv, *device]  # lm-eval parses sys.argv
     try:
         cli_evaluate()
     finally:

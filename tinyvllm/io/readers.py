@@ -197,7 +197,11 @@ def _common_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 
 def _records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
     """(index, where, parsed object, problem) per record; checks the file eagerly."""
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as e:  # a name over the file system's limit (ENAMETOOLONG), a folder that cannot be searched
+        raise JobError(f"cannot read input {path}: {e.strerror}") from None
+    if not is_file:
         raise JobError(f"input not found: {path}" if not path.exists() else f"input is not a file: {path}")
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tinyvllm.errors import JobError
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import Logprob, RequestOutput
 
 PIECE_ROWS = 256  # rows per piece at most ...
 PIECE_SECONDS = 2.0  # ... and a finished row waits at most this long to be committed
@@ -127,10 +127,10 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
     rec.update({name: getattr(metrics, name) if metrics else None for name in LATENCIES})
     if ok and comp.logprobs is not None:
         rec["cumulative_logprob"] = comp.cumulative_logprob
-        rec["logprobs"] = [d.get(t) for t, d in zip(comp.token_ids, comp.logprobs)]
+        rec["logprobs"] = [_logprob_value(d.get(t)) for t, d in zip(comp.token_ids, comp.logprobs)]
         rec["top_logprobs"] = [_top(d) for d in comp.logprobs]
     if ok and out.prompt_logprobs is not None:
-        rec["prompt_logprobs"] = [d.get(t) if d is not None else None
+        rec["prompt_logprobs"] = [_logprob_value(d.get(t)) if d is not None else None
                                   for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
         rec["prompt_top_logprobs"] = [_top(d) if d is not None else None for d in out.prompt_logprobs]
     if ok and len(comps) > 1:
@@ -142,8 +142,14 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
     return rec
 
 
-def _top(logprobs: dict[int, float]) -> list[dict]:
-    return [{"token_id": t, "logprob": p} for t, p in sorted(logprobs.items(), key=lambda kv: -kv[1])]
+def _logprob_value(entry: Logprob | float | None) -> float | None:
+    """A logprob entry's value: the engine's outputs hold floats, LLM's hold vLLM's Logprob objects."""
+    return entry.logprob if isinstance(entry, Logprob) else entry
+
+
+def _top(logprobs: dict[int, Logprob] | dict[int, float]) -> list[dict]:
+    values = {t: _logprob_value(p) for t, p in logprobs.items()}
+    return [{"token_id": t, "logprob": p} for t, p in sorted(values.items(), key=lambda kv: -kv[1])]
 
 
 def parts_dir(output: Path) -> Path:

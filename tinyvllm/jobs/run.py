@@ -281,8 +281,8 @@ class _JobRun:
         self.done = self.writer.committed_rows()
         self.warned: set[str] = set()  # the ignored fields warned about
         self.tokens = 0  # completion tokens emitted by this run
-        self.bar = tqdm(total=total, initial=len(self.done), unit="row", file=sys.stderr, disable=cfg.quiet,
-                        dynamic_ncols=True)
+        # the shown bar comes once the rows are read (the model loaded): a load error prints none
+        self.bar = tqdm(disable=True)
 
     def execute(self, executor, defaults: SamplingParams, rows: Iterator[Row]) -> tuple[dict, dict]:
         """The executor's run over the rows not done yet; returns its (engine info, engine stats). What was emitted
@@ -308,7 +308,8 @@ class _JobRun:
 
     def pending(self, rows: Iterator[Row]) -> Iterator[Row]:
         """The rows still to do, those that failed to parse included (the executor emits their error records). It
-        may run on the executor's worker thread: it touches nothing but `warned` and what does not change."""
+        may run on the executor's worker thread: it touches only `warned`, `bar` (first) and what does not change."""
+        self.bar = _progress_bar(self.cfg, self.total, len(self.done))
         for row in _readable(rows, self.cfg.input):
             if self.stopped():
                 return
@@ -341,6 +342,10 @@ def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: di
             "chat": cfg.chat, "chat_template": cfg.chat_template,
             "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
             "job": manifest["job"], "start_time": manifest["started_at"], "end_time": resume.iso_time(time.time())}
+
+
+def _progress_bar(cfg: JobConfig, total: int, initial: int) -> tqdm:
+    return tqdm(total=total, initial=initial, unit="row", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True)
 
 
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:

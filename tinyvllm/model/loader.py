@@ -157,9 +157,9 @@ class LoadedModel:
 
 def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
     """Load an HF model dir (model.safetensors or sharded + index) or a .gguf file; `tokenizer`: a tokenizer dir
-    to use instead of the model's own."""
+    (or a .gguf file, whose tokenizer is read) to use instead of the model's own."""
     path = Path(path)
-    separate = Tokenizer.from_dir(tokenizer) if tokenizer is not None else None  # before the (slow) weights
+    separate = _separate_tokenizer(Path(tokenizer)) if tokenizer is not None else None  # before the (slow) weights
     if path.is_file() and path.suffix == ".gguf":
         from tinyvllm.model.gguf import load_gguf  # the gguf package is only needed for .gguf files
 
@@ -179,6 +179,14 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
     eos = config.eos_token_ids + [i for i in tokenizer.eos_token_ids if i not in config.eos_token_ids]
     config.eos_token_ids, tokenizer.eos_token_ids = eos, list(eos)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def _separate_tokenizer(path: Path) -> Tokenizer:
+    if path.is_file() and path.suffix == ".gguf":  # vLLM takes a GGUF file as the tokenizer too
+        from tinyvllm.model.gguf import load_gguf
+
+        return load_gguf(path)[2]  # its tensors stay mapped, unread
+    return Tokenizer.from_dir(path)
 
 
 def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> None:
