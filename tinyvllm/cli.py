@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, setting_type
-from tinyvllm.errors import JobError
+from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io.writer import LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output
 from tinyvllm.jobs.config import SAMPLING_DEFAULTS, JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
@@ -122,7 +122,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--input", "input_", required=True, type=click.Path(path_type=Path),
-              help="prompts: .jsonl (plain or OpenAI batch) or .parquet")
+              help="prompts: .jsonl (plain or OpenAI batch) or .parquet; - reads standard input")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="the file to write: .parquet, or .jsonl for the OpenAI Batch API's output format")
 @job_options
@@ -328,7 +328,7 @@ def _run(cfg: JobConfig) -> None:
     except JobInterrupted as e:
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
-    except OutputBusy as e:
+    except (OutputBusy, JobUsageError) as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(e.exit_code)
     except JobError as e:
