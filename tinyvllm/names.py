@@ -1,17 +1,24 @@
 """Which known name a misspelt one was meant to be: the same name up to case, `-`/`_` and camelCase, or one a
-typing slip away (a letter left out, added, changed or two swapped; two slips in a long name).
+typing slip away (a letter left out, added, changed or two swapped; two slips in a long name). A name that is a
+known one with words added (`temperature_c`, `prompt_2`) is another name, not a slip.
 
 This module imports nothing of tinyvllm: any layer can use it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
 def normalized(name: str) -> str:
     """The name as written with any case and separators: `maxTokens`, `Max-Tokens`, `max_tokens` are `maxtokens`."""
     return "".join(c for c in name.lower() if c not in "-_ .")
+
+
+def words(name: str) -> list[str]:
+    """The words of a snake_case, kebab-case or camelCase name, lower-cased: `maxTokens` is max, tokens."""
+    return [w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+", name)]
 
 
 def nearest(name: str, known: Iterable[str]) -> str | None:
@@ -25,7 +32,7 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
         if target == key:
             return candidate
         slips = 0 if len(target) <= 4 else 1 if len(target) < 12 else 2
-        if slips and abs(len(target) - len(key)) <= slips:
+        if slips and abs(len(target) - len(key)) <= slips and not _adds_words(name, candidate):
             distance = edit_distance(key, target)
             if distance <= slips and (best is None or distance < best[0]):
                 best = (distance, candidate)
@@ -45,3 +52,9 @@ def edit_distance(a: str, b: str) -> int:
             current.append(cost)
         before, previous = previous, current
     return previous[-1]
+
+
+def _adds_words(name: str, known: str) -> bool:
+    """Whether `name` is `known` with more words after it."""
+    mine, theirs = words(name), words(known)
+    return len(mine) > len(theirs) and mine[:len(theirs)] == theirs
