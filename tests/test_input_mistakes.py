@@ -40,7 +40,8 @@ def one_line(result, code: int, message: str) -> None:
     ("max_token", "max_tokens"), ("maxTokens", "max_tokens"), ("Max-Tokens", "max_tokens"),
     ("temprature", "temperature"), ("topk", "top_k"), ("TopP", "top_p"), ("stop_sequences", "stop"),
     ("stopSequences", "stop"), ("max_new_tokens", "max_tokens"), ("frequence_penalty", "frequency_penalty"),
-    ("repitition_penalty", "repetition_penalty"), ("logprob", "logprobs"), ("chat_template_kwarg", "chat_template_kwargs"),
+    ("repitition_penalty", "repetition_penalty"), ("logprob", "logprobs"),
+    ("chat_template_kwarg", "chat_template_kwargs"),
 ])
 def test_a_misspelt_field_is_an_error_row_naming_the_field_meant(tmp_path, field, meant):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", field: 3}, {"prompt": "hi", "max_tokens": 3}])
@@ -70,8 +71,8 @@ def test_a_misspelt_prompt_is_named_only_in_a_row_without_one(tmp_path):
 
 
 def test_a_field_like_no_request_field_stays_a_data_column(tmp_path):
-    data = {"step": 1, "tool": "calc", "seeds": [1, 2], "n_tokens": 5, "ID": "a", "answer": "4", "temperature_c": 21.5, "prompt_2": "b",
-            "stops": 2, "topic": "maths"}
+    data = {"step": 1, "tool": "calc", "seeds": [1, 2], "n_tokens": 5, "ID": "a", "answer": "4", "temperature_c": 21.5,
+            "prompt_2": "b", "stops": 2, "topic": "maths"}
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", **data}])
     [row] = read_rows(path, input_columns(path))
     assert row.error is None and row.overrides == {} and row.columns == data
