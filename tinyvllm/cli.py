@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, Setting, settings
-from tinyvllm.errors import JobError
+from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io.writer import (LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output,
                                 summary_path)
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
@@ -116,7 +116,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--input", "input_", required=True, type=click.Path(path_type=Path),
-              help="prompts: .jsonl (plain or OpenAI batch) or .parquet")
+              help="prompts: .jsonl (plain or OpenAI batch) or .parquet; - reads standard input")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="the file to write: .parquet, or .jsonl for the OpenAI Batch API's output format")
 @_with(_job_options(show_defaults=True))
@@ -411,7 +411,7 @@ def _run(cfg: JobConfig) -> None:
     except JobInterrupted as e:
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
-    except OutputBusy as e:
+    except (OutputBusy, JobUsageError) as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(e.exit_code)
     except JobError as e:

@@ -9,7 +9,12 @@ optional `id` (default: its 0-based record number; only ids given must be unique
 Nothing is silently ignored: every request field is applied or refused (the row becomes an error row naming it;
 with allow_unknown_fields the field is dropped and listed in the row's `ignored_fields`). A plain row's other
 fields, and an OpenAI line's keys beside custom_id/method/url/body, are data: the job carries them to its output
-(input_columns() gives their Arrow types).
+(input_columns() gives their Arrow types). A plain row's field that misspells a request field (`max_token`,
+`temprature`, `topK`, another API's `stop_sequences`) is not data: its row is an error row saying which field was
+meant (with allow_unknown_fields it is carried as data).
+
+InputOptions map other columns to `prompt` and `messages` and read only the first rows; a Parquet input whose
+schema has no prompt or messages column is refused at once (JobUsageError), before any row runs.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tinyvllm.config import INT32_MAX, settings
-from tinyvllm.errors import JobError
+from tinyvllm.errors import JobError, JobUsageError
+from tinyvllm.names import nearest
 from tinyvllm.sampling_params import OVERRIDABLE_FIELDS, SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -76,6 +83,14 @@ UNSUPPORTED_FIELDS = {
 # Keys a plain row's request reads: never carried to the output as data.
 REQUEST_FIELDS = frozenset(("id", "prompt", "messages", *OVERRIDABLE_FIELDS, *OPENAI_ALIASES, *STRUCTURED_ALIASES,
                             *CHAT_FIELDS, *UNSUPPORTED_FIELDS))
+# Other APIs' names for request fields (Anthropic's, TGI's and Gemini's stop_sequences, Hugging Face generate's
+# max_new_tokens and num_return_sequences, OpenAI Responses' and Gemini's max_output_tokens): a row giving one is
+# told the field meant, as for a misspelling.
+OTHER_API_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_output_tokens": "max_tokens",
+                   "num_return_sequences": "n"}
+# The request fields a misspelt key is checked against: those that do something (a misspelt refused field would be
+# refused anyway), but `id`, whose absence changes no result (an `ID` column stays data).
+MEANT_FIELDS = frozenset(REQUEST_FIELDS - set(UNSUPPORTED_FIELDS) - {"id"})
 MESSAGE_FIELDS = ("role", "content", "name")  # `name` reaches the template, as in OpenAI's API
 JSON_TEXT = {b"tinyvllm.json_text": b"1"}  # metadata of a carried JSONL column whose values have no common type
 PARQUET_BATCH_ROWS = 1024
@@ -109,34 +124,64 @@ class BadRow(ValueError):
     pass
 
 
-def read_rows(path: str | Path, columns: pa.Schema | None = None,
-              allow_unknown_fields: bool = False) -> Iterator[Row]:
+@dataclass(frozen=True)
+class InputOptions:
+    """How a job reads its input: the columns of plain rows that hold the prompt and the messages (instead of
+    `prompt` and `messages`), and how many records to read."""
+
+    prompt_column: str | None = None  # None: `prompt`
+    messages_column: str | None = None  # None: `messages`
+    limit: int | None = None  # read only the first `limit` records; None: all
+
+    def renames(self) -> dict[str, tuple[str, str]]:
+        """{column: (the request field it holds, the option that says so)} for the columns mapped."""
+        return {column: (target, flag) for column, target, flag in (
+            (self.prompt_column, "prompt", "--prompt-column"), (self.messages_column, "messages", "--messages-column"))
+                if column is not None and column != target}
+
+    def identity(self) -> dict:
+        """The options given, for a job's identity: a job over the first 10 rows is not the job over them all."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+NO_OPTIONS = InputOptions()
+
+
+def read_rows(path: str | Path, columns: pa.Schema | None = None, allow_unknown_fields: bool = False,
+              options: InputOptions = NO_OPTIONS) -> Iterator[Row]:
     """Rows of a JSONL or Parquet file, in file order, carrying the input `columns` (from input_columns()).
     Raises JobError now if the file itself is unusable."""
-    return _rows(_records(Path(path)), columns or pa.schema([]), allow_unknown_fields)
+    return _rows(_records(Path(path), options), columns or pa.schema([]), allow_unknown_fields)
 
 
-def count_rows(path: str | Path) -> int:
+def count_rows(path: str | Path, options: InputOptions = NO_OPTIONS) -> int:
     """Number of records (for a progress bar): Parquet from its footer, JSONL by a quick scan of non-blank lines."""
     path = Path(path)
     if path.suffix.lower() in PARQUET_SUFFIXES:
-        return pq.ParquetFile(path).metadata.num_rows
+        count = pq.ParquetFile(path).metadata.num_rows
+        return count if options.limit is None else min(count, options.limit)
+    count = 0
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        for line in f:
+            if options.limit is not None and count >= options.limit:
+                break
+            count += bool(line.strip())
+    return count
 
 
-def input_columns(path: str | Path, keep: list[str] | None = None, drop: bool = False) -> pa.Schema:
+def input_columns(path: str | Path, keep: list[str] | None = None, drop: bool = False,
+                  options: InputOptions = NO_OPTIONS) -> pa.Schema:
     """The input's columns a job carries to its output: those no request reads (all, `keep` only, or none when
-    `drop`), with their Arrow types: a Parquet file's own; a JSONL key's from its values over the whole file (null
-    where a row lacks it; ints and floats make float64; values with no common type are carried as JSON text).
+    `drop`), with their Arrow types: a Parquet file's own; a JSONL key's from its values over the records read
+    (null where a row lacks it; ints and floats make float64; values with no common type are carried as JSON text).
     JobError: a `keep` column the input does not have."""
     path = Path(path)
-    records = _records(path)  # checks the file
+    records = _records(path, options)  # checks the file
     if drop:
         return pa.schema([])
     if path.suffix.lower() in PARQUET_SUFFIXES:
         schema = pq.read_schema(path)
-        data = _data_fields(schema.names, "custom_id" in schema.names)
+        data = _data_fields(_renamed_names(schema.names, options), "custom_id" in schema.names)
         fields = [schema.field(name).remove_metadata() for name in data]
     else:
         fields = _jsonl_fields(records)
@@ -164,6 +209,8 @@ def _jsonl_fields(records: Iterator[tuple[int, str, object, str | None]]) -> lis
             continue
         if openai is None:
             openai = "custom_id" in obj
+        if openai and "custom_id" not in obj:  # a plain row in a batch file: an error row, its keys not data
+            continue
         for name in _data_fields(obj, openai):
             if name in types and types[name] is None:
                 continue
@@ -195,8 +242,8 @@ def _common_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
         return None
 
 
-def _records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
-    """(index, where, parsed object, problem) per record; checks the file eagerly."""
+def _records(path: Path, options: InputOptions = NO_OPTIONS) -> Iterator[tuple[int, str, object, str | None]]:
+    """(index, where, parsed object, problem) per record, `options` applied; checks the file eagerly."""
     try:
         is_file = path.is_file()
     except OSError as e:  # a name over the file system's limit (ENAMETOOLONG), a folder that cannot be searched
@@ -209,14 +256,73 @@ def _records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
             open(path, "rb").close()
         except OSError as e:
             raise JobError(f"cannot read input {path}: {e.strerror}") from None
-        return _jsonl_records(path)
+        return _selected(_jsonl_records(path), options)
     if suffix in PARQUET_SUFFIXES:
         try:
             parquet = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises several types for a corrupt or foreign file
             raise JobError(f"cannot read Parquet input {path}: {e}") from None
-        return _parquet_records(parquet)
+        _check_parquet_columns(path, parquet.schema_arrow.names, options)
+        return _selected(_parquet_records(parquet), options)
     raise JobError(f"unsupported input format {suffix or '(no extension)'!r}: use .jsonl or .parquet ({path})")
+
+
+def _selected(records: Iterator[tuple[int, str, object, str | None]],
+              options: InputOptions) -> Iterator[tuple[int, str, object, str | None]]:
+    """The first `options.limit` records, their mapped columns renamed to the request fields they hold."""
+    renames = options.renames()
+    try:
+        for record in records:
+            index, where, obj, problem = record
+            if options.limit is not None and index >= options.limit:
+                return
+            if renames and problem is None and isinstance(obj, dict):
+                obj, problem = _renamed(obj, renames)
+            yield index, where, obj, problem
+    finally:
+        records.close()  # the file, now
+
+
+def _renamed(obj: dict, renames: dict[str, tuple[str, str]]) -> tuple[dict, str | None]:
+    """A plain record with its mapped columns under the names of the request fields they hold, or why not."""
+    if "custom_id" in obj:  # an OpenAI batch line: its request is its body
+        return obj, None
+    out = dict(obj)
+    for column, (target, flag) in renames.items():
+        if out.get(column) is None:
+            out.pop(column, None)
+            continue
+        if out.get(target) is not None:
+            return obj, f"has both {column!r} ({flag}) and {target!r}: give one"
+        out[target] = out.pop(column)
+    if out.get("prompt") is None and out.get("messages") is None:
+        names = [f"{column!r} ({flag})" for column, (_, flag) in renames.items()]
+        names += [target for target in ("prompt", "messages") if target not in {t for t, _ in renames.values()}]
+        return obj, f"missing {' or '.join(names)}"
+    return out, None
+
+
+def _renamed_names(names: list[str], options: InputOptions) -> list[str]:
+    renames = options.renames()
+    return [renames[name][0] if name in renames else name for name in names]
+
+
+def _check_parquet_columns(path: Path, names: list[str], options: InputOptions) -> None:
+    """JobUsageError unless the schema has the columns the rows' requests need: one line, before any row runs."""
+    if "custom_id" in names:  # OpenAI batch rows: the request is in `body`
+        return
+    listing = ", ".join(names[:30]) + (f", ... ({len(names)} in all)" if len(names) > 30 else "") or "none"
+    for column, (target, flag) in options.renames().items():
+        if column not in names:
+            raise JobUsageError(f"{flag} {column}: the input {path} has no column {column!r} (columns: {listing})")
+        if target in names:
+            raise JobUsageError(f"{flag} {column}: the input {path} has a {target!r} column too: leave the option "
+                                f"out, or rename one of them")
+    if not {"prompt", "messages"} & set(_renamed_names(names, options)):
+        meant = [(name, misspelt_request_field(name)) for name in names]
+        hints = [f"--{target}-column {name}" for name, target in meant if target in ("prompt", "messages")]
+        raise JobUsageError(f"the input {path} has no prompt or messages column (columns: {listing}): name the one "
+                            f"to use with {' or '.join(hints) or '--prompt-column NAME or --messages-column NAME'}")
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, str, object, str | None]]:
@@ -312,6 +418,9 @@ def _row_id(obj: dict, openai: bool) -> str | None:
     key = "custom_id" if openai else "id"
     value = obj.get(key)
     if value is None:
+        if openai and ("prompt" in obj or "messages" in obj):
+            raise BadRow("a plain row in an OpenAI batch file (its first line has custom_id): every line needs "
+                         "custom_id, method, url and body")
         if openai:
             raise BadRow("missing custom_id")
         return None
@@ -326,8 +435,35 @@ def parse_request(obj: dict, allow_unknown_fields: bool = False) -> Request:
 
 
 def _parse_plain(obj: dict, allow_unknown: bool) -> Request:
+    _check_misspelt(obj, allow_unknown)
     fields = {k: v for k, v in obj.items() if k in REQUEST_FIELDS and k != "id" and v is not None}
     return _request(fields, allow_unknown, chat=None)
+
+
+def _check_misspelt(obj: dict, allow_unknown: bool) -> None:
+    """BadRow for a plain row's key that misspells a request field, naming the field meant: such a key is not data.
+    A near miss of prompt or messages counts only in a row without either (`prompts` beside `prompt` is data); with
+    allow_unknown only there (the row cannot run), the others are carried as data."""
+    has_prompt = obj.get("prompt") is not None or obj.get("messages") is not None
+    misspelt = {}
+    for name, value in obj.items():
+        meant = misspelt_request_field(name) if value is not None else None
+        if meant is not None and not (has_prompt if meant in ("prompt", "messages") else allow_unknown):
+            misspelt[name] = meant
+    if misspelt:
+        names = ", ".join(f"{name!r} (did you mean {meant!r}?)" for name, meant in misspelt.items())
+        data = [name for name, meant in misspelt.items() if meant not in ("prompt", "messages")]
+        kept = "it as a data column" if len(data) == 1 else "them as data columns"
+        keep = f"; --allow-unknown-fields keeps {kept}" if data else ""
+        raise BadRow(f"unknown field{'s' * (len(misspelt) > 1)} {names}{keep}")
+
+
+@lru_cache(maxsize=4096)
+def misspelt_request_field(name: str) -> str | None:
+    """The request field a key that is none means (`max_token`: max_tokens), or None: it is like none of them."""
+    if name in REQUEST_FIELDS:
+        return None
+    return OTHER_API_NAMES.get(nearest(name, OTHER_API_NAMES) or "") or nearest(name, MEANT_FIELDS)
 
 
 def _parse_openai(obj: dict, allow_unknown: bool) -> Request:
@@ -351,6 +487,8 @@ def _request(fields: dict, allow_unknown: bool, chat: bool | None) -> Request:
     def refuse(name: str) -> None:
         if not allow_unknown:
             why = UNSUPPORTED_FIELDS.get(name)
+            meant = misspelt_request_field(name) if why is None else None
+            why = why or (f"did you mean {meant!r}?" if meant is not None else None)
             raise BadRow(f"unsupported field {name!r}" + (f" ({why})" if why else ""))
         if name not in ignored:
             ignored.append(name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tinyvllm.config import EngineConfig, check_settings, setting
+from tinyvllm.io.readers import REQUEST_FIELDS, InputOptions
 from tinyvllm.io.writer import PIECE_ROWS
 from tinyvllm.sampling_params import SamplingParams
 
@@ -46,6 +47,11 @@ class JobConfig:
     keep_columns: str | None = setting(None, "carry only these input columns to the output (comma-separated) "
                                        "[default: all]")
     drop_input_columns: bool = setting(False, "carry none of the input's columns to the output")
+    prompt_column: str | None = setting(None, "the input column that holds each row's prompt [default: prompt]")
+    messages_column: str | None = setting(None, "the input column that holds each row's chat messages "
+                                          "[default: messages]")
+    limit: int | None = setting(None, "run only the first N rows of the input, for a quick look (a different job "
+                                "from the whole input's: its output is not the whole job's)", low=1, high=1 << 62)
     output_token_ids: bool = setting(False, "add a completion_token_ids column")
     logprobs: int | None = setting(None, "rows' default logprobs: fill the logprob columns with the top N per token",
                                    low=0, high=1 << 20)
@@ -56,6 +62,7 @@ class JobConfig:
     quiet: bool = setting(False, "no progress bar or final line")
     ray: RayConfig | None = None  # set: run the engine work on Ray replicas
     chat_template_source: str | None = None  # the chat_template file's content (run_job reads it)
+    input_label: str | None = None  # the input's name in the output's metadata where not its path ("-": stdin)
 
     def __post_init__(self) -> None:
         if isinstance(self.chat_template, Path):  # a job file's paths are resolved to Paths
@@ -66,6 +73,22 @@ class JobConfig:
         if self.keep_columns is not None and not self.kept_columns:
             raise ValueError(f"invalid keep_columns={self.keep_columns!r}: name at least one column")
         self.template_kwargs  # noqa: B018 (raises ValueError unless it is a JSON object)
+        self._check_column_options()
+
+    def _check_column_options(self) -> None:
+        """prompt_column and messages_column name two different columns, neither another request field."""
+        given = {"prompt_column": self.prompt_column, "messages_column": self.messages_column}
+        for name, column in given.items():
+            if column is not None and (not column or column in REQUEST_FIELDS - {name.removesuffix("_column")}):
+                raise ValueError(f"invalid {name}={column!r}: " + ("name a column" if not column else
+                                                                  "it is the name of another request field"))
+        if self.prompt_column is not None and self.prompt_column == self.messages_column:
+            raise ValueError(f"prompt_column and messages_column are both {self.prompt_column!r}: give two columns")
+
+    @property
+    def input_options(self) -> InputOptions:
+        """How the job reads its input (which columns hold prompts and messages, how many rows)."""
+        return InputOptions(self.prompt_column, self.messages_column, self.limit)
 
     @property
     def kept_columns(self) -> list[str] | None:

@@ -40,7 +40,8 @@ def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
             "chat_template_sha256": (hashlib.sha256(cfg.chat_template_source.encode()).hexdigest()
                                      if cfg.chat_template_source is not None else None),
             "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,
-            "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns}
+            "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns,
+            **cfg.input_options.identity()}
 
 
 def input_sha256(path: Path) -> str | None:
@@ -101,7 +102,8 @@ def open_parts(cfg: JobConfig, job: dict) -> dict:
             return manifest
         if any(parts.glob("piece-*.parquet")):
             raise JobError(f"cannot resume: {parts} has pieces but no manifest.json; pass --overwrite to start over")
-        manifest = {"job": job, "input": str(cfg.input), "started_at": iso_time(time.time()), "version": __version__}
+        manifest = {"job": job, "input": cfg.input_label or str(cfg.input), "started_at": iso_time(time.time()),
+                    "version": __version__}
         atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
                      parts)
     except OSError as e:

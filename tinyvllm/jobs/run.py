@@ -31,6 +31,7 @@ from tqdm import tqdm
 from tinyvllm.config import SettingError
 from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
+from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
 from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
 from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
@@ -229,7 +230,11 @@ def record_extras(row: Row, chat: bool | None = None) -> dict:
 
 def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     """Run (or resume) the job to the end and return its summary; `summary["already_complete"]` when there was
-    nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM."""
+    nothing to do. Raises JobError for problems of the job as a whole, JobInterrupted on SIGINT/SIGTERM.
+    An input of "-" is standard input, read whole first (io/stdin.py)."""
+    if is_stdin(cfg.input):
+        with spooled_stdin() as copy:
+            return run_job(replace(cfg, input=copy, input_label=STDIN), executor)
     defaults = sampling_defaults(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
     if is_dummy(model):
@@ -239,14 +244,14 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
             raise JobError(f"unknown dummy model {model}: choose from {', '.join(DUMMY_PREFIX + p for p in PRESETS)}")
     elif not model.exists():
         raise JobError(f"model not found: {model}")
-    columns = input_columns(cfg.input, cfg.kept_columns, cfg.drop_input_columns)  # checks the input now
+    columns = input_columns(cfg.input, cfg.kept_columns, cfg.drop_input_columns, cfg.input_options)  # checks it
     _check_output(cfg.output, cfg.input)
     _check_columns(columns, cfg.output)
     # The OpenAI output names logprobs' tokens by id: its pieces keep the ids.
     cfg = replace(cfg, model=model, chat_template_source=_chat_template_source(cfg),
                   output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
-    rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields)
-    total = count_rows(cfg.input)
+    rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields, cfg.input_options)
+    total = count_rows(cfg.input, cfg.input_options)
     with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
         stamp = resume.input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
         job = resume.job_identity(cfg, defaults)
@@ -340,7 +345,8 @@ def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: di
     return {"model": info.get("model", str(cfg.model)), "backend": info.get("backend", cfg.engine.backend),
             "batching": info.get("batching", cfg.engine.batching), "engine": info, "sampling": asdict(defaults),
             "chat": cfg.chat, "chat_template": cfg.chat_template,
-            "chat_template_kwargs": cfg.template_kwargs or None, "input": str(cfg.input), "version": __version__,
+            "chat_template_kwargs": cfg.template_kwargs or None, "input": cfg.input_label or str(cfg.input),
+            "version": __version__,
             "job": manifest["job"], "start_time": manifest["started_at"], "end_time": resume.iso_time(time.time())}
 
 
