@@ -147,7 +147,7 @@ def test_logprobs_come_per_accepted_token(tiny_model_dir, monkeypatch):
         assert len(gc.logprobs) == len(gc.token_ids) == 13
         for we, ge in zip(wc.logprobs, gc.logprobs):
             assert we.keys() == ge.keys()
-            assert np.allclose([ge[t] for t in we], [we[t] for t in we], atol=1e-4)
+            assert np.allclose([ge[t].logprob for t in we], [we[t].logprob for t in we], atol=1e-4)
         assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=1e-3)
 
 
