@@ -8,18 +8,18 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, Setting, settings
-from tinyvllm.errors import JobError, JobUsageError
+from tinyvllm.errors import JobError
 from tinyvllm.io.writer import (LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output,
                                 summary_path)
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
-from tinyvllm.jobs.guard import OutputBusy
 from tinyvllm.jobs.run import JobInterrupted, run_job
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -108,7 +108,21 @@ def _with(options: list):
     return decorate
 
 
-@click.group()
+class OneLineGroup(click.Group):
+    """The commands, whose usage errors (a flag's bad value, an unknown or missing flag, one a command's own checks
+    refuse) are one line, `Error: ...` and where the flags are listed, exit 2 (click prints the usage above it)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            if e.ctx is None or isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+                raise
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx.command.get_help_option(e.ctx) else ""
+            raise click.UsageError(e.format_message() + hint) from None
+
+
+@click.group(cls=OneLineGroup)
 @click.version_option(__version__, prog_name="tinyvllm")
 def main() -> None:
     """tinyvllm: offline batch inference for Llama-family models."""
@@ -129,7 +143,7 @@ def run(input_: Path, output: Path, **options) -> None:
     try:
         cfg = job_config({"input": input_, "output": output, **flags}, sampling, ray)
     except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        raise click.UsageError(str(e)) from None
     _run(cfg)
 
 
@@ -151,7 +165,7 @@ def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> 
     try:
         cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling, ray)
     except JobError as e:
-        raise click.ClickException(str(e)) from None
+        _fail(e)
     _run(cfg)
 
 
@@ -389,10 +403,13 @@ def _structured_flag(given: dict) -> dict | None:
     if len(given) > 1:
         raise click.UsageError(f"give one of {', '.join('--' + k.replace('_', '-') for k in given)}")
     if "json_schema" in given:
+        path = given["json_schema"]
         try:
-            return {"json": json.loads(given["json_schema"].read_text())}
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise click.UsageError(f"--json-schema {given['json_schema']}: {e}") from None
+            return {"json": json.loads(path.read_text())}
+        except OSError as e:
+            raise click.UsageError(f"cannot read --json-schema {path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise click.UsageError(f"--json-schema {path} is not JSON: {e}") from None
     if "regex" in given:
         return {"regex": given["regex"]}
     if "choice" in given:
@@ -411,11 +428,8 @@ def _run(cfg: JobConfig) -> None:
     except JobInterrupted as e:
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
-    except (OutputBusy, JobUsageError) as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(e.exit_code)
     except JobError as e:
-        raise click.ClickException(str(e)) from None
+        _fail(e)
     if summary.get("already_complete"):
         click.echo(f"already complete: {cfg.output} has {_count(summary['rows'], 'row')} "
                    f"({_count(summary['error_rows'], 'error')}); nothing to do (--overwrite to run it again)",
@@ -429,6 +443,12 @@ def _run(cfg: JobConfig) -> None:
             click.echo(f"{_count(summary['structured_output_incomplete'], 'row')} ran out of max_tokens (or met a "
                        "stop string) before the structured output was complete: see structured_output_complete",
                        err=True)
+
+
+def _fail(e: JobError) -> NoReturn:
+    """One line, and the error's exit code: 2 for the settings (JobUsageError), 75 for a busy output, else 1."""
+    click.echo(f"Error: {e}", err=True)
+    sys.exit(e.exit_code)
 
 
 def _count(n: int, noun: str) -> str:

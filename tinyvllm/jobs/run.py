@@ -29,7 +29,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
-from tinyvllm.errors import JobError
+from tinyvllm.engine.structured_outputs import check_constraint
+from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
 from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
 from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
@@ -355,11 +356,15 @@ def _progress_bar(cfg: JobConfig, total: int, initial: int) -> tqdm:
 
 
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:
-    """The SamplingParams every row of the job starts from; JobError names a bad one."""
+    """The SamplingParams every row of the job starts from, its job-wide constraint compiled (a bad one would make
+    every row an error row); JobUsageError (exit 2, as for a bad flag) names a bad one."""
     try:
-        return cfg.sampling_params()
+        defaults = cfg.sampling_params()
+        if defaults.structured_outputs is not None:
+            check_constraint(defaults.structured_outputs)
     except (TypeError, ValueError) as e:
-        raise JobError(f"bad sampling defaults: {e}") from None
+        raise JobUsageError(f"bad sampling defaults: {e}") from None
+    return defaults
 
 
 def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
@@ -389,7 +394,8 @@ def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfi
 
 
 def _chat_template_source(cfg: JobConfig) -> str | None:
-    """The --chat-template file's content, checked to compile; JobError (one line) if it cannot be used."""
+    """The --chat-template file's content, checked to compile; JobUsageError (one line, exit 2 as for a
+    --json-schema file) if it cannot be used."""
     if cfg.chat_template is None:
         return None
     from tinyvllm.tokenizer import check_chat_template
@@ -397,11 +403,12 @@ def _chat_template_source(cfg: JobConfig) -> str | None:
     try:
         source = Path(cfg.chat_template).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise JobError(f"cannot read chat template {cfg.chat_template}: {getattr(e, 'strerror', None) or e}") from None
+        why = getattr(e, "strerror", None) or e
+        raise JobUsageError(f"cannot read chat template {cfg.chat_template}: {why}") from None
     try:
         check_chat_template(source)
     except ValueError as e:
-        raise JobError(f"chat template {cfg.chat_template} is not a valid template: {e}") from None
+        raise JobUsageError(f"chat template {cfg.chat_template} is not a valid template: {e}") from None
     return source
 
 
@@ -485,7 +492,7 @@ def load_llm(cfg: JobConfig):
     try:
         return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
     except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
-        raise JobError(str(e)) from None
+        raise JobUsageError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
     # bug and keeps its traceback.
     except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
