@@ -437,18 +437,47 @@ def _run(cfg: JobConfig) -> None:
     elif not cfg.quiet:
         tps = summary["output_tok_per_s"]
         click.echo(f"wrote {_count(summary['rows'], 'row')} ({_count(summary['error_rows'], 'error')}) to "
-                   f"{cfg.output} in {summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s",
-                   err=True)
+                   f"{cfg.output} in {_seconds(summary)}, {tps if tps is not None else '-'} output tok/s", err=True)
         if summary.get("structured_output_incomplete"):
             click.echo(f"{_count(summary['structured_output_incomplete'], 'row')} ran out of max_tokens (or met a "
                        "stop string) before the structured output was complete: see structured_output_complete",
                        err=True)
+        if summary.get("error_messages"):
+            click.echo(_errors(summary), err=True)
 
 
 def _fail(e: JobError) -> NoReturn:
     """One line, and the error's exit code: 2 for the settings (JobUsageError), 75 for a busy output, else 1."""
     click.echo(f"Error: {e}", err=True)
     sys.exit(e.exit_code)
+
+
+def _seconds(summary: dict) -> str:
+    """The job's wall time; after a resume, this run's and the sum over the runs that made the output."""
+    total = f"{summary['wall_time_s']:.1f}s"
+    if summary.get("runs", 1) <= 1:
+        return total
+    return f"{summary['run_wall_time_s']:.1f}s (this run; {total} over {summary['runs']} runs)"
+
+
+def _errors(summary: dict, width: int = 60) -> str:
+    """What the error rows were: the most common messages with their counts, each cut to about `width`."""
+    messages = summary["error_messages"]
+    named = [f'{n} x "{_shorten(message, width)}"' for message, n in messages]
+    rest = summary["error_rows"] - sum(n for _, n in messages)
+    if rest:
+        named.append(f"{rest} other{'s' * (rest != 1)}")
+    return f"{_count(summary['error_rows'], 'error row')}: {', '.join(named)}"
+
+
+def _shorten(message: str, width: int) -> str:
+    """The message on one line, cut at a word near `width` characters ("..." added)."""
+    text = " ".join(message.split())
+    if len(text) <= width:
+        return text
+    cut = text[:width - 3]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > width // 2 else cut).rstrip(" ,;:") + "..."
 
 
 def _count(n: int, noun: str) -> str:

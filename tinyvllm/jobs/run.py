@@ -17,15 +17,19 @@ import hashlib
 import itertools
 import os
 import queue
+import re
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
@@ -48,6 +52,8 @@ _request_ids = itertools.count()
 PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
 PREPARE_BATCH = 64  # rows the producer tokenizes at once
 _END = object()  # the producer's last item: no rows left
+ERROR_MESSAGES = 3  # the most common error messages the final line names
+ROW_LOCATION = re.compile(r"^(line|row) \d+: ")  # how a reader's error message starts
 
 
 class JobInterrupted(JobError):
@@ -270,7 +276,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         job_run = _JobRun(cfg, columns, total, signals, before_commit)
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
-        return job_run.writer.finalize(_metadata(cfg, defaults, manifest, info), stats)
+        return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
 
 
 class _JobRun:
@@ -327,6 +333,15 @@ class _JobRun:
                            "counts the rows that had it", file=sys.stderr)
             yield row
 
+    def finish(self, metadata: dict, stats: dict) -> dict:
+        """Write the output; return its summary with what the final line says beyond the file's: `run_wall_time_s`
+        (this run's; `wall_time_s` sums every run that committed rows), `runs` (those runs) and `error_messages`
+        (the most common, with their counts)."""
+        runs, errors = _runs_and_errors(self.writer.pieces())
+        summary = self.writer.finalize(metadata, stats)
+        return {**summary, "run_wall_time_s": round(time.time() - self.started, 3), "runs": runs,
+                "error_messages": errors.most_common(ERROR_MESSAGES)}
+
     def check_complete(self, manifest: dict) -> None:
         """JobInterrupted if a signal stopped the run; JobError if the input changed under it."""
         if self.signals.received:
@@ -339,6 +354,21 @@ class _JobRun:
                            f"{self.writer.discard()} rows this run computed are dropped (they may come from the "
                            "changed input), those committed before are kept: restore it and run the same command "
                            "again, or pass --overwrite to start over")
+
+
+def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
+    """How many runs committed the pieces, and their rows' error messages, counted without where the row is
+    ("line 7: "), so that one mistake on many lines counts as one message; a row in several pieces counts once."""
+    runs, errors = set(), {}
+    for piece in pieces:
+        try:
+            table = pq.read_table(piece, columns=["row", "error"])
+        except (OSError, pa.ArrowException):  # gone or damaged: finalize() says so
+            continue
+        runs.add((table.schema.metadata or {}).get(b"tinyvllm.run_started"))
+        failed = table.filter(pc.is_valid(table.column("error")))
+        errors.update(zip(failed.column("row").to_pylist(), failed.column("error").to_pylist()))
+    return len(runs), Counter(ROW_LOCATION.sub("", error, count=1) for error in errors.values())
 
 
 def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: dict) -> dict:
