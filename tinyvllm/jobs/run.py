@@ -243,6 +243,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         with spooled_stdin() as copy:
             return run_job(replace(cfg, input=copy, input_label=STDIN), executor)
     defaults = sampling_defaults(cfg)
+    template = _chat_template_source(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
     if is_dummy(model):
         from tinyvllm.model.dummy import PRESETS  # only for a dummy model: the CLI starts without the model code
@@ -255,7 +256,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     _check_output(cfg.output, cfg.input)
     _check_columns(columns, cfg.output)
     # The OpenAI output names logprobs' tokens by id: its pieces keep the ids.
-    cfg = replace(cfg, model=model, chat_template_source=_chat_template_source(cfg),
+    cfg = replace(cfg, model=model, chat_template_source=template,
                   output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
     rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields, cfg.input_options)
     total = count_rows(cfg.input, cfg.input_options)
