@@ -223,8 +223,8 @@ def test_shorten_cuts_at_a_word_and_keeps_one_line():
     assert _shorten("x" * 100, 60) == "x" * 57 + "..."
 
 
-def test_after_a_resume_the_final_line_says_what_its_seconds_are(tiny_model_dir, tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+def test_after_a_resume_the_final_lines_say_what_its_seconds_and_errors_are(tiny_model_dir, tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}" if i % 5 else ""} for i in range(6)])
     out = tmp_path / "o.parquet"
     real_emit, emitted = job_run._JobRun.emit, []
 
@@ -239,7 +239,8 @@ def test_after_a_resume_the_final_line_says_what_its_seconds_are(tiny_model_dir,
         m.setattr(job_run, "time", SimpleNamespace(time=lambda: time.time() - 5))
         result = run(tiny_model_dir, src, out, "--max-tokens", "2", "--piece-rows", "1")
     assert isinstance(result.exception, Crash) and any(parts_dir(out).glob("piece-*.parquet"))
-    wrote = final_lines(tiny_model_dir, src, out, "--piece-rows", "1")[0]
+    wrote, errors = final_lines(tiny_model_dir, src, out, "--piece-rows", "1")
+    assert errors == '2 error rows: 2 x "prompt is empty"'  # row 0's from the first run, row 5's from this one
     found = re.search(r" in (\d+\.\d)s \(this run; (\d+\.\d)s over 2 runs\), ", wrote)
     assert found, wrote
     this_run, total = map(float, found.groups())

@@ -109,8 +109,9 @@ def _with(options: list):
 
 
 class OneLineGroup(click.Group):
-    """The commands, whose usage errors (a flag's bad value, an unknown or missing flag, one a command's own checks
-    refuse) are one line, `Error: ...` and where the flags are listed, exit 2 (click prints the usage above it)."""
+    """The commands, whose usage errors (a flag's bad value, an unknown or missing flag, flags a command's own checks
+    refuse) are one line, `Error: ...` and where the flags are listed, exit 2, instead of click's usage, hint and
+    error lines."""
 
     def invoke(self, ctx: click.Context):
         try:

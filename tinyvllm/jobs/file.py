@@ -77,12 +77,11 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict, ray_flags: dict
         if expected is None:
             raise JobUsageError(f"{path}: {unknown_key(key)}")
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise JobUsageError(f"{path}: {key} = {value!r} has the wrong type "
-                           f"(expected {_type_words(expected)})")
+            raise JobUsageError(f"{path}: {key} = {value!r} has the wrong type (expected {_type_words(expected)})")
     if "logprobs" in sampling:  # the job's `logprobs` setting, spelled as the SamplingParams field
         if data.setdefault("logprobs", sampling["logprobs"]) != sampling["logprobs"]:
-            raise JobUsageError(f"{path}: logprobs = {data['logprobs']} and sampling.logprobs = {sampling['logprobs']} "
-                           "disagree: give one")
+            raise JobUsageError(f"{path}: logprobs = {data['logprobs']} and sampling.logprobs = "
+                                f"{sampling['logprobs']} disagree: give one")
         del sampling["logprobs"]
     for key in PATH_KEYS:
         if key in data:

@@ -294,6 +294,7 @@ class _JobRun:
         self.done = self.writer.committed_rows()
         self.warned: set[str] = set()  # the ignored fields warned about
         self.tokens = 0  # completion tokens emitted by this run
+        self.errors: dict[int, str] = {}  # row -> error, of the error rows this run emitted
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
 
@@ -310,6 +311,8 @@ class _JobRun:
     def emit(self, record: dict) -> None:
         self.writer.add(record)
         self.tokens += record["completion_tokens"]
+        if record["error"] is not None:
+            self.errors[record["row"]] = record["error"]
         self.bar.update(1)
         self.bar.set_postfix_str(f"{self.tokens / max(time.time() - self.started, 1e-9):.1f} tok/s", refresh=False)
 
@@ -337,8 +340,8 @@ class _JobRun:
     def finish(self, metadata: dict, stats: dict) -> dict:
         """Write the output; return its summary with what the final line says beyond the file's: `run_wall_time_s`
         (this run's; `wall_time_s` sums every run that committed rows), `runs` (those runs) and `error_messages`
-        (the most common, with their counts)."""
-        runs, errors = _runs_and_errors(self.writer.pieces())
+        (the most common, with their counts). Only a resume reads the pieces for them: earlier runs' rows are there."""
+        runs, errors = _runs_and_errors(self.writer.pieces()) if len(self.done) else (1, _messages(self.errors))
         summary = self.writer.finalize(metadata, stats)
         return {**summary, "run_wall_time_s": round(time.time() - self.started, 3), "runs": runs,
                 "error_messages": errors.most_common(ERROR_MESSAGES)}
@@ -358,8 +361,8 @@ class _JobRun:
 
 
 def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
-    """How many runs committed the pieces, and their rows' error messages, counted without where the row is
-    ("line 7: "), so that one mistake on many lines counts as one message; a row in several pieces counts once."""
+    """How many runs committed the pieces, and their rows' error messages (_messages; a row in several pieces
+    counts once)."""
     runs, errors = set(), {}
     for piece in pieces:
         try:
@@ -369,7 +372,13 @@ def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
         runs.add((table.schema.metadata or {}).get(b"tinyvllm.run_started"))
         failed = table.filter(pc.is_valid(table.column("error")))
         errors.update(zip(failed.column("row").to_pylist(), failed.column("error").to_pylist()))
-    return len(runs), Counter(ROW_LOCATION.sub("", error, count=1) for error in errors.values())
+    return len(runs), _messages(errors)
+
+
+def _messages(errors: dict[int, str]) -> Counter:
+    """The rows' error messages counted without where the row is ("line 7: "), so that one mistake on many lines
+    counts as one message."""
+    return Counter(ROW_LOCATION.sub("", error, count=1) for error in errors.values())
 
 
 def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: dict) -> dict:
