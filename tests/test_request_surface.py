@@ -227,14 +227,14 @@ def test_carried_columns_round_trip_every_arrow_type_and_resume(tiny_model_dir, 
     assert not set(pq.read_schema(tmp_path / "d.parquet").names) & set(data)
 
 
-@pytest.mark.parametrize("args,message", [
-    ([], "the input column 'completion' has the name of a result column"),
-    (["--keep-columns", "nope"], "has no data column 'nope'"),
-    (["--keep-columns", "a", "--drop-input-columns"], "contradict each other"),
+@pytest.mark.parametrize("args,message,code", [
+    ([], "the input column 'completion' has the name of a result column", 1),
+    (["--keep-columns", "nope"], "has no data column 'nope'", 1),
+    (["--keep-columns", "a", "--drop-input-columns"], "contradict each other", 2),  # flags that contradict: usage
 ])
-def test_column_clashes_are_job_errors(tiny_model_dir, tmp_path, args, message):
+def test_column_clashes_are_job_errors(tiny_model_dir, tmp_path, args, message, code):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "completion": "gold", "a": 1}])
-    assert message in one_line_error(run(tiny_model_dir, src, tmp_path / "o.parquet", *args))
+    assert message in one_line_error(run(tiny_model_dir, src, tmp_path / "o.parquet", *args), exit_code=code)
     assert not (tmp_path / "o.parquet").exists()
     if not args:  # dropping the clashing column is the way out
         ok_run(tiny_model_dir, src, tmp_path / "o.parquet", "--keep-columns", "a")
@@ -376,7 +376,8 @@ def test_chat_template_file_and_options(tiny_model_dir, tmp_path):
 def test_bad_chat_template_settings_are_job_errors(tiny_model_dir, tmp_path, args, message):
     (tmp_path / "bad.jinja").write_text("{% for %}")
     args = [a.format(tmp=tmp_path) for a in args]
-    assert message in one_line_error(run(tiny_model_dir, EXAMPLES / "chat.jsonl", tmp_path / "o.parquet", *args))
+    result = run(tiny_model_dir, EXAMPLES / "chat.jsonl", tmp_path / "o.parquet", *args)
+    assert message in one_line_error(result, exit_code=2)  # a bad setting, as a bad flag
 
 
 def test_llm_chat_options(tiny_model_dir):

@@ -299,7 +299,7 @@ def test_cli_flags_and_job_files_set_the_default_constraint(tiny_model_dir, tmp_
     bad_job = tmp_path / "bad.toml"
     bad_job.write_text('input = "in.jsonl"\noutput = "bad.parquet"\n[sampling.structured_outputs]\nregex = 3\n')
     result = _run("job", bad_job)
-    assert result.exit_code == 1 and "structured_outputs.regex must be a non-empty string" in result.output
+    assert result.exit_code == 2 and "structured_outputs.regex must be a non-empty string" in result.output
 
 
 # ---- the real model -----------------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def test_parquet_int64_top_k_is_an_error_row(tiny_model_dir, tmp_path):
 def test_sampling_flags_are_checked_like_rows(tiny_model_dir, tmp_path, flag, value, message):
     result = run(tiny_model_dir, write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}]), tmp_path / "o.parquet",
                  flag, value)
-    one_line_failure(result, f"bad sampling defaults: {message}")
+    one_line_failure(result, f"bad sampling defaults: {message}", exit_code=2)  # a bad flag
 
 
 def test_logprobs_beyond_the_vocabulary_is_an_error_row(tiny_model_dir, tmp_path):
@@ -186,13 +186,13 @@ def test_settings_errors_are_not_model_errors(tiny_model_dir, tmp_path, name, fl
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     flag = "--" + name.replace("_", "-")
     from_flag = run(tiny_model_dir, src, tmp_path / "o.parquet", flag, flag_value)
-    assert from_flag.exit_code == 2  # click's usage error: the usage, then one Error line naming the flag
+    assert from_flag.exit_code == 2  # a usage error: one Error line naming the flag
     assert from_flag.stderr.strip().splitlines()[-1].startswith(f"Error: Invalid value for '{flag}'")
     job = tmp_path / "job.toml"
     job.write_text(f'input = "{src}"\noutput = "{tmp_path / "o.parquet"}"\nmodel = "{tiny_model_dir}"\n'
                    f"{name} = {toml_value}\n")
     from_file = CliRunner().invoke(main, ["job", str(job), "--quiet"])
-    one_line_failure(from_file, f"invalid {name}=")
+    one_line_failure(from_file, f"invalid {name}=", exit_code=2)  # a bad key, as a bad flag
     assert "cannot load model" not in from_flag.stderr + from_file.stderr
 
 

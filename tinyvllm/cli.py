@@ -8,18 +8,18 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tinyvllm.config import EngineConfig, Setting, settings
-from tinyvllm.errors import JobError, JobUsageError
+from tinyvllm.errors import JobError
 from tinyvllm.io.writer import (LATENCIES, SUMMARY_COLUMNS, output_schema, sibling, summarize_output,
                                 summary_path)
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
-from tinyvllm.jobs.guard import OutputBusy
 from tinyvllm.jobs.run import JobInterrupted, run_job
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -108,7 +108,22 @@ def _with(options: list):
     return decorate
 
 
-@click.group()
+class OneLineGroup(click.Group):
+    """The commands, whose usage errors (a flag's bad value, an unknown or missing flag, flags a command's own checks
+    refuse) are one line, `Error: ...` and where the flags are listed, exit 2, instead of click's usage, hint and
+    error lines."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            if e.ctx is None or isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+                raise
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx.command.get_help_option(e.ctx) else ""
+            raise click.UsageError(e.format_message() + hint) from None
+
+
+@click.group(cls=OneLineGroup)
 @click.version_option(__version__, prog_name="tinyvllm")
 def main() -> None:
     """tinyvllm: offline batch inference for Llama-family models."""
@@ -129,7 +144,7 @@ def run(input_: Path, output: Path, **options) -> None:
     try:
         cfg = job_config({"input": input_, "output": output, **flags}, sampling, ray)
     except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        raise click.UsageError(str(e)) from None
     _run(cfg)
 
 
@@ -151,7 +166,7 @@ def job(job_file: Path, input_: Path | None, output: Path | None, **options) -> 
     try:
         cfg = load_job_file(job_file, {"input": input_, "output": output, **flags}, sampling, ray)
     except JobError as e:
-        raise click.ClickException(str(e)) from None
+        _fail(e)
     _run(cfg)
 
 
@@ -389,10 +404,13 @@ def _structured_flag(given: dict) -> dict | None:
     if len(given) > 1:
         raise click.UsageError(f"give one of {', '.join('--' + k.replace('_', '-') for k in given)}")
     if "json_schema" in given:
+        path = given["json_schema"]
         try:
-            return {"json": json.loads(given["json_schema"].read_text())}
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise click.UsageError(f"--json-schema {given['json_schema']}: {e}") from None
+            return {"json": json.loads(path.read_text())}
+        except OSError as e:
+            raise click.UsageError(f"cannot read --json-schema {path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise click.UsageError(f"--json-schema {path} is not JSON: {e}") from None
     if "regex" in given:
         return {"regex": given["regex"]}
     if "choice" in given:
@@ -411,11 +429,8 @@ def _run(cfg: JobConfig) -> None:
     except JobInterrupted as e:
         click.echo(str(e), err=True)
         sys.exit(e.exit_code)
-    except (OutputBusy, JobUsageError) as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(e.exit_code)
     except JobError as e:
-        raise click.ClickException(str(e)) from None
+        _fail(e)
     if summary.get("already_complete"):
         click.echo(f"already complete: {cfg.output} has {_count(summary['rows'], 'row')} "
                    f"({_count(summary['error_rows'], 'error')}); nothing to do (--overwrite to run it again)",
@@ -423,12 +438,47 @@ def _run(cfg: JobConfig) -> None:
     elif not cfg.quiet:
         tps = summary["output_tok_per_s"]
         click.echo(f"wrote {_count(summary['rows'], 'row')} ({_count(summary['error_rows'], 'error')}) to "
-                   f"{cfg.output} in {summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s",
-                   err=True)
+                   f"{cfg.output} in {_seconds(summary)}, {tps if tps is not None else '-'} output tok/s", err=True)
         if summary.get("structured_output_incomplete"):
             click.echo(f"{_count(summary['structured_output_incomplete'], 'row')} ran out of max_tokens (or met a "
                        "stop string) before the structured output was complete: see structured_output_complete",
                        err=True)
+        if summary.get("error_messages"):
+            click.echo(_errors(summary), err=True)
+
+
+def _fail(e: JobError) -> NoReturn:
+    """One line, and the error's exit code: 2 for the settings (JobUsageError), 75 for a busy output, else 1."""
+    click.echo(f"Error: {e}", err=True)
+    sys.exit(e.exit_code)
+
+
+def _seconds(summary: dict) -> str:
+    """The job's wall time; after a resume, this run's and the sum over the runs that made the output."""
+    total = f"{summary['wall_time_s']:.1f}s"
+    if summary.get("runs", 1) <= 1:
+        return total
+    return f"{summary['run_wall_time_s']:.1f}s (this run; {total} over {summary['runs']} runs)"
+
+
+def _errors(summary: dict, width: int = 60) -> str:
+    """What the error rows were: the most common messages with their counts, each cut to about `width`."""
+    messages = summary["error_messages"]
+    named = [f'{n} x "{_shorten(message, width)}"' for message, n in messages]
+    rest = summary["error_rows"] - sum(n for _, n in messages)
+    if rest:
+        named.append(f"{rest} other{'s' * (rest != 1)}")
+    return f"{_count(summary['error_rows'], 'error row')}: {', '.join(named)}"
+
+
+def _shorten(message: str, width: int) -> str:
+    """The message on one line, cut at a word near `width` characters ("..." added)."""
+    text = " ".join(message.split())
+    if len(text) <= width:
+        return text
+    cut = text[:width - 3]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > width // 2 else cut).rstrip(" ,;:") + "..."
 
 
 def _count(n: int, noun: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -91,11 +92,7 @@ class StructuredOutputManager:
     def _library(self):
         """llguidance, its tokenizer (built from the model's vocabulary on first use: ~0.3 s) and thread pool."""
         if self._llg is None:
-            try:
-                import llguidance
-                import llguidance.numpy  # noqa: F401 (the bitmask fill)
-            except ImportError:
-                raise ValueError(MISSING) from None
+            llguidance = _import_llguidance()
             start = time.perf_counter()
             # the tokenizer's JSON, as HF's fast tokenizers save it (GGUF models build one from their vocabulary)
             self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
@@ -122,7 +119,7 @@ class StructuredOutputManager:
             start = time.perf_counter()
             matcher = llg.LLMatcher(self._ll_tokenizer, _grammar(llg, params), log_level=0)
             if matcher.is_error():
-                raise ValueError(f"invalid structured_outputs.{params.kind}: {matcher.get_error()}")
+                raise ValueError(f"invalid structured_outputs.{params.kind}: {one_line(matcher.get_error())}")
             self.stats.grammars += not templates
             self.stats.compile_seconds += time.perf_counter() - start
             templates.append(matcher)
@@ -172,6 +169,33 @@ class StructuredOutputManager:
     def take(self, constraint: OutputConstraint, token: int) -> None:
         """Feed one constraint its token now (a sequence that ends with it)."""
         constraint.matcher.consume_token(token)
+
+
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """Compile the constraint without a vocabulary (what a job checks of its job-wide constraint before any row
+    runs); ValueError, one line, as constraint() would raise for it: an invalid schema, regex or grammar, or
+    llguidance missing."""
+    llg = _import_llguidance()
+    problem = llg.LLMatcher.validate_grammar(_grammar(llg, params))
+    if problem:
+        raise ValueError(f"invalid structured_outputs.{params.kind}: {one_line(problem)}")
+
+
+def one_line(message: str) -> str:
+    """llguidance's error as one line: its first line and its `error:` lines, without the source excerpts drawn
+    under them."""
+    lines = message.strip().splitlines() or [""]
+    details = [m.group(1) for line in lines[1:] if (m := re.match(r"\s*error: (.*)", line))]
+    return " ".join([lines[0].strip(), *details])
+
+
+def _import_llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401 (the bitmask fill)
+    except ImportError:
+        raise ValueError(MISSING) from None
+    return llguidance
 
 
 def _grammar(llg, params: StructuredOutputsParams) -> str:

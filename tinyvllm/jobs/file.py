@@ -2,19 +2,20 @@
 
 The keys are derived from the settings' declarations (`setting()` fields whose `job_key` is set): EngineConfig's and
 JobConfig's at the top level, SamplingParams' under [sampling] (the defaults of every row), RayConfig's under [ray].
-Values are checked by the same code as flags (the dataclasses' __post_init__).
+Values are checked by the same code as flags (the dataclasses' __post_init__); a job file that cannot be used is a
+JobUsageError, exit 2, as a bad flag is.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import tomllib
 from pathlib import Path
 
 from tinyvllm.config import EngineConfig, Setting, settings
-from tinyvllm.errors import JobError
+from tinyvllm.errors import JobUsageError
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
+from tinyvllm.names import nearest
 from tinyvllm.sampling_params import SamplingParams
 
 PATH_KEYS = ("input", "output", "model", "chat_template")
@@ -45,12 +46,13 @@ def _type_words(expected: type | tuple) -> str:
 
 
 def unknown_key(key: str) -> str:
-    """One line for a key no job file takes, naming the nearest ones of its table that it does (else the same
-    name in another table: a [sampling] key written at the top level)."""
+    """One line for a key no job file takes, naming the key of its table it most likely misspells (names.nearest),
+    else those of other tables it may be meant as (a [sampling] key written at the top level)."""
     table, _, name = key.rpartition(".")
     same_table = {k.rpartition(".")[2]: k for k in JOB_FILE_KEYS if k.rpartition(".")[0] == table}
-    near = [same_table[n] for n in difflib.get_close_matches(name, same_table, n=3, cutoff=0.8)]
-    near = near or [k for k in JOB_FILE_KEYS if k.rpartition(".")[2] == name]
+    meant = nearest(name, same_table)
+    near = [same_table[meant]] if meant is not None else [
+        k for k in JOB_FILE_KEYS if k.rpartition(".")[0] != table and nearest(name, [k.rpartition(".")[2]])]
     hint = f"did you mean {' or '.join(near)}?" if near else "jobs/example.toml lists every key"
     return f"unknown key {key!r} ({hint})"
 
@@ -61,26 +63,25 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict, ray_flags: dict
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise JobError(f"job file not found: {path}") from None
+        raise JobUsageError(f"job file not found: {path}") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise JobError(f"cannot read job file {path}: {e}") from None
+        raise JobUsageError(f"cannot read job file {path}: {e}") from None
     for table in ("sampling", "ray"):
         if not isinstance(data.get(table, {}), dict):
-            raise JobError(f"{path}: [{table}] must be a table")
+            raise JobUsageError(f"{path}: [{table}] must be a table")
     sampling, ray = data.pop("sampling", {}), data.pop("ray", None)
     flat = [*data.items(), *(("sampling." + k, v) for k, v in sampling.items()),
             *(("ray." + k, v) for k, v in (ray or {}).items())]
     for key, value in flat:
         expected = JOB_FILE_KEYS.get(key)
         if expected is None:
-            raise JobError(f"{path}: {unknown_key(key)}")
+            raise JobUsageError(f"{path}: {unknown_key(key)}")
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise JobError(f"{path}: {key} = {value!r} has the wrong type "
-                           f"(expected {_type_words(expected)})")
+            raise JobUsageError(f"{path}: {key} = {value!r} has the wrong type (expected {_type_words(expected)})")
     if "logprobs" in sampling:  # the job's `logprobs` setting, spelled as the SamplingParams field
         if data.setdefault("logprobs", sampling["logprobs"]) != sampling["logprobs"]:
-            raise JobError(f"{path}: logprobs = {data['logprobs']} and sampling.logprobs = {sampling['logprobs']} "
-                           "disagree: give one")
+            raise JobUsageError(f"{path}: logprobs = {data['logprobs']} and sampling.logprobs = "
+                                f"{sampling['logprobs']} disagree: give one")
         del sampling["logprobs"]
     for key in PATH_KEYS:
         if key in data:
@@ -91,9 +92,9 @@ def load_job_file(path: Path, flags: dict, sampling_flags: dict, ray_flags: dict
         ray = {**(ray or {}), **ray_flags}
     missing = [k for k in ("input", "output") if k not in data]
     if missing:
-        raise JobError(f"{path}: no {' or '.join(missing)} (in the file or as a flag)")
+        raise JobUsageError(f"{path}: no {' or '.join(missing)} (in the file or as a flag)")
     try:
         return job_config(data, sampling, ray)
     except ValueError as e:
-        raise JobError(f"{path}: {e}") from None
+        raise JobUsageError(f"{path}: {e}") from None
 

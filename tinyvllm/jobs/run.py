@@ -17,19 +17,24 @@ import hashlib
 import itertools
 import os
 import queue
+import re
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
-from tinyvllm.errors import JobError
+from tinyvllm.engine.structured_outputs import check_constraint
+from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
 from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
 from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
@@ -47,6 +52,8 @@ _request_ids = itertools.count()
 PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
 PREPARE_BATCH = 64  # rows the producer tokenizes at once
 _END = object()  # the producer's last item: no rows left
+ERROR_MESSAGES = 3  # the most common error messages the final line names
+ROW_LOCATION = re.compile(r"^(line|row) \d+: ")  # how a reader's error message starts
 
 
 class JobInterrupted(JobError):
@@ -236,6 +243,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         with spooled_stdin() as copy:
             return run_job(replace(cfg, input=copy, input_label=STDIN), executor)
     defaults = sampling_defaults(cfg)
+    template = _chat_template_source(cfg)
     model = Path(cfg.model) if cfg.model is not None else _default_model()
     if is_dummy(model):
         from tinyvllm.model.dummy import PRESETS  # only for a dummy model: the CLI starts without the model code
@@ -248,7 +256,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
     _check_output(cfg.output, cfg.input)
     _check_columns(columns, cfg.output)
     # The OpenAI output names logprobs' tokens by id: its pieces keep the ids.
-    cfg = replace(cfg, model=model, chat_template_source=_chat_template_source(cfg),
+    cfg = replace(cfg, model=model, chat_template_source=template,
                   output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
     rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields, cfg.input_options)
     total = count_rows(cfg.input, cfg.input_options)
@@ -269,7 +277,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         job_run = _JobRun(cfg, columns, total, signals, before_commit)
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
-        return job_run.writer.finalize(_metadata(cfg, defaults, manifest, info), stats)
+        return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
 
 
 class _JobRun:
@@ -286,6 +294,7 @@ class _JobRun:
         self.done = self.writer.committed_rows()
         self.warned: set[str] = set()  # the ignored fields warned about
         self.tokens = 0  # completion tokens emitted by this run
+        self.errors: dict[int, str] = {}  # row -> error, of the error rows this run emitted
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
 
@@ -302,6 +311,8 @@ class _JobRun:
     def emit(self, record: dict) -> None:
         self.writer.add(record)
         self.tokens += record["completion_tokens"]
+        if record["error"] is not None:
+            self.errors[record["row"]] = record["error"]
         self.bar.update(1)
         self.bar.set_postfix_str(f"{self.tokens / max(time.time() - self.started, 1e-9):.1f} tok/s", refresh=False)
 
@@ -326,6 +337,15 @@ class _JobRun:
                            "counts the rows that had it", file=sys.stderr)
             yield row
 
+    def finish(self, metadata: dict, stats: dict) -> dict:
+        """Write the output; return its summary with what the final line says beyond the file's: `run_wall_time_s`
+        (this run's; `wall_time_s` sums every run that committed rows), `runs` (those runs) and `error_messages`
+        (the most common, with their counts). Only a resume reads the pieces for them: earlier runs' rows are there."""
+        runs, errors = _runs_and_errors(self.writer.pieces()) if len(self.done) else (1, _messages(self.errors))
+        summary = self.writer.finalize(metadata, stats)
+        return {**summary, "run_wall_time_s": round(time.time() - self.started, 3), "runs": runs,
+                "error_messages": errors.most_common(ERROR_MESSAGES)}
+
     def check_complete(self, manifest: dict) -> None:
         """JobInterrupted if a signal stopped the run; JobError if the input changed under it."""
         if self.signals.received:
@@ -338,6 +358,27 @@ class _JobRun:
                            f"{self.writer.discard()} rows this run computed are dropped (they may come from the "
                            "changed input), those committed before are kept: restore it and run the same command "
                            "again, or pass --overwrite to start over")
+
+
+def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
+    """How many runs committed the pieces, and their rows' error messages (_messages; a row in several pieces
+    counts once)."""
+    runs, errors = set(), {}
+    for piece in pieces:
+        try:
+            table = pq.read_table(piece, columns=["row", "error"])
+        except (OSError, pa.ArrowException):  # gone or damaged: finalize() says so
+            continue
+        runs.add((table.schema.metadata or {}).get(b"tinyvllm.run_started"))
+        failed = table.filter(pc.is_valid(table.column("error")))
+        errors.update(zip(failed.column("row").to_pylist(), failed.column("error").to_pylist()))
+    return len(runs), _messages(errors)
+
+
+def _messages(errors: dict[int, str]) -> Counter:
+    """The rows' error messages counted without where the row is ("line 7: "), so that one mistake on many lines
+    counts as one message."""
+    return Counter(ROW_LOCATION.sub("", error, count=1) for error in errors.values())
 
 
 def _metadata(cfg: JobConfig, defaults: SamplingParams, manifest: dict, info: dict) -> dict:
@@ -355,11 +396,15 @@ def _progress_bar(cfg: JobConfig, total: int, initial: int) -> tqdm:
 
 
 def sampling_defaults(cfg: JobConfig) -> SamplingParams:
-    """The SamplingParams every row of the job starts from; JobError names a bad one."""
+    """The SamplingParams every row of the job starts from, its job-wide constraint compiled (a bad one would make
+    every row an error row); JobUsageError (exit 2, as for a bad flag) names a bad one."""
     try:
-        return cfg.sampling_params()
+        defaults = cfg.sampling_params()
+        if defaults.structured_outputs is not None:
+            check_constraint(defaults.structured_outputs)
     except (TypeError, ValueError) as e:
-        raise JobError(f"bad sampling defaults: {e}") from None
+        raise JobUsageError(f"bad sampling defaults: {e}") from None
+    return defaults
 
 
 def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
@@ -389,7 +434,8 @@ def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfi
 
 
 def _chat_template_source(cfg: JobConfig) -> str | None:
-    """The --chat-template file's content, checked to compile; JobError (one line) if it cannot be used."""
+    """The --chat-template file's content, checked to compile; JobUsageError (one line, exit 2 as for a
+    --json-schema file) if it cannot be used."""
     if cfg.chat_template is None:
         return None
     from tinyvllm.tokenizer import check_chat_template
@@ -397,11 +443,12 @@ def _chat_template_source(cfg: JobConfig) -> str | None:
     try:
         source = Path(cfg.chat_template).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise JobError(f"cannot read chat template {cfg.chat_template}: {getattr(e, 'strerror', None) or e}") from None
+        why = getattr(e, "strerror", None) or e
+        raise JobUsageError(f"cannot read chat template {cfg.chat_template}: {why}") from None
     try:
         check_chat_template(source)
     except ValueError as e:
-        raise JobError(f"chat template {cfg.chat_template} is not a valid template: {e}") from None
+        raise JobUsageError(f"chat template {cfg.chat_template} is not a valid template: {e}") from None
     return source
 
 
@@ -485,7 +532,7 @@ def load_llm(cfg: JobConfig):
     try:
         return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
     except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
-        raise JobError(str(e)) from None
+        raise JobUsageError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
     # bug and keeps its traceback.
     except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
