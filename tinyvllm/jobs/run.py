@@ -169,7 +169,8 @@ class RowPipeline:
         for out in self.engine.step():
             row, prompt, templated, params = self.in_flight.pop(out.request_id)
             # max_tokens None: the engine generated up to the context, what the prompt left of max_seq_len
-            sampling = sampling_record(params, self.engine.max_seq_len - len(out.prompt_token_ids or ()))
+            limit = None if params.max_tokens is not None else self.engine.max_seq_len - len(out.prompt_token_ids)
+            sampling = sampling_record(params, limit)
             self.emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated),
                                     sampling=sampling))
         self.on_step()
