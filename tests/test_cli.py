@@ -33,7 +33,8 @@ def test_run_jsonl(tiny_model_dir, tmp_path):
     out = tmp_path / "prompts.parquet"
     table = ok_run(tiny_model_dir, EXAMPLES / "prompts.jsonl", out, "--max-tokens", "6")
     assert table.schema.names[:len(BASE_COLUMNS)] == BASE_COLUMNS
-    assert set(table.schema.names) - set(BASE_COLUMNS) == set(RESULT_COLUMNS)
+    assert set(table.schema.names) - set(BASE_COLUMNS) == set(RESULT_COLUMNS) | {"sampling"}
+    assert table.column("sampling").null_count == 0  # every row's, asked or not
     assert all(table.column(name).null_count == 16 for name in RESULT_COLUMNS if name != "chat")  # none asked
     assert table.schema.field("id").type == pa.string()
     assert table.schema.field("completion_tokens").type == pa.int32()

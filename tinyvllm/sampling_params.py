@@ -96,7 +96,9 @@ class SamplingParams:
 
     n: int = setting(1, "completions per prompt (its prompt computed once, its KV blocks shared)", low=1, high=MAX_N,
                      per_row=True)
-    max_tokens: int = setting(16, "tokens to generate at most", low=1, high=INT32_MAX, per_row=True)
+    # None (the Python API's; a row's null keeps the job's): up to the context, as vLLM's: the engine stops at
+    # max_model_len.
+    max_tokens: int | None = setting(16, "tokens to generate at most", low=1, high=INT32_MAX, per_row=True)
     temperature: float = setting(1.0, "sampling temperature; 0 = greedy", low=TEMPERATURE_MIN,
                                  high=TEMPERATURE_MAX, also=(0,), per_row=True)
     top_p: float = setting(1.0, "nucleus: keep the smallest set of tokens whose probability sums to top_p",
@@ -171,7 +173,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field: each against its declaration, then across fields."""
         check_settings(self)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
         if self.stop and not self.detokenize:
             raise ValueError("invalid detokenize=False: stop strings need the text: pass detokenize=True or "

@@ -103,7 +103,8 @@ class RequestAdmission:
         self.num_arrivals += 1
         if params.structured_outputs is not None:
             seq.constraint = constraint or self.structured_outputs.constraint(params.structured_outputs)
-        seq.max_len = min(self.max_seq_len, seq.num_prompt_tokens + params.max_tokens)
+        seq.max_len = (self.max_seq_len if params.max_tokens is None  # None: up to the context
+                       else min(self.max_seq_len, seq.num_prompt_tokens + params.max_tokens))
         # Text is only needed token by token to find stop strings; otherwise it is decoded once, at the end.
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,

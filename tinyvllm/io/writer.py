@@ -26,8 +26,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tinyvllm.config import INT32_MAX, Setting, settings
 from tinyvllm.errors import JobError
 from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
 
 PIECE_ROWS = 256  # rows per piece at most ...
 PIECE_SECONDS = 2.0  # ... and a finished row waits at most this long to be committed
@@ -37,6 +39,40 @@ _TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())])
 # Output formats by the output's extension: Parquet, or the OpenAI Batch API's output JSONL.
 OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "openai"}
 OPENAI_LINE_KEYS = ("custom_id", "response")  # an OpenAI output line's keys besides `id` and `error`
+
+
+def _arrow_type(s: Setting) -> pa.DataType:
+    """A SamplingParams setting's column type, from its declaration: an integer as the narrowest of int32, int64 and
+    uint64 its bounds fit; a {token id: value} dict as a map; a class of its own (structured_outputs) as its JSON
+    text."""
+    if s.kind is None:
+        return pa.string()
+    high = s.meta["high"]
+    scalar = {bool: pa.bool_(), float: pa.float64(), str: pa.string(),
+              int: pa.int32() if high is not None and high <= INT32_MAX else
+              pa.int64() if high is None or high < 2**63 else pa.uint64()}[s.kind]
+    if s.container is list:
+        return pa.list_(scalar)
+    return pa.map_(pa.int32(), scalar) if s.container is dict else scalar
+
+
+# The `sampling` column: every SamplingParams field a row may set, as the row ran with it. One type for every job,
+# so that the pieces of any run of a job concatenate.
+SAMPLING_FIELDS = tuple(s for s in settings(SamplingParams) if s.meta["per_row"])
+SAMPLING_TYPE = pa.struct([(s.name, _arrow_type(s)) for s in SAMPLING_FIELDS])
+_SAMPLING_NAMES = SAMPLING_TYPE.names
+
+
+def sampling_record(params: SamplingParams, max_tokens: int | None = None) -> dict:
+    """The `sampling` value of a row that ran with `params`; `max_tokens`: the limit the engine applied where
+    params.max_tokens is None (up to the context)."""
+    values = vars(params)  # once per row: a dict lookup per field, not getattr
+    rec = {name: values[name] for name in _SAMPLING_NAMES}
+    if rec["structured_outputs"] is not None:
+        rec["structured_outputs"] = rec["structured_outputs"].key()
+    if rec["max_tokens"] is None:
+        rec["max_tokens"] = max_tokens
+    return rec
 
 
 def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> pa.Schema:
@@ -51,7 +87,8 @@ def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> 
              ("ignored_fields", pa.list_(pa.string())),  # unsupported fields dropped (--allow-unknown-fields)
              # with a structured_outputs constraint: the output matches it in full (false: max_tokens or a stop
              # string ended it first); null without one
-             ("structured_output_complete", pa.bool_())]
+             ("structured_output_complete", pa.bool_()),
+             ("sampling", SAMPLING_TYPE)]  # the row's SamplingParams (sampling_record); null on error rows
     if token_ids:
         cols += [("completion_token_ids", pa.list_(pa.int32()))]
     # The first completion's logprobs: the sampled token's per position, and the top ones (sampled included) at each;
@@ -64,6 +101,12 @@ def output_schema(token_ids: bool = False, columns: pa.Schema | None = None) -> 
              ("completions_finish_reasons", pa.list_(pa.string())),
              ("completions_cumulative_logprobs", pa.list_(pa.float64()))]
     return pa.schema(cols + list(columns or []))
+
+
+def schema_digest() -> str:
+    """A digest of every result column (names and types): part of a job's identity, so that pieces or an output
+    written with other columns (another tinyvllm version's) are never taken for this job's."""
+    return hashlib.sha256(str(output_schema(token_ids=True)).encode()).hexdigest()[:16]
 
 
 def output_format(output: Path) -> str:
@@ -105,9 +148,11 @@ class RowSet:
 
 
 def output_record(index: int, row_id: str, prompt: str | list[int] | None,
-                  out: RequestOutput | None = None, error: str | None = None, *, extras: dict | None = None) -> dict:
+                  out: RequestOutput | None = None, error: str | None = None, *, extras: dict | None = None,
+                  sampling: dict | None = None) -> dict:
     """One output row: from the engine's RequestOutput, or from a row that failed before reaching it. `extras`:
-    further columns (the row's carried input columns, `chat`, `ignored_fields`)."""
+    further columns (the row's carried input columns, `chat`, `ignored_fields`); `sampling`: the row's
+    sampling_record(), kept unless the row failed."""
     comps = out.outputs if out is not None else []
     comp = comps[0] if comps else None
     if error is None and out is not None:
@@ -123,6 +168,7 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
         "error": error, "finished_at": time.time(),
         "completion_token_ids": comp.token_ids if ok else None,
         "structured_output_complete": comp.structured_output_complete if ok else None,
+        "sampling": sampling if ok else None,
     }
     rec.update({name: getattr(metrics, name) if metrics else None for name in LATENCIES})
     if ok and comp.logprobs is not None:

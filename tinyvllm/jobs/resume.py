@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from tinyvllm.errors import JobError
 from tinyvllm.io.writer import (atomic_write, clear_parts, output_format, output_rows_problem, parts_dir,
-                                summarize_output, summary_path)
+                                schema_digest, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import is_dummy
 from tinyvllm.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
                                      if cfg.chat_template_source is not None else None),
             "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,
             "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns,
-            **cfg.input_options.identity()}
+            **cfg.input_options.identity(), "output_schema": schema_digest()}
 
 
 def input_sha256(path: Path) -> str | None:
@@ -159,7 +159,10 @@ def _read_manifest(parts: Path) -> dict | None:
 
 
 def _differences(old: dict, new: dict) -> str:
-    """The keys whose values differ, each as `key old -> new` (nested keys dotted, values cut at 60 characters)."""
+    """The keys whose values differ, each as `key old -> new` (nested keys dotted, values cut at 60 characters);
+    other output columns are said in words (their digest would tell a user nothing)."""
+    if old.get("output_schema") != new.get("output_schema"):
+        return "its output columns are another tinyvllm version's"
     old, new = _flat(old), _flat(new)
     keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     return ", ".join(f"{k} {str(old.get(k))[:60]} -> {str(new.get(k))[:60]}" for k in keys)

@@ -37,7 +37,8 @@ from tinyvllm.engine.structured_outputs import check_constraint
 from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
 from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
-from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
+from tinyvllm.io.writer import (OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, sampling_record,
+                                summary_path)
 from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
@@ -120,7 +121,8 @@ class RowPipeline:
         self.llm, self.engine, self.max_model_len = llm, llm.llm_engine, llm.engine_config.max_model_len
         self.defaults, self.cfg, self.emit, self.max_in_flight = defaults, cfg, emit, max_in_flight
         self.on_step, self.stopped = on_step, stopped
-        self.in_flight: dict[str, tuple[Row, str | list[int], bool]] = {}  # request id -> (row, prompt, templated)
+        # request id -> (row, prompt, templated, its SamplingParams)
+        self.in_flight: dict[str, tuple[Row, str | list[int], bool, SamplingParams]] = {}
         self.ready: queue.Queue = queue.Queue(PREPARE_AHEAD)  # (row, prepared), in row order; then _END or the error
         self.cancelled = threading.Event()  # the loop has ended: the producer stops
 
@@ -167,13 +169,17 @@ class RowPipeline:
         request_id = str(next(_request_ids))  # unique even where rows repeat (a retried Ray batch)
         # The text was tokenized as the engine would (Tokenizer.encode_prompt): the engine gets the ids.
         self.engine.add_request(request_id, token_ids, params, prompt_is_templated=templated)
-        self.in_flight[request_id] = (row, prompt, templated)
+        self.in_flight[request_id] = (row, prompt, templated, params)
 
     def _step(self) -> None:
         """One engine step; emit the rows it finished."""
         for out in self.engine.step():
-            row, prompt, templated = self.in_flight.pop(out.request_id)
-            self.emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated)))
+            row, prompt, templated, params = self.in_flight.pop(out.request_id)
+            # max_tokens None: the engine generated up to the context, what the prompt left of max_seq_len
+            limit = None if params.max_tokens is not None else self.engine.max_seq_len - len(out.prompt_token_ids)
+            sampling = sampling_record(params, limit)
+            self.emit(output_record(row.index, row.id, prompt, out, extras=record_extras(row, templated),
+                                    sampling=sampling))
         self.on_step()
         if self.in_flight and not self.engine.has_unfinished_requests():
             raise RuntimeError(f"engine lost {len(self.in_flight)} request(s)")
@@ -411,7 +417,7 @@ def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfi
                     max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
     """What to send for a row: (prompt, already templated?, its SamplingParams). ValueError: the row is bad."""
     params = defaults.with_overrides(row.overrides)
-    if params.max_tokens > max_model_len:
+    if params.max_tokens is not None and params.max_tokens > max_model_len:
         raise ValueError(f"invalid max_tokens={params.max_tokens}: more than max_model_len={max_model_len}")
     if params.seed is None:
         params = replace(params, seed=_row_seed(cfg.engine.seed, row.index))
