@@ -218,3 +218,32 @@ def test_nvcc_builds_only_the_selected_kernel_of_a_split_file(tmp_path):
         names = set(re.findall(rb"(?:attention|gemv)_\w+", cubins[job.name]))
         kernels_in = {name.decode() for name in names if name.decode() in SIGNATURES}
         assert kernels_in == {job.name}, kernels_in
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("gpu", [True, False])
+def test_make_setup_builds_the_kernels_ahead_on_a_gpu_host_once(tmp_path, monkeypatch, gpu):
+    """`make setup` runs `tinyvllm build-kernels` where nvidia-smi and pycuda are (stand-ins here), once until a
+    kernel source changes; not with NO_CUDA=1 (the CPU setup)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    stand_in(tmp_path, monkeypatch, "nvidia-smi", "#!/bin/sh\necho 9.0\n")
+    for name, script in (("python", "#!/bin/sh\nexit 0\n"),  # `python -c "import pycuda"` succeeds
+                         ("tinyvllm", f'#!/bin/sh\necho "$@" >> {tmp_path}/built\n')):
+        (venv / "bin" / name).write_text(script)
+        (venv / "bin" / name).chmod(0o755)
+    (venv / ".installed").touch()
+
+    def make() -> None:
+        subprocess.run(["make", "-s", "-C", str(repo), "setup", f"VENV={venv}", *([] if gpu else ["NO_CUDA=1"])],
+                       check=True, capture_output=True)
+
+    make()
+    make()
+    built = tmp_path / "built"
+    assert (built.read_text().splitlines() if built.exists() else []) == (["build-kernels"] if gpu else [])
+    assert (venv / ".kernels").exists()
