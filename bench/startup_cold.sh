@@ -9,16 +9,11 @@
 #
 # Needs pycuda and nvcc; $PYTHON (default python3), the repository root put on PYTHONPATH; $MODEL (default /tmp/l1b).
 set -euo pipefail
-PYTHON=${PYTHON:-python3}
-MODEL=${MODEL:-/tmp/l1b}
-RESULTS=${1:-${OUT:-bench/results}}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$RESULTS"
-"$PYTHON" bench/write_llama_1b.py "$MODEL"
-
+out=${1:-${OUT:-bench/results}} python=${PYTHON:-python3} model=${MODEL:-/tmp/l1b}
+mkdir -p "$out" && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$python" bench/write_llama_1b.py "$model"
 echo "== 1. nvcc per compile job, and side by side on $(nproc) cores"
-"$PYTHON" bench/kernel_compile.py --parallel --json "$RESULTS/kernel-compile.json" | tee "$RESULTS/kernel-compile.txt"
-
+"$python" bench/kernel_compile.py --parallel --json "$out/kernel-compile.json" | tee "$out/kernel-compile.txt"
 echo "== 2. LLM() start-up per phase"
-"$PYTHON" bench/startup_cold.py "$MODEL" ${BACKEND:+--backend "$BACKEND"} --json "$RESULTS/startup-cold.json" \
-  | tee "$RESULTS/startup-cold.txt"
+"$python" bench/startup_cold.py "$model" ${BACKEND:+--backend "$BACKEND"} --json "$out/startup-cold.json" \
+  | tee "$out/startup-cold.txt"

@@ -811,10 +811,11 @@ def test_device_close_gives_back_everything_it_handed_out(device_module, monkeyp
     assert fake.stack == []
 
 
-@pytest.mark.parametrize("fails", [False, True])
-def test_prepared_kernels_build_meanwhile_and_are_waited_for_at_first_use(device_module, monkeypatch, fails):
-    """prepare_kernels hands the names to a build that runs while the caller goes on; the kernels property waits for
-    it (the time is kernel_wait), then loads those kernels only; a failed build raises there."""
+@pytest.mark.parametrize("fails,at_open", [(False, False), (False, True), (True, False)])
+def test_prepared_kernels_build_meanwhile_and_are_waited_for_at_first_use(device_module, monkeypatch, fails, at_open):
+    """prepare_kernels (or Device's `prepare`, before the context is made) hands the names to a build that runs
+    while the caller goes on; the kernels property waits for it (the time is kernel_wait), then loads those kernels
+    only; a failed build raises there."""
     import threading
     from concurrent.futures import Future
 
@@ -824,16 +825,20 @@ def test_prepared_kernels_build_meanwhile_and_are_waited_for_at_first_use(device
 
     def build_in_background(arch, names):
         future = Future()
-        builds.append((arch, names))
+        builds.append((arch, names, list(fake.stack)))
         threading.Timer(0.2, lambda: future.set_exception(RuntimeError("nvcc failed")) if fails
                         else future.set_result({})).start()
         return future
 
     monkeypatch.setattr(module.kernels, "build_in_background", build_in_background)
     monkeypatch.setattr(module.driver, "unload_module", lambda module: None)
-    device = module.Device(0)
-    device.prepare_kernels(iter(["rms_norm", "sample"]))
-    assert builds == [("sm_90", ["rms_norm", "sample"])] and device.kernel_wait == 0
+    if at_open:
+        device = module.Device(0, prepare=["rms_norm", "sample"])
+    else:
+        device = module.Device(0)
+    device.prepare_kernels(iter(["rms_norm", "sample"]))  # under way already where given at the open
+    assert builds == [("sm_90", ["rms_norm", "sample"], [] if at_open else ["primary"])]  # the context: after
+    assert device.kernel_wait == 0
     if fails:
         with pytest.raises(RuntimeError, match="nvcc failed"):
             device.kernels
