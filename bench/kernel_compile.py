@@ -15,6 +15,7 @@ import argparse
 import heapq
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -47,6 +48,11 @@ def timed(work) -> float:
     return time.perf_counter() - start
 
 
+def child_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
@@ -60,15 +66,19 @@ def main() -> None:
     sets = {"every kernel, whole files": whole_files(), "every kernel, as cached": kernel_cache.compile_jobs(),
             "Llama-3.2-1B's kernels": kernel_cache.compile_jobs(needed_kernels(64, 32, 8, False))}
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # the nvcc processes' CPU seconds (user + system): what a loaded machine distorts least
     results = {}
     for title, jobs in sets.items():
         for job in jobs:
             if job.name not in times or title == "every kernel, whole files":
+                before = child_cpu()
                 times[job.name] = min(timed(lambda: kernel_cache.nvcc_compile(job, nvcc, args.arch, include))
                                       for _ in range(args.repeat))
-                print(f"  {job.name:<32} {times[job.name]:6.2f} s", flush=True)
+                cpu[job.name] = (child_cpu() - before) / args.repeat
+                print(f"  {job.name:<32} {times[job.name]:6.2f} s, CPU {cpu[job.name]:5.2f} s", flush=True)
         seconds = [times[job.name] for job in jobs]
-        result = {"jobs": len(jobs), "nvcc seconds, one after another": sum(seconds), "longest job": max(seconds),
+        result = {"jobs": len(jobs), "nvcc seconds, one after another": sum(seconds),
+                  "nvcc CPU seconds": sum(cpu[job.name] for job in jobs), "longest job": max(seconds),
                   f"estimated wall on {args.workers} workers": estimated_wall(seconds, args.workers)}
         if args.parallel:
             with tempfile.TemporaryDirectory() as cache:
@@ -80,7 +90,7 @@ def main() -> None:
         print(f"{title}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in result.items()), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"per job": times, "sets": results}, indent=2))
+        args.json.write_text(json.dumps({"per job": times, "per job, CPU": cpu, "sets": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -90,10 +90,10 @@ def fake_builds(monkeypatch):
 def test_cubins_are_built_once_per_process_and_arch(fake_builds):
     assert kernels.cubins("sm_90", ["gemv_bf16", "rms_norm"]) == {"gemv_bf16": b"cubin:gemv_bf16:sm_90",
                                                                    "norm": b"cubin:norm:sm_90"}
-    assert kernels.cubins("sm_90", ["rms_norm", "sample", "logprobs"]) == {"norm": b"cubin:norm:sm_90",
-                                                                           "sampling": b"cubin:sampling:sm_90"}
+    assert kernels.cubins("sm_90", ["rms_norm", "embedding", "resolve_tokens"]) == {
+        "norm": b"cubin:norm:sm_90", "embedding": b"cubin:embedding:sm_90"}
     kernels.cubins("sm_80", ["rms_norm"])
-    assert fake_builds == [["gemv_bf16", "norm"], ["sampling"], ["norm"]]
+    assert fake_builds == [["gemv_bf16", "norm"], ["embedding"], ["norm"]]
 
 
 def test_build_in_background_returns_at_once_and_raises_a_missing_nvcc_at_once(fake_builds, monkeypatch):
@@ -133,14 +133,14 @@ def test_kernel_table_loads_a_jobs_module_once_and_the_rest_at_first_lookup(fake
     assert table["rms_norm"].launcher == (1000, True)
     table.load(["rms_norm"])  # loaded already
     assert len(loaded) == 2
-    threads = [threading.Thread(target=lambda: table["logprobs"]) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: table["resolve_tokens"]) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert loaded.count(b"cubin:sampling:sm_90") == 1  # one module for its two kernels, however many ask
-    assert {"sample", "logprobs"} <= set(table) and set(table.modules) == {"norm", "attention_decode_d64_r8",
-                                                                           "sampling"}
+    assert loaded.count(b"cubin:embedding:sm_90") == 1  # one module for its two kernels, however many ask
+    assert {"embedding", "resolve_tokens"} <= set(table)
+    assert set(table.modules) == {"norm", "attention_decode_d64_r8", "embedding"}
     with pytest.raises(KeyError):
         table["no_such_kernel"]
 

@@ -1,9 +1,9 @@
 """A cubin cache on disk and a parallel compile driver for cuda/*.cu (no CUDA needed: kernels.py hands it nvcc).
 
-A compile job is one kernel file, or for the files of SPLIT_FILES (each holding many template instances, of which a
-model uses a few) one kernel of it: the job defines SELECT_KERNELS and KEEP_<kernel> (common.cuh), so the file
-builds that kernel alone. A job costs nvcc ~0.45 s before any kernel (preprocessing and parsing the CUDA headers),
-so the small files stay whole; the split ones are what a start-up waits for, compiled side by side.
+A compile job is one kernel file, or for the files of SPLIT_FILES (the longest to compile; most hold template
+instances of which a model uses a few) one kernel of it: the job defines SELECT_KERNELS and KEEP_<kernel>
+(common.cuh), so the file builds that kernel alone. A job costs ~0.7 s of CPU before any kernel (nvcc itself and
+the CUDA headers), so the small files stay whole; a start-up waits for its longest job, the jobs run side by side.
 
 An entry is keyed by a SHA-256 of everything that decides the binary: the file's source, every .cuh beside it (a
 superset of what it includes), its -D defines and options, the compiler's version and the target arch. Entries live
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 DIGEST_BYTES = 32  # SHA-256 of the payload, appended to each entry
 SUFFIX = ".cubin"
 OPTIONS = ("-O3", "-std=c++17")
-SPLIT_FILES = ("attention_decode", "attention_prefill", "gemv")  # a job per kernel (see the top)
+SPLIT_FILES = ("attention_decode", "attention_prefill", "gemv", "sampling")  # a job per kernel (see the top)
 
 
 @functools.cache
