@@ -24,7 +24,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# A GPU host builds every CUDA kernel into the kernel cache here (nvcc processes side by side), so that the first run
+# compiles none; again after a kernel source changes. A failure only costs the first run the compile.
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard cuda/*.cu cuda/*.cuh) $(wildcard tinyvllm/backends/cuda/*.py)
+	@if [ -z "$(NO_CUDA)" ] && command -v nvidia-smi >/dev/null 2>&1 && $(BIN)/python -c "import pycuda" 2>/dev/null; then \
+		$(BIN)/tinyvllm build-kernels || echo "make: building the CUDA kernels ahead failed; a run compiles what it needs" >&2; \
+	fi
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.kernels
 
 setup-test: $(VENV)/.installed-test
 

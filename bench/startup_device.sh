@@ -17,22 +17,7 @@ RESULTS=${1:-${OUT:-bench/results}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$RESULTS"
 
-if [ ! -f "$MODEL/model.safetensors" ]; then
-  SECONDS=0
-  "$PYTHON" - "$MODEL" <<'EOF'
-import sys
-import numpy as np
-from tinyvllm.model import dummy
-from tinyvllm.model.loader import weight_shapes
-
-config = dummy.llama_3_2_1b_config()
-tile = np.random.default_rng(0).standard_normal(1 << 22, dtype=np.float32) * np.float32(0.02)
-weights = {name: np.resize(tile, shape) + np.float32(len(shape) == 1)  # norm gains near 1
-           for name, shape in weight_shapes(config).items() if name != "lm_head.weight"}  # tied
-dummy.save_hf_model_dir(sys.argv[1], config, weights, dtype="bfloat16")
-EOF
-  echo "wrote $MODEL in ${SECONDS} s"
-fi
+"$PYTHON" bench/write_llama_1b.py "$MODEL"
 
 echo "== 1. start-up phases, model file in the page cache"
 "$PYTHON" -m tinyvllm bench --startup --backend cuda --model "$MODEL" --json "$RESULTS/startup-llama-1b.json"

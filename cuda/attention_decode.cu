@@ -255,6 +255,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 // The parts come COMBINE_UNROLL at a time, their (m, l) and outputs loaded together and merged online: at batch 1
 // this kernel is on the critical path, where a pass for the max and a second for the sum cost two round trips.
 constexpr int COMBINE_UNROLL = 8;
+#if KEEPS(attention_combine)
 extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                              const float2* __restrict__ partial_ml, const int* context_lens,
                                              int num_splits) {
@@ -296,6 +297,7 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
     out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] =
         __float2bfloat16(den > 0.f ? num / den : 0.f);
 }
+#endif
 
 #define DECODE_KERNEL(D, ROWS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_d##D##_r##ROWS(                    \
@@ -305,7 +307,8 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
         attention_decode<D, ROWS, bf16>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
                                         context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
                                         num_splits, nullptr, nullptr);                                            \
-    }                                                                                                             \
+    }
+#define DECODE_KERNEL_FP8(D, ROWS)                                                                                \
     extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_fp8_d##D##_r##ROWS(                \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
@@ -315,7 +318,27 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
                                         context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
                                         num_splits, k_scales, v_scales);                                          \
     }
+#if KEEPS(attention_decode_d64_r8)
 DECODE_KERNEL(64, 8)
+#endif
+#if KEEPS(attention_decode_d64_r16)
 DECODE_KERNEL(64, 16)
+#endif
+#if KEEPS(attention_decode_d128_r8)
 DECODE_KERNEL(128, 8)
+#endif
+#if KEEPS(attention_decode_d128_r16)
 DECODE_KERNEL(128, 16)
+#endif
+#if KEEPS(attention_decode_fp8_d64_r8)
+DECODE_KERNEL_FP8(64, 8)
+#endif
+#if KEEPS(attention_decode_fp8_d64_r16)
+DECODE_KERNEL_FP8(64, 16)
+#endif
+#if KEEPS(attention_decode_fp8_d128_r8)
+DECODE_KERNEL_FP8(128, 8)
+#endif
+#if KEEPS(attention_decode_fp8_d128_r16)
+DECODE_KERNEL_FP8(128, 16)
+#endif

@@ -141,7 +141,8 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         attention_prefill<D, bf16>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
                                    context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
                                    row_stride, nullptr, nullptr);                                                  \
-    }                                                                                                              \
+    }
+#define PREFILL_KERNEL_FP8(D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_fp8_d##D(                  \
         bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
@@ -151,5 +152,15 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
                                    context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
                                    row_stride, k_scales, v_scales);                                                \
     }
+#if KEEPS(attention_prefill_d64)
 PREFILL_KERNEL(64)
+#endif
+#if KEEPS(attention_prefill_d128)
 PREFILL_KERNEL(128)
+#endif
+#if KEEPS(attention_prefill_fp8_d64)
+PREFILL_KERNEL_FP8(64)
+#endif
+#if KEEPS(attention_prefill_fp8_d128)
+PREFILL_KERNEL_FP8(128)
+#endif

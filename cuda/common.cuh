@@ -7,6 +7,14 @@
 typedef __nv_bfloat16 bf16;
 typedef uint8_t e4m3;  // an fp8 KV cache entry: its e4m3 code (twin: model/dtypes.py)
 
+// A compile job may build only some kernels of a file (backends/cuda/kernel_cache.py: SPLIT_FILES): it defines
+// SELECT_KERNELS and KEEP_<kernel> for each one it builds, and the file builds a kernel `#if KEEPS(kernel)`. Without
+// SELECT_KERNELS a file builds all of its kernels.
+#ifndef SELECT_KERNELS
+#define KEEP_ALL 1
+#endif
+#define KEEPS(name) (KEEP_ALL || KEEP_##name)
+
 // Programmatic dependent launch (sm_90+; kernels.py launches every kernel with it). A kernel may then start while
 // the kernel before it on the stream still runs, so it must wait (grid_dependency_wait) before it touches global
 // memory another kernel writes or reads: the wait returns once the previous kernel has finished and its writes are

@@ -169,20 +169,38 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
 }
 
 // Each kernel in two forms: plain, 2 blocks per SM (128 registers), and `_pipelined`, one block per SM (see the top).
-#define GEMV_KERNELS(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                 \
+#define GEMV_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
         gemv<bf16, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                       \
-    }                                                                                                              \
+    }
+#define GEMV_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_f32##SUFFIX(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
         gemv<float, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                      \
-    }                                                                                                              \
-    /* out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate \
-       rows, then the same units' 8 up rows; backends/cuda/forward.py packs it so) */                              \
+    }
+// out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate rows,
+// then the same units' 8 up rows; backends/cuda/forward.py packs it so)
+#define GEMV_SWIGLU(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_swiglu_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {            \
         gemv<bf16, true, PIPELINED>(out, x, w, m, n, k, split, 0);                                                 \
     }
-GEMV_KERNELS(, false, GEMV_MIN_BLOCKS)
-GEMV_KERNELS(_pipelined, true, 1)
+#if KEEPS(gemv_bf16)
+GEMV_BF16(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_f32)
+GEMV_F32(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_swiglu_bf16)
+GEMV_SWIGLU(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_bf16_pipelined)
+GEMV_BF16(_pipelined, true, 1)
+#endif
+#if KEEPS(gemv_f32_pipelined)
+GEMV_F32(_pipelined, true, 1)
+#endif
+#if KEEPS(gemv_swiglu_bf16_pipelined)
+GEMV_SWIGLU(_pipelined, true, 1)
+#endif

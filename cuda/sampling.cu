@@ -172,6 +172,7 @@ struct TopPWeights {  // the probability mass of the tokens that survived top-k 
 // One token per row: argmax when temperature == 0; otherwise keep the tokens with p >= max(k-th largest p (top-k),
 // top-p threshold, min_p * max p) and take argmax(x / T + gumbel(noise_keys[row], token)) over them.
 // Launch: grid (S), block NTHREADS: one row per block; every pass re-reads the row (L2-resident for small batches).
+#if KEEPS(sample)
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     sample(int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
            const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
@@ -224,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     best_i = block_argmax(best, best_i, scratch, scratch_i);
     if (threadIdx.x == 0) out[row] = best_i;
 }
+#endif
 
 // float -> uint32 with the same order (negatives flipped below the positives).
 __device__ __forceinline__ uint32_t ordered_key(float v) {
@@ -240,6 +242,7 @@ struct LogitKeys {  // count the tokens, keyed by logit
 // likely tokens in descending order (ties at the k-th value broken arbitrarily, as argpartition does).
 // Launch: grid (N), block NTHREADS; k <= MAX_TOP_LOGPROBS. The k-th largest logit comes from the radix select; the
 // (fewer than k) larger ones and enough ties are gathered in shared memory and sorted by one thread.
+#if KEEPS(logprobs)
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
              const float* __restrict__ logits, const int* __restrict__ token_ids, int vocab, int k) {
@@ -290,3 +293,4 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
         }
     }
 }
+#endif

@@ -402,11 +402,15 @@ class TypedRecorder(Recorder):
 class FakeDevice:
     """Stands in for device.Device: addresses handed out in order, kernels recorded."""
 
-    name, num_sms, closed = "stand-in", 132, False
+    name, num_sms, closed, kernel_wait = "stand-in", 132, False, 0.0
     context = FakeDriver.Context
 
     def __init__(self, kernels):
         self.kernels, self.next, self.live = kernels, 1 << 20, {}
+        self.prepared: list[str] | None = None
+
+    def prepare_kernels(self, names):
+        self.prepared = list(names)
 
     def empty(self, dtype, shape):
         tensor = DeviceTensor(self.next, dtype, tuple(shape))
@@ -561,29 +565,13 @@ class FakeGraph:
         self.closed = True
 
 
-@pytest.mark.parametrize("graphs", [None, "eager", "lazy"])
-def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, make_model_dir, monkeypatch,
-                                                                  graphs):
-    """CudaBackend through the engine on FakeDevice (eagerly, or with graphs captured at start-up or by the capture
-    thread): prefill and decode steps launch with arguments of their kernels' C types, and close() closes the
-    graphs and the device, after which a step stops before touching memory."""
-    import importlib
-
+def serve_every_feature(runner, model, engine_config, device, use_graphs: bool):
+    """CudaBackend through the engine on `device`: a plain request and one with every sampling feature (two prefill
+    chunks, n=2, logprobs, penalties, bias, allowed ids). Returns the backend and the kernels launched."""
     from tinyvllm import SamplingParams
-    from tinyvllm.config import EngineConfig
     from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.model.loader import load_model
 
-    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
-    FakeGraph.made = []
-    model = load_model(make_model_dir(head_dim=64))
-    engine_config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy")
-    engine_config = engine_config.for_model(model.config.max_position_embeddings)
-    recorder = TypedRecorder()
-    device = FakeDevice(recorder)
-    backend = runner.CudaBackend(model, engine_config, use_graphs=graphs is not None, device=device)
+    backend = runner.CudaBackend(model, engine_config, use_graphs=use_graphs, device=device)
     engine = LLMEngine(model, backend, engine_config)
     backend.finish_startup()
     every = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1,
@@ -594,10 +582,37 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
         assert engine.add_request(str(i), prompt, params) is None
     while engine.has_unfinished_requests():
         engine.step()
-    names = [name for name, _, _ in recorder.launches]
+    return backend, [name for name, _, _ in device.kernels.launches]
+
+
+def engine_config_for(model, graphs: str | None, kv_cache_dtype: str = "auto"):
+    from tinyvllm.config import EngineConfig
+
+    engine_config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy", kv_cache_dtype=kv_cache_dtype)
+    return engine_config.for_model(model.config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("graphs", [None, "eager", "lazy"])
+def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, make_model_dir, monkeypatch,
+                                                                  graphs):
+    """CudaBackend through the engine on FakeDevice (eagerly, or with graphs captured at start-up or by the capture
+    thread): prefill and decode steps launch with arguments of their kernels' C types, and close() closes the
+    graphs and the device, after which a step stops before touching memory."""
+    import importlib
+
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    FakeGraph.made = []
+    model = load_model(make_model_dir(head_dim=64))
+    device = FakeDevice(TypedRecorder())
+    backend, names = serve_every_feature(runner, model, engine_config_for(model, graphs), device, graphs is not None)
     assert names.count("sample") >= 3 and any(name.startswith("attention_prefill") for name in names)
     assert any(name.startswith("attention_decode") for name in names)
     assert {"logprobs", "copy_blocks", "fill_token_slots", "apply_logits_processors"} <= set(names)
+    assert set(names) <= set(device.prepared)  # start-up built every kernel the steps launched
     if graphs is not None:
         assert sorted(backend.graphs) == backend.buckets and any(graph.launches for graph in FakeGraph.made)
     backend.close()
@@ -605,6 +620,41 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
     assert device.closed and device.live == {} and all(graph.closed for graph in FakeGraph.made)
     with pytest.raises(RuntimeError, match="closed"):
         backend.decode_in.wait()
+
+
+@pytest.mark.parametrize("shape,kv_cache_dtype,attention", [
+    (dict(head_dim=64), "auto", {"attention_decode_d64_r8", "attention_prefill_d64"}),
+    (dict(head_dim=128, num_attention_heads=16, num_key_value_heads=1), "auto",
+     {"attention_decode_d128_r16", "attention_prefill_d128"}),
+    (dict(head_dim=64, architecture="Qwen3ForCausalLM"), "fp8", {"attention_decode_fp8_d64_r8",
+                                                                 "attention_prefill_fp8_d64"}),
+    (dict(head_dim=128, architecture="Qwen2ForCausalLM"), "auto", {"attention_decode_d128_r8",
+                                                                   "attention_prefill_d128"})])
+def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, make_model_dir, monkeypatch, shape,
+                                                             kv_cache_dtype, attention):
+    """The backend prepares needed_kernels of its model's shapes: every kernel its steps launch (eager and
+    captured), and of the attention kernels' instances only its head dim's, KV cache dtype's and decode tile's."""
+    import importlib
+
+    from tinyvllm.backends.cuda.kernels import needed_kernels
+    from tinyvllm.backends.cuda.ops import SIGNATURES
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    model = load_model(make_model_dir(**shape))
+    device = FakeDevice(TypedRecorder())
+    backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager", kv_cache_dtype), device,
+                                         True)
+    backend.close()
+    assert set(names) <= set(device.prepared)
+    cfg = model.config
+    assert device.prepared == needed_kernels(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                             kv_cache_dtype == "fp8")
+    chosen = {name for name in device.prepared if name.startswith(("attention_decode_", "attention_prefill_"))}
+    assert chosen == attention and attention <= set(names)
+    assert set(SIGNATURES) - set(device.prepared) == {
+        name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention
 
 
 class FakePycuda:
@@ -701,13 +751,24 @@ def device_module(monkeypatch):
         package.device = saved
 
 
+class FakeKernelTable(dict):
+    """Stands in for kernels.KernelTable: records what it was asked to load; its modules are 5 and 6."""
+
+    def __init__(self, arch, programmatic):
+        super().__init__(k=(arch, programmatic))
+        self.loaded, self.modules = [], {"a": 5, "b": 6}
+
+    def load(self, names=None):
+        self.loaded.append(names)
+
+
 def test_device_close_gives_back_everything_it_handed_out(device_module, monkeypatch):
     import atexit
     import threading
 
     module, fake = device_module
     unloaded, closed = [], []
-    monkeypatch.setattr(module.kernels, "load", lambda arch, programmatic: ({"k": (arch, programmatic)}, [5, 6]))
+    monkeypatch.setattr(module.kernels, "KernelTable", FakeKernelTable)
     monkeypatch.setattr(module.driver, "unload_module", unloaded.append)
     monkeypatch.setattr(module, "Cublas", lambda *args, **kwargs: types.SimpleNamespace(
         close=lambda: closed.append("cublas")))
@@ -717,6 +778,7 @@ def test_device_close_gives_back_everything_it_handed_out(device_module, monkeyp
 
     device = module.Device(0, programmatic_launch=True)
     assert fake.stack == ["primary"] and device.kernels == {"k": ("sm_90", True)} and device.num_sms == 132
+    assert device.kernels.loaded == [None]  # every kernel, once
     a, w = device.alloc(100), device.upload(np.zeros((4, 8), np.uint16), "bf16")
     device.empty("f32", (3, 3))
     with pytest.raises(TypeError, match="bf16 device tensor is uploaded from uint16, not float32"):
@@ -747,6 +809,43 @@ def test_device_close_gives_back_everything_it_handed_out(device_module, monkeyp
     [pop_at_exit] = registered
     pop_at_exit()
     assert fake.stack == []
+
+
+@pytest.mark.parametrize("fails,at_open", [(False, False), (False, True), (True, False)])
+def test_prepared_kernels_build_meanwhile_and_are_waited_for_at_first_use(device_module, monkeypatch, fails, at_open):
+    """prepare_kernels (or Device's `prepare`, before the context is made) hands the names to a build that runs
+    while the caller goes on; the kernels property waits for it (the time is kernel_wait), then loads those kernels
+    only; a failed build raises there."""
+    import threading
+    from concurrent.futures import Future
+
+    module, fake = device_module
+    monkeypatch.setattr(module.kernels, "KernelTable", FakeKernelTable)
+    builds = []
+
+    def build_in_background(arch, names):
+        future = Future()
+        builds.append((arch, names, list(fake.stack)))
+        threading.Timer(0.2, lambda: future.set_exception(RuntimeError("nvcc failed")) if fails
+                        else future.set_result({})).start()
+        return future
+
+    monkeypatch.setattr(module.kernels, "build_in_background", build_in_background)
+    monkeypatch.setattr(module.driver, "unload_module", lambda module: None)
+    if at_open:
+        device = module.Device(0, prepare=["rms_norm", "sample"])
+    else:
+        device = module.Device(0)
+    device.prepare_kernels(iter(["rms_norm", "sample"]))  # under way already where given at the open
+    assert builds == [("sm_90", ["rms_norm", "sample"], [] if at_open else ["primary"])]  # the context: after
+    assert device.kernel_wait == 0
+    if fails:
+        with pytest.raises(RuntimeError, match="nvcc failed"):
+            device.kernels
+    else:
+        assert device.kernels.loaded == [["rms_norm", "sample"]] and device.kernel_wait >= 0.15
+        assert device.kernels.loaded == [["rms_norm", "sample"]]  # waited for once
+    device.close()
 
 
 class FakeCublasLt:

@@ -160,4 +160,4 @@ def test_the_kernel_sources_are_found_when_first_needed():
 
     assert not hasattr(kernel_cache, "CUDA_DIR")
     assert (kernel_cache.cuda_dir() / "common.cuh").is_file()
-    assert {job.name for job in compile_jobs()} >= {"embedding", "gemv", "attention_decode"}
+    assert {job.file for job in compile_jobs()} >= {"embedding", "gemv", "attention_decode"}

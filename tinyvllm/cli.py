@@ -383,6 +383,27 @@ def fetch_default_model_cmd() -> None:
     click.echo(fetch_default_model())
 
 
+@main.command("build-kernels")
+@click.option("--arch", "archs", multiple=True, metavar="sm_XY",
+              help="the GPU architecture to build for (repeatable); default: those of the GPUs nvidia-smi lists")
+def build_kernels_cmd(archs: tuple[str, ...]) -> None:
+    """Compile every CUDA kernel into the kernel cache (needs nvcc, no GPU), so that a first run compiles none."""
+    from tinyvllm.backends.cuda.kernel_cache import KernelCompileError
+    from tinyvllm.backends.cuda.kernels import build_every_kernel, gpu_archs
+
+    archs = archs or tuple(gpu_archs())
+    if not archs:
+        raise click.ClickException("no NVIDIA GPU listed by nvidia-smi: give the architecture, e.g. --arch sm_90")
+    for arch in archs:
+        if not re.fullmatch(r"sm_\d+[a-z]?", arch):
+            raise click.UsageError(f"--arch {arch!r} is not an architecture such as sm_90")
+        try:
+            jobs, seconds, directory = build_every_kernel(arch)
+        except KernelCompileError as e:
+            raise click.ClickException(" ".join(str(e).splitlines()[:2])) from None
+        click.echo(f"{jobs} kernel cubins for {arch} in {directory} ({seconds:.1f} s)")
+
+
 def _split(options: dict) -> tuple[dict, dict, dict | None]:
     """CLI options -> (settings given, sampling defaults given, Ray settings given or None: no Ray)."""
     use_ray = options.pop("ray")

@@ -67,12 +67,14 @@ def machine_code(device, tmp_path: Path) -> dict[str, dict[str, list[tuple[str, 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump (CUDA toolkit) not found")
-    out = {}
-    for file, cubin in build_cubins(compile_jobs(), device.arch).items():
-        path = tmp_path / f"{file}.cubin"
-        path.write_bytes(cubin)
+    out: dict[str, dict[str, list[tuple[str, str]]]] = {}
+    jobs = compile_jobs()  # a job per kernel of the split files: their functions are gathered by file
+    cubins = build_cubins(jobs, device.arch)
+    for job in jobs:
+        path = tmp_path / f"{job.name}.cubin"
+        path.write_bytes(cubins[job.name])
         sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-        out[file] = functions(sass)
+        out.setdefault(job.file, {}).update(functions(sass))
     return out
 
 

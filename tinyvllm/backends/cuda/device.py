@@ -13,7 +13,9 @@ import atexit
 import gc
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
@@ -39,9 +41,9 @@ class Device:
     """GPU `index`, its primary context current on this thread. programmatic_launch: launch the kernels with
     programmatic dependent launch where the GPU has it (sm_90+); False measures without it (docs/PERFORMANCE.md's
     A/B). Its kernels, and one Ops per stream (with the SM count, which gemv chooses its form by), are made at first
-    use."""
+    use. prepare: kernels to start building at once (prepare_kernels), before the context is made (~0.3 s)."""
 
-    def __init__(self, index: int = 0, programmatic_launch: bool = True) -> None:
+    def __init__(self, index: int = 0, programmatic_launch: bool = True, prepare: Iterable[str] | None = None) -> None:
         cuda.init()
         if not 0 <= index < cuda.Device.count():
             raise ValueError(f"no CUDA device {index}: {cuda.Device.count()} visible")
@@ -54,6 +56,9 @@ class Device:
         self.arch = "sm_{}{}".format(*self.compute_capability)
         self.num_sms = self.handle.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self.programmatic_launch = programmatic_launch and self.compute_capability >= (9, 0)
+        self._building: tuple[list[str], Future] | None = None  # prepare_kernels' kernels and their build
+        if prepare is not None:
+            self._start_build(prepare)
         self.context = self.handle.retain_primary_context()
         self.context.push()
         self._thread = threading.get_ident()
@@ -62,20 +67,42 @@ class Device:
         self._workers: list[Closable] = []  # threads launching work here: stopped first
         self._closables: list[Closable] = []  # cuBLAS handles, graphs: closed next, newest first
         self._streams: list[cuda.Stream] = []
-        self._modules: list[int] = []
-        self._kernels: dict[str, kernels.Kernel] | None = None
+        self._kernels: kernels.KernelTable | None = None
+        self.kernel_wait = 0.0  # seconds the kernels property waited for prepare_kernels' build and loaded them
         self._ops: dict[int, Ops] = {}
         self.closed = False
         atexit.register(self.close)  # a device left open is closed before the interpreter goes (its push popped)
 
     # ---- what runs on it -------------------------------------------------------------------------------------------
 
+    def prepare_kernels(self, names: Iterable[str]) -> None:
+        """Start building these kernels (from the disk cache, else by nvcc) on a thread while the caller goes on (the
+        weight upload); the kernels property then waits for them and loads only them, any other kernel at its first
+        use."""
+        self.check_open()
+        names = list(names)
+        if self._building is None or self._building[0] != names:  # not already under way
+            self._start_build(names)
+
+    def _start_build(self, names: Iterable[str]) -> None:
+        names = list(names)
+        self._building = (names, kernels.build_in_background(self.arch, names))
+
     @property
-    def kernels(self) -> dict[str, kernels.Kernel]:
-        """Every kernel of cuda/*.cu, loaded into this device's context at the first use."""
+    def kernels(self) -> kernels.KernelTable:
+        """The kernels of cuda/*.cu by name, loaded into this device's context at the first use: those of
+        prepare_kernels once their build is done, else every kernel (built in parallel)."""
         self.check_open()
         if self._kernels is None:
-            self._kernels, self._modules = kernels.load(self.arch, self.programmatic_launch)
+            self._kernels = kernels.KernelTable(self.arch, self.programmatic_launch)
+            if self._building is None:
+                self._kernels.load()
+        if self._building is not None:
+            (names, build), self._building = self._building, None
+            start = time.perf_counter()
+            build.result()
+            self._kernels.load(names)
+            self.kernel_wait += time.perf_counter() - start
         return self._kernels
 
     def ops(self, stream: cuda.Stream | None) -> Ops:
@@ -180,8 +207,8 @@ class Device:
         _each(errors, list(reversed(self._closables)), lambda closable: closable.close())
         _each(errors, list(self._allocations.values()), lambda entry: entry[0].free())
         _each(errors, list(self._pinned.values()), lambda array: array.base.free())
-        _each(errors, self._modules, driver.unload_module)
-        self._workers, self._closables, self._allocations, self._pinned, self._modules = [], [], {}, {}, []
+        _each(errors, list(self._kernels.modules.values()) if self._kernels is not None else [], driver.unload_module)
+        self._workers, self._closables, self._allocations, self._pinned, self._building = [], [], {}, {}, None
         self._kernels, self._ops, self._streams = None, {}, []
         _each(errors, [cuda.Context.pop], lambda step: step())  # this thread's push (the open's, or the one above)
         if not here and self._thread == threading.main_thread().ident:

@@ -1,5 +1,10 @@
 """A cubin cache on disk and a parallel compile driver for cuda/*.cu (no CUDA needed: kernels.py hands it nvcc).
 
+A compile job is one kernel file, or for the files of SPLIT_FILES (the longest to compile; most hold template
+instances of which a model uses a few) one kernel of it: the job defines SELECT_KERNELS and KEEP_<kernel>
+(common.cuh), so the file builds that kernel alone. A job costs ~0.7 s of CPU before any kernel (nvcc itself and
+the CUDA headers), so the small files stay whole; a start-up waits for its longest job, the jobs run side by side.
+
 An entry is keyed by a SHA-256 of everything that decides the binary: the file's source, every .cuh beside it (a
 superset of what it includes), its -D defines and options, the compiler's version and the target arch. Entries live
 in $TINYVLLM_KERNEL_CACHE, else $TINYVLLM_CACHE/kernels (default ~/.cache/tinyvllm/kernels, made owner-only if
@@ -20,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 DIGEST_BYTES = 32  # SHA-256 of the payload, appended to each entry
 SUFFIX = ".cubin"
 OPTIONS = ("-O3", "-std=c++17")
+SPLIT_FILES = ("attention_decode", "attention_prefill", "gemv", "sampling")  # a job per kernel (see the top)
 
 
 @functools.cache
@@ -88,10 +94,11 @@ def default_cache_dir() -> Path:
 class CompileJob:
     """One kernel file to compile: its source and what the compiler is told besides."""
 
-    name: str
+    name: str  # the file's, or for a file of SPLIT_FILES the kernel's
     source: str
     defines: Mapping[str, int]
     options: Sequence[str]
+    file: str = ""  # the kernel file (cuda/<file>.cu) the source is, if it is one
 
 
 def cache_key(job: CompileJob, headers: Mapping[str, str], compiler_version: str, arch: str) -> str:
@@ -166,6 +173,7 @@ def build_all(jobs: Sequence[CompileJob], compile_job: Callable[[CompileJob], by
         else:
             cubins[job.name] = cached
     if misses:
+        misses.sort(key=lambda job: -len(job.source))  # the longest first (with fewer cores than jobs)
         workers = max_workers or min(len(misses), os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for job, cubin in zip(misses, pool.map(compile_job, misses)):
@@ -175,10 +183,28 @@ def build_all(jobs: Sequence[CompileJob], compile_job: Callable[[CompileJob], by
     return cubins
 
 
-def compile_jobs() -> list[CompileJob]:
-    """One job per kernel file that SIGNATURES names, with its -D defines."""
-    return [CompileJob(file, (cuda_dir() / f"{file}.cu").read_text(), DEFINES.get(file, {}), OPTIONS)
-            for file in dict.fromkeys(signature.file for signature in SIGNATURES.values())]
+def job_name(kernel: str) -> str:
+    """The compile job that builds `kernel` (a name of SIGNATURES)."""
+    file = SIGNATURES[kernel].file
+    return kernel if file in SPLIT_FILES else file
+
+
+def job_kernels(name: str) -> list[str]:
+    """The kernels (of SIGNATURES) that the compile job `name` builds."""
+    return [kernel for kernel in SIGNATURES if job_name(kernel) == name]
+
+
+def compile_jobs(kernels: Iterable[str] | None = None) -> list[CompileJob]:
+    """The jobs that build `kernels` (default: every kernel SIGNATURES names), each once, with the file's -D defines
+    (and a split file's kernel selection)."""
+    names = dict.fromkeys(job_name(kernel) for kernel in (SIGNATURES if kernels is None else kernels))
+    jobs = []
+    for name in names:
+        file = SIGNATURES[job_kernels(name)[0]].file
+        select = {"SELECT_KERNELS": 1, f"KEEP_{name}": 1} if name != file else {}
+        jobs.append(CompileJob(name, (cuda_dir() / f"{file}.cu").read_text(), {**DEFINES.get(file, {}), **select},
+                               OPTIONS, file))
+    return jobs
 
 
 def build_cubins(jobs: Sequence[CompileJob], arch: str, cache_dir: Path | None = None) -> dict[str, bytes]:

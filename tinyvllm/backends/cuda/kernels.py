@@ -5,18 +5,36 @@ when missing); driver.py loads them into the current context and launches their 
 dependent launch on sm_90 and later. Which kernels each file holds, their argument types and the -D defines they
 are compiled with come from ops.py, whose launchers launch them. Nothing here touches a GPU at import: a Device
 (device.py) loads the kernels into its context and unloads them at its close.
+
+Start-up builds only the kernels a model launches (needed_kernels: one head dim, one KV cache dtype and one decode
+tile of the attention kernels' instances), on a thread of its own while the weights upload (build_in_background);
+any other kernel is built and loaded at its first lookup (KernelTable). `tinyvllm build-kernels` fills the cache
+with every kernel ahead of time (build_every_kernel), so that a first run compiles nothing.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import logging
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
 
 from tinyvllm.backends.cuda import driver
-from tinyvllm.backends.cuda.kernel_cache import OPTIONS, CompileJob, build_cubins, compile_jobs
-from tinyvllm.backends.cuda.ops import SIGNATURES
+from tinyvllm.backends.cuda.kernel_cache import (OPTIONS, CompileJob, build_cubins, compile_jobs,
+                                                 default_cache_dir, find_nvcc, job_kernels, job_name)
+from tinyvllm.backends.cuda.ops import HEAD_DIMS, SIGNATURES, decode_rows
 
-__all__ = ["Kernel", "compile_source", "load"]
+__all__ = ["Kernel", "KernelTable", "build_every_kernel", "build_in_background", "compile_source",
+           "needed_kernels"]
+
+log = logging.getLogger(__name__)
+
+# Files whose kernels a model uses only some of: a kernel of theirs is needed only as needed_kernels says.
+ATTENTION_FILES = ("attention_decode", "attention_prefill")
 
 
 class Kernel:
@@ -34,11 +52,85 @@ class Kernel:
                                f"{driver.error_name(status)}")
 
 
-@functools.cache
-def cubins(arch: str) -> dict[str, bytes]:
-    """Every kernel file's cubin for `arch`, from the disk cache or compiled now (in parallel); host bytes, kept for
-    the process so that a second Device of the same kind loads them without asking the cache again."""
-    return build_cubins(compile_jobs(), arch)
+def needed_kernels(head_dim: int, num_heads: int, num_kv_heads: int, fp8_kv_cache: bool) -> list[str]:
+    """The kernels a model of these attention shapes launches: every kernel but the attention kernels' instances
+    for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules)."""
+    fp8 = "fp8_" if fp8_kv_cache else ""
+    rows = decode_rows(num_heads // num_kv_heads)
+    attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}", f"attention_prefill_{fp8}d{head_dim}",
+                 "attention_combine"} if head_dim in HEAD_DIMS else set()
+    return [name for name, signature in SIGNATURES.items()
+            if signature.file not in ATTENTION_FILES or name in attention]
+
+
+_built: dict[tuple[str, str], bytes] = {}  # (arch, job name) -> cubin, kept for the process
+_built_lock = threading.Lock()
+
+
+def cubins(arch: str, kernels: Iterable[str] | None = None) -> dict[str, bytes]:
+    """The cubins of the jobs that build `kernels` (default: all) for `arch`, by job name: from this process's
+    memory, else the disk cache, else compiled now (in parallel); host bytes, kept for the process so that a second
+    Device of the same kind loads them without asking the cache again."""
+    names = list(dict.fromkeys(job_name(kernel) for kernel in (SIGNATURES if kernels is None else kernels)))
+    with _built_lock:
+        missing = [name for name in names if (arch, name) not in _built]
+    if missing:
+        built = build_cubins(compile_jobs(kernel for name in missing for kernel in job_kernels(name)), arch)
+        with _built_lock:
+            _built.update({(arch, name): cubin for name, cubin in built.items()})
+    return {name: _built[arch, name] for name in names}
+
+
+def build_in_background(arch: str, kernels: Iterable[str]) -> Future:
+    """Start building the cubins of `kernels` on a thread of its own: host work only (the cache, nvcc processes),
+    so the caller goes on meanwhile (uploads the weights). The future's result: cubins(arch, kernels). A missing
+    nvcc raises here, at once."""
+    find_nvcc()
+    kernels = list(kernels)
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            start = time.perf_counter()
+            future.set_result(cubins(arch, kernels))
+            log.info("cuda kernels: %d built for %s in %.2f s in the background", len(kernels), arch,
+                     time.perf_counter() - start)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the kernels
+            future.set_exception(exc)
+
+    threading.Thread(target=build, name="tinyvllm-kernel-build", daemon=True).start()
+    return future
+
+
+class KernelTable(dict):
+    """Kernel name -> Kernel, loaded into the current context (of a device of `arch`) job by job: load() loads the
+    given kernels' modules; a kernel looked up before its module is loaded is built and loaded then (__missing__),
+    so that a lookup of a loaded kernel, at every launch, is a plain dict's. Safe from several threads."""
+
+    def __init__(self, arch: str, programmatic: bool) -> None:
+        super().__init__()
+        self.arch, self.programmatic = arch, programmatic
+        self.modules: dict[str, int] = {}  # job name -> module, for driver.unload_module
+        self._lock = threading.Lock()
+
+    def __missing__(self, name: str) -> Kernel:
+        if name not in SIGNATURES:
+            raise KeyError(name)
+        log.info("cuda kernels: %s built at its first launch", name)
+        self.load([name])
+        return dict.__getitem__(self, name)
+
+    def load(self, kernels: Iterable[str] | None = None) -> None:
+        """Load the modules of `kernels` (default: every kernel) not loaded yet."""
+        with self._lock:
+            wanted = [kernel for kernel in (SIGNATURES if kernels is None else kernels)
+                      if job_name(kernel) not in self.modules]
+            for name, cubin in cubins(self.arch, wanted).items():
+                self.modules[name] = module = driver.load_module(cubin)
+                for kernel in job_kernels(name):
+                    signature = SIGNATURES[kernel]
+                    self[kernel] = Kernel(kernel, driver.get_function(module, kernel), signature.arg_format,
+                                          self.programmatic)
 
 
 def compile_source(source: str, defines: Mapping[str, int], arch: str):
@@ -50,11 +142,23 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str):
     return cuda.module_from_buffer(compiled["source"])
 
 
-def load(arch: str, programmatic: bool) -> tuple[dict[str, Kernel], list[int]]:
-    """Every kernel of cuda/*.cu, loaded into the current context (of a device of `arch`), launched with
-    programmatic dependent launch when `programmatic`; and the modules loaded, for driver.unload_module."""
-    modules = {name: driver.load_module(cubin) for name, cubin in cubins(arch).items()}
-    kernels = {name: Kernel(name, driver.get_function(modules[signature.file], name), signature.arg_format,
-                            programmatic)
-               for name, signature in SIGNATURES.items()}
-    return kernels, list(modules.values())
+@functools.cache
+def gpu_archs() -> list[str]:
+    """The architectures (sm_XY) of the GPUs nvidia-smi lists, without a CUDA context; [] without nvidia-smi."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    caps = [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+    return list(dict.fromkeys("sm_" + cap.replace(".", "") for cap in caps if cap.replace(".", "").isdigit()))
+
+
+def build_every_kernel(arch: str, cache_dir: Path | None = None) -> tuple[int, float, Path]:
+    """Every kernel's cubin for `arch` into the cache (cache_dir, default the one runs read): what `tinyvllm
+    build-kernels` and `make setup` do where nvcc is, so that a first run compiles nothing. Returns the jobs, the
+    seconds taken and the cache directory."""
+    start = time.perf_counter()
+    directory = cache_dir or default_cache_dir()
+    built = build_cubins(compile_jobs(), arch, directory)
+    return len(built), time.perf_counter() - start, directory

@@ -30,6 +30,7 @@ from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, 
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.driver import Graph
 from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets
+from tinyvllm.backends.cuda.kernels import needed_kernels
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
 
@@ -235,9 +236,14 @@ class CudaBackend(Backend):
         self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
+        cfg = model.config
+        needed = needed_kernels(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                engine_config.fp8_kv_cache)
         # seconds per start-up phase, for `tinyvllm bench --startup`
         start = time.perf_counter()
-        self.device = device or Device(0)
+        # the kernels build on a thread from here on (before the context is made), while the weights upload
+        self.device = device or Device(0, prepare=needed)
+        self.device.prepare_kernels(needed)  # a device given (one made here is building them already)
         self.startup_times: dict[str, float] = {"cuda context": time.perf_counter() - start}
         # collected or at exit, the device is closed too (the finalizer holds the device, never the backend)
         self._finalizer = weakref.finalize(self, self.device.close)
@@ -249,11 +255,11 @@ class CudaBackend(Backend):
 
     def _build(self, model) -> None:
         self.stream = self.device.stream()
-        self.startup_times["kernels"] = _seconds(lambda: self.device.kernels)
         start = time.perf_counter()
         self.forward = CudaForward(model, self.engine_config, self.device, self.stream,
-                                   self.max_tokens)  # uploads the weights
-        self.startup_times["weights upload"] = time.perf_counter() - start
+                                   self.max_tokens)  # uploads the weights, then waits for the kernels
+        self.startup_times["kernels"] = self.device.kernel_wait  # what the build took beyond the upload
+        self.startup_times["weights upload"] = time.perf_counter() - start - self.device.kernel_wait
         log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
                  self.startup_times["weights upload"])
         self._allocate_staging()
