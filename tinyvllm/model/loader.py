@@ -231,7 +231,12 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
         ignored += layout_of(config).hf_kv_scales
     entries: dict[str, TensorEntry] = {}
     for file in files:
-        for name, entry in safetensors_entries(path / file).items():
+        found = safetensors_entries(path / file)
+        float8 = [name for name, entry in found.items() if entry.code == "F8_E4M3"]
+        if float8 and config.quantization is None:
+            raise ValueError(f"{path / file}: tensor {float8[0]} is float8 but config.json has no "
+                             "quantization_config for its scales")
+        for name, entry in found.items():
             if name.endswith(ignored):
                 continue
             if name not in wanted:
@@ -243,10 +248,6 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
             entries[name] = entries[source]
     if config.quantization is not None:
         return Fp8CheckpointWeights(SafetensorsWeights(entries), config, str(path))
-    float8 = next((name for name, entry in entries.items() if entry.code == "F8_E4M3"), None)
-    if float8 is not None:
-        raise ValueError(f"{path}: tensor {float8} is float8 but config.json has no quantization_config for its "
-                         "scales")
     return SafetensorsWeights(entries)
 
 
