@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import one_line_error, require
+from helpers import ok_run, one_line_error, require, run
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backends.host_weight import HostWeight, linear
@@ -211,33 +211,31 @@ def test_a_gguf_is_quantized_at_load(tmp_path):
 
 # ---- the setting -------------------------------------------------------------------------------------------------
 
+def engine_of(output: Path) -> dict:
+    return json.loads(pq.read_schema(output).metadata[b"tinyvllm.engine"])
+
+
 def test_quantization_from_the_api_cli_and_job_files(tiny_model_dir, tmp_path):
     assert EngineConfig().quantization is None and EngineConfig(quantization="fp8").quantization == "fp8"
     with pytest.raises(SettingError, match="^invalid quantization='awq': choose fp8$"):
         LLM(tiny_model_dir, backend="numpy", quantization="awq")
-    args = ["--input", str(EXAMPLES / "prompts.jsonl"), "--model", str(tiny_model_dir), "--backend", "numpy",
-            "--max-tokens", "2", "--quiet"]
-    out = tmp_path / "o.parquet"
-    result = CliRunner().invoke(main, ["run", "--output", str(out), "--quantization", "fp8", *args])
-    assert result.exit_code == 0, result.output
-    assert json.loads(pq.read_schema(out).metadata[b"tinyvllm.engine"])["quantization"] == "fp8"
-    bad = CliRunner().invoke(main, ["run", "--output", str(tmp_path / "b.parquet"), "--quantization", "int8", *args])
+    prompts = EXAMPLES / "prompts.jsonl"
+    ok_run(tiny_model_dir, prompts, tmp_path / "o.parquet", "--max-tokens", 2, "--quantization", "fp8")
+    assert engine_of(tmp_path / "o.parquet")["quantization"] == "fp8"
+    bad = run(tiny_model_dir, prompts, tmp_path / "b.parquet", "--quantization", "int8")
     assert bad.exit_code == 2 and "Invalid value for '--quantization'" in bad.stderr
     job = tmp_path / "job.toml"
-    job.write_text(f'input = "{EXAMPLES / "prompts.jsonl"}"\noutput = "{tmp_path / "j.parquet"}"\n'
-                   f'model = "{tiny_model_dir}"\nbackend = "numpy"\nquantization = "fp8"\n[sampling]\nmax_tokens = 2\n')
+    job.write_text(f'input = "{prompts}"\noutput = "{tmp_path / "j.parquet"}"\nmodel = "{tiny_model_dir}"\n'
+                   'backend = "numpy"\nquantization = "fp8"\n[sampling]\nmax_tokens = 2\n')
     assert CliRunner().invoke(main, ["job", str(job), "--quiet"]).exit_code == 0
-    engine = json.loads(pq.read_schema(tmp_path / "j.parquet").metadata[b"tinyvllm.engine"])
-    assert engine["quantization"] == "fp8"
+    assert engine_of(tmp_path / "j.parquet")["quantization"] == "fp8"
 
 
 def test_the_cuda_backend_refuses_fp8_weights_in_one_line(tiny_model_dir, tmp_path):
     message = "invalid quantization='fp8': the cuda backend has no FP8 weight kernels yet; use backend numpy"
     with pytest.raises(SettingError, match=f"^{message}$"):
         LLM(tiny_model_dir, backend="cuda", quantization="fp8")
-    result = CliRunner().invoke(main, ["run", "--input", str(EXAMPLES / "prompts.jsonl"), "--output",
-                                       str(tmp_path / "o.parquet"), "--model", str(tiny_model_dir), "--backend",
-                                       "cuda", "--quantization", "fp8", "--quiet"])
+    result = run(tiny_model_dir, EXAMPLES / "prompts.jsonl", tmp_path / "o.parquet", "--backend", "cuda",
+                 "--quantization", "fp8")
     one_line_error(result, message, exit_code=2)
     assert not (tmp_path / "o.parquet").exists()
-
