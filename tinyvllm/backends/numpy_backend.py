@@ -156,7 +156,8 @@ def host_layer(layer: LayerWeights, quantize: bool = False) -> LayerWeights[Host
 
 class NumpyBackend(Backend):
     """The decoder forward (Llama and the families of model/config.py) in float32 over a paged KV cache held in
-    numpy arrays."""
+    numpy arrays; with FP8 weights (quantization="fp8" or an FP8 checkpoint) its linear layers run W8A8 e4m3
+    (backends/host_weight.py)."""
 
     name = "numpy"
 
