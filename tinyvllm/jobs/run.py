@@ -484,7 +484,7 @@ def load_llm(cfg: JobConfig):
 
     try:
         return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
-    except SettingError as e:  # a setting this model, backend or machine cannot meet: a usage error, exit 2
+    except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
         raise JobUsageError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
     # bug and keeps its traceback.
