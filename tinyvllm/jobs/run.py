@@ -29,7 +29,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
-from tinyvllm.errors import JobError, JobUsageError
+from tinyvllm.errors import JobError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
 from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
 from tinyvllm.io.writer import OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, summary_path
@@ -485,7 +485,7 @@ def load_llm(cfg: JobConfig):
     try:
         return LLM(load_dummy(str(cfg.model)) if is_dummy(cfg.model) else cfg.model, **asdict(cfg.engine))
     except SettingError as e:  # a setting this model or machine cannot meet: the settings' problem, not the model's
-        raise JobUsageError(str(e)) from None
+        raise JobError(str(e)) from None
     # What a bad model file, a setting the model or machine cannot meet, or a missing GPU raise; anything else is a
     # bug and keeps its traceback.
     except (ValueError, OSError, RuntimeError, MemoryError, ImportError, JobError) as e:
