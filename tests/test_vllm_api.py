@@ -39,7 +39,8 @@ def test_vllm_keywords_at_their_defaults_are_accepted(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ({"quantization": "awq"}, "quantization='awq'"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"trust_remote_code": True}, "trust_remote_code=True"), ({"revision": "main"}, "revision='main'"),
     ({"enable_lora": True}, "enable_lora=True"),
 ])

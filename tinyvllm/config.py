@@ -30,6 +30,7 @@ BATCHING_POLICIES = ("continuous", "static")
 GRAPH_CAPTURES = ("lazy", "eager")
 DTYPES = ("auto", "float32", "bfloat16")  # each backend computes in one: numpy float32, cuda bfloat16
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spellings of e4m3; e5m2 is not implemented
+QUANTIZATIONS = ("fp8",)  # vLLM's names of the weight quantizations implemented
 INT32_MAX = 2**31 - 1  # sizes end up in int32 arrays and kernel arguments
 SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
@@ -219,6 +220,9 @@ class EngineConfig:
                          "others must match it", choices=DTYPES)
     kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
                                   "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
+    quantization: str | None = setting(None, "fp8: linear layers' weights in e4m3 with a scale per output channel, "
+                                       "activations per token (numpy backend; cuda refuses it); an FP8 checkpoint "
+                                       "runs as stored [default: the checkpoint's]", choices=QUANTIZATIONS)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
     max_logprobs: int | None = setting(None, "most logprobs (or prompt logprobs) a request may ask per token; a "
                                        "request asking more fails (vLLM's; -1: no limit) [default: the backend's "

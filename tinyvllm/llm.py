@@ -28,7 +28,6 @@ UNSUPPORTED_ARGS: dict[str, tuple[object, str]] = {
     "tensor_parallel_size": (1, "tinyvllm runs a model on one device"),
     "pipeline_parallel_size": (1, "tinyvllm runs a model on one device"),
     "data_parallel_size": (1, "run one LLM per device, or a job on Ray (`tinyvllm run --ray`)"),
-    "quantization": (None, "tinyvllm computes in the backend's dtype (GGUF weights are dequantized on load)"),
     "trust_remote_code": (False, "tinyvllm runs its own Llama code, never a model's"),
     "revision": (None, _LOCAL_FILES),
     "tokenizer_revision": (None, _LOCAL_FILES),
@@ -52,9 +51,10 @@ class LLM:
     .gguf file) to use instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py):
     backend ("auto" | "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens,
     block_size, max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
-    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), enforce_eager, max_logprobs; None stands for the
-    default, as in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted at their default only. Outputs hold
-    logprobs as vLLM's {token_id: Logprob} (the engine's own outputs hold floats).
+    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), quantization (None | "fp8"), enforce_eager,
+    max_logprobs; None stands for the default, as in vLLM. vLLM's other arguments in UNSUPPORTED_ARGS are accepted
+    at their default only. Outputs hold logprobs as vLLM's {token_id: Logprob} (the engine's own outputs hold
+    floats).
 
     close() (or leaving `with LLM(...) as llm:`) gives the device back at once: weights, KV cache, buffers and
     graphs; garbage collection of an LLM does the same. A closed LLM refuses to generate.

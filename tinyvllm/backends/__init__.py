@@ -56,6 +56,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
 
         return NumpyBackend(model, config)
     if name == "cuda":
+        _refuse_fp8_weights(model, config)
         try:
             from tinyvllm.backends.cuda.runner import CudaBackend
         except ImportError as exc:
@@ -63,6 +64,16 @@ def create_backend(model, config: EngineConfig) -> Backend:
                                "install with `pip install tinyvllm[cuda]` or use --backend numpy") from exc
         return CudaBackend(model, config, use_graphs=not config.enforce_eager)
     raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
+
+
+def _refuse_fp8_weights(model, config: EngineConfig) -> None:
+    """SettingError where FP8 weights would run on the cuda backend, which has no FP8 GEMM kernels yet."""
+    if config.quantization is not None:
+        raise SettingError(f"invalid quantization={config.quantization!r}: the cuda backend has no FP8 weight kernels "
+                           "yet; use backend numpy")
+    if model.config.quantization is not None:
+        raise SettingError(f"{model.source} is an FP8 checkpoint (quant_method {model.config.quantization.method}): "
+                           "the cuda backend has no FP8 weight kernels yet; use backend numpy")
 
 
 __all__ = ["Backend", "Batch", "SamplerOutput", "SamplingBatch", "create_backend", "cuda_available"]

@@ -1,8 +1,10 @@
 """A linear layer's weight as the numpy backend holds it: its values in an encoding (a dtype), with the scales that
 encoding needs, and the matrix product that reads that encoding. The host twin of a device tensor.
 
-float32 is the one encoding today: `data` is the matrix itself and there is no scale. An encoding with per-output-
-channel scales (e4m3 codes, say) is one more entry of MATMULS that multiplies the product by `scale`."""
+float32: `data` is the matrix itself and there is no scale. float8_e4m3fn (FP8 W8A8, model/fp8.py): `data` holds e4m3
+codes, `scale` one float32 per output column, or one per block of `block` = (output rows, input columns) of the
+checkpoint's [out, in] weight; the product first quantizes its input to e4m3 (per token, per token and block column,
+or with the static `input_scale`)."""
 
 from __future__ import annotations
 
@@ -11,23 +13,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyvllm.model.dtypes import e4m3_to_f32
+from tinyvllm.model.fp8 import FP8_DTYPE, Fp8Rows, expand_block_scale, quantize_activations
+
 
 @dataclass(frozen=True)
 class HostWeight:
     data: np.ndarray  # [in, out], so that a linear layer is x @ data: the values (float32) or their codes
     dtype: str = "float32"  # the encoding of `data`: a key of MATMULS
-    scale: np.ndarray | None = None  # float32 [out]: what each output column's product is multiplied by
+    # float32: [out], what each output column's product is multiplied by; with `block`, [ceil(in / block[1]),
+    # ceil(out / block[0])], the scale of each block of data
+    scale: np.ndarray | None = None
+    block: tuple[int, int] | None = None  # (output rows, input columns) of the checkpoint's weight blocks
+    input_scale: float | None = None  # a static scale for the input's e4m3 codes; None: computed per token
 
     def __post_init__(self) -> None:
         if self.dtype not in MATMULS:
             raise ValueError(f"unsupported weight dtype {self.dtype!r}: supported are {', '.join(MATMULS)}")
-        if self.scale is not None and self.scale.shape != self.data.shape[-1:]:
+        n_in, n_out = self.data.shape
+        want = self.data.shape[-1:] if self.block is None else (-(-n_in // self.block[1]), -(-n_out // self.block[0]))
+        if self.scale is not None and self.scale.shape != want:
             raise ValueError(f"weight scale of shape {self.scale.shape} for a weight of shape {self.data.shape}")
 
     @classmethod
     def from_rows(cls, w: np.ndarray) -> HostWeight:
         """A float32 weight from a matrix [out, in] as a checkpoint stores it (and model/weights.py packs it)."""
         return cls(np.ascontiguousarray(w.T, dtype=np.float32))
+
+    @classmethod
+    def from_fp8(cls, w: Fp8Rows) -> HostWeight:
+        """An e4m3 weight from its rows [out, in] and their scales (model/fp8.py)."""
+        scale = w.scale if w.block is None else w.scale.T
+        return cls(np.ascontiguousarray(w.codes.T), FP8_DTYPE, np.ascontiguousarray(scale, np.float32), w.block,
+                   w.input_scale)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -39,8 +57,18 @@ def _matmul_float32(x: np.ndarray, w: HostWeight) -> np.ndarray:
     return x @ w.data
 
 
+def _matmul_fp8(x: np.ndarray, w: HostWeight) -> np.ndarray:
+    # The float32 product of the e4m3 values: per-column scales multiply the product (as an FP8 GEMM's epilogue
+    # does), block scales the weight.
+    x = quantize_activations(x, w.input_scale, None if w.block is None else w.block[1])
+    if w.block is None:
+        return (x @ e4m3_to_f32(w.data)) * w.scale
+    return x @ (e4m3_to_f32(w.data) * expand_block_scale(w.scale, w.block[::-1], w.data.shape))
+
+
 # encoding -> x [T, in] @ w -> float32 [T, out]
-MATMULS: dict[str, Callable[[np.ndarray, HostWeight], np.ndarray]] = {"float32": _matmul_float32}
+MATMULS: dict[str, Callable[[np.ndarray, HostWeight], np.ndarray]] = {"float32": _matmul_float32,
+                                                                       FP8_DTYPE: _matmul_fp8}
 
 
 def linear(x: np.ndarray, w: HostWeight, bias: np.ndarray | None = None) -> np.ndarray:

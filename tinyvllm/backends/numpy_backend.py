@@ -16,6 +16,8 @@ from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
+from tinyvllm.model.fp8 import Fp8Rows, quantize_rows, stack_rows
+from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.layout import row_slices
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
@@ -135,21 +137,27 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 # ---- the model -----------------------------------------------------------------------------------------------------
 
-def host_layer(layer: LayerWeights) -> LayerWeights[HostWeight]:
-    """A packed layer as the forward reads it: matrices as float32 HostWeights [in, out], vectors as float32 arrays,
-    the parts its family lacks None."""
+def host_layer(layer: LayerWeights, quantize: bool = False) -> LayerWeights[HostWeight]:
+    """A packed layer as the forward reads it: matrices as HostWeights [in, out] (an FP8 checkpoint's e4m3 ones as
+    stored, float ones in float32, or in e4m3 with a scale per output channel where `quantize`), vectors as float32
+    arrays, the parts its family lacks None."""
 
-    def host(w: np.ndarray | None) -> HostWeight | np.ndarray | None:
+    def host(w: Fp8Rows | np.ndarray | None) -> HostWeight | np.ndarray | None:
         if w is None:
             return None
-        return HostWeight.from_rows(w) if w.ndim == 2 else np.asarray(w, dtype=np.float32)
+        if isinstance(w, Fp8Rows):
+            return HostWeight.from_fp8(w)
+        if w.ndim != 2:
+            return np.asarray(w, dtype=np.float32)
+        return HostWeight.from_fp8(quantize_rows(w)) if quantize else HostWeight.from_rows(w)
 
     return LayerWeights(**{f.name: host(getattr(layer, f.name)) for f in fields(layer)})
 
 
 class NumpyBackend(Backend):
     """The decoder forward (Llama and the families of model/config.py) in float32 over a paged KV cache held in
-    numpy arrays."""
+    numpy arrays; with FP8 weights (quantization="fp8" or an FP8 checkpoint) its linear layers run W8A8 e4m3
+    (backends/host_weight.py)."""
 
     name = "numpy"
 
@@ -158,11 +166,16 @@ class NumpyBackend(Backend):
         self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
         cfg.check_max_model_len(engine_config.max_model_len)
-        packed = pack_weights(model.weights, cfg)
+        # FP8 (model/fp8.py): a checkpoint's e4m3 linear weights as stored, or, with quantization="fp8", every float
+        # linear weight quantized here; the embedding and the LM head stay float32
+        checkpoint = isinstance(model.weights, Fp8CheckpointWeights)
+        packed = (pack_weights(model.weights, cfg, model.weights.fp8_or_float, stack_rows) if checkpoint
+                  else pack_weights(model.weights, cfg))
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
         self.lm_head = HostWeight.from_rows(packed.lm_head)  # [hidden, vocab]
         self.final_norm = np.asarray(packed.final_norm, dtype=np.float32)
-        self.layers = [host_layer(layer) for layer in packed.layers]
+        quantize = engine_config.quantization == "fp8" and not checkpoint
+        self.layers = [host_layer(layer, quantize) for layer in packed.layers]
         self.qkv_columns = row_slices(cfg, "qkv")  # Q's, K's and V's columns of the fused projection
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from tinyvllm.model.fp8 import Fp8Scheme, fp8_scheme
+
 
 class Family(NamedTuple):
     """What a model family changes in the Llama decoder layer; the backends branch on these flags, not on names."""
@@ -56,6 +58,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     architecture: str = "LlamaForCausalLM"  # a key of FAMILIES
     sliding_window: int | None = None  # attention span of a Mistral config; None: every position sees all before it
+    quantization: Fp8Scheme | None = None  # an FP8 checkpoint's quantization_config; None: unquantized weights
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -160,6 +163,7 @@ class ModelConfig:
             architecture=arch,
             # Qwen configs carry a sliding_window that only use_sliding_window (refused above) turns on.
             sliding_window=d.get("sliding_window") if family.model_type == "mistral" else None,
+            quantization=fp8_scheme(d.get("quantization_config")),
         )
 
     @classmethod
@@ -202,6 +206,7 @@ class ModelConfig:
             "eos_token_id": eos if self.eos_token_ids else None,
             "torch_dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
+            **({"quantization_config": self.quantization.config} if self.quantization else {}),
         }
 
 

@@ -48,6 +48,12 @@ class Layout:
     gguf_layer: str = "blk.{i}."
     hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # buffers old checkpoints saved; rebuilt from the config
     gguf_rope_freqs: str = "rope_freqs.weight"  # Llama 3 RoPE scaling as a tensor, folded into ModelConfig
+    # An FP8 checkpoint's scales (vLLM's names), named after a linear layer's weight with its last word replaced:
+    # the weight's own (per tensor, row or block; fp8's block scales are weight_scale_inv) and the static activation
+    # scale; and the names that end an FP8 KV cache's scales, which are ignored (model/kv_scales.py sets the cache's)
+    hf_weight_scales: tuple[str, ...] = ("weight_scale", "weight_scale_inv")
+    hf_input_scale: str = "input_scale"
+    hf_kv_scales: tuple[str, ...] = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale", ".output_scale")
 
     def packed(self, field: str) -> Packed:
         """The packed tensor of a ModelWeights or LayerWeights field."""
@@ -142,6 +148,23 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_hidden_layers):
         out |= shapes(layout.layer, layout.hf_layer.format(i=i))
     return out
+
+
+def linear_weights(config: ModelConfig) -> list[str]:
+    """The HF names of every layer's linear-layer weights (the parts of its matrices), the ones FP8 quantizes."""
+    layout, names = layout_of(config), []
+    for i in range(config.num_hidden_layers):
+        prefix = layout.hf_layer.format(i=i)
+        names += [prefix + part.hf for p in layout.layer if present(p, config) for part in p.parts
+                  if len(part.shape) == 2]
+    return names
+
+
+def fp8_scale_names(config: ModelConfig, weight: str) -> tuple[list[str], str]:
+    """The names an FP8 checkpoint may give a linear weight's scale (either), and its static input scale."""
+    layout = layout_of(config)
+    base = weight.rpartition(".")[0] + "."
+    return [base + name for name in layout.hf_weight_scales], base + layout.hf_input_scale
 
 
 def row_slices(config: ModelConfig, field: str) -> list[slice]:

@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig, read_json_object
-from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
+from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights, scale_names
 from tinyvllm.model.layout import layout_of, tied_copies, weight_shapes
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # safetensors dtype -> (numpy storage dtype, config/torch name)
-ST_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16")}
+ST_DTYPES = {"F32": (np.float32, "float32"), "F16": (np.float16, "float16"), "BF16": (np.uint16, "bfloat16"),
+             "F8_E4M3": (np.uint8, "float8_e4m3fn")}
 ST_NAMES = {name: code for code, (_, name) in ST_DTYPES.items()}
 
 
@@ -37,7 +39,7 @@ class TensorEntry:
     """Where one tensor of a safetensors file lies."""
 
     path: Path
-    code: str  # the safetensors dtype: F32, F16 or BF16
+    code: str  # the safetensors dtype: F32, F16, BF16 or F8_E4M3
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
 
@@ -46,7 +48,8 @@ class TensorEntry:
         return math.prod(self.shape) * np.dtype(ST_DTYPES[self.code][0]).itemsize
 
     def read(self) -> np.ndarray:
-        """The tensor in its stored dtype (bf16 as uint16 bit patterns), read from the file into a new array."""
+        """The tensor in its stored dtype (bf16 as uint16 bit patterns, e4m3 as uint8 codes), read from the file into a
+        new array."""
         out = np.empty(self.shape, np.dtype(ST_DTYPES[self.code][0]).newbyteorder("<"))
         self.read_into(0, out.reshape(-1).view(np.uint8))
         return out
@@ -85,6 +88,8 @@ class SafetensorsWeights(MutableMapping, LazyWeights):
             return self.replaced[name]
         entry = self.entries[name]
         data = entry.read()
+        if entry.code == "F8_E4M3":
+            return e4m3_to_f32(data)  # the codes' values: an FP8 checkpoint's scales apply on top (fp8_checkpoint.py)
         return bf16_to_f32(data) if entry.code == "BF16" else data.astype(np.float32)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
@@ -206,7 +211,7 @@ def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source
         raise ValueError(f"{source}: unexpected tensors {extra[:5]} (unsupported model variant?)")
 
 
-def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
+def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")
@@ -221,9 +226,17 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     wanted, ignored = set(weight_shapes(config)), layout_of(config).hf_ignored
+    if config.quantization is not None:
+        wanted |= scale_names(config)
+        ignored += layout_of(config).hf_kv_scales
     entries: dict[str, TensorEntry] = {}
     for file in files:
-        for name, entry in safetensors_entries(path / file).items():
+        found = safetensors_entries(path / file)
+        float8 = [name for name, entry in found.items() if entry.code == "F8_E4M3"]
+        if float8 and config.quantization is None:
+            raise ValueError(f"{path / file}: tensor {float8[0]} is float8 but config.json has no "
+                             "quantization_config for its scales")
+        for name, entry in found.items():
             if name.endswith(ignored):
                 continue
             if name not in wanted:
@@ -233,6 +246,8 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
         # Tied: the output projection IS the embedding (some checkpoints also store a copy; HF ignores it too).
         if source in entries:
             entries[name] = entries[source]
+    if config.quantization is not None:
+        return Fp8CheckpointWeights(SafetensorsWeights(entries), config, str(path))
     return SafetensorsWeights(entries)
 
 

@@ -70,14 +70,17 @@ class ModelWeights:
         return self.lm_head is self.embed
 
 
-def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig,
-                 get: Callable[[str], np.ndarray] | None = None) -> ModelWeights:
+def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, get: Callable[[str], object] | None = None,
+                 join: Callable[[list], object] | None = None) -> ModelWeights:
     """The weights of a LoadedModel (Hugging Face names), packed for a backend, each tensor as `get(name)` gives it
-    (default: weights[name], float32). A lazy `weights` (SafetensorsWeights) is read layer by layer as the layers
-    are iterated."""
+    (default: weights[name], float32) and the parts of a packed tensor joined by `join` (default: their rows
+    concatenated; model/fp8.py's stack_rows for e4m3 weights). A lazy `weights` (SafetensorsWeights) is read layer
+    by layer as the layers are iterated."""
     get = get or weights.__getitem__
 
     def stack(names: list[str]) -> np.ndarray:
+        if join is not None:
+            return join([get(name) for name in names])
         return get(names[0]) if len(names) == 1 else np.concatenate([get(name) for name in names])
 
     def layers() -> Iterator[LayerWeights]:
