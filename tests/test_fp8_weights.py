@@ -237,5 +237,5 @@ def test_the_cuda_backend_refuses_fp8_weights_in_one_line(tiny_model_dir, tmp_pa
         LLM(tiny_model_dir, backend="cuda", quantization="fp8")
     result = run(tiny_model_dir, EXAMPLES / "prompts.jsonl", tmp_path / "o.parquet", "--backend", "cuda",
                  "--quantization", "fp8")
-    one_line_error(result, message, exit_code=None)
+    one_line_error(result, message, exit_code=2)
     assert not (tmp_path / "o.parquet").exists()
