@@ -103,7 +103,10 @@ class BlockManager:
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of the sequence's blocks that are now full of computed tokens (whose ids are known:
         a pending token's is not yet)."""
-        full = min(seq.num_computed_tokens, len(seq) - seq.num_pending) // self.block_size
+        self.commit_blocks(seq, min(seq.num_computed_tokens, len(seq) - seq.num_pending) // self.block_size)
+
+    def commit_blocks(self, seq: Sequence, full: int) -> None:
+        """Register the hashes of the sequence's first `full` blocks (full of known tokens, in token_ids)."""
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         for index in range(seq.num_hashed_blocks, full):
@@ -176,6 +179,10 @@ class BlockManager:
             start = len(hashes) * self.block_size
             hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[start: start + self.block_size]))
         return hashes[index]
+
+    def take_blocks(self, count: int) -> list[int]:
+        """`count` free blocks, in the order grow() would take them one by one."""
+        return [self._take() for _ in range(count)]
 
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)

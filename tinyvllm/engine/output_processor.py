@@ -12,6 +12,7 @@ import numpy as np
 
 from tinyvllm.backends.base import Batch, Logprobs, QueuedStep, SamplerOutput
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.persistent_batch import DecodeRun, FastRows
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
@@ -30,6 +31,7 @@ class InFlightStep:
     # accepted tokens follow it
     sample_index: list[int]
     queued: QueuedStep | None = None  # once submitted
+    fast: FastRows | None = None  # its first rows, the DecodeRun's
 
     @property
     def may_return_runs(self) -> bool:
@@ -42,61 +44,89 @@ class OutputProcessor:
     """Reads each step's tokens into its sequences and finishes those that stop.
 
     `release(seq)` takes a finished sequence out of the engine (scheduler, penalty slot, batch row);
-    `pass_on_forks(seq)` starts the completions a finished sequence had still to fork."""
+    `pass_on_forks(seq)` starts the completions a finished sequence had still to fork; `run` is the engine's
+    DecodeRun (None: none), whose rows' tokens it reads in its arrays."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], block_manager: BlockManager,
                  structured_outputs: StructuredOutputManager, release: Callable[[Sequence], None],
-                 pass_on_forks: Callable[[Sequence], None]) -> None:
+                 pass_on_forks: Callable[[Sequence], None], run: DecodeRun | None = None) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.block_manager, self.block_size = block_manager, block_manager.block_size
         self.structured_outputs = structured_outputs
         self.release, self.pass_on_forks = release, pass_on_forks
+        self.run = run
 
     def process(self, launched: InFlightStep, result: SamplerOutput,
                 advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
         """Read a step's tokens into its sequences; finish those that stop. The constrained sequences that go on
-        leave their tokens in `advance`, for their constraints to take."""
+        leave their tokens in `advance`, for their constraints to take. The run's rows still attached are read in
+        its arrays; only those whose tokens need a look (logprobs, stop strings, a stop token, the length limit)
+        are gone through one by one, like the other rows."""
         now = time.time()
         ended: list[Sequence] = []
-        step, batch = launched.step, launched.batch
-        first = result.sampled_token_ids[:, 0].tolist()
-        runs = result.sampled_token_ids.shape[1] > 1  # else one token each: the common path
+        step, fast = launched.step, launched.fast
+        sampled = result.sampled_token_ids
+        first = sampled[:, 0].tolist()
+        runs = sampled.shape[1] > 1  # else one token each: the common path
         counts = result.num_sampled.tolist() if runs else None
-        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
         lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(first))
-        block_size, finished = self.block_size, SequenceStatus.FINISHED
-        for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
-            if seq.status is finished:
-                continue  # it stopped at the previous step: this step's work for it is dropped
-            if index >= 0 and seq.constraint is not None and seq.constraint.done:
-                # Complete with the token before (it has taken every token up to this one): this one, EOS or
-                # whatever its mask allowed once nothing more could follow, is dropped.
-                seq.finish_reason = "stop"
-                self._end(seq, index, now, ended)
+        rows, quick = range(len(first)), ()
+        if fast is not None:
+            num_fast = len(fast.slots)
+            unattached, quick = self.run.read(fast, sampled[:num_fast, 0])
+            rows = [*np.union1d(unattached, quick).tolist(), *range(num_fast, len(first))]
+            quick = set(quick.tolist())
+        for i in rows:
+            seq, index = step.seqs[i], launched.sample_index[i]
+            if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
+                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance)
                 continue
-            if prompt_logprobs and i in prompt_logprobs:
-                self._read_prompt_logprobs(seq, start, prompt_logprobs[i], batch.prompt_logprob_targets[i])
-            run = None if counts is None or counts[i] == 1 else result.sampled_token_ids[i, :counts[i]].tolist()
-            if index >= 0:
-                seq.token_ids[index] = first[i]
-                seq.num_pending -= 1
-                if run is not None:
-                    _append_run(seq, index, run)
-            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
-                self.block_manager.commit_full_blocks(seq)
-            if index < 0:
-                continue  # a prompt chunk: nothing sampled
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if run is None:
-                self._take(seq, first[i], index + 1, logprobs, lp_rows[i], now, ended, advance)
-                continue
-            for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
-                if self._take(seq, token, index + j + 1, logprobs, lp_rows[i] + j, now, ended, advance):
-                    break
+            attached = seq.run_slot >= 0
+            if attached:
+                self.run.write_back_live(seq)
+            run = None if counts is None or counts[i] == 1 else sampled[i, :counts[i]].tolist()
+            self._read_row(launched, i, seq, first[i], run, result, lp_rows[i], now, ended, advance)
+            if attached:
+                self.run.restore(seq)
         self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
+
+    def _read_row(self, launched: InFlightStep, i: int, seq: Sequence, token: int, run: list[int] | None,
+                  result: SamplerOutput, lp_row: int, now: float, ended: list[Sequence],
+                  advance: list[tuple[OutputConstraint, int]]) -> None:
+        """Read row i's token (or run of tokens, `run`) into its sequence, from its fields."""
+        index = launched.sample_index[i]
+        if seq.status is SequenceStatus.FINISHED:
+            return  # it stopped at the previous step: this step's work for it is dropped
+        if index >= 0 and seq.constraint is not None and seq.constraint.done:
+            # Complete with the token before (it has taken every token up to this one): this one, EOS or
+            # whatever its mask allowed once nothing more could follow, is dropped.
+            seq.finish_reason = "stop"
+            self._end(seq, index, now, ended)
+            return
+        if result.prompt_logprobs and i in result.prompt_logprobs:
+            self._read_prompt_logprobs(seq, launched.starts[i], result.prompt_logprobs[i],
+                                       launched.batch.prompt_logprob_targets[i])
+        if index >= 0:
+            seq.token_ids[index] = token
+            seq.num_pending -= 1
+            if run is not None:
+                _append_run(seq, index, run)
+        if seq.num_computed_tokens // self.block_size > seq.num_hashed_blocks:  # a block may have filled up
+            if self.run is not None:
+                self.run.flush_commits()  # the run's rows' commits come first
+            self.block_manager.commit_full_blocks(seq)
+        if index < 0:
+            return  # a prompt chunk: nothing sampled
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        if run is None:
+            self._take(seq, token, index + 1, result.logprobs, lp_row, now, ended, advance)
+            return
+        for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
+            if self._take(seq, token, index + j + 1, result.logprobs, lp_row + j, now, ended, advance):
+                break
 
     def _read_prompt_logprobs(self, seq: Sequence, start: int, logprobs: Logprobs, targets: np.ndarray) -> None:
         entries = logprob_dicts(logprobs, targets, seq.params.prompt_logprobs)
@@ -125,6 +155,8 @@ class OutputProcessor:
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
         `ended`, whose texts and outputs are made together once the step is read."""
+        if self.run is not None:
+            self.run.leave(seq)  # its fields written back
         del seq.token_ids[length:]
         seq.num_pending = 0
         seq.metrics.finished_time = now

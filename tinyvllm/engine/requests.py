@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from operator import attrgetter
 
 import numpy as np
 
@@ -118,7 +119,7 @@ class RequestAdmission:
     def fork_ready(self) -> None:
         """Start the next completions of n > 1 requests whose first sequence has its prompt computed: they share its
         prompt's KV blocks (the last partial one copied) and compute only the last prompt token themselves."""
-        for parent in list(self.scheduler.running):
+        for parent in list(filter(attrgetter("forks_left"), self.scheduler.running)):  # no per-row Python
             while parent.forks_left and parent.num_computed_tokens >= parent.num_prompt_tokens:
                 group = parent.group
                 child = self.new_sequence(group, len(group.seqs), parent.params, parent.processors,
