@@ -105,7 +105,8 @@ class OutputProcessor:
             seq.finish_reason = "stop"
             self._end(seq, index, now, ended)
             return
-        if result.prompt_logprobs and i in result.prompt_logprobs:
+        if result.prompt_logprobs and i in result.prompt_logprobs and seq.prompt_logprobs is not None:
+            # (a later completion of n recomputing its prompt after preemption: the first one holds them)
             self._read_prompt_logprobs(seq, launched.starts[i], result.prompt_logprobs[i],
                                        launched.batch.prompt_logprob_targets[i])
         if index >= 0:
