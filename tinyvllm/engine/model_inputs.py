@@ -46,6 +46,14 @@ class BatchRows:
         rows = np.array(rows, np.intp)
         return rows, self.block_tables[rows, :width]
 
+    def gather_fields(self, rows: np.ndarray) -> dict:
+        """The FIELDS of these rows, with the most logprobs asked (num_logprobs) and the rows asking prompt
+        logprobs (prompt_logprob_rows)."""
+        fields = {name: values[rows] for name, values in self.fields.items()}
+        fields["num_logprobs"] = int(fields["logprobs"].max())
+        fields["prompt_logprob_rows"] = np.flatnonzero(fields["prompt_logprobs"]).tolist()
+        return fields
+
     def rows(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """The sequences' rows (their tables brought up to date), and the longest table's length."""
         owners, tables, lengths = self.owners, self.tables, self.lengths
@@ -109,7 +117,8 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     n = len(seqs)
     batch_rows = BatchRows() if batch_rows is None else batch_rows
     num_fast = 0 if step.fast is None else len(step.fast.slots)
-    query_lens = np.asarray(step.num_new_tokens, np.int32)
+    # a step of the run's rows alone: one new token each
+    query_lens = np.ones(n, np.int32) if num_fast == n else np.asarray(step.num_new_tokens, np.int32)
     parts = []
     if num_fast:
         parts.append(run.inputs(step.fast))
@@ -119,11 +128,13 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
         parts[0] if len(parts) == 1 else [np.concatenate(columns) for columns in zip(*parts)])
     width = int(widths.max())
     block_tables = batch_rows.block_tables[rows, :width]
-    fields = batch_rows.fields
     ends = starts + query_lens
-    query_start_loc = np.zeros(n + 1, np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    max_query_len = int(query_lens.max())
+    if num_fast == n:
+        query_start_loc, max_query_len = np.arange(n + 1, dtype=np.int32), 1
+    else:
+        query_start_loc = np.zeros(n + 1, np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        max_query_len = int(query_lens.max())
     positions = (np.concatenate([np.arange(s, e, dtype=np.int32) for s, e in zip(starts, ends)])
                  if max_query_len > 1 else starts.astype(np.int32))
     # A token still being sampled by the previous step (the engine runs one step ahead) is read on the backend
@@ -136,13 +147,14 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     slot_mapping = (block_tables[seq_index, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
 
+    # the run's rows' fields change only when its rows do
+    fields = run.fields(step.fast) if num_fast == n else batch_rows.gather_fields(rows)
     sampling = SamplingBatch(
-        temperature=fields["temperature"][rows], top_p=fields["top_p"][rows], top_k=fields["top_k"][rows],
-        min_p=fields["min_p"][rows],
-        noise_keys=step_keys(fields["sampling_key"][rows], lengths - fields["num_prompt_tokens"][rows]),
-        num_logprobs=int(fields["logprobs"][rows].max()),
+        temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"], min_p=fields["min_p"],
+        noise_keys=step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"]),
+        num_logprobs=fields["num_logprobs"],
     )
-    targets = _prompt_logprob_targets(seqs, rows, starts, ends, fields)
+    targets = _prompt_logprob_targets(seqs, starts, ends, fields)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
     copies = np.asarray(step.block_copies, np.int32).reshape(-1, 2) if step.block_copies else None
     lookahead = None if step.num_lookahead_slots is None else np.asarray(step.num_lookahead_slots, np.int32)
@@ -172,11 +184,11 @@ def _row_inputs(seqs: list[Sequence], query_lens: np.ndarray, batch_rows: BatchR
     return np.array(rows, np.intp), widths, starts, lengths, token_ids, sources
 
 
-def _prompt_logprob_targets(seqs: list[Sequence], rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                            fields: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
+def _prompt_logprob_targets(seqs: list[Sequence], starts: np.ndarray, ends: np.ndarray,
+                            fields: dict) -> dict[int, np.ndarray]:
     """Prompt logprobs: new position p predicts prompt token p + 1, for as long as that is a prompt token."""
     targets = {}
-    for i in np.flatnonzero(fields["prompt_logprobs"][rows]).tolist():
+    for i in fields["prompt_logprob_rows"]:
         seq, s, e = seqs[i], int(starts[i]), int(ends[i])
         if s + 1 < seq.num_prompt_tokens:
             targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)

@@ -4,6 +4,7 @@ that is given to it."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,21 +67,22 @@ class OutputProcessor:
         ended: list[Sequence] = []
         step, fast = launched.step, launched.fast
         sampled = result.sampled_token_ids
-        first = sampled[:, 0].tolist()
         runs = sampled.shape[1] > 1  # else one token each: the common path
         counts = result.num_sampled.tolist() if runs else None
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
-        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(first))
-        rows, quick = range(len(first)), ()
+        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(sampled))
+        rows, quick = range(len(sampled)), {}
         if fast is not None:
             num_fast = len(fast.slots)
-            unattached, quick = self.run.read(fast, sampled[:num_fast, 0])
-            rows = [*np.union1d(unattached, quick).tolist(), *range(num_fast, len(first))]
-            quick = set(quick.tolist())
+            unattached, looked_at = self.run.read(fast, sampled[:num_fast, 0])
+            rows = [*sorted({*unattached.tolist(), *looked_at.tolist()}), *range(num_fast, len(sampled))]
+        first = sampled[:, 0].tolist() if rows else []  # a steady decode of attached rows needs none
+        if fast is not None and len(looked_at):
+            quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
         for i in rows:
             seq, index = step.seqs[i], launched.sample_index[i]
             if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
-                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance)
+                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
                 continue
             attached = seq.run_slot >= 0
             if attached:
@@ -89,8 +91,19 @@ class OutputProcessor:
             self._read_row(launched, i, seq, first[i], run, result, lp_rows[i], now, ended, advance)
             if attached:
                 self.run.restore(seq)
-        self._detokenize(ended)
+        if ended:
+            self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
+
+    @staticmethod
+    def _look_ahead(seqs: list[Sequence], rows: list[int], tokens: list[int],
+                    logprobs: Logprobs | None) -> dict[int, dict[int, float] | None]:
+        """For rows of one token each: their logprob entries (None: none asked), made from one copy of the
+        arrays."""
+        with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
+        entries = dict(zip(with_logprobs, logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
+                                                          [seqs[i].params.logprobs for i in with_logprobs])))
+        return {i: entries.get(i) for i in rows}
 
     def _read_row(self, launched: InFlightStep, i: int, seq: Sequence, token: int, run: list[int] | None,
                   result: SamplerOutput, lp_row: int, now: float, ended: list[Sequence],
@@ -137,11 +150,12 @@ class OutputProcessor:
         seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
 
     def _take(self, seq: Sequence, token: int, length: int, logprobs: Logprobs | None, lp_row: int, now: float,
-              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]]) -> bool:
-        """Go through one token read (the sequence is `length` tokens long with it): its logprobs, then the stop
-        rules; True if the sequence ends there."""
+              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]],
+              entry: dict[int, float] | None = None) -> bool:
+        """Go through one token read (the sequence is `length` tokens long with it): its logprobs (entry: made
+        beforehand, _look_ahead), then the stop rules; True if the sequence ends there."""
         if seq.logprobs is not None:
-            entry = logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
+            entry = entry or logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[token]
         if self._check_stop(seq, token, length):
@@ -261,5 +275,19 @@ def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> 
         entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])
                  if lp > -np.inf}
         entry[int(token)] = float(logprobs.token_logprobs[r])
+        out.append(entry)
+    return out
+
+
+def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """logprob_dicts() of one token at each of `rows` (k[i] top logprobs for row i), from one copy of the arrays."""
+    if not rows:
+        return []
+    k = max(ks)
+    top_ids, top = logprobs.top_ids[rows, :k].tolist(), logprobs.top_logprobs[rows, :k].tolist()
+    out = []
+    for ids, values, n, token, own in zip(top_ids, top, ks, token_ids, logprobs.token_logprobs[rows].tolist()):
+        entry = {t: lp for t, lp in zip(ids[:n], values[:n]) if lp > -math.inf}
+        entry[token] = own
         out.append(entry)
     return out

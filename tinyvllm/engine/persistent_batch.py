@@ -80,6 +80,7 @@ class DecodeRun:
         self.log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (slots, gens, full blocks) to commit
         self._order: np.ndarray | None = None
         self._ordered: list[Sequence] = []
+        self._fields: tuple[np.ndarray, dict] | None = None  # (order, its rows' BatchRows fields)
 
     # ---- joining and leaving ---------------------------------------------------------------------------------------
 
@@ -244,6 +245,12 @@ class DecodeRun:
         for row in trows.tolist():
             rows.lengths[row] += 1
         self.nblocks[need] += 1
+
+    def fields(self, fast: FastRows) -> dict:
+        """BatchRows.gather_fields of the rows, kept while the run's rows stay the same."""
+        if self._fields is None or self._fields[0] is not fast.slots:
+            self._fields = fast.slots, self.batch_rows.gather_fields(self.trow[fast.slots])
+        return self._fields[1]
 
     def inputs(self, fast: FastRows) -> tuple[np.ndarray, ...]:
         """The attached rows' BatchRows rows, block-table lengths, computed tokens (starts), lengths, input token
