@@ -170,12 +170,9 @@ class LLMEngine:
         if constrained:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
             batch.bitmask_rows[constrained] = np.arange(len(constrained))
-        starts, sample_index = [], []
         if num_fast:
-            starts = self.run.computed[fast.slots].tolist()
             self.run.advance(fast)
-            sample_index = fast.sample_index.tolist()
-        now = time.time()
+        starts, sample_index, now = [], [], time.time()
         for row, (seq, num_new, sampled) in enumerate(zip(seqs, num_new_tokens, samples), num_fast):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now

@@ -27,12 +27,21 @@ class InFlightStep:
 
     step: ScheduledStep
     batch: Batch
-    starts: list[int]  # per row: the sequence's computed tokens before this step
-    # per row: where in token_ids the step's first sampled token goes (-1: a prompt chunk, none); its further
-    # accepted tokens follow it
+    # Per row after the run's (all rows without `fast`): the sequence's computed tokens before this step, and where
+    # in token_ids the step's first sampled token goes (-1: a prompt chunk, none); its further accepted tokens
+    # follow it. The run's rows are decodes: their fast.sample_index, and one less.
+    starts: list[int]
     sample_index: list[int]
     queued: QueuedStep | None = None  # once submitted
     fast: FastRows | None = None  # its first rows, the DecodeRun's
+
+    def start(self, i: int) -> int:
+        num_fast = 0 if self.fast is None else len(self.fast.slots)
+        return int(self.fast.sample_index[i]) - 1 if i < num_fast else self.starts[i - num_fast]
+
+    def index(self, i: int) -> int:
+        num_fast = 0 if self.fast is None else len(self.fast.slots)
+        return int(self.fast.sample_index[i]) if i < num_fast else self.sample_index[i - num_fast]
 
     @property
     def may_return_runs(self) -> bool:
@@ -80,7 +89,7 @@ class OutputProcessor:
         if fast is not None and len(looked_at):
             quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
         for i in rows:
-            seq, index = step.seqs[i], launched.sample_index[i]
+            seq, index = step.seqs[i], launched.index(i)
             if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
                 self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
                 continue
@@ -109,7 +118,7 @@ class OutputProcessor:
                   result: SamplerOutput, lp_row: int, now: float, ended: list[Sequence],
                   advance: list[tuple[OutputConstraint, int]]) -> None:
         """Read row i's token (or run of tokens, `run`) into its sequence, from its fields."""
-        index = launched.sample_index[i]
+        index = launched.index(i)
         if seq.status is SequenceStatus.FINISHED:
             return  # it stopped at the previous step: this step's work for it is dropped
         if index >= 0 and seq.constraint is not None and seq.constraint.done:
@@ -120,7 +129,7 @@ class OutputProcessor:
             return
         if result.prompt_logprobs and i in result.prompt_logprobs and seq.prompt_logprobs is not None:
             # (a later completion of n recomputing its prompt after preemption: the first one holds them)
-            self._read_prompt_logprobs(seq, launched.starts[i], result.prompt_logprobs[i],
+            self._read_prompt_logprobs(seq, launched.start(i), result.prompt_logprobs[i],
                                        launched.batch.prompt_logprob_targets[i])
         if index >= 0:
             seq.token_ids[index] = token
