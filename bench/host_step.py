@@ -3,7 +3,7 @@ backend that returns random tokens at once, so that only the engine loop is time
 output processing). A step's host work must stay under its GPU time for the engine to keep the GPU busy
 (bench/profile_step.py measures both on the GPU). --mixed gives every fourth sequence a stop string (that never
 matches), logprobs and penalties; --phases also prints the time per step of each phase (schedule, prepare inputs,
-backend, output processing), measured in extra steps after the timed ones.
+backend, output processing), each the least over as many windows again, after the timed ones.
 
     python bench/host_step.py [--seqs 512] [--steps 30] [--repeats 7] [--mixed] [--phases]
 """
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seqs", "prompt_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
-    if args.prompt_len + args.steps * (args.repeats + args.phases) + 2 > MAX_MODEL_LEN:
+    if args.prompt_len + args.steps * args.repeats * (1 + args.phases) + 2 > MAX_MODEL_LEN:
         parser.error(f"--prompt-len {args.prompt_len} + --steps x --repeats {args.steps * args.repeats} decode steps "
                      f"do not fit in the {MAX_MODEL_LEN}-token context this runs with")
     return args
@@ -100,16 +100,22 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         times.append((time.perf_counter() - start) / args.steps * 1e3)
-    if args.phases:
+    phases = {}
+    if args.phases:  # each phase's least time per step over `repeats` windows of `steps` steps
         spent = timed_phases(engine)
-        for _ in range(args.steps):
-            engine.step()
+        for _ in range(args.repeats):
+            for value in spent.values():
+                value[0] = 0.0
+            for _ in range(args.steps):
+                engine.step()
+            for name, value in spent.items():
+                phases[name] = min(phases.get(name, np.inf), value[0] / args.steps * 1e3)
     assert shapes == [(1, args.seqs)] * len(shapes), "a timed step was not a decode of every sequence"
     mode = " (mixed: stop strings, logprobs, penalties on a quarter)" if args.mixed else ""
     print(f"{args.seqs} sequences decoding: engine host work {min(times):.2f} ms per step (best of {args.repeats} x "
           f"{args.steps} steps; median {np.median(times):.2f}){mode}")
     if args.phases:
-        print("per step: " + ", ".join(f"{name} {value[0] / args.steps * 1e3:.3f} ms" for name, value in spent.items()))
+        print(f"per step (least of {args.repeats}): " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in phases.items()))
 
 
 if __name__ == "__main__":

@@ -110,9 +110,10 @@ class OutputProcessor:
         """For rows of one token each: their logprob entries (None: none asked), made from one copy of the
         arrays."""
         with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
-        entries = dict(zip(with_logprobs, logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
+        entries = dict.fromkeys(rows)
+        entries.update(zip(with_logprobs, logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
                                                           [seqs[i].params.logprobs for i in with_logprobs])))
-        return {i: entries.get(i) for i in rows}
+        return entries
 
     def _read_row(self, launched: InFlightStep, i: int, seq: Sequence, token: int, run: list[int] | None,
                   result: SamplerOutput, lp_row: int, now: float, ended: list[Sequence],
@@ -261,12 +262,16 @@ def _append_run(seq: Sequence, index: int, run: list[int]) -> None:
 def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
     """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it, with
     include_stop_str_in_output) and finish."""
-    before = len(seq.text)
-    seq.text += seq.detokenizer.add(token)
-    if len(seq.text) == before or not look:
+    delta = seq.detokenizer.add(token)
+    if not delta:
         return False
-    search_from = max(0, before - max(len(s) for s in seq.params.stop) + 1)
-    hits = [(pos, s) for s in seq.params.stop if (pos := seq.text.find(s, search_from)) >= 0]
+    before = len(seq.text)
+    seq.text += delta
+    if not look:
+        return False
+    stops = seq.params.stop
+    search_from = max(0, before - max(map(len, stops)) + 1)
+    hits = [(pos, s) for s in stops if (pos := seq.text.find(s, search_from)) >= 0]
     if not hits:
         return False
     pos, stop = min(hits)
@@ -296,7 +301,8 @@ def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], k
     top_ids, top = logprobs.top_ids[rows, :k].tolist(), logprobs.top_logprobs[rows, :k].tolist()
     out = []
     for ids, values, n, token, own in zip(top_ids, top, ks, token_ids, logprobs.token_logprobs[rows].tolist()):
-        entry = {t: lp for t, lp in zip(ids[:n], values[:n]) if lp > -math.inf}
+        pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
+        entry = {t: lp for t, lp in pairs if lp > -math.inf}
         entry[token] = own
         out.append(entry)
     return out

@@ -17,6 +17,10 @@ not known yet (Sequence.num_pending). Such a sequence decodes that token next li
 token reaches its length limit is not scheduled again (it is certain to finish), and a preempted one is not
 readmitted until its token is known.
 
+The engine's DecodeRun (engine/persistent_batch.py), when there is one, schedules the decodes it holds first, in
+the order this scheduler gives decodes, or hands them all back when they cannot all run without a preemption;
+_schedule_running goes through the other running sequences.
+
 Lookahead slots (`num_lookahead_slots` > 0, from a backend that may return a run of tokens per decode): a decode
 gets that many more KV slots reserved (fewer near its length limit; none with logits processors or a structured
 output, which see one token per step), and ScheduledStep.num_lookahead_slots says how many each sequence got.
