@@ -44,10 +44,10 @@ def snapshot(batch) -> dict:
 
 def random_params(rng, reference_text: str) -> SamplingParams:
     """Greedy or seeded sampling, with some of: a stop string, a stop token, logprobs, penalties, n = 2,
-    min_tokens, a bad word (a row that cannot join the run), prompt logprobs."""
+    min_tokens, a bad word (a row that cannot join the run), prompt logprobs, allowed_token_ids, logit_bias."""
     kw = {"max_tokens": int(rng.integers(1, 40)), "temperature": float(rng.choice([0.0, 0.8])),
           "seed": int(rng.integers(1000)), "ignore_eos": bool(rng.random() < 0.5)}
-    roll = rng.random(8)
+    roll = rng.random(10)
     if roll[0] < 0.25 and len(reference_text) > 4:
         start = int(rng.integers(0, len(reference_text) - 3))
         kw["stop"] = [reference_text[start: start + 2]]
@@ -60,11 +60,15 @@ def random_params(rng, reference_text: str) -> SamplingParams:
     if roll[4] < 0.15:
         kw["n"] = 2
     if roll[5] < 0.15:
-        kw["min_tokens"] = 3
+        kw["min_tokens"] = min(3, kw["max_tokens"])
     if roll[6] < 0.05:
         kw["bad_words"] = ["ab"]
     if roll[7] < 0.1:
         kw["prompt_logprobs"] = 1
+    if roll[8] < 0.1:
+        kw["allowed_token_ids"] = rng.choice(np.arange(3, 300), 40, replace=False).tolist()
+    if roll[9] < 0.15:
+        kw["logit_bias"] = {int(rng.integers(3, 300)): 3.0, int(rng.integers(3, 300)): -100.0}
     return SamplingParams(**kw)
 
 
@@ -169,3 +173,27 @@ def test_run_holds_steady_decodes_and_buffers_past_its_capacity(tiny_model_dir):
         if with_run:
             assert isinstance(engine.run, DecodeRun) and attached.count(2) >= CAPACITY
     assert outs[0] == outs[1] and all(len(ids) == CAPACITY + 40 for ids in outs[0].values())
+
+
+def test_run_holds_rows_with_logits_processors_that_stay_the_same(tiny_model_dir):
+    """allowed_token_ids, logit_bias, penalties and min_tokens (once reached) let a row join: every step's Batch
+    (its LogitsProcessing kept while the rows stay) and the outputs are the engine's without the run."""
+    rng = np.random.default_rng(7)
+    plan = {0: [], 3: []}
+    for i in range(8):
+        params = SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True,
+                                allowed_token_ids=list(range(3, 80)) if i % 3 == 0 else None,
+                                logit_bias={int(rng.integers(3, 80)): 2.5}, presence_penalty=0.3 * (i % 2),
+                                repetition_penalty=1.0 + 0.1 * (i % 3), min_tokens=4 if i % 4 == 0 else 0)
+        plan[0 if i < 5 else 3].append((f"r{i}", rng.integers(3, 300, 6 + i).tolist(), params))
+    results = []
+    for with_run in (False, True):
+        _, engine, batches = engine_for(tiny_model_dir, with_run, num_kv_blocks=200)
+        outputs, _ = drive(engine, plan, {})
+        results.append((completions(outputs), batches))
+        if with_run:
+            assert engine.run.blocker is None
+    (want, want_batches), (got, got_batches) = results
+    assert got == want and len(got_batches) == len(want_batches)
+    for i, (a, b) in enumerate(zip(got_batches, want_batches)):
+        np.testing.assert_equal(a, b, err_msg=f"batch {i}")

@@ -161,7 +161,7 @@ class LLMEngine:
         seqs, num_new_tokens = step.seqs[num_fast:], step.num_new_tokens[num_fast:]
         samples = [seq.num_computed_tokens + n == len(seq.token_ids) for seq, n in zip(seqs, num_new_tokens)]
         if num_fast and not seqs:
-            batch.logits_processing = self.run.logits_processing(fast)
+            batch.logits_processing = self.run.logits_processing(fast, self._run_processing)
         else:  # the run's rows sample, and read only their live fields here
             batch.logits_processing = build_logits_processing(step.seqs, [True] * num_fast + samples,
                                                               self.penalty_slots)
@@ -186,6 +186,9 @@ class LLMEngine:
             seq.num_pending += 1
             seq.sample_row = row
         return InFlightStep(step, batch, starts, sample_index, fast=fast)
+
+    def _run_processing(self, seqs: list[Sequence]):
+        return build_logits_processing(seqs, [True] * len(seqs), self.penalty_slots)
 
     def _process(self, launched: InFlightStep, advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
         """Wait for a step's output and read it (OutputProcessor.process)."""

@@ -3,8 +3,8 @@ leave, so that a steady-state decode step is scheduled, prepared and read withou
 
 A running sequence joins once it decodes and needs nothing the arrays do not hold (`eligible`). It leaves when it
 finishes, is aborted, is about to reach its length limit, or when a step needs the scheduler's full path: too few
-free blocks or too little budget for every decode (preemption decides then), or a decode that cannot join (then
-every row leaves, and none joins again while that decode runs). The attached rows are the step's first rows, in
+free blocks or too little budget for every decode (preemption decides then, and none joins for block_size steps),
+or a decode that cannot join (then every row leaves, and none joins again while that decode runs). The attached rows are the step's first rows, in
 arrival order, as the scheduler orders decodes; prompt chunks and new sequences follow them.
 
 While a sequence is attached, four of its fields are stale and the run holds them: num_computed_tokens,
@@ -18,6 +18,7 @@ a freed sequence, another commit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +35,7 @@ ARRAYS = {
     "ctx": np.int64, "computed": np.int64, "pending": np.int64, "sample_row": np.int64, "base": np.int64,
     "max_len": np.int64, "arrival": np.int64, "trow": np.int64, "nblocks": np.int64, "hashed": np.int64,
     "check": np.bool_,  # its tokens are read one by one (logprobs, stop strings)
-    "has_pen": np.bool_, "pen_slot": np.int64, "presence": np.float32, "frequency": np.float32,
-    "repetition": np.float32,
+    "has_processors": np.bool_,
 }
 
 
@@ -50,12 +50,19 @@ class FastRows:
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether a decoding sequence can join: no structured output, no completions left to fork, logits processors
-    at most penalties (with their slot)."""
+    """Whether a decoding sequence can join: no structured output, no completions left to fork, and logits
+    processors that stay the same from step to step (allowed_token_ids, logit_bias, single-token bad words,
+    penalties with their slot; min_tokens once reached; no bad word of several tokens)."""
     proc = seq.processors
     return (seq.constraint is None and not seq.forks_left
-            and (proc is None or (proc.penalties and proc.allowed_ids is None and not proc.has_biases
-                                  and seq.penalty_slot >= 0)))
+            and (proc is None or (not proc.bad_sequences and (not proc.penalties or seq.penalty_slot >= 0)
+                                  and (not len(proc.min_tokens_ban) or min_tokens_out(seq)))))
+
+
+def min_tokens_out(seq: Sequence) -> bool:
+    """Whether min_tokens are out without its pending tokens: the count an attached sequence's token_ids then
+    gives (read_in moves the pending ones out) is never below it, so no min_tokens ban is built for it."""
+    return seq.num_output_tokens - seq.num_pending >= seq.params.min_tokens
 
 
 def decoding(seq: Sequence) -> bool:
@@ -77,10 +84,14 @@ class DecodeRun:
         self.stop_mask = np.zeros(vocab_size, np.bool_)  # tokens that may stop some row: checked one by one
         self.eos_token_ids, self._eos_marked = eos_token_ids, set()  # the engine's set (its parts share it)
         self.blocker: Sequence | None = None  # a running decode that cannot join: none does while it runs
+        # steps left without joins after the blocks ran short (preemptions come in bursts: the rows would leave
+        # again at once)
+        self.hold_off = 0
         self.log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (slots, gens, full blocks) to commit
         self._order: np.ndarray | None = None
         self._ordered: list[Sequence] = []
         self._fields: tuple[np.ndarray, dict] | None = None  # (order, its rows' BatchRows fields)
+        self._processing: tuple[np.ndarray, LogitsProcessing | None] | None = None  # (order, its processing)
 
     # ---- joining and leaving ---------------------------------------------------------------------------------------
 
@@ -92,14 +103,10 @@ class DecodeRun:
         self.seqs[slot] = seq
         self.held[slot], self.live[slot] = True, False
         row = self.batch_rows.row(seq)
-        params, proc = seq.params, seq.processors
         self.trow[slot], self.max_len[slot], self.arrival[slot] = row, seq.max_len, seq.arrival_index
         self.check[slot] = seq.logprobs is not None or seq.detokenizer is not None
-        self.has_pen[slot] = proc is not None
-        self.pen_slot[slot] = seq.penalty_slot
-        self.presence[slot], self.frequency[slot] = params.presence_penalty, params.frequency_penalty
-        self.repetition[slot] = params.repetition_penalty
-        self._mark_stops(params.stop_token_ids)
+        self.has_processors[slot] = seq.processors is not None
+        self._mark_stops(seq.params.stop_token_ids)
         self.read_in(slot)
         self.count += 1
         self._order = None
@@ -206,6 +213,7 @@ class DecodeRun:
         need = order[self.computed[order] + 1 > self.nblocks[order] * self.block_size]
         if budget < self.count or len(need) > self.block_manager.num_free_blocks:
             self.detach_all()
+            self.hold_off = self.block_size
             return budget
         if len(need):
             self._grow_tables(need)
@@ -216,6 +224,9 @@ class DecodeRun:
 
     def _join_decodes(self, running: list[Sequence]) -> bool:
         """Attach every running decode not attached; False if one cannot join (it blocks the run while it runs)."""
+        if self.hold_off:
+            self.hold_off -= 1
+            return False
         blocker = self.blocker
         if blocker is not None:
             if blocker.status is SequenceStatus.RUNNING and decoding(blocker) and not eligible(blocker):
@@ -314,18 +325,10 @@ class DecodeRun:
                     self.compact(slot)
                 self.block_manager.commit_blocks(self.seqs[slot], full)
 
-    def logits_processing(self, fast: FastRows) -> LogitsProcessing | None:
-        """The penalties of a step of attached rows only (the only processors they may have)."""
-        slots = fast.slots
-        has = self.has_pen[slots]
-        if not has.any():
-            return None
-        n = len(slots)
-        penalty_slots = np.where(has, self.pen_slot[slots], -1).astype(np.int32)
-        zeros, none = np.zeros(n + 1, np.int32), np.zeros(0, np.int32)
-        def per_row(values: np.ndarray, fill: float) -> np.ndarray:
-            return np.where(has, values[slots], fill).astype(np.float32)
-
-        return LogitsProcessing(penalty_slots, penalty_slots.copy(), per_row(self.presence, 0),
-                                per_row(self.frequency, 0), per_row(self.repetition, 1),
-                                zeros, none, zeros.copy(), none, np.zeros(0, np.float32), none)
+    def logits_processing(self, fast: FastRows, build: Callable[[list[Sequence]], LogitsProcessing | None]
+                          ) -> LogitsProcessing | None:
+        """The LogitsProcessing of a step of the run's rows alone: `build(seqs)` of its rows, kept while they stay
+        the same (what their processors ask is the same every step: see eligible)."""
+        if self._processing is None or self._processing[0] is not fast.slots:
+            self._processing = fast.slots, (build(self._ordered) if self.has_processors[fast.slots].any() else None)
+        return self._processing[1]
