@@ -197,3 +197,23 @@ def test_run_holds_rows_with_logits_processors_that_stay_the_same(tiny_model_dir
     assert got == want and len(got_batches) == len(want_batches)
     for i, (a, b) in enumerate(zip(got_batches, want_batches)):
         np.testing.assert_equal(a, b, err_msg=f"batch {i}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_run_commits_before_a_cached_block_is_evicted(tiny_model_dir, seed):
+    """Greedy requests repeating earlier prompts fill blocks whose hashes a freed block still holds; with the cache
+    tight, those freed blocks are evicted while the run's commits are logged: the prefix cache ends as the engine's
+    without the run (the logged commits are made before an eviction)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 300, int(rng.integers(5, 12))).tolist() for _ in range(3)]
+    plan = {}
+    for i in range(12):
+        params = SamplingParams(max_tokens=int(rng.integers(10, 30)), temperature=0, ignore_eos=True)
+        plan.setdefault(int(rng.integers(0, 60)), []).append((f"r{i}", prompts[i % 3], params))
+    results = []
+    for with_run in (False, True):
+        _, engine, _ = engine_for(tiny_model_dir, with_run, num_kv_blocks=40)
+        outputs, _ = drive(engine, plan, {})
+        results.append((completions(outputs), dict(engine.block_manager.cached), engine.block_manager.block_hashes,
+                        engine.block_manager.num_hit_tokens))
+    assert results[1] == results[0]

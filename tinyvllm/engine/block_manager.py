@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from itertools import chain
 
 from tinyvllm.config import EngineConfig
@@ -35,6 +36,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix block
+        # called before a cached block is evicted: commits held back elsewhere (the engine's DecodeRun) are made
+        # first, so the cache changes in the order they would have been made in
+        self.before_evict: Callable[[], None] | None = None
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # ... and found there
 
@@ -188,6 +192,8 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)
         h = self.block_hashes[block]
         if h is not None:  # evict: this block's cached prefix is forgotten
+            if self.before_evict is not None:
+                self.before_evict()
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hashes[block] = None

@@ -58,6 +58,8 @@ class LLMEngine:
                     if not backend.num_lookahead_slots and engine_config.max_num_batched_tokens
                     >= engine_config.max_num_seqs else None)
         self.scheduler.run = self.run
+        if self.run is not None:
+            self.block_manager.before_evict = self.run.flush_commits
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.requests = RequestAdmission(engine_config, self.config.vocab_size, self.tokenizer, self.eos_token_ids,
                                          backend, self.max_seq_len, self.num_kv_blocks,

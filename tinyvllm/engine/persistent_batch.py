@@ -13,7 +13,7 @@ included). write_back() brings the fields up to date, read_in() takes them back;
 
 The prefix-cache commits of the blocks that attached rows fill are logged in the order the output processor would
 make them, and made (flush_commits) before anything else reads or writes the prefix cache: an admission's lookup,
-a freed sequence, another commit.
+a freed sequence, another commit, the eviction of a cached block.
 """
 
 from __future__ import annotations
