@@ -83,15 +83,19 @@ class OutputProcessor:
         rows, quick = range(len(sampled)), {}
         if fast is not None:
             num_fast = len(fast.slots)
-            unattached, looked_at = self.run.read(fast, sampled[:num_fast, 0])
+            unattached, looked_at, may_stop = self.run.read(fast, sampled[:num_fast, 0])
             rows = [*sorted({*unattached.tolist(), *looked_at.tolist()}), *range(num_fast, len(sampled))]
+            may_stop = set(may_stop.tolist())
         first = sampled[:, 0].tolist() if rows else []  # a steady decode of attached rows needs none
         if fast is not None and len(looked_at):
             quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
         for i in rows:
             seq, index = step.seqs[i], launched.index(i)
             if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
-                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
+                if i in may_stop:
+                    self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
+                else:
+                    self._take_text(seq, first[i], index + 1, now, ended, quick[i])
                 continue
             attached = seq.run_slot >= 0
             if attached:
@@ -176,6 +180,17 @@ class OutputProcessor:
         if seq.constraint is not None:
             advance.append((seq.constraint, token))
         return False
+
+    def _take_text(self, seq: Sequence, token: int, length: int, now: float, ended: list[Sequence],
+                   entry: dict[int, float] | None) -> None:
+        """_take() of a token that no stop token, EOS or length limit can end on (an attached row's, without a
+        structured output): its logprob entry, then its stop strings."""
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token]
+        if seq.detokenizer is not None and _stop_string_hit(
+                seq, token, length - seq.num_prompt_tokens > seq.params.min_tokens):
+            self._end(seq, length, now, ended)
 
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins

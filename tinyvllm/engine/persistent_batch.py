@@ -290,10 +290,10 @@ class DecodeRun:
         self.pending[slots] += 1
         self.sample_row[slots] = np.arange(len(slots))
 
-    def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Read the step's tokens of the rows still attached; return the rows read one by one instead (attached no
-        longer) and the rows whose tokens need checking one by one (logprobs, stop strings, a possible stop token,
-        the length limit)."""
+        longer), the rows whose tokens need a look one by one (logprobs, stop strings, a possible stop token, the
+        length limit), and those of them that a stop token, EOS or the length limit may end."""
         slots = fast.slots
         valid = self.gen[slots] == fast.gens
         rows = np.flatnonzero(valid)
@@ -305,8 +305,8 @@ class DecodeRun:
             self._eos_marked = set(self.eos_token_ids)
         if self.block_manager.enable_prefix_caching:
             self._log_commits(held)
-        check = self.check[held] | self.stop_mask[tokens] | (index + 1 >= self.max_len[held])
-        return np.flatnonzero(~valid), rows[check]
+        may_stop = self.stop_mask[tokens] | (index + 1 >= self.max_len[held])
+        return np.flatnonzero(~valid), rows[self.check[held] | may_stop], rows[may_stop]
 
     def _log_commits(self, slots: np.ndarray) -> None:
         full = np.minimum(self.computed[slots], self.ctx[slots] - self.pending[slots]) // self.block_size
