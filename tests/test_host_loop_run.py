@@ -126,14 +126,20 @@ def random_plan(rng, vocab: int, reference_text: str) -> tuple[dict, dict]:
     return plan, aborts
 
 
-@pytest.mark.parametrize("seed", range(6))
+CONFIGS = [{}, {"enable_prefix_caching": False}, {"enable_chunked_prefill": False, "max_num_batched_tokens": 32},
+           {"batching": "static"}]
+
+
+@pytest.mark.parametrize("seed,config", [(seed, {}) for seed in range(6)]
+                         + [(10 + i, config) for i, config in enumerate(CONFIGS[1:])])
 @pytest.mark.parametrize("num_kv_blocks", [24, 200])  # 24: preemptions
-def test_run_matches_the_engine_without_it(tiny_model_dir, seed, num_kv_blocks):
+def test_run_matches_the_engine_without_it(tiny_model_dir, seed, config, num_kv_blocks):
     """Same batches step by step (the run's deltas against the rebuild from the sequences' fields), same running
-    state, same outputs, same preemptions and prefix-cache contents."""
+    state, same outputs, same preemptions and prefix-cache contents; also without prefix caching, without chunked
+    prefill (a small budget) and with static batching."""
     rng = np.random.default_rng(seed)
-    _, plain, plain_batches = engine_for(tiny_model_dir, False, num_kv_blocks=num_kv_blocks)
-    _, fast, fast_batches = engine_for(tiny_model_dir, True, num_kv_blocks=num_kv_blocks)
+    _, plain, plain_batches = engine_for(tiny_model_dir, False, num_kv_blocks=num_kv_blocks, **config)
+    _, fast, fast_batches = engine_for(tiny_model_dir, True, num_kv_blocks=num_kv_blocks, **config)
     reference_text = plain.tokenizer.decode(rng.integers(3, 200, 40).tolist())
     plan, aborts = random_plan(rng, plain.config.vocab_size, reference_text)
     want, want_states = drive(plain, plan, aborts)
