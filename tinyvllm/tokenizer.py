@@ -231,10 +231,14 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
+        # the ids are Python ints: the tokenizers library's decode takes them as they are (a step decodes each
+        # sequence with stop strings twice, so Tokenizer.decode's conversion would cost as much as the decodes)
+        backend = getattr(tokenizer, "backend", None)
+        self._decode = tokenizer.decode if backend is None else backend.decode
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        decode, skip = self._decode, self.skip_special_tokens
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip)
         new_text = decode(self.ids[self.prefix_offset :], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

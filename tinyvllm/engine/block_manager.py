@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from itertools import chain
 
 from tinyvllm.config import EngineConfig
@@ -35,6 +36,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix block
+        # called before a cached block is evicted: commits held back elsewhere (the engine's DecodeRun) are made
+        # first, so the cache changes in the order they would have been made in
+        self.before_evict: Callable[[], None] | None = None
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # ... and found there
 
@@ -103,7 +107,10 @@ class BlockManager:
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of the sequence's blocks that are now full of computed tokens (whose ids are known:
         a pending token's is not yet)."""
-        full = min(seq.num_computed_tokens, len(seq) - seq.num_pending) // self.block_size
+        self.commit_blocks(seq, min(seq.num_computed_tokens, len(seq) - seq.num_pending) // self.block_size)
+
+    def commit_blocks(self, seq: Sequence, full: int) -> None:
+        """Register the hashes of the sequence's first `full` blocks (full of known tokens, in token_ids)."""
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         for index in range(seq.num_hashed_blocks, full):
@@ -177,10 +184,16 @@ class BlockManager:
             hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[start: start + self.block_size]))
         return hashes[index]
 
+    def take_blocks(self, count: int) -> list[int]:
+        """`count` free blocks, in the order grow() would take them one by one."""
+        return [self._take() for _ in range(count)]
+
     def _take(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         h = self.block_hashes[block]
         if h is not None:  # evict: this block's cached prefix is forgotten
+            if self.before_evict is not None:
+                self.before_evict()
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hashes[block] = None

@@ -16,6 +16,7 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.logits_processing import PenaltySlots, build_logits_processing
 from tinyvllm.engine.model_inputs import BatchRows, build_batch
 from tinyvllm.engine.output_processor import InFlightStep, OutputProcessor
+from tinyvllm.engine.persistent_batch import DecodeRun
 from tinyvllm.engine.requests import RequestAdmission
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
@@ -52,12 +53,20 @@ class LLMEngine:
         self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         self.batch_rows = BatchRows()
+        # Decodes in persistent arrays, for a backend that returns one token per row and a budget for every decode.
+        self.run = (DecodeRun(self.block_manager, self.batch_rows, self.config.vocab_size, self.eos_token_ids)
+                    if not backend.num_lookahead_slots and engine_config.max_num_batched_tokens
+                    >= engine_config.max_num_seqs else None)
+        self.scheduler.run = self.run
+        if self.run is not None:
+            self.block_manager.before_evict = self.run.flush_commits
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self.requests = RequestAdmission(engine_config, self.config.vocab_size, self.tokenizer, self.eos_token_ids,
                                          backend, self.max_seq_len, self.num_kv_blocks,
                                          self.structured_outputs, self.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.block_manager,
-                                                self.structured_outputs, self._release, self.requests.pass_on_forks)
+                                                self.structured_outputs, self._release, self.requests.pass_on_forks,
+                                                self.run)
         self._rejected: list[RequestOutput] = []
         # Steps queued on the backend whose tokens are not read yet: the last one (whose sampling may still wait for
         # its token masks), and the one before it.
@@ -97,6 +106,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out: its blocks, penalty slot and batch row."""
+        if self.run is not None:
+            self.run.leave(seq)
         self.scheduler.finish(seq)
         self.penalty_slots.release(seq)
         self.batch_rows.release(seq)
@@ -145,16 +156,26 @@ class LLMEngine:
 
     def _prepare(self, step: ScheduledStep) -> InFlightStep:
         """The step's batch, with the sequences advanced as if it had run (the first token each samples pending:
-        a placeholder in token_ids)."""
-        batch = build_batch(step, self.engine_config.block_size, self.batch_rows)
-        samples = [seq.num_computed_tokens + n == len(seq.token_ids) for seq, n in zip(step.seqs, step.num_new_tokens)]
-        batch.logits_processing = build_logits_processing(step.seqs, samples, self.penalty_slots)
-        constrained = [i for i, (seq, sampled) in enumerate(zip(step.seqs, samples)) if sampled and seq.constraint]
+        a placeholder in token_ids). The run's rows (the first ones) advance in its arrays."""
+        batch = build_batch(step, self.engine_config.block_size, self.batch_rows, self.run)
+        fast = step.fast
+        num_fast = 0 if fast is None else len(fast.slots)
+        seqs, num_new_tokens = step.seqs[num_fast:], step.num_new_tokens[num_fast:]
+        samples = [seq.num_computed_tokens + n == len(seq.token_ids) for seq, n in zip(seqs, num_new_tokens)]
+        if num_fast and not seqs:
+            batch.logits_processing = self.run.logits_processing(fast, self._run_processing)
+        else:  # the run's rows sample, and read only their live fields here
+            batch.logits_processing = build_logits_processing(step.seqs, [True] * num_fast + samples,
+                                                              self.penalty_slots)
+        constrained = [num_fast + i for i, (seq, sampled) in enumerate(zip(seqs, samples))
+                       if sampled and seq.constraint]
         if constrained:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
             batch.bitmask_rows[constrained] = np.arange(len(constrained))
+        if num_fast:
+            self.run.advance(fast)
         starts, sample_index, now = [], [], time.time()
-        for row, (seq, num_new, sampled) in enumerate(zip(step.seqs, step.num_new_tokens, samples)):
+        for row, (seq, num_new, sampled) in enumerate(zip(seqs, num_new_tokens, samples), num_fast):
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             starts.append(seq.num_computed_tokens)
@@ -166,7 +187,10 @@ class LLMEngine:
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.sample_row = row
-        return InFlightStep(step, batch, starts, sample_index)
+        return InFlightStep(step, batch, starts, sample_index, fast=fast)
+
+    def _run_processing(self, seqs: list[Sequence]):
+        return build_logits_processing(seqs, [True] * len(seqs), self.penalty_slots)
 
     def _process(self, launched: InFlightStep, advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
         """Wait for a step's output and read it (OutputProcessor.process)."""

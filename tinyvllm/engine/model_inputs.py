@@ -8,6 +8,7 @@ import numpy as np
 
 from tinyvllm.backends.base import Batch, SamplingBatch
 from tinyvllm.backends.sampler import step_keys
+from tinyvllm.engine.persistent_batch import DecodeRun
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence
 
@@ -41,14 +42,36 @@ class BatchRows:
 
     def gather(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """The sequences' rows, and their block tables [S, longest table]."""
+        rows, width = self.rows(seqs)
+        rows = np.array(rows, np.intp)
+        return rows, self.block_tables[rows, :width]
+
+    def gather_fields(self, rows: np.ndarray) -> dict:
+        """The FIELDS of these rows, with the most logprobs asked (num_logprobs) and the rows asking prompt
+        logprobs (prompt_logprob_rows)."""
+        fields = {name: values[rows] for name, values in self.fields.items()}
+        fields["num_logprobs"] = int(fields["logprobs"].max())
+        fields["prompt_logprob_rows"] = np.flatnonzero(fields["prompt_logprobs"]).tolist()
+        return fields
+
+    def rows(self, seqs: list[Sequence]) -> tuple[list[int], int]:
+        """The sequences' rows (their tables brought up to date), and the longest table's length."""
         owners, tables, lengths = self.owners, self.tables, self.lengths
         # most steps change no table: a row still held, with the same list at the same length, is taken as it is
         rows = [row if 0 <= (row := seq.table_row) < len(owners) and owners[row] is seq
                 and tables[row] is seq.block_table and lengths[row] == len(seq.block_table) else self._update(seq)
                 for seq in seqs]
-        width = max(map(lengths.__getitem__, rows))
-        rows = np.array(rows, np.intp)
-        return rows, self.block_tables[rows, :width]
+        return rows, max(map(lengths.__getitem__, rows))
+
+    def row(self, seq: Sequence) -> int:
+        """The sequence's row, its table brought up to date."""
+        return self.rows([seq])[0][0]
+
+    def widen(self, length: int) -> None:
+        """Room for block tables of `length` entries."""
+        width = self.block_tables.shape[1]
+        if length > width:
+            self.block_tables = np.pad(self.block_tables, ((0, 0), (0, max(length, 2 * width) - width)))
 
     def release(self, seq: Sequence) -> None:
         row = seq.table_row
@@ -69,9 +92,7 @@ class BatchRows:
             self.tables[row], known = table, 0
             self.block_tables[row] = 0
         if length > known:
-            if length > self.block_tables.shape[1]:
-                width = self.block_tables.shape[1]
-                self.block_tables = np.pad(self.block_tables, ((0, 0), (0, max(length, 2 * width) - width)))
+            self.widen(length)
             self.block_tables[row, known:length] = table[known:]
         self.lengths[row] = length
         return row
@@ -88,53 +109,87 @@ class BatchRows:
         return self.free.pop()
 
 
-def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | None = None) -> Batch:
-    """The step's Batch; `batch_rows`: the engine's BatchRows (None: a throwaway one)."""
+def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | None = None,
+                run: DecodeRun | None = None) -> Batch:
+    """The step's Batch; `batch_rows`: the engine's BatchRows (None: a throwaway one); `run`: the DecodeRun holding
+    the step's first rows (step.fast), if any."""
     seqs = step.seqs
     n = len(seqs)
     batch_rows = BatchRows() if batch_rows is None else batch_rows
-    rows, block_tables = batch_rows.gather(seqs)
-    fields = batch_rows.fields
-    starts = np.fromiter([seq.num_computed_tokens for seq in seqs], np.int32, n)
-    lengths = np.fromiter([len(seq.token_ids) for seq in seqs], np.int32, n)
-    query_lens = np.asarray(step.num_new_tokens, np.int32)
+    num_fast = 0 if step.fast is None else len(step.fast.slots)
+    # a step of the run's rows alone: one new token each
+    query_lens = np.ones(n, np.int32) if num_fast == n else np.asarray(step.num_new_tokens, np.int32)
+    parts = []
+    if num_fast:
+        parts.append(run.inputs(step.fast))
+    if num_fast < n:
+        parts.append(_row_inputs(seqs[num_fast:], query_lens[num_fast:], batch_rows))
+    rows, widths, starts, lengths, token_ids, sources = (
+        parts[0] if len(parts) == 1 else [np.concatenate(columns) for columns in zip(*parts)])
+    width = int(widths.max())
+    block_tables = batch_rows.block_tables[rows, :width]
     ends = starts + query_lens
-    query_start_loc = np.zeros(n + 1, np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    max_query_len = int(query_lens.max())
-    if max_query_len > 1:
-        token_ids = np.concatenate([np.asarray(seq.token_ids[s:e], np.int32) for seq, s, e in zip(seqs, starts, ends)])
-        positions = np.concatenate([np.arange(s, e, dtype=np.int32) for s, e in zip(starts, ends)])
+    if num_fast == n:
+        query_start_loc, max_query_len = np.arange(n + 1, dtype=np.int32), 1
     else:
-        # one new token each: mostly the last sampled one, but it can be a 1-token prompt chunk
-        token_ids = np.fromiter([seq.token_ids[s] for seq, s in zip(seqs, starts.tolist())], np.int32, n)
-        positions = starts
+        query_start_loc = np.zeros(n + 1, np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        max_query_len = int(query_lens.max())
+    positions = (np.concatenate([np.arange(s, e, dtype=np.int32) for s, e in zip(starts, ends)])
+                 if max_query_len > 1 else starts.astype(np.int32))
     # A token still being sampled by the previous step (the engine runs one step ahead) is read on the backend
     # from that step's sampled ids: token_sources gives the row there, -1 where token_ids holds the token.
-    pending = np.flatnonzero((ends == lengths) & (np.fromiter([seq.num_pending for seq in seqs], np.int32, n) > 0))
     token_sources = None
-    if len(pending):
+    if (sources >= 0).any():
         token_sources = np.full(len(token_ids), -1, np.int32)
-        token_sources[query_start_loc[1:][pending] - 1] = [seqs[i].sample_row for i in pending.tolist()]
-    seq_index = np.repeat(np.arange(n), query_lens)
+        token_sources[query_start_loc[1:] - 1] = sources
+    seq_index = np.repeat(np.arange(n), query_lens) if max_query_len > 1 else np.arange(n)
     slot_mapping = (block_tables[seq_index, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
 
+    # the run's rows' fields change only when its rows do
+    fields = run.fields(step.fast) if num_fast == n else batch_rows.gather_fields(rows)
     sampling = SamplingBatch(
-        temperature=fields["temperature"][rows], top_p=fields["top_p"][rows], top_k=fields["top_k"][rows],
-        min_p=fields["min_p"][rows],
-        noise_keys=step_keys(fields["sampling_key"][rows], lengths - fields["num_prompt_tokens"][rows]),
-        num_logprobs=int(fields["logprobs"][rows].max()),
+        temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"], min_p=fields["min_p"],
+        noise_keys=step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"]),
+        num_logprobs=fields["num_logprobs"],
     )
-    # Prompt logprobs: new position p predicts prompt token p + 1, for as long as that is a prompt token.
-    targets = {}
-    for i in np.flatnonzero(fields["prompt_logprobs"][rows]).tolist():
-        seq, s, e = seqs[i], int(starts[i]), int(ends[i])
-        if s + 1 < seq.num_prompt_tokens:
-            targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
+    targets = _prompt_logprob_targets(seqs, starts, ends, fields)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)
     copies = np.asarray(step.block_copies, np.int32).reshape(-1, 2) if step.block_copies else None
     lookahead = None if step.num_lookahead_slots is None else np.asarray(step.num_lookahead_slots, np.int32)
     return Batch(max_query_len, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
                  block_tables, sampling, targets, num_prompt_logprobs, token_sources, block_copies=copies,
                  logits_indices=query_start_loc[1:] - 1, num_lookahead_slots=lookahead)
+
+
+def _row_inputs(seqs: list[Sequence], query_lens: np.ndarray, batch_rows: BatchRows) -> tuple[np.ndarray, ...]:
+    """What build_batch needs of sequences read from their fields: their BatchRows rows, block-table lengths,
+    computed tokens (starts), lengths, new token ids and each one's token source (the previous step's row where its
+    last new token is pending there, else -1)."""
+    n = len(seqs)
+    rows, _ = batch_rows.rows(seqs)
+    widths = np.fromiter([batch_rows.lengths[row] for row in rows], np.int64, n)
+    starts = np.fromiter([seq.num_computed_tokens for seq in seqs], np.int64, n)
+    lengths = np.fromiter([len(seq.token_ids) for seq in seqs], np.int64, n)
+    ends = starts + query_lens
+    if int(query_lens.max()) > 1:
+        token_ids = np.concatenate([np.asarray(seq.token_ids[s:e], np.int32) for seq, s, e in zip(seqs, starts, ends)])
+    else:
+        # one new token each: mostly the last sampled one, but it can be a 1-token prompt chunk
+        token_ids = np.fromiter([seq.token_ids[s] for seq, s in zip(seqs, starts.tolist())], np.int32, n)
+    sources = np.full(n, -1, np.int32)
+    pending = np.flatnonzero((ends == lengths) & (np.fromiter([seq.num_pending for seq in seqs], np.int32, n) > 0))
+    sources[pending] = [seqs[i].sample_row for i in pending.tolist()]
+    return np.array(rows, np.intp), widths, starts, lengths, token_ids, sources
+
+
+def _prompt_logprob_targets(seqs: list[Sequence], starts: np.ndarray, ends: np.ndarray,
+                            fields: dict) -> dict[int, np.ndarray]:
+    """Prompt logprobs: new position p predicts prompt token p + 1, for as long as that is a prompt token."""
+    targets = {}
+    for i in fields["prompt_logprob_rows"]:
+        seq, s, e = seqs[i], int(starts[i]), int(ends[i])
+        if s + 1 < seq.num_prompt_tokens:
+            targets[i] = np.asarray(seq.prompt_token_ids[s + 1: min(e + 1, seq.num_prompt_tokens)], np.int32)
+    return targets

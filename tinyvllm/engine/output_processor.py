@@ -4,6 +4,7 @@ that is given to it."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy as np
 
 from tinyvllm.backends.base import Batch, Logprobs, QueuedStep, SamplerOutput
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.persistent_batch import DecodeRun, FastRows
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
@@ -25,11 +27,21 @@ class InFlightStep:
 
     step: ScheduledStep
     batch: Batch
-    starts: list[int]  # per row: the sequence's computed tokens before this step
-    # per row: where in token_ids the step's first sampled token goes (-1: a prompt chunk, none); its further
-    # accepted tokens follow it
+    # Per row after the run's (all rows without `fast`): the sequence's computed tokens before this step, and where
+    # in token_ids the step's first sampled token goes (-1: a prompt chunk, none); its further accepted tokens
+    # follow it. The run's rows are decodes: their fast.sample_index, and one less.
+    starts: list[int]
     sample_index: list[int]
     queued: QueuedStep | None = None  # once submitted
+    fast: FastRows | None = None  # its first rows, the DecodeRun's
+
+    def start(self, i: int) -> int:
+        num_fast = 0 if self.fast is None else len(self.fast.slots)
+        return int(self.fast.sample_index[i]) - 1 if i < num_fast else self.starts[i - num_fast]
+
+    def index(self, i: int) -> int:
+        num_fast = 0 if self.fast is None else len(self.fast.slots)
+        return int(self.fast.sample_index[i]) if i < num_fast else self.sample_index[i - num_fast]
 
     @property
     def may_return_runs(self) -> bool:
@@ -42,61 +54,107 @@ class OutputProcessor:
     """Reads each step's tokens into its sequences and finishes those that stop.
 
     `release(seq)` takes a finished sequence out of the engine (scheduler, penalty slot, batch row);
-    `pass_on_forks(seq)` starts the completions a finished sequence had still to fork."""
+    `pass_on_forks(seq)` starts the completions a finished sequence had still to fork; `run` is the engine's
+    DecodeRun (None: none), whose rows' tokens it reads in its arrays."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], block_manager: BlockManager,
                  structured_outputs: StructuredOutputManager, release: Callable[[Sequence], None],
-                 pass_on_forks: Callable[[Sequence], None]) -> None:
+                 pass_on_forks: Callable[[Sequence], None], run: DecodeRun | None = None) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.block_manager, self.block_size = block_manager, block_manager.block_size
         self.structured_outputs = structured_outputs
         self.release, self.pass_on_forks = release, pass_on_forks
+        self.run = run
 
     def process(self, launched: InFlightStep, result: SamplerOutput,
                 advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
         """Read a step's tokens into its sequences; finish those that stop. The constrained sequences that go on
-        leave their tokens in `advance`, for their constraints to take."""
+        leave their tokens in `advance`, for their constraints to take. The run's rows still attached are read in
+        its arrays; only those whose tokens need a look (logprobs, stop strings, a stop token, the length limit)
+        are gone through one by one, like the other rows."""
         now = time.time()
         ended: list[Sequence] = []
-        step, batch = launched.step, launched.batch
-        first = result.sampled_token_ids[:, 0].tolist()
-        runs = result.sampled_token_ids.shape[1] > 1  # else one token each: the common path
+        step, fast = launched.step, launched.fast
+        sampled = result.sampled_token_ids
+        runs = sampled.shape[1] > 1  # else one token each: the common path
         counts = result.num_sampled.tolist() if runs else None
-        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
-        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(first))
-        block_size, finished = self.block_size, SequenceStatus.FINISHED
-        for i, (seq, start, index) in enumerate(zip(step.seqs, launched.starts, launched.sample_index)):
-            if seq.status is finished:
-                continue  # it stopped at the previous step: this step's work for it is dropped
-            if index >= 0 and seq.constraint is not None and seq.constraint.done:
-                # Complete with the token before (it has taken every token up to this one): this one, EOS or
-                # whatever its mask allowed once nothing more could follow, is dropped.
-                seq.finish_reason = "stop"
-                self._end(seq, index, now, ended)
+        lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(sampled))
+        rows, quick = range(len(sampled)), {}
+        if fast is not None:
+            num_fast = len(fast.slots)
+            unattached, looked_at, may_stop = self.run.read(fast, sampled[:num_fast, 0])
+            rows = [*sorted({*unattached.tolist(), *looked_at.tolist()}), *range(num_fast, len(sampled))]
+            may_stop = set(may_stop.tolist())
+        first = sampled[:, 0].tolist() if rows else []  # a steady decode of attached rows needs none
+        if fast is not None and len(looked_at):
+            quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
+        for i in rows:
+            seq, index = step.seqs[i], launched.index(i)
+            if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
+                if i in may_stop:
+                    self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
+                else:
+                    self._take_text(seq, first[i], index + 1, now, ended, quick[i])
                 continue
-            if prompt_logprobs and i in prompt_logprobs:
-                self._read_prompt_logprobs(seq, start, prompt_logprobs[i], batch.prompt_logprob_targets[i])
-            run = None if counts is None or counts[i] == 1 else result.sampled_token_ids[i, :counts[i]].tolist()
-            if index >= 0:
-                seq.token_ids[index] = first[i]
-                seq.num_pending -= 1
-                if run is not None:
-                    _append_run(seq, index, run)
-            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block may have filled up
-                self.block_manager.commit_full_blocks(seq)
-            if index < 0:
-                continue  # a prompt chunk: nothing sampled
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if run is None:
-                self._take(seq, first[i], index + 1, logprobs, lp_rows[i], now, ended, advance)
-                continue
-            for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
-                if self._take(seq, token, index + j + 1, logprobs, lp_rows[i] + j, now, ended, advance):
-                    break
-        self._detokenize(ended)
+            attached = seq.run_slot >= 0
+            if attached:
+                self.run.write_back_live(seq)
+            run = None if counts is None or counts[i] == 1 else sampled[i, :counts[i]].tolist()
+            self._read_row(launched, i, seq, first[i], run, result, lp_rows[i], now, ended, advance)
+            if attached:
+                self.run.restore(seq)
+        if ended:
+            self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
+
+    @staticmethod
+    def _look_ahead(seqs: list[Sequence], rows: list[int], tokens: list[int],
+                    logprobs: Logprobs | None) -> dict[int, dict[int, float] | None]:
+        """For rows of one token each: their logprob entries (None: none asked), made from one copy of the
+        arrays."""
+        with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
+        entries = dict.fromkeys(rows)
+        entries.update(zip(with_logprobs, logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
+                                                          [seqs[i].params.logprobs for i in with_logprobs])))
+        return entries
+
+    def _read_row(self, launched: InFlightStep, i: int, seq: Sequence, token: int, run: list[int] | None,
+                  result: SamplerOutput, lp_row: int, now: float, ended: list[Sequence],
+                  advance: list[tuple[OutputConstraint, int]]) -> None:
+        """Read row i's token (or run of tokens, `run`) into its sequence, from its fields."""
+        index = launched.index(i)
+        if seq.status is SequenceStatus.FINISHED:
+            return  # it stopped at the previous step: this step's work for it is dropped
+        if index >= 0 and seq.constraint is not None and seq.constraint.done:
+            # Complete with the token before (it has taken every token up to this one): this one, EOS or
+            # whatever its mask allowed once nothing more could follow, is dropped.
+            seq.finish_reason = "stop"
+            self._end(seq, index, now, ended)
+            return
+        if result.prompt_logprobs and i in result.prompt_logprobs and seq.prompt_logprobs is not None:
+            # (a later completion of n recomputing its prompt after preemption: the first one holds them)
+            self._read_prompt_logprobs(seq, launched.start(i), result.prompt_logprobs[i],
+                                       launched.batch.prompt_logprob_targets[i])
+        if index >= 0:
+            seq.token_ids[index] = token
+            seq.num_pending -= 1
+            if run is not None:
+                _append_run(seq, index, run)
+        if seq.num_computed_tokens // self.block_size > seq.num_hashed_blocks:  # a block may have filled up
+            if self.run is not None:
+                self.run.flush_commits()  # the run's rows' commits come first
+            self.block_manager.commit_full_blocks(seq)
+        if index < 0:
+            return  # a prompt chunk: nothing sampled
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        if run is None:
+            self._take(seq, token, index + 1, result.logprobs, lp_row, now, ended, advance)
+            return
+        for j, token in enumerate(run):  # in order: a stop cuts the tokens after it
+            if self._take(seq, token, index + j + 1, result.logprobs, lp_row + j, now, ended, advance):
+                break
 
     def _read_prompt_logprobs(self, seq: Sequence, start: int, logprobs: Logprobs, targets: np.ndarray) -> None:
         entries = logprob_dicts(logprobs, targets, seq.params.prompt_logprobs)
@@ -106,11 +164,12 @@ class OutputProcessor:
         seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start - 1:])
 
     def _take(self, seq: Sequence, token: int, length: int, logprobs: Logprobs | None, lp_row: int, now: float,
-              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]]) -> bool:
-        """Go through one token read (the sequence is `length` tokens long with it): its logprobs, then the stop
-        rules; True if the sequence ends there."""
+              ended: list[Sequence], advance: list[tuple[OutputConstraint, int]],
+              entry: dict[int, float] | None = None) -> bool:
+        """Go through one token read (the sequence is `length` tokens long with it): its logprobs (entry: made
+        beforehand, _look_ahead), then the stop rules; True if the sequence ends there."""
         if seq.logprobs is not None:
-            entry = logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
+            entry = entry or logprob_dicts(logprobs, [token], seq.params.logprobs, lp_row)[0]
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[token]
         if self._check_stop(seq, token, length):
@@ -122,9 +181,22 @@ class OutputProcessor:
             advance.append((seq.constraint, token))
         return False
 
+    def _take_text(self, seq: Sequence, token: int, length: int, now: float, ended: list[Sequence],
+                   entry: dict[int, float] | None) -> None:
+        """_take() of a token that no stop token, EOS or length limit can end on (an attached row's, without a
+        structured output): its logprob entry, then its stop strings."""
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token]
+        if seq.detokenizer is not None and _stop_string_hit(
+                seq, token, length - seq.num_prompt_tokens > seq.params.min_tokens):
+            self._end(seq, length, now, ended)
+
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
         `ended`, whose texts and outputs are made together once the step is read."""
+        if self.run is not None:
+            self.run.leave(seq)  # its fields written back
         del seq.token_ids[length:]
         seq.num_pending = 0
         seq.metrics.finished_time = now
@@ -205,12 +277,16 @@ def _append_run(seq: Sequence, index: int, run: list[int]) -> None:
 def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
     """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it, with
     include_stop_str_in_output) and finish."""
-    before = len(seq.text)
-    seq.text += seq.detokenizer.add(token)
-    if len(seq.text) == before or not look:
+    delta = seq.detokenizer.add(token)
+    if not delta:
         return False
-    search_from = max(0, before - max(len(s) for s in seq.params.stop) + 1)
-    hits = [(pos, s) for s in seq.params.stop if (pos := seq.text.find(s, search_from)) >= 0]
+    before = len(seq.text)
+    seq.text += delta
+    if not look:
+        return False
+    stops = seq.params.stop
+    search_from = max(0, before - max(map(len, stops)) + 1)
+    hits = [(pos, s) for s in stops if (pos := seq.text.find(s, search_from)) >= 0]
     if not hits:
         return False
     pos, stop = min(hits)
@@ -228,5 +304,20 @@ def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> 
         entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])
                  if lp > -np.inf}
         entry[int(token)] = float(logprobs.token_logprobs[r])
+        out.append(entry)
+    return out
+
+
+def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """logprob_dicts() of one token at each of `rows` (k[i] top logprobs for row i), from one copy of the arrays."""
+    if not rows:
+        return []
+    k = max(ks)
+    top_ids, top = logprobs.top_ids[rows, :k].tolist(), logprobs.top_logprobs[rows, :k].tolist()
+    out = []
+    for ids, values, n, token, own in zip(top_ids, top, ks, token_ids, logprobs.token_logprobs[rows].tolist()):
+        pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
+        entry = {t: lp for t, lp in pairs if lp > -math.inf}
+        entry[token] = own
         out.append(entry)
     return out

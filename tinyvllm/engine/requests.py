@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from operator import attrgetter
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutpu
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer
+
+
+FORKS_LEFT = attrgetter("forks_left")
 
 
 class RequestAdmission:
@@ -35,6 +39,7 @@ class RequestAdmission:
         self.structured_outputs, self.scheduler = structured_outputs, scheduler
         self.rng = np.random.default_rng(engine_config.seed)  # seeds for requests that bring none
         self.num_arrivals = 0
+        self.may_fork = False  # some sequence may have completions left to fork (set where forks_left grows)
 
     def admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
               templated: bool = False) -> Sequence | RequestOutput:
@@ -57,6 +62,7 @@ class RequestAdmission:
         group = SequenceGroup(request_id, text, token_ids, seed, metrics.arrival_time, [None] * params.n, [])
         seq = self.new_sequence(group, 0, params, processors, metrics, constraint)
         seq.forks_left = params.n - 1
+        self.may_fork |= seq.forks_left > 0
         return seq
 
     def _check(self, params: SamplingParams, token_ids: list[int]) -> None:
@@ -119,7 +125,12 @@ class RequestAdmission:
     def fork_ready(self) -> None:
         """Start the next completions of n > 1 requests whose first sequence has its prompt computed: they share its
         prompt's KV blocks (the last partial one copied) and compute only the last prompt token themselves."""
-        for parent in list(self.scheduler.running):
+        if not self.may_fork:
+            return
+        parents = list(filter(FORKS_LEFT, self.scheduler.running))
+        if not parents and not any(map(FORKS_LEFT, self.scheduler.waiting)):
+            self.may_fork = False
+        for parent in parents:
             while parent.forks_left and parent.num_computed_tokens >= parent.num_prompt_tokens:
                 group = parent.group
                 child = self.new_sequence(group, len(group.seqs), parent.params, parent.processors,
@@ -136,6 +147,7 @@ class RequestAdmission:
         heir = next((s for s in group.seqs if s.status is SequenceStatus.RUNNING), None)
         if heir is not None:
             heir.forks_left, seq.forks_left = seq.forks_left, 0
+            self.may_fork |= heir.forks_left > 0
         while seq.forks_left:
             self.scheduler.add(self.new_sequence(group, len(group.seqs), seq.params, seq.processors,
                                                  RequestMetrics(arrival_time=group.arrival_time)))

@@ -17,6 +17,10 @@ not known yet (Sequence.num_pending). Such a sequence decodes that token next li
 token reaches its length limit is not scheduled again (it is certain to finish), and a preempted one is not
 readmitted until its token is known.
 
+The engine's DecodeRun (engine/persistent_batch.py), when there is one, schedules the decodes it holds first, in
+the order this scheduler gives decodes, or hands them all back when they cannot all run without a preemption;
+_schedule_running goes through the other running sequences.
+
 Lookahead slots (`num_lookahead_slots` > 0, from a backend that may return a run of tokens per decode): a decode
 gets that many more KV slots reserved (fewer near its length limit; none with logits processors or a structured
 output, which see one token per step), and ScheduledStep.num_lookahead_slots says how many each sequence got.
@@ -30,6 +34,7 @@ from operator import attrgetter
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.persistent_batch import DecodeRun, FastRows
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 DEBUG_CHECK_MAX_BLOCKS = 256  # block-table entries up to which schedule() checks every block's owners
@@ -43,6 +48,7 @@ class ScheduledStep:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before
     # per sequence: tokens beyond one it may get this step (KV slots reserved for them); None: one each
     num_lookahead_slots: list[int] | None = None
+    fast: FastRows | None = None  # the step's first rows, when a DecodeRun holds them (engine/persistent_batch)
 
 
 class Scheduler:
@@ -58,6 +64,7 @@ class Scheduler:
         self.static_batch: set[str] = set()  # static policy: the members of the batch in flight
         self.num_preemptions = 0
         self._block_copies: list[tuple[int, int]] = []  # forks' copies, made before the next step
+        self.run: DecodeRun | None = None  # the engine's, when its backend returns one token per row
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,7 +98,11 @@ class Scheduler:
         step = ScheduledStep([], [], block_copies=self._block_copies,
                              num_lookahead_slots=[] if self.num_lookahead_slots else None)
         self._block_copies = []
-        budget = self._schedule_running(step, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        if self.run is not None:  # the decodes it holds first, as _schedule_running would order them
+            budget = self.run.schedule(step, self.running, budget, bool(self.waiting))
+        if self.run is None or self.run.count < len(self.running):
+            budget = self._schedule_running(step, budget)
         self._admit(step, budget)
         self._check(step)
         return step
@@ -115,7 +126,7 @@ class Scheduler:
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         # Decodes first (one token each), then prompts part-way through their prefill: a long prompt waits, they don't.
         by_arrival = attrgetter("arrival_index")
-        live = [s for s in self.running if len(s.token_ids) < s.max_len]
+        live = [s for s in self.running if len(s.token_ids) < s.max_len and s.run_slot < 0]
         queue = deque(sorted((s for s in live if s.num_computed_tokens >= s.num_prompt_tokens), key=by_arrival))
         queue.extend(sorted((s for s in live if s.num_computed_tokens < s.num_prompt_tokens), key=by_arrival))
         block_size, lookahead = self.block_manager.block_size, step.num_lookahead_slots

@@ -60,6 +60,7 @@ class Sequence:
     constraint: OutputConstraint | None = None  # its structured output's state, or None
     penalty_slot: int = -1  # its slot in the backend's token-count table while it runs with penalties
     table_row: int = -1  # its row in the engine's BatchRows (model_inputs), once it has run
+    run_slot: int = -1  # its slot in the engine's DecodeRun (persistent_batch) while attached, else -1
     index: int = 0  # which of its request's n completions this is
     forks_left: int = 0  # completions still to fork from this one (the first of n) once its prompt is computed
     group: SequenceGroup | None = None  # its request's n sequences
