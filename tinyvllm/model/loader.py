@@ -220,11 +220,11 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> SafetensorsWeights:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    wanted, ignored = set(weight_shapes(config)), layout_of(config).hf_ignored
+    wanted, ignored, skipped = set(weight_shapes(config)), layout_of(config).hf_ignored, layout_of(config).hf_skipped
     entries: dict[str, TensorEntry] = {}
     for file in files:
         for name, entry in safetensors_entries(path / file).items():
-            if name.endswith(ignored):
+            if name.endswith(ignored) or name.startswith(skipped):
                 continue
             if name not in wanted:
                 raise ValueError(f"{path / file}: unexpected tensor {name} (unsupported model variant?)")

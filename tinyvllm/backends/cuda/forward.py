@@ -99,7 +99,7 @@ class CudaForward:
                  max_tokens: int) -> None:
         cfg = self.config = model.config
         self.engine_config = engine_config
-        cfg.check_max_model_len(engine_config.max_model_len)
+        cfg.check_cuda_kernels(engine_config.max_model_len)
         if cfg.head_dim not in HEAD_DIMS:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
