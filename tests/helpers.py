@@ -158,9 +158,10 @@ def hf_logprobs(model, token_ids: list[int]):
 
 
 def compare_with_hf(tmp_path: Path, config, prompts: list[list[int]], max_tokens: int = 6, seed: int = 0,
-                    **llm_kw) -> float:
+                    stats: dict | None = None, logprobs_from: int = 1, **llm_kw) -> float:
     """Run random weights of `config` saved as an HF dir through the numpy engine (greedy, prompt logprobs) and
-    through HF: asserts the greedy tokens are HF's, returns the largest prompt-logprob difference."""
+    through HF: asserts the greedy tokens are HF's, returns the largest prompt-logprob difference (of the prompt
+    tokens from `logprobs_from` on: those before may come from the prefix cache). `stats` gets the LLM's stats()."""
     import numpy as np
 
     from tinyvllm import SamplingParams, TokensPrompt
@@ -170,14 +171,17 @@ def compare_with_hf(tmp_path: Path, config, prompts: list[list[int]], max_tokens
     model_dir = save_hf_model_dir(tmp_path / "model", config, weights)
     reference = hf_model(config, weights)
     llm = llm_for(model_dir, **llm_kw)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0, ignore_eos=True,
+                            prompt_logprobs_start=logprobs_from)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    (stats if stats is not None else {}).update(llm.stats())
     llm.close()
     worst = 0.0
     for prompt, out in zip(prompts, outputs):
         ref = hf_logprobs(reference, prompt)
-        ours = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
-        worst = max(worst, float(np.max(np.abs(np.array(ours) - ref[np.arange(len(prompt) - 1), prompt[1:]]))))
+        positions = np.arange(logprobs_from, len(prompt))
+        ours = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in positions])
+        worst = max(worst, float(np.max(np.abs(ours - ref[positions - 1, np.array(prompt)[positions]]))))
         greedy = list(prompt)
         for _ in range(max_tokens):
             greedy.append(int(np.argmax(hf_logprobs(reference, greedy)[-1])))

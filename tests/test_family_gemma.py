@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import compare_with_hf, llm_for
+from helpers import compare_with_hf, llm_for, ok_run, write_jsonl
 
 from tinyvllm import SamplingParams, TokensPrompt
 from tinyvllm.model.config import ModelConfig
@@ -107,3 +107,26 @@ def test_cuda_refuses_gemma_in_one_line(family):
                                          r"RMSNorm.*--backend numpy") as e:
         tiny_config(**family).check_cuda_kernels(128)
     assert "\n" not in str(e.value)
+
+
+# Gemma 2's chat template as its tokenizer_config.json carries it: no system role.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_gemma_system_row_is_an_error_row_naming_the_reason(tmp_path):
+    model = save_hf_model_dir(tmp_path / "model", tiny_config(**GEMMA2), random_weights(tiny_config(**GEMMA2)))
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(dict(tok_config, chat_template=GEMMA2_TEMPLATE)))
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}]}])
+    rows = ok_run(model, src, tmp_path / "out.parquet", "--max-tokens", "2", "--backend", "numpy").to_pylist()
+    assert rows[0]["finish_reason"] == "error"
+    assert rows[0]["error"] == "chat template failed: System role not supported"
+    assert rows[1]["error"] is None and rows[1]["finish_reason"] == "length"
