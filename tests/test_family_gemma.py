@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import compare_with_hf, llm_for, ok_run, write_jsonl
+from helpers import compare_with_hf, llm_for, ok_run, one_line_error, run, write_jsonl
 
 from tinyvllm import SamplingParams, TokensPrompt
 from tinyvllm.model.config import ModelConfig
@@ -130,3 +130,19 @@ def test_gemma_system_row_is_an_error_row_naming_the_reason(tmp_path):
     assert rows[0]["finish_reason"] == "error"
     assert rows[0]["error"] == "chat template failed: System role not supported"
     assert rows[1]["error"] is None and rows[1]["finish_reason"] == "length"
+
+
+def test_cuda_backend_refuses_gemma_before_touching_a_gpu(tmp_path):
+    model = save_hf_model_dir(tmp_path / "model", tiny_config(**GEMMA2), random_weights(tiny_config(**GEMMA2)))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    message = one_line_error(run(model, src, tmp_path / "out.parquet", "--backend", "cuda"))
+    assert "the cuda backend has no kernels yet for this Gemma2ForCausalLM model's" in message
+    assert "sliding window of 5 tokens" in message and "--backend numpy" in message
+
+
+def test_new_family_configs_round_trip_through_config_json():
+    from test_family_phi3 import PHI, longrope
+
+    phi4 = tiny_config(**PHI, partial_rotary_factor=0.75, rope_scaling=longrope(6, 32), max_position_embeddings=256)
+    for config in (tiny_config(**GEMMA2), tiny_config(**GEMMA3), phi4, tiny_config(**PHI, sliding_window=6)):
+        assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config

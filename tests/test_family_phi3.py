@@ -87,3 +87,14 @@ def test_cuda_refuses_phi3_in_one_line():
     config = tiny_config(**PHI, partial_rotary_factor=0.5)
     with pytest.raises(ValueError, match="cuda backend has no kernels yet .*partial rotary.*qkv_proj.*--backend numpy"):
         config.check_cuda_kernels(2048)
+
+
+def test_fp8_kv_cache_is_refused_for_fused_checkpoints(tmp_path):
+    from helpers import llm_for
+
+    from tinyvllm.model.dummy import random_weights, save_hf_model_dir
+
+    config = tiny_config(**PHI)
+    model = save_hf_model_dir(tmp_path / "model", config, random_weights(config))
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 is not available for this Phi3ForCausalLM model"):
+        llm_for(model, kv_cache_dtype="fp8")

@@ -56,6 +56,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
 
         return NumpyBackend(model, config)
     if name == "cuda":
+        model.config.check_cuda_kernels(config.max_model_len)  # before any GPU work: what only numpy runs
         try:
             from tinyvllm.backends.cuda.runner import CudaBackend
         except ImportError as exc:
