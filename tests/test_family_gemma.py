@@ -10,6 +10,7 @@ import pytest
 from helpers import compare_with_hf, llm_for, ok_run, one_line_error, run, write_jsonl
 
 from tinyvllm import SamplingParams, TokensPrompt
+from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
 from tinyvllm.model.rope import layer_ropes
@@ -105,7 +106,7 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
 def test_cuda_refuses_gemma_in_one_line(family):
     with pytest.raises(ValueError, match=r"cuda backend has no kernels yet .*gelu_pytorch_tanh.*\(1 \+ weight\) "
                                          r"RMSNorm.*--backend numpy") as e:
-        tiny_config(**family).check_cuda_kernels(128)
+        check_cuda_kernels(tiny_config(**family), 128)
     assert "\n" not in str(e.value)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from helpers import compare_with_hf, require
 
+from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dummy import tiny_config
 from tinyvllm.model.layout import row_slices, weight_shapes
@@ -86,7 +87,7 @@ def test_phi3_hub_config_reads_longrope_and_partial_rotary():
 def test_cuda_refuses_phi3_in_one_line():
     config = tiny_config(**PHI, partial_rotary_factor=0.5)
     with pytest.raises(ValueError, match="cuda backend has no kernels yet .*partial rotary.*qkv_proj.*--backend numpy"):
-        config.check_cuda_kernels(2048)
+        check_cuda_kernels(config, 2048)
 
 
 def test_fp8_kv_cache_is_refused_for_fused_checkpoints(tmp_path):

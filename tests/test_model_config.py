@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dummy import llama_3_2_1b_config, smollm2_135m_config, tiny_config
 
@@ -116,12 +117,12 @@ def test_sliding_window_layers_and_the_cuda_refusal():
     with pytest.raises(ValueError, match="attention_bias"):  # Qwen3's flag also biases O
         ModelConfig.from_hf_dict(dict(HUB_QWEN3, attention_bias=True))
     mistral = ModelConfig.from_hf_dict(dict(HUB_MISTRAL, sliding_window=4096))
-    mistral.check_cuda_kernels(4096)  # a window no sequence outgrows is plain causal attention
+    check_cuda_kernels(mistral, 4096)  # a window no sequence outgrows is plain causal attention
     with pytest.raises(ValueError, match="cuda backend has no kernels yet .*sliding window of 4096 tokens .*"
                                          "--backend numpy"):
-        mistral.check_cuda_kernels(4097)
+        check_cuda_kernels(mistral, 4097)
     with pytest.raises(ValueError, match="max_model_len 32768"):
-        mistral.check_cuda_kernels(None)  # the model's 32768
+        check_cuda_kernels(mistral, None)  # the model's 32768
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "yarn"])

@@ -203,16 +203,6 @@ class ModelConfig:
                  "query_pre_attn_scalar": self.query_pre_attn_scalar is not None}
         return [name for name, needed in named.items() if needed]
 
-    def check_cuda_kernels(self, max_model_len: int | None) -> None:
-        """ValueError naming what this model needs that the cuda backend has no kernels for."""
-        missing = self.ops_beyond_llama(max_model_len)
-        from tinyvllm.model.layout import fused_parts  # layout imports this module
-
-        missing += [f"fused {', '.join(fused_parts(self))} checkpoint tensors"] if fused_parts(self) else []
-        if missing:
-            raise ValueError(f"the cuda backend has no kernels yet for this {self.architecture} model's "
-                             f"{'; '.join(missing)}: run it with --backend numpy")
-
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         arch, family = _architecture(d)
