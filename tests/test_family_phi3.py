@@ -19,8 +19,9 @@ PHI = dict(architecture="Phi3ForCausalLM", num_attention_heads=4, num_key_value_
 
 def longrope(config_dims: int, original: int, seed: int = 1) -> dict:
     rng = np.random.default_rng(seed)
-    return {"rope_type": "longrope", "short_factor": (1 + rng.random(config_dims)).tolist(),
-            "long_factor": (1 + 4 * rng.random(config_dims)).tolist(), "original_max_position_embeddings": original}
+    factors = [(1 + scale * rng.random(config_dims)).astype(np.float32).tolist() for scale in (1, 4)]  # as GGUF has
+    return {"rope_type": "longrope", "short_factor": factors[0], "long_factor": factors[1],
+            "original_max_position_embeddings": original}
 
 
 def prompts(lengths, seed=0):

@@ -18,7 +18,7 @@ from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.kv_scales import kv_cache_scales
-from tinyvllm.model.layout import row_slices
+from tinyvllm.model.layout import NORM_FIELDS, row_slices
 from tinyvllm.model.rope import layer_ropes
 from tinyvllm.model.weights import LayerWeights, pack_weights
 
@@ -173,9 +173,6 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 # ---- the model -----------------------------------------------------------------------------------------------------
 
-NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # LayerWeights' RMSNorm gains
-
-
 def host_layer(layer: LayerWeights, norm_offset: float = 0.0) -> LayerWeights[HostWeight]:
     """A packed layer as the forward reads it: matrices as float32 HostWeights [in, out], vectors as float32 arrays
     (the RMSNorm gains plus norm_offset: Gemma's (1 + weight)), the parts its family lacks None."""
@@ -186,7 +183,7 @@ def host_layer(layer: LayerWeights, norm_offset: float = 0.0) -> LayerWeights[Ho
         if w.ndim == 2:
             return HostWeight.from_rows(w)
         w = np.asarray(w, dtype=np.float32)
-        return w + np.float32(norm_offset) if norm_offset and name in NORMS else w
+        return w + np.float32(norm_offset) if norm_offset and name in NORM_FIELDS else w
 
     return LayerWeights(**{f.name: host(f.name, getattr(layer, f.name)) for f in fields(layer)})
 

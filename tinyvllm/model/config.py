@@ -237,7 +237,7 @@ class ModelConfig:
             final_logit_softcapping=d.get("final_logit_softcapping"),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             **_rope_fields(d),
-            **_window_fields(d, family),
+            **window_fields(d, family),
         )
 
     @classmethod
@@ -381,7 +381,7 @@ def _rope_fields(d: dict) -> dict:
             "local_rope_theta": None if local is None else _as_float("rope_local_base_freq", local)}
 
 
-def _window_fields(d: dict, family: Family) -> dict:
+def window_fields(d: dict, family: Family) -> dict:
     """sliding_window and layer_types: which layers slide, by the family's rule (Family.window_layers) unless the
     config lists them."""
     window, n = d.get("sliding_window"), d["num_hidden_layers"]

@@ -51,6 +51,8 @@ class Layout:
     hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # buffers old checkpoints saved; rebuilt from the config
     hf_skipped: tuple[str, ...] = ()  # prefixes of checkpoint tensors the model does not run (a vision tower)
     gguf_rope_freqs: str = "rope_freqs.weight"  # Llama 3 RoPE scaling as a tensor, folded into ModelConfig
+    # LongRoPE's long and short factors as tensors (Phi-3), folded into ModelConfig too
+    gguf_rope_factors: tuple[str, str] = ("rope_factors_long.weight", "rope_factors_short.weight")
 
     def packed(self, field: str) -> Packed:
         """The packed tensor of a ModelWeights or LayerWeights field."""
@@ -194,6 +196,17 @@ def row_slices(config: ModelConfig, field: str) -> list[slice]:
             out.append(slice(start, start + dims[rows]))
             start = out[-1].stop
     return out
+
+
+NORM_FIELDS = ("final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # gains
+
+
+def norm_names(config: ModelConfig) -> set[str]:
+    """The HF names of every RMSNorm gain of the model (those a family's norm_offset applies to)."""
+    names = {n for field, names in model_parts(config).items() if field in NORM_FIELDS for n in names}
+    for i in range(config.num_hidden_layers):
+        names |= {n for field, names in layer_parts(config, i).items() if field in NORM_FIELDS for n in names}
+    return names
 
 
 def fused_parts(config: ModelConfig) -> list[str]:
