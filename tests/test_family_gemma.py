@@ -147,3 +147,15 @@ def test_new_family_configs_round_trip_through_config_json():
     phi4 = tiny_config(**PHI, partial_rotary_factor=0.75, rope_scaling=longrope(6, 32), max_position_embeddings=256)
     for config in (tiny_config(**GEMMA2), tiny_config(**GEMMA3), phi4, tiny_config(**PHI, sliding_window=6)):
         assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
+
+
+def test_image_content_parts_are_refused_in_one_line():
+    from tinyvllm.model.dummy import build_tokenizer
+    from tinyvllm.tokenizer import Tokenizer
+
+    tok = Tokenizer(build_tokenizer(512), chat_template=GEMMA2_TEMPLATE)
+    image = [{"role": "user", "content": [{"type": "image", "url": "cat.png"}, {"type": "text", "text": "what?"}]}]
+    with pytest.raises(ValueError, match="message 0 has a content part of type 'image': tinyvllm takes text only"):
+        tok.apply_chat_template(image)
+    text = [{"role": "user", "content": [{"type": "text", "text": "what?"}]}]
+    assert "what?" in tok.apply_chat_template(text)

@@ -281,7 +281,8 @@ class ModelConfig:
             "eos_token_id": eos if self.eos_token_ids else None,
             "torch_dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
-            "layer_types": list(self.layer_types) if self.layer_types else None,
+            **({"layer_types": [LAYER_TYPES[w is not None] for w in self.layer_windows]} if self.sliding_window
+               else {}),
             "use_sliding_window": self.sliding_window is not None,
             "max_window_layers": 0,
             "partial_rotary_factor": self.partial_rotary_factor,
@@ -395,7 +396,7 @@ def window_fields(d: dict, family: Family) -> dict:
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     else:
         types = None
-    if d.get("layer_types") is not None:
+    if d.get("layer_types") is not None and types is not None:  # HF's Mistral and Phi-3 ignore layer_types
         types = d["layer_types"]
     if window is None:
         return {"sliding_window": None, "layer_types": None}
