@@ -128,3 +128,62 @@ def make_input(path: Path, n: int) -> Path:
             row["best_of"] = 2
         rows.append("{malformed" if i % 10 == 9 else row)
     return write_jsonl(path, rows)
+
+
+# ---- the HF transformers reference (torch CPU, float32, eager attention) ----
+
+def hf_model(config, weights):
+    """transformers' model of a ModelConfig (built from its config.json dict), holding these weights."""
+    import numpy as np
+
+    torch, transformers = require("torch"), require("transformers")
+    hf_dict = config.to_hf_dict() | {"pad_token_id": 0}  # Phi-3's default (32000) is past a tiny vocabulary
+    hf_config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+    hf_config._attn_implementation = "eager"
+    model = getattr(transformers, config.architecture)(hf_config).eval()
+    state = {name: torch.from_numpy(np.ascontiguousarray(w)) for name, w in weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    if not config.tie_word_embeddings:
+        assert "lm_head.weight" in state
+    return model
+
+
+def hf_logprobs(model, token_ids: list[int]):
+    """log_softmax of the HF model's logits at every position of one sequence (float64 [len, vocab])."""
+    torch = require("torch")
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def compare_with_hf(tmp_path: Path, config, prompts: list[list[int]], max_tokens: int = 6, seed: int = 0,
+                    stats: dict | None = None, logprobs_from: int = 1, **llm_kw) -> float:
+    """Run random weights of `config` saved as an HF dir through the numpy engine (greedy, prompt logprobs) and
+    through HF: asserts the greedy tokens are HF's, returns the largest prompt-logprob difference (of the prompt
+    tokens from `logprobs_from` on: those before may come from the prefix cache). `stats` gets the LLM's stats()."""
+    import numpy as np
+
+    from tinyvllm import SamplingParams, TokensPrompt
+    from tinyvllm.model.dummy import random_weights, save_hf_model_dir
+
+    weights = random_weights(config, seed)
+    model_dir = save_hf_model_dir(tmp_path / "model", config, weights)
+    reference = hf_model(config, weights)
+    llm = llm_for(model_dir, **llm_kw)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0, ignore_eos=True,
+                            prompt_logprobs_start=logprobs_from)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    (stats if stats is not None else {}).update(llm.stats())
+    llm.close()
+    worst = 0.0
+    for prompt, out in zip(prompts, outputs):
+        ref = hf_logprobs(reference, prompt)
+        positions = np.arange(logprobs_from, len(prompt))
+        ours = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in positions])
+        worst = max(worst, float(np.max(np.abs(ours - ref[positions - 1, np.array(prompt)[positions]]))))
+        greedy = list(prompt)
+        for _ in range(max_tokens):
+            greedy.append(int(np.argmax(hf_logprobs(reference, greedy)[-1])))
+        assert list(out.outputs[0].token_ids) == greedy[len(prompt):], (len(prompt), out.outputs[0].token_ids)
+    return worst

@@ -28,11 +28,8 @@ GGUF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2
               "Qwen3ForCausalLM": "qwen3"}
 
 
-def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_model="gpt2", pre="gpt-2",
-               add_bos=False, rope_freqs=None, spm=None):
-    """A GGUF as convert_hf_to_gguf writes it (of arch, by default the config's), with the dummy byte-level
-    tokenizer, or with the SentencePiece vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
-    arch = arch or GGUF_ARCHS[config.architecture]
+def gguf_writer(path, arch, config, rope_dims):
+    """A GGUFWriter with the config's sizes, RoPE (rope_dims dimensions rotated) and norm epsilon."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -40,9 +37,31 @@ def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_mode
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
-    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_dimension_count(rope_dims)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return w
+
+
+def add_dummy_tokenizer(w, vocab_size, tokenizer_model="gpt2", pre="gpt-2"):
+    """The dummy byte-level BPE tokenizer (model/dummy.py's) as tokenizer.ggml.* metadata."""
+    tok = json.loads(build_tokenizer(vocab_size).to_str())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+
+
+def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_model="gpt2", pre="gpt-2",
+               add_bos=False, rope_freqs=None, spm=None):
+    """A GGUF as convert_hf_to_gguf writes it (of arch, by default the config's), with the dummy byte-level
+    tokenizer, or with the SentencePiece vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
+    arch = arch or GGUF_ARCHS[config.architecture]
+    w = gguf_writer(path, arch, config, config.head_dim)
 
     if spm:
         w.add_tokenizer_model("llama")
@@ -50,15 +69,7 @@ def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_mode
         w.add_token_scores(spm["tokenizer.ggml.scores"])
         w.add_token_types(spm["tokenizer.ggml.token_type"])
     else:
-        tok = json.loads(build_tokenizer(config.vocab_size).to_str())
-        vocab = tok["model"]["vocab"]
-        tokens = sorted(vocab, key=vocab.get)
-        special = {t["content"] for t in tok["added_tokens"]}
-        w.add_tokenizer_model(tokenizer_model)
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+        add_dummy_tokenizer(w, config.vocab_size, tokenizer_model, pre)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_ids[0])
     w.add_add_bos_token(add_bos)
@@ -198,8 +209,9 @@ def test_qwen_gguf_loads_as_the_hf_dir(tmp_path, architecture, tied):
 
 def test_unsupported_architecture(tmp_path):
     config = tiny_config()
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma2': supported are llama, qwen2, qwen3"):
-        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), arch="gemma2"))
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon': supported are llama, qwen2, qwen3, "
+                                         "phi3, gemma2, gemma3"):
+        load_model(write_gguf(tmp_path / "m.gguf", config, random_weights(config), arch="falcon"))
 
 
 def test_unsupported_tokenizer_model(tmp_path):

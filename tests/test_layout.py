@@ -12,30 +12,42 @@ import tinyvllm
 from tinyvllm.model.config import FAMILIES, Family
 from tinyvllm.model.dummy import tiny_config
 from tinyvllm.model.layout import (LAYOUTS, dimensions, gguf_name_map, gguf_permuted_heads, hf_name_of_gguf,
-                                   layer_parts, layout_of, model_parts, row_slices, tied_copies, weight_shapes)
+                                   layer_parts, layout_of, layout_of_architecture, model_parts, row_slices,
+                                   tied_copies, weight_shapes)
 from tinyvllm.model.weights import LayerWeights, ModelWeights
 
 ARCHITECTURES = sorted(FAMILIES)
 GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-              "qwen3": gguf.MODEL_ARCH.QWEN3}
+              "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+              "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+LLAMA_NAMED = [a for a in ARCHITECTURES if layout_of_architecture(a) is LAYOUTS["llama"]]  # Llama's tensor names
 
 
 def expected_shapes(config):
-    """The tensors of an HF Llama / Mistral / Qwen2 / Qwen3 checkpoint, spelled out by hand."""
+    """The tensors of an HF Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 checkpoint, spelled out by
+    hand."""
     h, inter, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    arch = config.architecture
+    top = "language_model." if arch == "Gemma3ForConditionalGeneration" else ""
+    shapes = {top + "model.embed_tokens.weight": (v, h), top + "model.norm.weight": (h,),
+              top + "lm_head.weight": (v, h)}
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
+        p = f"{top}model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                   p + "mlp.down_proj.weight": (h, inter)}
-        if config.architecture == "Qwen2ForCausalLM":
+                   p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)}
+        if arch == "Phi3ForCausalLM":
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
+                       p + "mlp.up_proj.weight": (inter, h)}
+        if arch == "Qwen2ForCausalLM":
             shapes |= {p + f"self_attn.{n}_proj.bias": (q if n == "q" else kv,) for n in "qkv"}
-        if config.architecture == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if arch.startswith("Gemma"):
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     return shapes
 
 
@@ -45,16 +57,21 @@ def config_of(architecture, **overrides):
 
 
 def test_table_fields_are_the_weights_fields():
+    optional = set()
     for layout in set(LAYOUTS.values()):
         assert [p.field for p in layout.model] == [f.name for f in fields(ModelWeights) if f.name != "layers"]
-        assert [p.field for p in layout.layer] == [f.name for f in fields(LayerWeights)]
+        listed = [p.field for p in layout.layer]
+        assert listed == [f.name for f in fields(LayerWeights) if f.name in listed]  # in the dataclass's order
+        assert {f.name for f in fields(LayerWeights) if f.default is not None} <= set(listed)
         family_flags = set(Family._fields) - {"model_type"}
         for packed in (*layout.model, *layout.layer):
             assert packed.flag is None or packed.flag in family_flags, packed
             assert all(set(part.shape) <= set(dimensions(tiny_config())) for part in packed.parts), packed
         # an optional part is a defaulted field: a family without it leaves it None
-        defaults = {f.name for f in fields(LayerWeights) if f.default is None}
-        assert {p.field for p in layout.layer if p.flag} == defaults
+        optional |= {p.field for p in layout.layer if p.flag}
+        assert {p.field for p in layout.layer if p.flag} <= set(listed) - {f.name for f in fields(LayerWeights)
+                                                                          if f.default is not None}
+    assert optional == {f.name for f in fields(LayerWeights) if f.default is None}
 
 
 def test_every_family_has_a_layout():
@@ -67,11 +84,12 @@ def test_weight_shapes_are_the_checkpoints(architecture, tied):
     config = config_of(architecture, tie_word_embeddings=tied)
     shapes = weight_shapes(config)
     assert shapes == expected_shapes(config)
-    assert list(shapes)[:3] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    assert tied_copies(config) == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    top = "language_model." if architecture == "Gemma3ForConditionalGeneration" else ""
+    assert list(shapes)[:3] == [top + "model.embed_tokens.weight", top + "model.norm.weight", top + "lm_head.weight"]
+    assert tied_copies(config) == ({top + "lm_head.weight": top + "model.embed_tokens.weight"} if tied else {})
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", LLAMA_NAMED)
 def test_parts_stack_in_order(architecture):
     config = config_of(architecture)
     assert model_parts(config) == {"embed": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"],
@@ -91,9 +109,11 @@ def test_parts_stack_in_order(architecture):
     assert row_slices(config, "gate_up") == [slice(0, 128), slice(128, 256)]
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if FAMILIES[a].model_type in GGUF_ARCHS])
 @pytest.mark.parametrize("tied", [False, True])
 def test_gguf_names_are_llama_cpps(architecture, tied):
+    if architecture.startswith("Gemma") and not tied:
+        pytest.skip("Gemma ties its LM head: llama.cpp's gemma2 and gemma3 have no output tensor")
     config = config_of(architecture, tie_word_embeddings=tied)
     names = gguf_name_map(config)
     assert sorted(names.values()) == sorted(set(weight_shapes(config)) - set(tied_copies(config)))
@@ -112,7 +132,7 @@ def test_unknown_gguf_names():
     assert hf_name_of_gguf(config, "blk.7.attn_q_norm.weight") == "model.layers.7.self_attn.q_norm.weight"
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", LLAMA_NAMED)
 def test_gguf_permuted_rows_follow_the_family_flag(architecture, monkeypatch):
     config = config_of(architecture)
     permuted = gguf_permuted_heads(config)

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dummy import llama_3_2_1b_config, smollm2_135m_config, tiny_config
 
@@ -108,20 +109,23 @@ def test_families():
         assert ModelConfig.from_hf_dict(json.loads(json.dumps(c.to_hf_dict()))) == c
 
 
-def test_sliding_window_is_refused_clearly():
-    with pytest.raises(ValueError, match="use_sliding_window=True"):
-        ModelConfig.from_hf_dict(dict(HUB_QWEN2_5, use_sliding_window=True))
+def test_sliding_window_layers_and_the_cuda_refusal():
+    qwen = ModelConfig.from_hf_dict(dict(HUB_QWEN2_5, use_sliding_window=True, sliding_window=4096,
+                                         num_hidden_layers=28))
+    assert qwen.layer_windows == [None] * 21 + [4096] * 7  # from max_window_layers on
+    assert ModelConfig.from_hf_dict(HUB_QWEN2_5).layer_windows == [None] * 16  # a window it never turns on
     with pytest.raises(ValueError, match="attention_bias"):  # Qwen3's flag also biases O
         ModelConfig.from_hf_dict(dict(HUB_QWEN3, attention_bias=True))
     mistral = ModelConfig.from_hf_dict(dict(HUB_MISTRAL, sliding_window=4096))
-    mistral.check_max_model_len(4096)  # a window no sequence outgrows is plain causal attention
-    with pytest.raises(ValueError, match="sliding window of 4096 tokens.*max_model_len <= 4096"):
-        mistral.check_max_model_len(4097)
-    with pytest.raises(ValueError, match="max_model_len <= 4096"):
-        mistral.check_max_model_len(None)  # the model's 32768
+    check_cuda_kernels(mistral, 4096)  # a window no sequence outgrows is plain causal attention
+    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*sliding window of 4096 tokens .*"
+                                         "--backend numpy"):
+        check_cuda_kernels(mistral, 4097)
+    with pytest.raises(ValueError, match="max_model_len 32768"):
+        check_cuda_kernels(mistral, None)  # the model's 32768
 
 
-@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])
+@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
 def test_unsupported_rope_type(kind):
     with pytest.raises(ValueError, match=kind):
         ModelConfig.from_hf_dict(dict(HUB_LLAMA_3_2, rope_scaling={"rope_type": kind, "factor": 2.0}))

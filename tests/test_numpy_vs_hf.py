@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from helpers import require
+from helpers import hf_model, require
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.backends.numpy_backend import NumpyBackend
@@ -44,19 +44,6 @@ CONFIGS = {
     "mistral-gqa4": dict(architecture="MistralForCausalLM", num_attention_heads=8, num_key_value_heads=2,
                          head_dim=32, hidden_size=256, sliding_window=4096, max_position_embeddings=4096),
 }
-
-
-def hf_model(config, weights):
-    hf_dict = config.to_hf_dict()
-    hf_config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    hf_config._attn_implementation = "eager"
-    model = getattr(transformers, config.architecture)(hf_config).eval()
-    state = {name: torch.from_numpy(np.ascontiguousarray(w)) for name, w in weights.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-    if not config.tie_word_embeddings:
-        assert "lm_head.weight" in state
-    return model
 
 
 def hf_logits(model, token_ids):

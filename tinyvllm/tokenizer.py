@@ -325,6 +325,11 @@ def _check_messages(messages: list[dict]) -> None:
             raise ValueError(f"message {i} must be a dict with a string 'role': {m!r}")
         if not isinstance(m.get("content"), (str, list)):
             raise ValueError(f"message {i} must have 'content' (a string or a list of parts): {m!r}")
+        parts = m["content"] if isinstance(m["content"], list) else []
+        kinds = sorted({str(p.get("type")) for p in parts if isinstance(p, dict)} - {"text", "None"})
+        if kinds:  # a multimodal template would render a placeholder for it, with no image behind
+            raise ValueError(f"message {i} has a content part of type {kinds[0]!r}: tinyvllm takes text only "
+                             "(image inputs are not supported)")
 
 
 # The roles every conversation may use; a template may know more (Llama 3.1's 'ipython'), found in its source.

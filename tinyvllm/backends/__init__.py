@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 
-from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch
+from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch, check_cuda_kernels
 from tinyvllm.config import EngineConfig, SettingError
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
         return NumpyBackend(model, config)
     if name == "cuda":
         _refuse_fp8_weights(model, config)
+        check_cuda_kernels(model.config, config.max_model_len)  # before any GPU work: what only numpy runs
         try:
             from tinyvllm.backends.cuda.runner import CudaBackend
         except ImportError as exc:

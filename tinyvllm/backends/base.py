@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tinyvllm.model.layout import fused_parts
+
 
 @dataclass
 class SamplingBatch:
@@ -221,3 +223,13 @@ class Backend(ABC):
     def close(self) -> None:
         """Give back what the backend holds (device memory, the KV cache) now rather than at garbage collection;
         idempotent, and no step may follow. Nothing here."""
+
+
+def check_cuda_kernels(model_config, max_model_len: int | None) -> None:
+    """ValueError naming what this model (a ModelConfig) needs that the cuda backend has no kernels for."""
+    missing = model_config.ops_beyond_llama(max_model_len)
+    fused = fused_parts(model_config)
+    missing += [f"fused {', '.join(fused)} checkpoint tensors"] if fused else []
+    if missing:
+        raise ValueError(f"the cuda backend has no kernels yet for this {model_config.architecture} model's "
+                         f"{'; '.join(missing)}: run it with --backend numpy")

@@ -7,7 +7,8 @@ sequences of a prefill step (their causal masks differ in shape).
 
 from __future__ import annotations
 
-from dataclasses import fields
+import math
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -19,8 +20,8 @@ from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.fp8 import Fp8Rows, quantize_rows, stack_rows
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
-from tinyvllm.model.layout import row_slices
-from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+from tinyvllm.model.layout import NORM_FIELDS, row_slices
+from tinyvllm.model.rope import layer_ropes
 from tinyvllm.model.weights import LayerWeights, pack_weights
 
 
@@ -40,17 +41,34 @@ def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.nda
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim/2].  Twin: cuda/cache.cu rope_and_cache."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    """Rotate-half RoPE on the first 2 * cos.shape[1] dimensions of x [T, heads, head_dim] (all of them but where
+    partial_rotary_factor < 1; the rest pass unrotated) with cos/sin [T, rotary_dim/2].
+    Twin: cuda/cache.cu rope_and_cache."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
 
 
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     """SiLU(gate) * up, with gate_up [T, 2 * I] holding gate then up.  Twin: cuda/activation.cu."""
     gate, up = np.split(gate_up, 2, axis=-1)
     return gate / (1.0 + np.exp(-gate)) * up
+
+
+def gelu_tanh_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    """GELU(gate) (its tanh approximation, HF's gelu_pytorch_tanh) * up: Gemma's GeGLU. No CUDA twin yet."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate * gate * gate)
+    return np.float32(0.5) * gate * (np.float32(1) + np.tanh(inner)) * up
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}  # ModelConfig.activation -> the op
+
+
+def soft_cap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    """cap * tanh(x / cap): Gemma 2's attention scores and logits (x as it is for no cap). No CUDA twin yet."""
+    return x if cap is None else np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
 def interleave_gate_up(gate_up: np.ndarray) -> np.ndarray:
@@ -87,18 +105,39 @@ def context_slots(block_table: np.ndarray, context_len: int, block_size: int) ->
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, block_size: int,
-                    scale: float, kv_scales: KVScales | None = None) -> np.ndarray:
-    """Causal attention of each sequence's new queries over its whole context, read from the paged cache.
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How a layer's attention scores its keys: q . k times `scale`, soft-capped at `softcap`; a query at position p
+    sees the keys at positions p - window + 1 .. p (window None: 0 .. p)."""
 
-    q [T, heads, head_dim] -> [T, heads, head_dim]. A query at position p sees keys at positions <= p. Grouped-query
-    attention: query head h reads KV head h // (heads / kv_heads). kv_scales: those of an fp8 cache.
-    Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many).
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+    def scores(self, raw: np.ndarray, key_pos: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+        """raw q . k with the key positions on its last axis and the query positions broadcast against them ->
+        the scores the softmax reads (-inf for the keys a query does not see)."""
+        visible = key_pos <= query_pos
+        if self.window is not None:
+            visible &= key_pos > query_pos - self.window
+        return np.where(visible, soft_cap(raw * self.scale, self.softcap), -np.inf)
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, block_size: int,
+                    scale: float | AttentionSpec, kv_scales: KVScales | None = None) -> np.ndarray:
+    """Causal attention of each sequence's new queries over its context, read from the paged cache.
+
+    q [T, heads, head_dim] -> [T, heads, head_dim]. A query at position p sees keys at positions <= p (within a
+    sliding window, soft-capped: an AttentionSpec). Grouped-query attention: query head h reads KV head
+    h // (heads / kv_heads). kv_scales: those of an fp8 cache.
+    Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many); neither has the
+    window or the soft cap yet.
     """
+    spec = scale if isinstance(scale, AttentionSpec) else AttentionSpec(scale)
     group = q.shape[1] // k_cache.shape[1]
     k_scale, v_scale = kv_scales or (None, None)
     if batch.max_query_len == 1:
-        return _decode_attention(q, k_cache, v_cache, batch, block_size, scale, group, k_scale, v_scale)
+        return _decode_attention(q, k_cache, v_cache, batch, block_size, spec, group, k_scale, v_scale)
     out = np.empty_like(q)
     for i in range(batch.num_seqs):
         start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
@@ -106,14 +145,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
         slots = context_slots(batch.block_tables[i], ctx, block_size)
         k = np.repeat(read_kv_cache(k_cache, slots, k_scale), group, axis=1)  # [ctx, heads, d]
         v = np.repeat(read_kv_cache(v_cache, slots, v_scale), group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q[start:end], k) * scale
-        query_pos = batch.positions[start:end]
-        scores = np.where(np.arange(ctx)[None, None, :] <= query_pos[None, :, None], scores, -np.inf)
+        raw = np.einsum("qhd,khd->hqk", q[start:end], k)
+        scores = spec.scores(raw, np.arange(ctx)[None, None, :], batch.positions[start:end][None, :, None])
         out[start:end] = np.einsum("hqk,khd->qhd", _softmax(scores), v)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, scale: float, group: int, k_scale,
+def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, spec: AttentionSpec, group: int, k_scale,
                       v_scale) -> np.ndarray:
     # One query per sequence: pad every context to the longest and mask, so the whole batch is one einsum.
     max_ctx = int(batch.context_lens.max())
@@ -123,9 +161,9 @@ def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, scale:
     k, v = read_kv_cache(k_cache, slots, k_scale), read_kv_cache(v_cache, slots, v_scale)  # [S, max_ctx, kv_heads, d]
     s, kv_heads, d = q.shape[0], k.shape[2], q.shape[2]
     qg = q.reshape(s, kv_heads, group, d)
-    scores = np.einsum("sgjd,skgd->sgjk", qg, k) * scale  # [S, kv_heads, group, max_ctx]
-    valid = positions[None, :] < batch.context_lens[:, None]
-    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    raw = np.einsum("sgjd,skgd->sgjk", qg, k)  # [S, kv_heads, group, max_ctx]
+    # The padding past a context is past its query's position (context_len - 1): masked as the future is.
+    scores = spec.scores(raw, positions[None, None, None, :], (batch.context_lens - 1)[:, None, None, None])
     out = np.einsum("sgjk,skgd->sgjd", _softmax(scores), v)
     return out.reshape(s, kv_heads * group, d)
 
@@ -137,21 +175,22 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 # ---- the model -----------------------------------------------------------------------------------------------------
 
-def host_layer(layer: LayerWeights, quantize: bool = False) -> LayerWeights[HostWeight]:
+def host_layer(layer: LayerWeights, quantize: bool = False, norm_offset: float = 0.0) -> LayerWeights[HostWeight]:
     """A packed layer as the forward reads it: matrices as HostWeights [in, out] (an FP8 checkpoint's e4m3 ones as
     stored, float ones in float32, or in e4m3 with a scale per output channel where `quantize`), vectors as float32
-    arrays, the parts its family lacks None."""
+    arrays (the RMSNorm gains plus norm_offset: Gemma's (1 + weight)), the parts its family lacks None."""
 
-    def host(w: Fp8Rows | np.ndarray | None) -> HostWeight | np.ndarray | None:
+    def host(name: str, w: Fp8Rows | np.ndarray | None) -> HostWeight | np.ndarray | None:
         if w is None:
             return None
         if isinstance(w, Fp8Rows):
             return HostWeight.from_fp8(w)
-        if w.ndim != 2:
-            return np.asarray(w, dtype=np.float32)
-        return HostWeight.from_fp8(quantize_rows(w)) if quantize else HostWeight.from_rows(w)
+        if w.ndim == 2:
+            return HostWeight.from_fp8(quantize_rows(w)) if quantize else HostWeight.from_rows(w)
+        w = np.asarray(w, dtype=np.float32)
+        return w + np.float32(norm_offset) if norm_offset and name in NORM_FIELDS else w
 
-    return LayerWeights(**{f.name: host(getattr(layer, f.name)) for f in fields(layer)})
+    return LayerWeights(**{f.name: host(f.name, getattr(layer, f.name)) for f in fields(layer)})
 
 
 class NumpyBackend(Backend):
@@ -165,19 +204,22 @@ class NumpyBackend(Backend):
         self.config = cfg = model.config
         self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
-        cfg.check_max_model_len(engine_config.max_model_len)
         # FP8 (model/fp8.py): a checkpoint's e4m3 linear weights as stored, or, with quantization="fp8", every float
         # linear weight quantized here; the embedding and the LM head stay float32
         checkpoint = isinstance(model.weights, Fp8CheckpointWeights)
         packed = (pack_weights(model.weights, cfg, model.weights.fp8_or_float, stack_rows) if checkpoint
                   else pack_weights(model.weights, cfg))
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
+        self.embed_scale = np.float32(cfg.embed_scale)  # in the compute dtype, as HF scales in the embedding's
         self.lm_head = HostWeight.from_rows(packed.lm_head)  # [hidden, vocab]
-        self.final_norm = np.asarray(packed.final_norm, dtype=np.float32)
+        self.final_norm = np.asarray(packed.final_norm, dtype=np.float32) + np.float32(cfg.norm_offset)
         quantize = engine_config.quantization == "fp8" and not checkpoint
-        self.layers = [host_layer(layer, quantize) for layer in packed.layers]
+        self.layers = [host_layer(layer, quantize, cfg.norm_offset) for layer in packed.layers]
         self.qkv_columns = row_slices(cfg, "qkv")  # Q's, K's and V's columns of the fused projection
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.ropes = layer_ropes(cfg)
+        self.attention = [AttentionSpec(cfg.attention_scale, window, cfg.attn_logit_softcapping)
+                          for window in cfg.layer_windows]
+        self.activation = ACTIVATIONS[cfg.activation]
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.kv_scales: list[KVScales | None] = [None] * cfg.num_hidden_layers  # per layer, for an fp8 cache
         if engine_config.fp8_kv_cache:
@@ -210,27 +252,41 @@ class NumpyBackend(Backend):
     def forward(self, batch: Batch, logit_rows: np.ndarray) -> np.ndarray:
         """Run the layers over the batch's tokens; return logits [len(logit_rows), vocab] of the chosen tokens."""
         cfg = self.config
-        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
-        scale = 1.0 / float(np.sqrt(d))  # a Python float: a numpy float64 scalar would upcast float32 to float64
+        rotations = {id(rope): rope.cos_sin(batch.positions) for rope in self.ropes}  # cos, sin of each distinct rope
         x = self.embed[batch.token_ids]  # [T, hidden]
-        q_cols, k_cols, v_cols = self.qkv_columns
-        for layer, k_cache, v_cache, kv_scales in zip(self.layers, self.k_cache, self.v_cache, self.kv_scales):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)  # Qwen2's bias
-            q = qkv[:, q_cols].reshape(-1, heads, d)
-            k = qkv[:, k_cols].reshape(-1, kv_heads, d)
-            v = qkv[:, v_cols].reshape(-1, kv_heads, d)
-            if layer.q_norm is not None:  # Qwen3
-                q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping, kv_scales)
-            attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale, kv_scales)
-            x = x + linear(attn.reshape(len(x), heads * d), layer.o)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + linear(silu_and_mul(linear(h, layer.gate_up)), layer.down)
+        if self.embed_scale != 1:
+            x = x * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            x = self.layer_forward(i, layer, x, batch, *rotations[id(self.ropes[i])])
         h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return linear(h, self.lm_head)
+        return soft_cap(linear(h, self.lm_head), cfg.final_logit_softcapping)
+
+    def layer_forward(self, i: int, layer: LayerWeights, x: np.ndarray, batch: Batch, cos: np.ndarray,
+                      sin: np.ndarray) -> np.ndarray:
+        """Decoder layer i on the residual stream x [T, hidden] (its K and V into the cache) -> the new x."""
+        cfg = self.config
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_cols, k_cols, v_cols = self.qkv_columns
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)  # Qwen2's bias
+        q = qkv[:, q_cols].reshape(-1, heads, d)
+        k = qkv[:, k_cols].reshape(-1, kv_heads, d)
+        v = qkv[:, v_cols].reshape(-1, kv_heads, d)
+        if layer.q_norm is not None:  # Qwen3, Gemma 3
+            q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv_cache(self.k_cache[i], self.v_cache[i], k, v, batch.slot_mapping, self.kv_scales[i])
+        attn = paged_attention(q, self.k_cache[i], self.v_cache[i], batch, self.engine_config.block_size,
+                               self.attention[i], self.kv_scales[i])
+        out = linear(attn.reshape(len(x), heads * d), layer.o)
+        if layer.attn_out_norm is not None:  # Gemma: the attention's output normalized before the residual add
+            out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)
+        x = x + out
+        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+        out = linear(self.activation(linear(h, layer.gate_up)), layer.down)
+        if layer.mlp_out_norm is not None:
+            out = rms_norm(out, layer.mlp_out_norm, cfg.rms_norm_eps)
+        return x + out
 
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:

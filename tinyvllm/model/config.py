@@ -1,4 +1,5 @@
-"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3), read from HF config.json."""
+"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and 3), read from
+HF config.json."""
 
 from __future__ import annotations
 
@@ -20,18 +21,48 @@ class Family(NamedTuple):
     qk_norm: bool  # a per-head RMSNorm on Q and on K before RoPE
     # llama.cpp stores the Q/K rows interleaved per head (its rotate-pairs RoPE): a GGUF file's are un-permuted
     gguf_permute_qk: bool
+    sandwich_norms: bool = False  # RMSNorms of the attention's and the MLP's outputs too (Gemma 2 and 3)
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight): Gemma's 1
+    scaled_embeddings: bool = False  # the embeddings times sqrt(hidden_size), rounded to the model's dtype (Gemma)
+    # which layers attend over `sliding_window`: "all"; "pattern" (layer i unless (i + 1) % sliding_window_pattern
+    # is 0, Gemma); "max_window_layers" (layers from max_window_layers on, where use_sliding_window is set, Qwen)
+    window_layers: str = "all"
+    sliding_window_pattern: int = 0  # the default of the config key of that name
+    text_config: bool = False  # the decoder's hyperparameters are the config's text_config (a multimodal wrapper)
+    defaults: tuple[tuple[str, object], ...] = ()  # what HF's config class assumes for a key its config.json omits
 
 
-# HF architecture -> its family. Mistral is Llama with a sliding window (refused unless it never slides). Each
-# family's checkpoint tensors are in model/layout.py (LAYOUTS, by model_type).
+GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                  ("tie_word_embeddings", True), ("rms_norm_eps", 1e-6))
+GEMMA3_DEFAULTS = (*GEMMA_DEFAULTS, ("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                   ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4), ("head_dim", 256),
+                   ("max_position_embeddings", 131072), ("rope_theta", 1e6), ("rope_local_base_freq", 10000.0),
+                   ("sliding_window", 4096))
+_GEMMA = dict(gguf_permute_qk=False, sandwich_norms=True, norm_offset=1.0, scaled_embeddings=True,
+              window_layers="pattern")
+# HF architecture -> its family. Each family's checkpoint tensors are in model/layout.py (LAYOUTS, by model_type).
 FAMILIES = {
     "LlamaForCausalLM": Family("llama", attention_bias=False, qk_norm=False, gguf_permute_qk=True),
     "MistralForCausalLM": Family("mistral", attention_bias=False, qk_norm=False, gguf_permute_qk=True),
-    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False, gguf_permute_qk=False),
-    "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True, gguf_permute_qk=False),
+    "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False, gguf_permute_qk=False,
+                               window_layers="max_window_layers"),
+    "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True, gguf_permute_qk=False,
+                               window_layers="max_window_layers"),
+    "Phi3ForCausalLM": Family("phi3", attention_bias=False, qk_norm=False, gguf_permute_qk=False),
+    "Gemma2ForCausalLM": Family("gemma2", attention_bias=False, qk_norm=False, sliding_window_pattern=2,
+                                defaults=(*GEMMA_DEFAULTS, ("attn_logit_softcapping", 50.0),
+                                          ("final_logit_softcapping", 30.0)), **_GEMMA),
+    "Gemma3ForCausalLM": Family("gemma3_text", attention_bias=False, qk_norm=True, sliding_window_pattern=6,
+                                defaults=GEMMA3_DEFAULTS, **_GEMMA),
+    # Its language model only: the vision tower's tensors are skipped, and no image reaches it.
+    "Gemma3ForConditionalGeneration": Family("gemma3", attention_bias=False, qk_norm=True, sliding_window_pattern=6,
+                                             text_config=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
 }
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the MLP's gate: SwiGLU, or GeGLU with tanh-approximated GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddings")
 # (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
 # before anything is sized from it (a num_hidden_layers of 1e9 would allocate gigabytes, then fail).
 DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
@@ -50,14 +81,22 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None, or normalized llama3 parameters (see normalize_rope_scaling)
+    rope_scaling: dict | None = None  # None, or normalized llama3 / longrope / linear parameters (normalize_rope_scaling)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
     architecture: str = "LlamaForCausalLM"  # a key of FAMILIES
-    sliding_window: int | None = None  # attention span of a Mistral config; None: every position sees all before it
+    # how many positions a sliding layer's query sees (itself and those before it); None: all before it
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # each layer's, of LAYER_TYPES; None: every layer slides (if windowed)
+    partial_rotary_factor: float = 1.0  # the fraction of each head's dimensions RoPE rotates (the first ones)
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base, unscaled (Gemma 3); None: rope_theta
+    activation: str = "silu"  # of ACTIVATIONS
+    attn_logit_softcapping: float | None = None  # attention scores become cap * tanh(score / cap)
+    final_logit_softcapping: float | None = None  # and so do the logits
+    query_pre_attn_scalar: float | None = None  # attention scores are scaled by its -1/2 power; None: head_dim's
     quantization: Fp8Scheme | None = None  # an FP8 checkpoint's quantization_config; None: unquantized weights
 
     def __post_init__(self) -> None:
@@ -85,6 +124,30 @@ class ModelConfig:
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
+        self._check_family_fields()
+
+    def _check_family_fields(self) -> None:
+        """ValueError for a value of the fields Phi-3 and Gemma add that no forward can run."""
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {self.activation!r:.40}: supported are "
+                             f"{', '.join(ACTIVATIONS)}")
+        types = self.layer_types
+        if types is not None and (len(types) != self.num_hidden_layers or not set(types) <= set(LAYER_TYPES)):
+            raise ValueError(f"invalid layer_types {list(types)!r:.80}: one of {LAYER_TYPES} per layer")
+        factor = self.partial_rotary_factor
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or int(self.head_dim * factor) % 2:
+            raise ValueError(f"invalid partial_rotary_factor={factor!r:.40}: must be in (0, 1] and rotate an even "
+                             f"number of the {self.head_dim} dimensions of a head")
+        for name in ("local_rope_theta", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"invalid {name}={value!r:.40}: must be a finite number > 0 (or null)")
+        half = self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            if self.rope_scaling and len(self.rope_scaling.get(key, [0] * half)) != half:
+                raise ValueError(f"longrope {key} has {len(self.rope_scaling[key])} entries: the rotated "
+                                 f"{self.rotary_dim} dimensions of a head need {half}")
 
     @property
     def family(self) -> Family:
@@ -98,49 +161,62 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.family.qk_norm
 
-    def check_max_model_len(self, max_model_len: int | None) -> None:
-        """ValueError when a sequence of max_model_len tokens (None: the model's longest) would need the sliding
-        window, which tinyvllm does not implement."""
-        if self.sliding_window is not None and self.sliding_window < (max_model_len or self.max_position_embeddings):
-            raise ValueError(f"this {self.architecture} config attends over a sliding window of {self.sliding_window} "
-                             f"tokens, which tinyvllm does not implement: set max_model_len <= {self.sliding_window}")
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's dimensions (the first ones) RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def norm_offset(self) -> float:
+        return self.family.norm_offset
+
+    @property
+    def sandwich_norms(self) -> bool:
+        return self.family.sandwich_norms
+
+    @property
+    def embed_scale(self) -> float:
+        """What the embeddings are multiplied by (a backend rounds it to its compute dtype, as HF does)."""
+        return math.sqrt(self.hidden_size) if self.family.scaled_embeddings else 1.0
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends over the whole context)."""
+        types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
+
+    def ops_beyond_llama(self, max_model_len: int | None) -> list[str]:
+        """What a sequence of max_model_len tokens (None: the model's longest) needs beyond Llama's decoder: the
+        operations only the numpy backend implements."""
+        length = max_model_len or self.max_position_embeddings
+        windows = [w for w in self.layer_windows if w is not None and w < length]
+        kind = (self.rope_scaling or {}).get("rope_type")
+        named = {f"a sliding window of {min(windows, default=0)} tokens (shorter than max_model_len {length})": windows,
+                 "LongRoPE": kind == "longrope", "partial rotary dimensions": self.partial_rotary_factor != 1,
+                 "a second RoPE base for sliding layers": self.local_rope_theta is not None,
+                 f"the {self.activation} activation": self.activation != "silu",
+                 "(1 + weight) RMSNorm": self.norm_offset != 0, "scaled embeddings": self.embed_scale != 1,
+                 "norms of the attention and MLP outputs": self.sandwich_norms,
+                 "soft-capped logits": self.attn_logit_softcapping or self.final_logit_softcapping,
+                 "query_pre_attn_scalar": self.query_pre_attn_scalar is not None}
+        return [name for name, needed in named.items() if needed]
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
-            raise ValueError(f"unsupported architectures {archs!r:.80}: supported are {', '.join(FAMILIES)}")
-        arch = archs[0]
-        family = FAMILIES[arch]
-        if d.get("model_type", family.model_type) != family.model_type:
-            raise ValueError(f"model_type {d['model_type']!r:.40} does not match {arch} "
-                             f"(expected {family.model_type!r})")
-        # Features HF supports in these families but tinyvllm's kernels do not: refuse rather than compute something
-        # else. Qwen2's Q/K/V biases are always on; elsewhere attention_bias would also put a bias on O.
-        required = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
-        if not family.attention_bias:
-            required["attention_bias"] = False
-        for key, ok in required.items():
-            if d.get(key, ok) != ok:
-                raise ValueError(f"unsupported {key}={d[key]!r:.40} in this {arch} config (tinyvllm requires {ok!r})")
+        arch, family = _architecture(d)
+        d = _decoder_dict(d, family)
+        _check_unsupported(d, arch, family)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if d.get(k) is None]
         if missing:
             raise ValueError(f"config is missing required fields {missing}")
-        for name in ("hidden_size", "num_attention_heads"):  # checked before head_dim is computed from them
+        for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"):  # head_dim etc. are computed
             check_dimension(name, d[name])
-
-        # transformers>=5 folds rope_theta and the scaling into `rope_parameters`; hub checkpoints keep them apart.
-        rope = d.get("rope_parameters")
-        if rope is not None:
-            if "rope_theta" not in rope:
-                raise ValueError(f"unsupported rope_parameters {rope!r} (per-layer-type rope is not Llama)")
-            rope_theta, rope_scaling = rope["rope_theta"], rope
-        else:
-            rope_theta, rope_scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
-        if (rope_scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("unsupported partial_rotary_factor: tinyvllm rotates the whole head")
-
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.")
@@ -153,16 +229,18 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=_as_float("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
-            rope_theta=_as_float("rope_theta", rope_theta),
-            rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_list(eos),
             torch_dtype=dtype,
             architecture=arch,
-            # Qwen configs carry a sliding_window that only use_sliding_window (refused above) turns on.
-            sliding_window=d.get("sliding_window") if family.model_type == "mistral" else None,
+            activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            **_rope_fields(d),
+            **window_fields(d, family),
             quantization=fp8_scheme(d.get("quantization_config")),
         )
 
@@ -196,7 +274,8 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.activation,
+            "hidden_activation": self.activation,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
@@ -207,25 +286,126 @@ class ModelConfig:
             "torch_dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
             **({"quantization_config": self.quantization.config} if self.quantization else {}),
+            **({"layer_types": [LAYER_TYPES[w is not None] for w in self.layer_windows]} if self.sliding_window
+               else {}),
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": 0,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "attn_logit_softcapping": self.attn_logit_softcapping,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            **({"rope_local_base_freq": self.local_rope_theta} if self.local_rope_theta else {}),
+            **({"query_pre_attn_scalar": self.query_pre_attn_scalar} if self.query_pre_attn_scalar else {}),
+            **({"original_max_position_embeddings": self.rope_scaling["original_max_position_embeddings"]}
+               if self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling else {}),
         }
 
 
 def normalize_rope_scaling(rs: dict | None) -> dict | None:
-    """None for plain RoPE; {"rope_type": "llama3", <LLAMA3_KEYS>} for Llama 3.1+ scaling; ValueError otherwise."""
+    """None for plain RoPE; {"rope_type": "llama3", <LLAMA3_KEYS>} for Llama 3.1+ scaling; {"rope_type": "linear",
+    "factor"}; {"rope_type": "longrope", <LONGROPE_KEYS>, and "factor" / "attention_factor" where given} (Phi-3's
+    "su" and "longrope"); ValueError otherwise."""
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope type {kind!r}: only 'default' and 'llama3' are supported")
-    missing = [k for k in LLAMA3_KEYS if k not in rs]
+    keys = {"llama3": LLAMA3_KEYS, "longrope": LONGROPE_KEYS, "su": LONGROPE_KEYS, "linear": ("factor",)}.get(kind)
+    if keys is None:
+        raise ValueError(f"unsupported rope type {kind!r}: supported are 'default', 'llama3', 'linear' and 'longrope'")
+    missing = [k for k in keys if rs.get(k) is None]
     if missing:
-        raise ValueError(f"llama3 rope scaling is missing {missing}")
-    out: dict = {"rope_type": "llama3"}
-    out.update({k: float(rs[k]) for k in LLAMA3_KEYS[:3]})
-    out["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
+        raise ValueError(f"{kind} rope scaling is missing {missing}")
+    if keys is LONGROPE_KEYS:
+        out: dict = {"rope_type": "longrope", "short_factor": [_as_float("short_factor", x) for x in rs["short_factor"]],
+                     "long_factor": [_as_float("long_factor", x) for x in rs["long_factor"]]}
+        out |= {k: _as_float(k, rs[k]) for k in ("factor", "attention_factor") if rs.get(k) is not None}
+    else:
+        out = {"rope_type": kind, **{k: _as_float(k, rs[k]) for k in keys if k != "original_max_position_embeddings"}}
+    if "original_max_position_embeddings" in keys:
+        out["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
     return out
+
+
+def _architecture(d: dict) -> tuple[str, Family]:
+    archs = d.get("architectures") or ["LlamaForCausalLM"]
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
+        raise ValueError(f"unsupported architectures {archs!r:.80}: supported are {', '.join(FAMILIES)}")
+    family = FAMILIES[archs[0]]
+    if d.get("model_type", family.model_type) != family.model_type:
+        raise ValueError(f"model_type {d['model_type']!r:.40} does not match {archs[0]} "
+                         f"(expected {family.model_type!r})")
+    return archs[0], family
+
+
+def _decoder_dict(d: dict, family: Family) -> dict:
+    """The decoder's hyperparameters (a multimodal config's text_config, with its token ids), with the defaults of
+    the family's HF config class filled in."""
+    if family.text_config:
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("this multimodal config has no text_config object")
+        d = {**{k: d[k] for k in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype") if k in d}, **text}
+    return {**dict(family.defaults), **d}
+
+
+def _check_unsupported(d: dict, arch: str, family: Family) -> None:
+    """Features HF supports in these families but tinyvllm does not: refuse rather than compute something else.
+    Qwen2's Q/K/V biases are always on; elsewhere attention_bias would also put a bias on O."""
+    required = {"mlp_bias": False, "use_bidirectional_attention": False}
+    if not family.attention_bias:
+        required["attention_bias"] = False
+    for key, ok in required.items():
+        if (d.get(key) or False) != ok:
+            raise ValueError(f"unsupported {key}={d[key]!r:.40} in this {arch} config (tinyvllm requires {ok!r})")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r:.40} in this {arch} config: supported are "
+                         f"{', '.join(ACTIVATIONS)}")
+
+
+def _rope_fields(d: dict) -> dict:
+    """rope_theta, rope_scaling, partial_rotary_factor and local_rope_theta of a config, from hub checkpoints' keys
+    or transformers>=5's `rope_parameters` (one dict, or one per layer type)."""
+    rope, local = d.get("rope_parameters"), d.get("rope_local_base_freq")
+    if isinstance(rope, dict) and "full_attention" in rope:
+        sliding = rope.get("sliding_attention") or {}
+        if normalize_rope_scaling(sliding) is not None:
+            raise ValueError(f"unsupported rope_parameters {sliding!r:.80} of the sliding layers (only unscaled)")
+        local, rope = sliding.get("rope_theta", local), rope["full_attention"]
+    if rope is not None:
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            raise ValueError(f"unsupported rope_parameters {rope!r:.80}")
+        theta, scaling = rope["rope_theta"], rope
+    else:
+        theta, scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("original_max_position_embeddings") is None \
+            and d.get("original_max_position_embeddings") is not None:
+        scaling = {**scaling, "original_max_position_embeddings": d["original_max_position_embeddings"]}
+    partial = (scaling or {}).get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0
+    return {"rope_theta": _as_float("rope_theta", theta), "rope_scaling": scaling,
+            "partial_rotary_factor": _as_float("partial_rotary_factor", partial),
+            "local_rope_theta": None if local is None else _as_float("rope_local_base_freq", local)}
+
+
+def window_fields(d: dict, family: Family) -> dict:
+    """sliding_window and layer_types: which layers slide, by the family's rule (Family.window_layers) unless the
+    config lists them."""
+    window, n = d.get("sliding_window"), d["num_hidden_layers"]
+    if family.window_layers == "max_window_layers":  # Qwen configs carry a window only use_sliding_window turns on
+        if not d.get("use_sliding_window"):
+            return {"sliding_window": None, "layer_types": None}
+        start = d.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    elif family.window_layers == "pattern":
+        pattern = d.get("sliding_window_pattern") or family.sliding_window_pattern
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    else:
+        types = None
+    if d.get("layer_types") is not None and types is not None:  # HF's Mistral and Phi-3 ignore layer_types
+        types = d["layer_types"]
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": None if types is None else tuple(types)}
 
 
 def check_dimension(name: str, value: object) -> None:

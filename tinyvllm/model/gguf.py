@@ -4,7 +4,7 @@ vocab -> Tokenizer."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gguf
@@ -12,17 +12,20 @@ import numpy as np
 import tokenizers
 from gguf import GGMLQuantizationType as QT
 
-from tinyvllm.model.config import ModelConfig, check_dimension
+from tinyvllm.model.config import FAMILIES, ModelConfig, check_dimension, window_fields
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.gguf_file import read_gguf
 from tinyvllm.model.layout import (gguf_permuted_heads, hf_name_of_gguf, layout_of, layout_of_architecture,
-                                   tied_copies)
+                                   norm_names, tied_copies)
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # general.architecture -> HF architecture (convert_hf_to_gguf writes Mistral as "llama")
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp scales a Gemma's attention by hidden / heads (not head_dim) in the 27B, which it knows by its depth
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (as in the model's own tokenizer.json).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -51,8 +54,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokeni
         raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged") from None
     tensors = {t.name: t for t in tensor_list}
     config = config_from_gguf(meta, tensors)
-    rope_freqs = layout_of(config).gguf_rope_freqs  # already folded into config.rope_scaling
-    by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name != rope_freqs}
+    layout = layout_of(config)
+    folded = (layout.gguf_rope_freqs, *layout.gguf_rope_factors)  # already in config.rope_scaling
+    by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name not in folded}
     for name, source in tied_copies(config).items():
         if source in by_hf_name:
             by_hf_name[name] = by_hf_name[source]
@@ -66,6 +70,8 @@ class GGUFWeights(LazyWeights):
         self.tensors = tensors
         self.config = config
         self.permuted_heads = gguf_permuted_heads(config)
+        # convert_hf_to_gguf stores a Gemma's RMSNorm gains with its (1 + weight) offset added: taken off here
+        self.norm_shift = norm_names(config) if config.norm_offset else set()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
@@ -75,6 +81,8 @@ class GGUFWeights(LazyWeights):
         # llama.cpp stores a Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undone for the rotate-half
         # layout. Qwen's it keeps as HF has them (llama.cpp runs those with rotate-half "NEOX" RoPE).
         heads = self.permuted_heads.get(name)
+        if name in self.norm_shift:
+            w -= np.float32(self.config.norm_offset)
         return w if heads is None else unpermute_qk(w, heads)
 
     def __iter__(self) -> Iterator[str]:
@@ -101,13 +109,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     hidden, heads = get("embedding_length"), get("attention.head_count")
     check_dimension("hidden_size", hidden)  # both checked before head_dim is computed from them
     check_dimension("num_attention_heads", heads)
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    # Phi-3's rope.dimension_count is the rotated part of a head (partial rotary), not all of it
+    rotated = get("rope.dimension_count") if arch == "phi3" else None
+    head_dim = get("attention.key_length") or (None if rotated else get("rope.dimension_count")) or hidden // heads
     theta = _round32(get("rope.freq_base", 10000.0))
-    if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"unsupported GGUF rope scaling type {get('rope.scaling.type')!r}")
-    rope_scaling = None
-    if layout.gguf_rope_freqs in tensors:
-        rope_scaling = _llama3_scaling_from_freqs(dequantize(tensors[layout.gguf_rope_freqs]), head_dim, theta)
+    rope_scaling = _rope_scaling_from_gguf(get, tensors, layout, head_dim, theta)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     return ModelConfig(
@@ -127,14 +133,53 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         eos_token_ids=list(dict.fromkeys(eos)),
         torch_dtype=_storage_dtype(tensors),
         architecture=GGUF_ARCHITECTURES[arch],
+        partial_rotary_factor=rotated / head_dim if rotated else 1.0,
+        **_family_fields_from_gguf(arch, get, head_dim, hidden // heads),
     )
+
+
+def _rope_scaling_from_gguf(get: Callable[..., Any], tensors: dict[str, Any], layout, head_dim: int,
+                            theta: float) -> dict | None:
+    """rope_scaling from a GGUF: linear (rope.scaling.*), LongRoPE (Phi-3's factor tensors) or Llama 3's (the
+    rope_freqs tensor)."""
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if kind != "none":
+        raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+    long, short = layout.gguf_rope_factors
+    if long in tensors and short in tensors:
+        out = {"rope_type": "longrope", "long_factor": dequantize(tensors[long]).tolist(),
+               "short_factor": dequantize(tensors[short]).tolist(),
+               "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        return out | ({"attention_factor": _round32(get("rope.scaling.attn_factor"))}
+                      if get("rope.scaling.attn_factor") is not None else {})
+    if layout.gguf_rope_freqs in tensors:
+        return _llama3_scaling_from_freqs(dequantize(tensors[layout.gguf_rope_freqs]), head_dim, theta)
+    return None
+
+
+def _family_fields_from_gguf(arch: str, get: Callable[..., Any], head_dim: int, hidden_per_head: int) -> dict:
+    """The sliding window and Gemma's fields, as llama.cpp reads (or assumes) them."""
+    family = FAMILIES[GGUF_ARCHITECTURES[arch]]
+    n, window = get("block_count"), get("attention.sliding_window")
+    fields = window_fields({"sliding_window": window, "num_hidden_layers": n}, family)
+    if not family.norm_offset:
+        return fields
+    softcaps = {k: None if get(k) is None else _round32(get(k))
+                for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return fields | softcaps | {
+        "activation": dict(family.defaults)["hidden_activation"],
+        "query_pre_attn_scalar": hidden_per_head if n == GEMMA_27B_LAYERS.get(arch) else head_dim,
+        "local_rope_theta": _round32(get("rope.freq_base_swa", dict(family.defaults)["rope_local_base_freq"]))
+        if "rope_local_base_freq" in dict(family.defaults) else None}
 
 
 def hf_name(config: ModelConfig, name: str) -> str:
     """The HF name of a GGUF tensor; ValueError for one the family's layout does not know."""
     hf = hf_name_of_gguf(config, name)
     if hf is None:
-        raise ValueError(f"unsupported GGUF tensor {name!r:.80} (not a plain llama, qwen2 or qwen3 model?)")
+        raise ValueError(f"unsupported GGUF tensor {name!r:.80} (a variant of the architecture tinyvllm does not run?)")
     return hf
 
 

@@ -20,11 +20,14 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dtypes import E4M3_MAX
-from tinyvllm.model.layout import layer_parts, row_slices
+from tinyvllm.model.layout import fused_parts, layer_parts, row_slices
 
 
 def kv_cache_scales(weights: Mapping[str, np.ndarray], config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """K and V scales, float32 [num_layers, num_kv_heads] each (powers of two), for the weights (HF names)."""
+    if fused_parts(config) or config.norm_offset:
+        raise ValueError(f"kv_cache_dtype fp8 is not available for this {config.architecture} model: its K/V scales are "
+                         "bounded from separate K and V projections and Llama's RMSNorm gains")
     kv_heads, d = config.num_key_value_heads, config.head_dim
     _, k_rows, v_rows = row_slices(config, "qkv")
     radius = np.sqrt(np.float32(config.hidden_size))

@@ -11,7 +11,7 @@ llama.cpp interleaves (`gguf_permuted_heads`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tinyvllm.model.config import FAMILIES, ModelConfig
 
@@ -26,6 +26,8 @@ class Part:
     # llama.cpp stores this tensor's rows interleaved per head, for a family whose gguf_permute_qk is set: the
     # ModelConfig field that counts those heads
     gguf_heads: str | None = None
+    # a checkpoint tensor that is itself several stacked (Phi-3's qkv_proj): the dimensions of its row blocks
+    splits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Layout:
     hf_layer: str = "model.layers.{i}."
     gguf_layer: str = "blk.{i}."
     hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # buffers old checkpoints saved; rebuilt from the config
+    hf_skipped: tuple[str, ...] = ()  # prefixes of checkpoint tensors the model does not run (a vision tower)
     gguf_rope_freqs: str = "rope_freqs.weight"  # Llama 3 RoPE scaling as a tensor, folded into ModelConfig
     # An FP8 checkpoint's scales (vLLM's names), named after a linear layer's weight with its last word replaced:
     # the weight's own (per tensor, row or block; fp8's block scales are weight_scale_inv) and the static activation
@@ -54,6 +57,8 @@ class Layout:
     hf_weight_scales: tuple[str, ...] = ("weight_scale", "weight_scale_inv")
     hf_input_scale: str = "input_scale"
     hf_kv_scales: tuple[str, ...] = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale", ".output_scale")
+    # LongRoPE's long and short factors as tensors (Phi-3), folded into ModelConfig too
+    gguf_rope_factors: tuple[str, str] = ("rope_factors_long.weight", "rope_factors_short.weight")
 
     def packed(self, field: str) -> Packed:
         """The packed tensor of a ModelWeights or LayerWeights field."""
@@ -88,8 +93,45 @@ LLAMA = Layout(
     ),
 )
 
-# Family.model_type -> its checkpoint layout. The four families share Llama's names; what Qwen adds is flagged.
-LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA}
+
+def _replaced(layout: Layout, **fields: Packed) -> tuple[Packed, ...]:
+    """The layer's packed tensors with those named replaced, and the new ones appended."""
+    out = tuple(fields.pop(p.field, p) for p in layout.layer)
+    return out + tuple(fields.values())
+
+
+# Phi-3 stores Q, K, V as one tensor, and gate and up as another.
+PHI3 = Layout(model=LLAMA.model, layer=_replaced(
+    LLAMA,
+    qkv=_packed("qkv", Part("self_attn.qkv_proj.weight", "attn_qkv.weight", ("qkv", "hidden"), splits=("q", "kv", "kv"))),
+    gate_up=_packed("gate_up", Part("mlp.gate_up_proj.weight", "ffn_up.weight", ("gate_up", "hidden"),
+                                    splits=("intermediate", "intermediate")))))
+# Gemma 2 and 3: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and
+# post_feedforward_layernorm normalize the attention's and the MLP's outputs before each joins the residual stream.
+GEMMA = Layout(model=LLAMA.model, layer=_replaced(
+    LLAMA,
+    post_norm=_packed("post_norm", Part("pre_feedforward_layernorm.weight", "ffn_norm.weight", ("hidden",))),
+    attn_out_norm=_packed("attn_out_norm", Part("post_attention_layernorm.weight", "post_attention_norm.weight",
+                                                ("hidden",)), flag="sandwich_norms"),
+    mlp_out_norm=_packed("mlp_out_norm", Part("post_feedforward_layernorm.weight", "post_ffw_norm.weight",
+                                              ("hidden",)), flag="sandwich_norms")))
+
+
+def _prefixed(layout: Layout, prefix: str, skipped: tuple[str, ...]) -> Layout:
+    """The layout of a checkpoint that holds this one's HF tensors under `prefix` beside others it skips."""
+    def moved(packed: tuple[Packed, ...]) -> tuple[Packed, ...]:
+        return tuple(Packed(p.field, tuple(replace(part, hf=prefix + part.hf) for part in p.parts), p.flag,
+                            p.tied_to) for p in packed)
+
+    return replace(layout, model=moved(layout.model), layer=layout.layer, hf_layer=prefix + layout.hf_layer,
+                   hf_skipped=skipped)
+
+
+# Family.model_type -> its checkpoint layout. Llama's four families share its names; what Qwen adds is flagged. A
+# Gemma 3 multimodal checkpoint holds the language model under language_model.
+LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "phi3": PHI3, "gemma2": GEMMA,
+           "gemma3_text": GEMMA,
+           "gemma3": _prefixed(GEMMA, "language_model.", ("vision_tower.", "multi_modal_projector."))}
 
 
 def layout_of(config: ModelConfig) -> Layout:
@@ -104,8 +146,9 @@ def layout_of_architecture(architecture: str) -> Layout:
 def dimensions(config: ModelConfig) -> dict[str, int]:
     """The sizes a Part's shape is spelled in."""
     d = config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     return {"vocab": config.vocab_size, "hidden": config.hidden_size, "intermediate": config.intermediate_size,
-            "q": config.num_attention_heads * d, "kv": config.num_key_value_heads * d, "head_dim": d}
+            "q": q, "kv": kv, "head_dim": d, "qkv": q + 2 * kv, "gate_up": 2 * config.intermediate_size}
 
 
 def present(packed: Packed, config: ModelConfig) -> bool:
@@ -168,12 +211,30 @@ def fp8_scale_names(config: ModelConfig, weight: str) -> tuple[list[str], str]:
 
 
 def row_slices(config: ModelConfig, field: str) -> list[slice]:
-    """The rows of each part of one of a layer's packed tensors (qkv: Q's, K's, V's), in its packed order."""
+    """The rows of each part of one of a layer's packed tensors (qkv: Q's, K's, V's), in its packed order; a fused
+    part's row blocks (Part.splits) each count as a part."""
     dims, start, out = dimensions(config), 0, []
     for part in layout_of(config).packed(field).parts:
-        out.append(slice(start, start + dims[part.shape[0]]))
-        start = out[-1].stop
+        for rows in part.splits or part.shape[:1]:
+            out.append(slice(start, start + dims[rows]))
+            start = out[-1].stop
     return out
+
+
+NORM_FIELDS = ("final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # gains
+
+
+def norm_names(config: ModelConfig) -> set[str]:
+    """The HF names of every RMSNorm gain of the model (those a family's norm_offset applies to)."""
+    names = {n for field, names in model_parts(config).items() if field in NORM_FIELDS for n in names}
+    for i in range(config.num_hidden_layers):
+        names |= {n for field, names in layer_parts(config, i).items() if field in NORM_FIELDS for n in names}
+    return names
+
+
+def fused_parts(config: ModelConfig) -> list[str]:
+    """The HF tensors of a layer that stack several of Llama's (Phi-3's qkv_proj, gate_up_proj)."""
+    return [part.hf for p in layout_of(config).layer if present(p, config) for part in p.parts if part.splits]
 
 
 def hf_name_of_gguf(config: ModelConfig, name: str) -> str | None:

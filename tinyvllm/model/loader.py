@@ -225,7 +225,7 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    wanted, ignored = set(weight_shapes(config)), layout_of(config).hf_ignored
+    wanted, ignored, skipped = set(weight_shapes(config)), layout_of(config).hf_ignored, layout_of(config).hf_skipped
     if config.quantization is not None:
         wanted |= scale_names(config)
         ignored += layout_of(config).hf_kv_scales
@@ -237,7 +237,7 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
             raise ValueError(f"{path / file}: tensor {float8[0]} is float8 but config.json has no "
                              "quantization_config for its scales")
         for name, entry in found.items():
-            if name.endswith(ignored):
+            if name.endswith(ignored) or name.startswith(skipped):
                 continue
             if name not in wanted:
                 raise ValueError(f"{path / file}: unexpected tensor {name} (unsupported model variant?)")

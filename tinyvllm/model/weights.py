@@ -45,7 +45,7 @@ class LazyWeights(Mapping):
 @dataclass
 class LayerWeights(Generic[Matrix]):
     """One decoder layer; as packed, matrices [out, in] as the checkpoint stores them. The optional parts are what
-    the family adds to Llama's layer (ModelConfig.attention_bias, ModelConfig.qk_norm); None where it has none."""
+    the family adds to Llama's layer (ModelConfig.attention_bias, qk_norm, sandwich_norms); None where it has none."""
 
     input_norm: np.ndarray  # [hidden]
     post_norm: np.ndarray  # [hidden]
@@ -56,6 +56,8 @@ class LayerWeights(Generic[Matrix]):
     qkv_bias: np.ndarray | None = None  # [(heads + 2 * kv_heads) * head_dim], laid out as qkv's rows
     q_norm: np.ndarray | None = None  # [head_dim], the same gain for every query head
     k_norm: np.ndarray | None = None  # [head_dim]
+    attn_out_norm: np.ndarray | None = None  # [hidden]: of the attention's output (ModelConfig.sandwich_norms)
+    mlp_out_norm: np.ndarray | None = None  # [hidden]: of the MLP's output
 
 
 @dataclass

@@ -33,6 +33,7 @@ from tinyvllm.backends.cuda.tensors import BF16, F32, I32, U8, U64, DeviceLayer,
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
+from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 from tinyvllm.model.weights import layer_parts
 
@@ -99,7 +100,7 @@ class CudaForward:
                  max_tokens: int) -> None:
         cfg = self.config = model.config
         self.engine_config = engine_config
-        cfg.check_max_model_len(engine_config.max_model_len)
+        check_cuda_kernels(cfg, engine_config.max_model_len)
         if cfg.head_dim not in HEAD_DIMS:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:

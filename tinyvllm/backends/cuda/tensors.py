@@ -89,3 +89,5 @@ class DeviceLayer:
     qkv_bias: DeviceTensor | None = None
     q_norm: DeviceTensor | None = None
     k_norm: DeviceTensor | None = None
+    attn_out_norm: DeviceTensor | None = None  # Gemma's: the cuda backend refuses such a model (no kernels yet)
+    mlp_out_norm: DeviceTensor | None = None
