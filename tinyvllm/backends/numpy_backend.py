@@ -14,6 +14,7 @@ import numpy as np
 import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.backends.host_weight import HostWeight, linear
+from tinyvllm.backends.moe import fused_moe, route
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.kv_scales import kv_cache_scales
@@ -31,10 +32,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
-            eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE).
+            eps: float, per_head: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE); per_head
+    False: of each token's whole Q and whole K, weights [heads * d] and [kv_heads * d] (OLMoE).
     Twin: cuda/qkv.cu qk_norm."""
-    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    if per_head:
+        return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return (rms_norm(q.reshape(len(q), -1), q_weight, eps).reshape(q.shape),
+            rms_norm(k.reshape(len(k), -1), k_weight, eps).reshape(k.shape))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -142,6 +147,8 @@ def host_layer(layer: LayerWeights) -> LayerWeights[HostWeight]:
     def host(w: np.ndarray | None) -> HostWeight | np.ndarray | None:
         if w is None:
             return None
+        if w.ndim == 3:  # stacked experts
+            return HostWeight.from_expert_rows(w)
         return HostWeight.from_rows(w) if w.ndim == 2 else np.asarray(w, dtype=np.float32)
 
     return LayerWeights(**{f.name: host(getattr(layer, f.name)) for f in fields(layer)})
@@ -208,16 +215,24 @@ class NumpyBackend(Backend):
             q = qkv[:, q_cols].reshape(-1, heads, d)
             k = qkv[:, k_cols].reshape(-1, kv_heads, d)
             v = qkv[:, v_cols].reshape(-1, kv_heads, d)
-            if layer.q_norm is not None:  # Qwen3
-                q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+            if layer.q_norm is not None:  # Qwen3, OLMoE
+                q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, cfg.qk_norm_per_head)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv_cache(k_cache, v_cache, k, v, batch.slot_mapping, kv_scales)
             attn = paged_attention(q, k_cache, v_cache, batch, self.engine_config.block_size, scale, kv_scales)
             x = x + linear(attn.reshape(len(x), heads * d), layer.o)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + linear(silu_and_mul(linear(h, layer.gate_up)), layer.down)
+            x = x + self.mlp(layer, h)
         h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head)
+
+    def mlp(self, layer: LayerWeights[HostWeight], h: np.ndarray) -> np.ndarray:
+        """The layer's MLP on its normed input h [T, hidden]: the dense one, or the experts its router picks."""
+        if layer.router is None:
+            return linear(silu_and_mul(linear(h, layer.gate_up)), layer.down)
+        cfg = self.config
+        weights, ids = route(linear(h, layer.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids, silu_and_mul)
 
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:

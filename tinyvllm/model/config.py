@@ -1,4 +1,5 @@
-"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3), read from HF config.json."""
+"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3, and the mixture-of-experts
+Mixtral, Qwen3-MoE and OLMoE), read from HF config.json."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class Family(NamedTuple):
     qk_norm: bool  # a per-head RMSNorm on Q and on K before RoPE
     # llama.cpp stores the Q/K rows interleaved per head (its rotate-pairs RoPE): a GGUF file's are un-permuted
     gguf_permute_qk: bool
+    # mixture of experts: the config.json key counting the experts (None: a dense family)
+    num_experts_key: str | None = None
+    norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalizes its top-k); None: config.json's
+    qk_norm_per_head: bool = True  # False: the q/k norms span the whole projection, all heads at once (OLMoE)
 
 
 # HF architecture -> its family. Mistral is Llama with a sliding window (refused unless it never slides). Each
@@ -27,7 +32,16 @@ FAMILIES = {
     "MistralForCausalLM": Family("mistral", attention_bias=False, qk_norm=False, gguf_permute_qk=True),
     "Qwen2ForCausalLM": Family("qwen2", attention_bias=True, qk_norm=False, gguf_permute_qk=False),
     "Qwen3ForCausalLM": Family("qwen3", attention_bias=False, qk_norm=True, gguf_permute_qk=False),
+    "MixtralForCausalLM": Family("mixtral", attention_bias=False, qk_norm=False, gguf_permute_qk=True,
+                                 num_experts_key="num_local_experts", norm_topk_prob=True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", attention_bias=False, qk_norm=True, gguf_permute_qk=False,
+                                  num_experts_key="num_experts"),
+    "OlmoeForCausalLM": Family("olmoe", attention_bias=False, qk_norm=True, gguf_permute_qk=False,
+                               num_experts_key="num_experts", qk_norm_per_head=False),
 }
+# the families a window may slide in (their config.json's sliding_window is read; elsewhere only a refused
+# use_sliding_window turns one on)
+WINDOWED = ("mistral", "mixtral")
 DTYPES = ("bfloat16", "float16", "float32")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # (low, high) of each size: the highs are far above any real Llama, so that a corrupt or hostile config fails here,
@@ -35,6 +49,9 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
               "num_hidden_layers": (1, 1 << 12), "num_attention_heads": (1, 1 << 12),
               "num_key_value_heads": (1, 1 << 12), "head_dim": (1, 1 << 12), "max_position_embeddings": (2, 1 << 24)}
+MOE_DIMENSIONS = {"num_experts": (1, 1 << 12), "moe_intermediate_size": (1, 1 << 20), "decoder_sparse_step": (1, 1 << 12)}
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step",
+              "mlp_only_layers")
 
 
 @dataclass
@@ -56,6 +73,16 @@ class ModelConfig:
     torch_dtype: str = "float32"
     architecture: str = "LlamaForCausalLM"  # a key of FAMILIES
     sliding_window: int | None = None  # attention span of a Mistral config; None: every position sees all before it
+    # mixture of experts (num_experts 0: a dense model): each token's MLP is the weighted sum of the
+    # num_experts_per_tok experts its router scores highest (softmax probabilities, renormalized over the chosen
+    # ones where norm_topk_prob), each an MLP of moe_intermediate_size; layer i is sparse unless it is one of
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (Qwen3-MoE's dense layers)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -82,6 +109,30 @@ class ModelConfig:
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        self.check_experts()
+
+    def check_experts(self) -> None:
+        """ValueError for experts a family does not have, or sizes out of range."""
+        if not self.num_experts and self.family.num_experts_key is None:
+            return
+        if self.family.num_experts_key is None:
+            raise ValueError(f"{self.architecture} has no experts: num_experts={self.num_experts} in its config")
+        for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+            check_dimension(name, getattr(self, name))
+        k = self.num_experts_per_tok
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_experts:
+            raise ValueError(f"invalid num_experts_per_tok={k!r:.40} in the model config: must be an integer in "
+                             f"[1, num_experts={self.num_experts}]")
+        bad = [i for i in self.mlp_only_layers
+               if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"invalid mlp_only_layers entry {bad[0]!r:.40} in the model config: not a layer index")
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the experts (else the dense MLP of intermediate_size)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def family(self) -> Family:
@@ -94,6 +145,10 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family.qk_norm
+
+    @property
+    def qk_norm_per_head(self) -> bool:
+        return self.family.qk_norm_per_head
 
     def check_max_model_len(self, max_model_len: int | None) -> None:
         """ValueError when a sequence of max_model_len tokens (None: the model's longest) would need the sliding
@@ -114,7 +169,7 @@ class ModelConfig:
                              f"(expected {family.model_type!r})")
         # Features HF supports in these families but tinyvllm's kernels do not: refuse rather than compute something
         # else. Qwen2's Q/K/V biases are always on; elsewhere attention_bias would also put a bias on O.
-        required = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
+        required = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False, "clip_qkv": None}
         if not family.attention_bias:
             required["attention_bias"] = False
         for key, ok in required.items():
@@ -159,7 +214,8 @@ class ModelConfig:
             torch_dtype=dtype,
             architecture=arch,
             # Qwen configs carry a sliding_window that only use_sliding_window (refused above) turns on.
-            sliding_window=d.get("sliding_window") if family.model_type == "mistral" else None,
+            sliding_window=d.get("sliding_window") if family.model_type in WINDOWED else None,
+            **_moe_fields(d, family),
         )
 
     @classmethod
@@ -202,7 +258,29 @@ class ModelConfig:
             "eos_token_id": eos if self.eos_token_ids else None,
             "torch_dtype": self.torch_dtype,
             "sliding_window": self.sliding_window,
-        }
+        } | self._moe_hf_dict()
+
+    def _moe_hf_dict(self) -> dict:
+        if not self.num_experts:
+            return {}
+        out = {name: getattr(self, name) for name in MOE_FIELDS if name != "num_experts"}
+        out["mlp_only_layers"] = list(self.mlp_only_layers)
+        return out | {self.family.num_experts_key: self.num_experts}
+
+
+def _moe_fields(d: dict, family: Family) -> dict:
+    """The ModelConfig MoE fields of a config.json (none for a dense family). The expert MLP's width is
+    moe_intermediate_size where the config has one (Qwen3-MoE), intermediate_size elsewhere."""
+    if family.num_experts_key is None:
+        return {}
+    norm = family.norm_topk_prob
+    layers = d.get("mlp_only_layers") or []
+    if not isinstance(layers, list):
+        raise ValueError(f"invalid mlp_only_layers={layers!r:.40} in the model config: must be a list of layers")
+    return {"num_experts": d.get(family.num_experts_key), "num_experts_per_tok": d.get("num_experts_per_tok"),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)) if norm is None else norm,
+            "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
+            "decoder_sparse_step": d.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(layers)}
 
 
 def normalize_rope_scaling(rs: dict | None) -> dict | None:
@@ -224,8 +302,8 @@ def normalize_rope_scaling(rs: dict | None) -> dict | None:
 
 
 def check_dimension(name: str, value: object) -> None:
-    """ValueError unless `value` is an integer within DIMENSIONS[name]."""
-    low, high = DIMENSIONS[name]
+    """ValueError unless `value` is an integer within DIMENSIONS[name] (or MOE_DIMENSIONS[name])."""
+    low, high = DIMENSIONS[name] if name in DIMENSIONS else MOE_DIMENSIONS[name]
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"invalid {name}={value!r:.40} in the model config: must be an integer in [{low}, {high}]")
 

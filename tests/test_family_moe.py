@@ -1,0 +1,142 @@
+"""The mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) on the numpy backend against HF transformers (torch
+CPU, float32, eager attention), loaded by both from the same HF model dir; their config and checkpoint names; the
+cuda backend's refusal."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import llm_for, require, run, one_line_error
+
+from tinyvllm import SamplingParams
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
+from tinyvllm.model.loader import load_model
+
+torch = require("torch")
+transformers = require("transformers")
+
+MOE = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
+CONFIGS = {
+    # Mixtral: renormalized top-2 of 4; head_dim from hidden / heads
+    "mixtral": dict(MOE, architecture="MixtralForCausalLM", num_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48, moe_intermediate_size=48),
+    # Qwen3-MoE: q/k norms per head, its own expert width, a dense layer (mlp_only_layers), norm_topk_prob
+    "qwen3_moe": dict(MOE, architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=3,
+                      norm_topk_prob=True, intermediate_size=96, moe_intermediate_size=32, mlp_only_layers=(1,),
+                      rope_theta=1e6, tie_word_embeddings=True),
+    # Qwen3-MoE: decoder_sparse_step 2 (layers 1 and 3 sparse), unnormalized top-k
+    "qwen3_moe-step2": dict(MOE, architecture="Qwen3MoeForCausalLM", num_hidden_layers=4, num_experts=6,
+                            num_experts_per_tok=2, norm_topk_prob=False, intermediate_size=80,
+                            moe_intermediate_size=24, decoder_sparse_step=2),
+    # OLMoE: unnormalized top-8 of 16, q/k norms over the whole projection
+    "olmoe": dict(MOE, architecture="OlmoeForCausalLM", num_experts=16, num_experts_per_tok=8,
+                  intermediate_size=32, moe_intermediate_size=32),
+}
+PROMPTS = [[5, 77, 300, 12, 9, 411, 38], [100, 3, 3, 250, 8, 19, 460, 61, 7, 222, 14], [42]]
+
+
+def model_dir(tmp_path, name):
+    config = tiny_config(**CONFIGS[name])
+    return save_hf_model_dir(tmp_path / name, config, random_weights(config, seed=len(name)))
+
+
+def hf_model(path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # our checkpoint names are HF's
+    return model.eval()
+
+
+def hf_prompt_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)].numpy()
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_numpy_matches_hf(tmp_path, name):
+    path = model_dir(tmp_path, name)
+    model = hf_model(path)
+    llm = llm_for(path, block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    worst = 0.0
+    for ids, out in zip(PROMPTS, outs):
+        ours = np.array([entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        ours = np.array([v.logprob for v in ours])
+        worst = max(worst, float(np.abs(ours - hf_prompt_logprobs(model, ids)).max(initial=0.0)))
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, 8)
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_config_round_trip(tmp_path, name):
+    path = model_dir(tmp_path, name)
+    config = load_model(path).config
+    assert config == ModelConfig.from_dir(path)
+    want = tiny_config(**CONFIGS[name])
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                  "mlp_only_layers"):
+        assert getattr(config, field) == getattr(want, field)
+    # HF reads the same MoE config from the file (Mixtral's count under its own key)
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    assert getattr(hf, "num_local_experts", getattr(hf, "num_experts", None)) == want.num_experts
+    sparse = [i for i in range(config.num_hidden_layers) if config.moe_layer(i)]
+    assert sparse == {"qwen3_moe": [0, 2], "qwen3_moe-step2": [1, 3]}.get(name, [0, 1, 2])
+
+
+def test_mixtral_always_renormalizes_and_reads_its_expert_count():
+    d = tiny_config(**CONFIGS["mixtral"]).to_hf_dict()
+    assert d["num_local_experts"] == 4 and "num_experts" not in d
+    d["norm_topk_prob"] = False  # HF's Mixtral renormalizes whatever the config says
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is True
+    d = tiny_config(**CONFIGS["olmoe"]).to_hf_dict()
+    del d["norm_topk_prob"]
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is False  # OLMoE's default: the probabilities as they are
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ({"num_experts": 0}, "num_experts=0"),
+    ({"mlp_only_layers": [7]}, "mlp_only_layers entry 7"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers=1"),
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+])
+def test_bad_moe_configs_are_refused(change, message):
+    d = tiny_config(**CONFIGS["qwen3_moe"]).to_hf_dict() | change
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_dense_family_with_experts_is_refused():
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no experts"):
+        replace(tiny_config(), num_experts=4, num_experts_per_tok=2)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    path = model_dir(tmp_path, "mixtral")
+    from tinyvllm.model.loader import read_safetensors, write_safetensors
+
+    tensors = read_safetensors(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    write_safetensors(path / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=r"tensor model.layers.1.block_sparse_moe.experts.3.w2.weight is missing"):
+        load_model(path)
+
+
+def test_cuda_backend_refuses_moe_in_one_line(tmp_path):
+    path = model_dir(tmp_path, "qwen3_moe")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = run(path, src, tmp_path / "out.parquet", "--backend", "cuda")
+    line = one_line_error(result, exit_code=None)
+    assert "Qwen3MoeForCausalLM" in line and "mixture-of-experts" in line and "numpy" in line

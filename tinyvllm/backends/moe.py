@@ -1,0 +1,70 @@
+"""The mixture-of-experts MLP on the host (numpy, float32): the twin a fused CUDA MoE kernel follows, step by step.
+
+1. route: each token's router logits [T, E] -> softmax probabilities (float32) -> the top-k experts by probability,
+   highest first, and their weights: the probabilities themselves, or renormalized to sum to 1 over the k chosen
+   (norm_topk_prob; Mixtral always, which is the softmax over the k chosen logits).
+2. group_by_expert, the grouping contract: the T * k (token, slot) assignments flattened token-major (assignment
+   a = token * k + slot) and sorted by expert id, stably, so that within an expert the assignments keep token order;
+   offsets [E + 1] bound each expert's run (an expert no token chose has an empty run). A kernel may pad each run to
+   its GEMM tile; the order within a run is the same.
+3. per expert with a non-empty run: gather its tokens' rows, one GEMM with the stacked gate/up weight, SiLU(gate) *
+   up, one GEMM with the down weight.
+4. each assignment's row times its routing weight, written back to its (token, slot) place, and each token's k rows
+   summed in slot order: the output in token order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tinyvllm.backends.host_weight import HostWeight, linear
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]), highest probability first.
+    Ties: see topk."""
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    probs = e / e.sum(axis=-1, keepdims=True)
+    ids = topk(probs, top_k)
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(np.float32), ids
+
+
+def topk(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of each row's k largest values [T, E] -> [T, k], largest first; among equal values the lower
+    index first (a stable descending sort), the rule the CUDA kernel keeps."""
+    order = np.argsort(-values, axis=-1, kind="stable")
+    return order[:, :k].astype(np.int64)
+
+
+def group_by_expert(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids [T, k] -> (assignments [T * k] sorted by expert, stably; offsets [num_experts + 1]): expert e's
+    assignments are order[offsets[e]:offsets[e + 1]], each token * k + slot."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.zeros(num_experts + 1, np.int64)
+    np.cumsum(np.bincount(flat, minlength=num_experts), out=offsets[1:])
+    return order, offsets
+
+
+def fused_moe(x: np.ndarray, gate_up: HostWeight, down: HostWeight, weights: np.ndarray, ids: np.ndarray,
+              act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The experts' weighted sum for each token: x [T, hidden], gate_up stacked [E, hidden, 2 * I] (each expert's
+    gate columns, then up), down [E, I, hidden], the routing of `route`; act: [n, 2 * I] -> [n, I] (SiLU-and-mul,
+    numpy_backend.silu_and_mul) -> [T, hidden] float32.  Twin: the fused MoE kernel of the cuda backend."""
+    num_tokens, k = ids.shape
+    order, offsets = group_by_expert(ids, gate_up.shape[0])
+    rows = np.empty((num_tokens * k, x.shape[1]), np.float32)  # one per assignment, in grouped order
+    gathered = x[order // k]
+    for e in np.flatnonzero(np.diff(offsets)):
+        run = slice(offsets[e], offsets[e + 1])
+        rows[run] = linear(act(linear(gathered[run], gate_up.expert(e))), down.expert(e))
+    rows *= weights.reshape(-1)[order][:, None]
+    out = np.empty_like(rows)
+    out[order] = rows  # back to (token, slot) order
+    return out.reshape(num_tokens, k, -1).sum(axis=1)
