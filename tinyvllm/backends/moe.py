@@ -2,7 +2,8 @@
 
 1. route: each token's router logits [T, E] -> softmax probabilities (float32) -> the top-k experts by probability,
    highest first, and their weights: the probabilities themselves, or renormalized to sum to 1 over the k chosen
-   (norm_topk_prob; Mixtral always, which is the softmax over the k chosen logits).
+   (norm_topk_prob; Mixtral always, which is the softmax over the k chosen logits). Ties are broken as torch.topk
+   on the CPU breaks them (backends/topk.py), so that a router's choice is HF's whatever its logits.
 2. group_by_expert, the grouping contract: the T * k (token, slot) assignments flattened token-major (assignment
    a = token * k + slot) and sorted by expert id, stably, so that within an expert the assignments keep token order;
    offsets [E + 1] bound each expert's run (an expert no token chose has an empty run). A kernel may pad each run to
@@ -20,11 +21,12 @@ from collections.abc import Callable
 import numpy as np
 
 from tinyvllm.backends.host_weight import HostWeight, linear
+from tinyvllm.backends.topk import topk
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]), highest probability first.
-    Ties: see topk."""
+    Among equal probabilities the experts torch.topk picks (backends/topk.py), as HF's routers do."""
     z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
     e = np.exp(z)
     probs = e / e.sum(axis=-1, keepdims=True)
@@ -33,13 +35,6 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights.astype(np.float32), ids
-
-
-def topk(values: np.ndarray, k: int) -> np.ndarray:
-    """The indices of each row's k largest values [T, E] -> [T, k], largest first; among equal values the lower
-    index first (a stable descending sort), the rule the CUDA kernel keeps."""
-    order = np.argsort(-values, axis=-1, kind="stable")
-    return order[:, :k].astype(np.int64)
 
 
 def group_by_expert(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

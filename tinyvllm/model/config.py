@@ -110,6 +110,8 @@ class ModelConfig:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
         self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.family.norm_topk_prob is not None:  # the family's router decides, whatever the config says
+            self.norm_topk_prob = self.family.norm_topk_prob
         self.check_experts()
 
     def check_experts(self) -> None:
