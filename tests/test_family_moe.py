@@ -140,3 +140,43 @@ def test_cuda_backend_refuses_moe_in_one_line(tmp_path):
     result = run(path, src, tmp_path / "out.parquet", "--backend", "cuda")
     line = one_line_error(result, exit_code=None)
     assert "Qwen3MoeForCausalLM" in line and "mixture-of-experts" in line and "numpy" in line
+
+
+def test_weight_bytes_are_what_the_numpy_backend_holds(tmp_path):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "qwen3_moe")  # tied, a dense layer and expert layers
+    llm = llm_for(path)
+    backend = llm.llm_engine.backend
+    arrays = [backend.embed, backend.final_norm, backend.lm_head.data] + [
+        getattr(w, "data", w) for layer in backend.layers for w in vars(layer).values() if w is not None]
+    held = sum(a.nbytes for a in arrays)  # the tied LM head: the embedding's transpose, a copy
+    assert numpy_backend.host_weight_bytes(backend.config) == held
+
+
+def test_a_model_that_does_not_fit_is_one_line(tmp_path, monkeypatch):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "mixtral")
+    need = numpy_backend.host_weight_bytes(load_model(path).config)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: need - 1)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    line = one_line_error(run(path, src, tmp_path / "out.parquet"), exit_code=None)
+    assert "weights need" in line and "GiB as float32" in line
+
+
+def test_kv_cache_fits_in_the_memory_the_weights_leave(tmp_path, monkeypatch):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "olmoe")
+    llm = llm_for(path, num_kv_blocks=None, cpu_kv_cache_gib=64.0)
+    backend = llm.llm_engine.backend
+    block = backend.kv_bytes_per_block()
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: int(10.5 * block / numpy_backend.KV_SHARE))
+    assert backend.init_kv_cache() == 10
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: block // 2)
+    with pytest.raises(MemoryError, match="no room for a KV cache on the numpy backend"):
+        backend.init_kv_cache()
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: the setting alone
+    assert backend.init_kv_cache() == min(8 * -(-2048 // 16), (64 << 30) // block)

@@ -7,6 +7,7 @@ sequences of a prefill step (their causal masks differ in shape).
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 import numpy as np
@@ -18,7 +19,8 @@ from tinyvllm.backends.moe import fused_moe, route
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.kv_scales import kv_cache_scales
-from tinyvllm.model.layout import row_slices
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.layout import row_slices, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 from tinyvllm.model.weights import LayerWeights, pack_weights
 
@@ -138,6 +140,38 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+# ---- memory ---------------------------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+KV_SHARE = 0.9  # of the memory left after the weights, the most the KV cache takes (the rest: a step's activations)
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory that can be allocated without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_weight_bytes(config: ModelConfig) -> int:
+    """Bytes the numpy backend holds a model's weights in: every tensor as float32 (a tied LM head too: the backend
+    holds its transpose beside the embedding)."""
+    return 4 * sum(math.prod(shape) for shape in weight_shapes(config).values())
+
+
+def check_weights_fit(config: ModelConfig) -> None:
+    """MemoryError, one line, when the model's float32 weights are more than the memory available."""
+    need, free = host_weight_bytes(config), available_memory()
+    if free is not None and need > free:
+        raise MemoryError(f"the model's weights need {need / GIB:.2f} GiB as float32 on the numpy backend but "
+                          f"{free / GIB:.2f} GiB of memory is available")
+
+
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 def host_layer(layer: LayerWeights) -> LayerWeights[HostWeight]:
@@ -165,6 +199,7 @@ class NumpyBackend(Backend):
         self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
         cfg.check_max_model_len(engine_config.max_model_len)
+        check_weights_fit(cfg)  # before packing, which would run the host out of memory
         packed = pack_weights(model.weights, cfg)
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
         self.lm_head = HostWeight.from_rows(packed.lm_head)  # [hidden, vocab]
@@ -187,15 +222,29 @@ class NumpyBackend(Backend):
 
     def init_kv_cache(self) -> int:
         ec, cfg = self.engine_config, self.config
+        self.close()  # an old cache goes before the count of the memory available
         num_blocks = ec.num_kv_blocks
         if num_blocks is None:
-            # Enough for every sequence at full length, within the memory budget.
+            # Enough for every sequence at full length, within the memory budget and the memory the weights left.
             wanted = ec.max_num_seqs * -(-ec.max_model_len // ec.block_size)
-            num_blocks = max(1, min(wanted, ec.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
+            num_blocks = max(1, min(wanted, self.kv_budget() // self.kv_bytes_per_block()))
         shape = (num_blocks * ec.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
+
+    def kv_budget(self) -> int:
+        """Bytes for the KV cache: cpu_kv_cache_gib, at most KV_SHARE of the memory available with the weights
+        loaded; MemoryError (one line) when that is not one block."""
+        free = available_memory()
+        budget = self.engine_config.cpu_kv_cache_bytes
+        if free is None:
+            return budget
+        block = self.kv_bytes_per_block()
+        if int(free * KV_SHARE) < block:
+            raise MemoryError(f"no room for a KV cache on the numpy backend: {free / GIB:.2f} GiB of memory is "
+                              f"available after the weights, a block of {block} bytes does not fit")
+        return min(budget, int(free * KV_SHARE))
 
     def close(self) -> None:
         """Free the KV cache (its arrays are this backend's largest memory); idempotent."""
