@@ -180,3 +180,51 @@ def test_kv_cache_fits_in_the_memory_the_weights_leave(tmp_path, monkeypatch):
         backend.init_kv_cache()
     monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: the setting alone
     assert backend.init_kv_cache() == min(8 * -(-2048 // 16), (64 << 30) // block)
+
+
+def stacked_for_gguf(config, weights):
+    """The weights as convert_hf_to_gguf hands them over: each layer's experts stacked per part, under the merged
+    name gguf's tensor map knows (mlp.experts.gate_proj, block_sparse_moe.experts.w1, ...)."""
+    out = {}
+    for name, w in weights.items():
+        head, sep, rest = name.partition(".experts.")
+        if not sep:
+            out[name] = w
+            continue
+        merged = head + ".experts." + rest.partition(".")[2]
+        if merged not in out:
+            out[merged] = np.stack([weights[f"{head}.experts.{e}.{rest.partition('.')[2]}"]
+                                    for e in range(config.num_experts)])
+    return out
+
+
+# a qwen3moe GGUF has no dense layers (llama.cpp makes every layer sparse); Mixtral's is a "llama" file with experts
+@pytest.mark.parametrize("name, arch, change", [("mixtral", "llama", {}),
+                                                ("qwen3_moe", "qwen3moe", {"mlp_only_layers": ()})])
+def test_gguf_with_expert_tensors_runs_as_the_hf_dir(tmp_path, name, arch, change):
+    from test_gguf import write_gguf
+
+    config = replace(tiny_config(**CONFIGS[name]), tie_word_embeddings=False, **change)
+    weights = random_weights(config, seed=3)
+    hf_dir = save_hf_model_dir(tmp_path / "hf", config, weights)
+
+    def experts(w):
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+    path = write_gguf(tmp_path / "m.gguf", config, stacked_for_gguf(config, weights), arch=arch, metadata=experts)
+    loaded = load_model(path)
+    assert loaded.config.architecture == config.architecture and loaded.config.num_experts == config.num_experts
+    for hf_name in ("model.layers.1.mlp.experts.5.down_proj.weight",
+                    "model.layers.1.block_sparse_moe.experts.3.w3.weight"):
+        if hf_name in weights:
+            np.testing.assert_array_equal(loaded.weights[hf_name], weights[hf_name])
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    ours, ref = (llm_for(p).generate(prompts, params) for p in (path, hf_dir))
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got = [v.logprob for e in a.prompt_logprobs[1:] for v in e.values()]
+        want = [v.logprob for e in b.prompt_logprobs[1:] for v in e.values()]
+        assert np.allclose(got, want, atol=1e-5)

@@ -241,6 +241,17 @@ def gguf_name_map(config: ModelConfig) -> dict[str, str]:
     return out
 
 
+def gguf_experts(config: ModelConfig) -> dict[str, list[str]]:
+    """GGUF name -> the HF names of its experts in expert order, for each part of a stacked packed tensor: a GGUF file
+    holds one [experts, rows, columns] tensor per part (ffn_gate_exps: every expert's gate)."""
+    layout, out = layout_of(config), {}
+    for i in range(config.num_hidden_layers):
+        hf, gguf = layout.hf_layer.format(i=i), layout.gguf_layer.format(i=i)
+        out |= {gguf + part.gguf: part_names(p, part, hf, config) for p in layout.layer
+                if p.experts and present(p, config, i) for part in p.parts}
+    return out
+
+
 def gguf_permuted_heads(config: ModelConfig) -> dict[str, int]:
     """HF name -> head count of every tensor whose rows a GGUF file holds interleaved per head (llama.cpp's
     rotate-pairs RoPE layout), for a family with gguf_permute_qk; {} otherwise."""
