@@ -228,3 +228,21 @@ def test_gguf_with_expert_tensors_runs_as_the_hf_dir(tmp_path, name, arch, chang
         got = [v.logprob for e in a.prompt_logprobs[1:] for v in e.values()]
         want = [v.logprob for e in b.prompt_logprobs[1:] for v in e.values()]
         assert np.allclose(got, want, atol=1e-5)
+
+
+def test_backend_auto_runs_moe_on_the_cpu_where_cuda_would_run(tmp_path, monkeypatch, caplog):
+    import tinyvllm.backends as backends
+    from tinyvllm.backends.numpy_backend import NumpyBackend
+
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)  # as on a machine with a usable GPU
+    monkeypatch.setattr(backends, "gpu_present", lambda: True)
+    path = model_dir(tmp_path, "olmoe")
+    from tinyvllm import LLM
+
+    with caplog.at_level("WARNING", logger="tinyvllm.backends"):
+        llm = LLM(str(path), backend="auto", max_num_seqs=2)
+    assert isinstance(llm.llm_engine.backend, NumpyBackend)
+    assert "mixture-of-experts" in caplog.text and "OlmoeForCausalLM" in caplog.text
+    with pytest.raises(ValueError, match="OlmoeForCausalLM is a mixture-of-experts model, which runs on the numpy "
+                                         "backend only"):
+        LLM(str(path), backend="cuda")
