@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from helpers import require
 
-from tinyvllm.backends.host_weight import HostWeight
-from tinyvllm.backends.moe import fused_moe, group_by_expert, route
+from tinyvllm.backends.moe import StackedWeight, fused_moe, group_by_expert, route
 from tinyvllm.backends.numpy_backend import silu_and_mul
 from tinyvllm.backends.topk import topk
 from tinyvllm.model.dummy import tiny_config
@@ -64,8 +63,8 @@ def hf_block(name, rng, router=None):
 
 def ours(config, weights, x):
     w, ids = route(x @ weights["router"].T, config.num_experts_per_tok, config.norm_topk_prob)
-    out = fused_moe(x, HostWeight.from_expert_rows(weights["gate_up"]), HostWeight.from_expert_rows(weights["down"]),
-                    w, ids, silu_and_mul)
+    out = fused_moe(x, StackedWeight.from_rows(weights["gate_up"]), StackedWeight.from_rows(weights["down"]), w, ids,
+                    silu_and_mul)
     return out, w, ids
 
 

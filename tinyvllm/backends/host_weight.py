@@ -1,7 +1,5 @@
 """A linear layer's weight as the numpy backend holds it: its values in an encoding (a dtype), with the scales that
-encoding needs, and the matrix product that reads that encoding. The host twin of a device tensor. A mixture-of-
-experts layer's experts are one HostWeight stacked [experts, in, out] (with scales [experts, out]); `expert(e)` is
-expert e's matrix.
+encoding needs, and the matrix product that reads that encoding. The host twin of a device tensor.
 
 float32 is the one encoding today: `data` is the matrix itself and there is no scale. An encoding with per-output-
 channel scales (e4m3 codes, say) is one more entry of MATMULS that multiplies the product by `scale`."""
@@ -23,7 +21,7 @@ class HostWeight:
     def __post_init__(self) -> None:
         if self.dtype not in MATMULS:
             raise ValueError(f"unsupported weight dtype {self.dtype!r}: supported are {', '.join(MATMULS)}")
-        if self.scale is not None and self.scale.shape != (*self.data.shape[:-2], self.data.shape[-1]):
+        if self.scale is not None and self.scale.shape != self.data.shape[-1:]:
             raise ValueError(f"weight scale of shape {self.scale.shape} for a weight of shape {self.data.shape}")
 
     @classmethod
@@ -31,18 +29,9 @@ class HostWeight:
         """A float32 weight from a matrix [out, in] as a checkpoint stores it (and model/weights.py packs it)."""
         return cls(np.ascontiguousarray(w.T, dtype=np.float32))
 
-    @classmethod
-    def from_expert_rows(cls, w: np.ndarray) -> HostWeight:
-        """Stacked float32 experts from [experts, out, in] as model/weights.py packs them."""
-        return cls(np.ascontiguousarray(np.swapaxes(w, 1, 2), dtype=np.float32))
-
-    def expert(self, e: int) -> HostWeight:
-        """Expert e's matrix [in, out] of a stacked weight [experts, in, out]."""
-        return HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
-
     @property
-    def shape(self) -> tuple[int, ...]:
-        """[in, out]; [experts, in, out] stacked"""
+    def shape(self) -> tuple[int, int]:
+        """[in, out]"""
         return self.data.shape
 
 

@@ -17,11 +17,35 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.backends.topk import topk
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """One layer's experts' weights stacked: data [experts, in, out] in a HostWeight encoding, with scale
+    [experts, out] for an encoding that has one (FP8: per expert and output channel). expert(e) is expert e's
+    HostWeight, a view of its slice."""
+
+    data: np.ndarray
+    dtype: str = "float32"
+    scale: np.ndarray | None = None
+
+    @classmethod
+    def from_rows(cls, w: np.ndarray) -> StackedWeight:
+        """float32 experts from [experts, out, in] as model/weights.py packs them."""
+        return cls(np.ascontiguousarray(np.swapaxes(w, 1, 2), dtype=np.float32))
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def expert(self, e: int) -> HostWeight:
+        return HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -47,13 +71,13 @@ def group_by_expert(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.n
     return order, offsets
 
 
-def fused_moe(x: np.ndarray, gate_up: HostWeight, down: HostWeight, weights: np.ndarray, ids: np.ndarray,
+def fused_moe(x: np.ndarray, gate_up: StackedWeight, down: StackedWeight, weights: np.ndarray, ids: np.ndarray,
               act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """The experts' weighted sum for each token: x [T, hidden], gate_up stacked [E, hidden, 2 * I] (each expert's
     gate columns, then up), down [E, I, hidden], the routing of `route`; act: [n, 2 * I] -> [n, I] (SiLU-and-mul,
     numpy_backend.silu_and_mul) -> [T, hidden] float32.  Twin: the fused MoE kernel of the cuda backend."""
     num_tokens, k = ids.shape
-    order, offsets = group_by_expert(ids, gate_up.shape[0])
+    order, offsets = group_by_expert(ids, gate_up.num_experts)
     rows = np.empty((num_tokens * k, x.shape[1]), np.float32)  # one per assignment, in grouped order
     gathered = x[order // k]
     for e in np.flatnonzero(np.diff(offsets)):

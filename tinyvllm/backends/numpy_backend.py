@@ -15,7 +15,7 @@ import numpy as np
 import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.backends.host_weight import HostWeight, linear
-from tinyvllm.backends.moe import fused_moe, route
+from tinyvllm.backends.moe import StackedWeight, fused_moe, route
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.kv_scales import kv_cache_scales
@@ -175,14 +175,14 @@ def check_weights_fit(config: ModelConfig) -> None:
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 def host_layer(layer: LayerWeights) -> LayerWeights[HostWeight]:
-    """A packed layer as the forward reads it: matrices as float32 HostWeights [in, out], vectors as float32 arrays,
-    the parts its family lacks None."""
+    """A packed layer as the forward reads it: matrices as float32 HostWeights [in, out], an expert layer's stacked
+    experts as StackedWeights [experts, in, out], vectors as float32 arrays, the parts its family lacks None."""
 
-    def host(w: np.ndarray | None) -> HostWeight | np.ndarray | None:
+    def host(w: np.ndarray | None) -> HostWeight | StackedWeight | np.ndarray | None:
         if w is None:
             return None
-        if w.ndim == 3:  # stacked experts
-            return HostWeight.from_expert_rows(w)
+        if w.ndim == 3:  # an expert layer's experts, stacked
+            return StackedWeight.from_rows(w)
         return HostWeight.from_rows(w) if w.ndim == 2 else np.asarray(w, dtype=np.float32)
 
     return LayerWeights(**{f.name: host(getattr(layer, f.name)) for f in fields(layer)})

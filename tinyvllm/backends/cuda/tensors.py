@@ -89,3 +89,7 @@ class DeviceLayer:
     qkv_bias: DeviceTensor | None = None
     q_norm: DeviceTensor | None = None
     k_norm: DeviceTensor | None = None
+    # an expert layer's router and stacked experts (LayerWeights'); None: the cuda backend refuses expert models
+    router: DeviceTensor | None = None
+    experts_gate_up: DeviceTensor | None = None
+    experts_down: DeviceTensor | None = None
