@@ -91,7 +91,6 @@ LLAMA = Layout(
 )
 
 
-
 def moe_layout(base: Layout, block: str, gate: str, up: str, down: str, norm_shapes: tuple[str, str] | None = None
                ) -> Layout:
     """base with a mixture-of-experts MLP in the sparse layers (the router `block`.gate and the experts
