@@ -251,7 +251,8 @@ def test_device_tensor_sizes_come_from_the_dtype():
 def test_device_layer_has_the_host_layers_fields():
     assert [f.name for f in fields(DeviceLayer)] == [f.name for f in fields(LayerWeights)]
     assert [f.name for f in fields(DeviceLayer) if f.default is None] == ["qkv_bias", "q_norm", "k_norm",
-                                                                           "attn_out_norm", "mlp_out_norm"]
+                                                                           "attn_out_norm", "mlp_out_norm", "router",
+                                                                           "experts_gate_up", "experts_down"]
 
 
 class RecordingBlas:

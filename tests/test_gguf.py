@@ -57,12 +57,14 @@ def add_dummy_tokenizer(w, vocab_size, tokenizer_model="gpt2", pre="gpt-2"):
 
 
 def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_model="gpt2", pre="gpt-2",
-               add_bos=False, rope_freqs=None, spm=None):
+               add_bos=False, rope_freqs=None, spm=None, metadata=None):
     """A GGUF as convert_hf_to_gguf writes it (of arch, by default the config's), with the dummy byte-level
-    tokenizer, or with the SentencePiece vocabulary `spm` (tokenizer.ggml.* metadata as a dict)."""
+    tokenizer, or with the SentencePiece vocabulary `spm` (tokenizer.ggml.* metadata as a dict); metadata(writer)
+    adds more keys."""
     arch = arch or GGUF_ARCHS[config.architecture]
     w = gguf_writer(path, arch, config, config.head_dim)
-
+    if metadata:
+        metadata(w)
     if spm:
         w.add_tokenizer_model("llama")
         w.add_token_list(spm["tokenizer.ggml.tokens"])
@@ -75,7 +77,8 @@ def write_gguf(path, config, weights, qtype=QT.F32, *, arch=None, tokenizer_mode
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHATML_TEMPLATE)
 
-    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                  "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
     names = gguf.get_tensor_name_map(model_arch.get(arch, gguf.MODEL_ARCH.LLAMA), config.num_hidden_layers)
     for name, arr in weights.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:

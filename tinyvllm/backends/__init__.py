@@ -40,11 +40,22 @@ def gpu_present() -> bool:
     return bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0")
 
 
+def cuda_refusal(model_config) -> str | None:
+    """Why the cuda backend does not run this model, though it runs here (None: it does)."""
+    if model_config.num_experts:
+        return (f"{model_config.architecture} is a mixture-of-experts model, which runs on the numpy backend only "
+                "(--backend numpy): the cuda backend has no fused MoE kernel")
+    return None
+
+
 def create_backend(model, config: EngineConfig) -> Backend:
     """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
     name = config.backend
+    refusal = cuda_refusal(model.config)
+    if name == "cuda" and refusal:
+        raise ValueError(refusal)
     if name == "auto":
-        reason = cuda_unavailable_reason()
+        reason = cuda_unavailable_reason() or refusal
         if reason is not None:  # said out loud only where a GPU was there to be used
             log.log(logging.WARNING if gpu_present() else logging.INFO,
                     "backend auto: running on the CPU (numpy): %s", reason)

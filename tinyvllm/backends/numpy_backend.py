@@ -15,12 +15,14 @@ import numpy as np
 import tinyvllm.backends.sampler as sampler
 from tinyvllm.backends.base import Backend, Batch, SamplerOutput
 from tinyvllm.backends.host_weight import HostWeight, linear
+from tinyvllm.backends.moe import StackedWeight, fused_moe, route
 from tinyvllm.config import EngineConfig
+from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.fp8 import Fp8Rows, quantize_rows, stack_rows
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
-from tinyvllm.model.layout import NORM_FIELDS, row_slices
+from tinyvllm.model.layout import NORM_FIELDS, row_slices, weight_shapes
 from tinyvllm.model.rope import layer_ropes
 from tinyvllm.model.weights import LayerWeights, pack_weights
 
@@ -34,10 +36,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
-            eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE).
+            eps: float, per_head: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE); per_head
+    False: of each token's whole Q and whole K, weights [heads * d] and [kv_heads * d] (OLMoE).
     Twin: cuda/qkv.cu qk_norm."""
-    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    if per_head:
+        return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return (rms_norm(q.reshape(len(q), -1), q_weight, eps).reshape(q.shape),
+            rms_norm(k.reshape(len(k), -1), k_weight, eps).reshape(k.shape))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -173,20 +179,56 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+# ---- memory ---------------------------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+KV_SHARE = 0.9  # of the memory left after the weights, the most the KV cache takes (the rest: a step's activations)
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory that can be allocated without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_weight_bytes(config: ModelConfig) -> int:
+    """Bytes the numpy backend holds a model's weights in: every tensor as float32 (a tied LM head too: the backend
+    holds its transpose beside the embedding)."""
+    return 4 * sum(math.prod(shape) for shape in weight_shapes(config).values())
+
+
+def check_weights_fit(config: ModelConfig) -> None:
+    """MemoryError, one line, when the model's float32 weights are more than the memory available."""
+    need, free = host_weight_bytes(config), available_memory()
+    if free is not None and need > free:
+        raise MemoryError(f"the model's weights need {need / GIB:.2f} GiB as float32 on the numpy backend but "
+                          f"{free / GIB:.2f} GiB of memory is available")
+
+
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 def host_layer(layer: LayerWeights, quantize: bool = False, norm_offset: float = 0.0) -> LayerWeights[HostWeight]:
-    """A packed layer as the forward reads it: matrices as HostWeights [in, out] (an FP8 checkpoint's e4m3 ones as
+    """A packed layer as the forward reads it: matrices as HostWeights [in, out] (an expert layer's stacked experts as
+    StackedWeights [experts, in, out]; an FP8 checkpoint's e4m3 ones as
     stored, float ones in float32, or in e4m3 with a scale per output channel where `quantize`), vectors as float32
     arrays (the RMSNorm gains plus norm_offset: Gemma's (1 + weight)), the parts its family lacks None."""
 
-    def host(name: str, w: Fp8Rows | np.ndarray | None) -> HostWeight | np.ndarray | None:
+    def host(name: str, w: Fp8Rows | np.ndarray | None) -> HostWeight | StackedWeight | np.ndarray | None:
         if w is None:
             return None
         if isinstance(w, Fp8Rows):
             return HostWeight.from_fp8(w)
+        if w.ndim == 3:  # an expert layer's experts, stacked
+            return StackedWeight.from_rows(w)
         if w.ndim == 2:
-            return HostWeight.from_fp8(quantize_rows(w)) if quantize else HostWeight.from_rows(w)
+            # the router stays float32 (as vLLM keeps it unquantized)
+            return HostWeight.from_fp8(quantize_rows(w)) if quantize and name != "router" else HostWeight.from_rows(w)
         w = np.asarray(w, dtype=np.float32)
         return w + np.float32(norm_offset) if norm_offset and name in NORM_FIELDS else w
 
@@ -204,6 +246,7 @@ class NumpyBackend(Backend):
         self.config = cfg = model.config
         self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
+        check_weights_fit(cfg)  # before packing, which would run the host out of memory
         # FP8 (model/fp8.py): a checkpoint's e4m3 linear weights as stored, or, with quantization="fp8", every float
         # linear weight quantized here; the embedding and the LM head stay float32
         checkpoint = isinstance(model.weights, Fp8CheckpointWeights)
@@ -235,15 +278,29 @@ class NumpyBackend(Backend):
 
     def init_kv_cache(self) -> int:
         ec, cfg = self.engine_config, self.config
+        self.close()  # an old cache goes before the count of the memory available
         num_blocks = ec.num_kv_blocks
         if num_blocks is None:
-            # Enough for every sequence at full length, within the memory budget.
+            # Enough for every sequence at full length, within the memory budget and the memory the weights left.
             wanted = ec.max_num_seqs * -(-ec.max_model_len // ec.block_size)
-            num_blocks = max(1, min(wanted, ec.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
+            num_blocks = max(1, min(wanted, self.kv_budget() // self.kv_bytes_per_block()))
         shape = (num_blocks * ec.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [np.zeros(shape, self.kv_dtype) for _ in range(cfg.num_hidden_layers)]
         return num_blocks
+
+    def kv_budget(self) -> int:
+        """Bytes for the KV cache: cpu_kv_cache_gib, at most KV_SHARE of the memory available with the weights
+        loaded; MemoryError (one line) when that is not one block."""
+        free = available_memory()
+        budget = self.engine_config.cpu_kv_cache_bytes
+        if free is None:
+            return budget
+        block = self.kv_bytes_per_block()
+        if int(free * KV_SHARE) < block:
+            raise MemoryError(f"no room for a KV cache on the numpy backend: {free / GIB:.2f} GiB of memory is "
+                              f"available after the weights, a block of {block} bytes does not fit")
+        return min(budget, int(free * KV_SHARE))
 
     def close(self) -> None:
         """Free the KV cache (its arrays are this backend's largest memory); idempotent."""
@@ -273,7 +330,7 @@ class NumpyBackend(Backend):
         k = qkv[:, k_cols].reshape(-1, kv_heads, d)
         v = qkv[:, v_cols].reshape(-1, kv_heads, d)
         if layer.q_norm is not None:  # Qwen3, Gemma 3
-            q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+            q, k = qk_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, cfg.qk_norm_per_head)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv_cache(self.k_cache[i], self.v_cache[i], k, v, batch.slot_mapping, self.kv_scales[i])
         attn = paged_attention(q, self.k_cache[i], self.v_cache[i], batch, self.engine_config.block_size,
@@ -283,10 +340,18 @@ class NumpyBackend(Backend):
             out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)
         x = x + out
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        out = linear(self.activation(linear(h, layer.gate_up)), layer.down)
+        out = self.mlp(layer, h)
         if layer.mlp_out_norm is not None:
             out = rms_norm(out, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x + out
+
+    def mlp(self, layer: LayerWeights[HostWeight], h: np.ndarray) -> np.ndarray:
+        """The layer's MLP on its normed input h [T, hidden]: the dense one, or the experts its router picks."""
+        if layer.router is None:
+            return linear(self.activation(linear(h, layer.gate_up)), layer.down)
+        cfg = self.config
+        weights, ids = route(linear(h, layer.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids, self.activation)
 
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:

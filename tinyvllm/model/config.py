@@ -1,5 +1,5 @@
-"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and 3), read from
-HF config.json."""
+"""ModelConfig: the hyperparameters tinyvllm needs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and 3, and the
+mixture-of-experts Mixtral, Qwen3-MoE and OLMoE), read from HF config.json."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class Family(NamedTuple):
     sliding_window_pattern: int = 0  # the default of the config key of that name
     text_config: bool = False  # the decoder's hyperparameters are the config's text_config (a multimodal wrapper)
     defaults: tuple[tuple[str, object], ...] = ()  # what HF's config class assumes for a key its config.json omits
+    # mixture of experts: the config.json key counting the experts (None: a dense family)
+    num_experts_key: str | None = None
+    norm_topk_prob: bool | None = None  # fixed by the family (Mixtral renormalizes its top-k); None: config.json's
+    qk_norm_per_head: bool = True  # False: the q/k norms span the whole projection, all heads at once (OLMoE)
 
 
 GEMMA_DEFAULTS = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
@@ -57,6 +61,12 @@ FAMILIES = {
     # Its language model only: the vision tower's tensors are skipped, and no image reaches it.
     "Gemma3ForConditionalGeneration": Family("gemma3", attention_bias=False, qk_norm=True, sliding_window_pattern=6,
                                              text_config=True, defaults=GEMMA3_DEFAULTS, **_GEMMA),
+    "MixtralForCausalLM": Family("mixtral", attention_bias=False, qk_norm=False, gguf_permute_qk=True,
+                                 num_experts_key="num_local_experts", norm_topk_prob=True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", attention_bias=False, qk_norm=True, gguf_permute_qk=False,
+                                  num_experts_key="num_experts", window_layers="max_window_layers"),
+    "OlmoeForCausalLM": Family("olmoe", attention_bias=False, qk_norm=True, gguf_permute_qk=False,
+                               num_experts_key="num_experts", qk_norm_per_head=False),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the MLP's gate: SwiGLU, or GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -68,6 +78,9 @@ LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embedding
 DIMENSIONS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20),
               "num_hidden_layers": (1, 1 << 12), "num_attention_heads": (1, 1 << 12),
               "num_key_value_heads": (1, 1 << 12), "head_dim": (1, 1 << 12), "max_position_embeddings": (2, 1 << 24)}
+MOE_DIMENSIONS = {"num_experts": (1, 1 << 12), "moe_intermediate_size": (1, 1 << 20), "decoder_sparse_step": (1, 1 << 12)}
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step",
+              "mlp_only_layers")
 
 
 @dataclass
@@ -98,6 +111,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # and so do the logits
     query_pre_attn_scalar: float | None = None  # attention scores are scaled by its -1/2 power; None: head_dim's
     quantization: Fp8Scheme | None = None  # an FP8 checkpoint's quantization_config; None: unquantized weights
+    # mixture of experts (num_experts 0: a dense model): each token's MLP is the weighted sum of the
+    # num_experts_per_tok experts its router scores highest (softmax probabilities, renormalized over the chosen
+    # ones where norm_topk_prob), each an MLP of moe_intermediate_size; layer i is sparse unless it is one of
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (Qwen3-MoE's dense layers)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -125,6 +148,10 @@ class ModelConfig:
             raise ValueError(f"unsupported torch_dtype {self.torch_dtype!r} (expected one of {DTYPES})")
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
         self._check_family_fields()
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.family.norm_topk_prob is not None:  # the family's router decides, whatever the config says
+            self.norm_topk_prob = self.family.norm_topk_prob
+        self.check_experts()
 
     def _check_family_fields(self) -> None:
         """ValueError for a value of the fields Phi-3 and Gemma add that no forward can run."""
@@ -149,6 +176,28 @@ class ModelConfig:
                 raise ValueError(f"longrope {key} has {len(self.rope_scaling[key])} entries: the rotated "
                                  f"{self.rotary_dim} dimensions of a head need {half}")
 
+    def check_experts(self) -> None:
+        """ValueError for experts a family does not have, or sizes out of range."""
+        if not self.num_experts and self.family.num_experts_key is None:
+            return
+        if self.family.num_experts_key is None:
+            raise ValueError(f"{self.architecture} has no experts: num_experts={self.num_experts} in its config")
+        for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+            check_dimension(name, getattr(self, name))
+        k = self.num_experts_per_tok
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_experts:
+            raise ValueError(f"invalid num_experts_per_tok={k!r:.40} in the model config: must be an integer in "
+                             f"[1, num_experts={self.num_experts}]")
+        bad = [i for i in self.mlp_only_layers
+               if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"invalid mlp_only_layers entry {bad[0]!r:.40} in the model config: not a layer index")
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the experts (else the dense MLP of intermediate_size)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
     @property
     def family(self) -> Family:
         return FAMILIES[self.architecture]
@@ -160,6 +209,10 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family.qk_norm
+
+    @property
+    def qk_norm_per_head(self) -> bool:
+        return self.family.qk_norm_per_head
 
     @property
     def rotary_dim(self) -> int:
@@ -242,6 +295,7 @@ class ModelConfig:
             **_rope_fields(d),
             **window_fields(d, family),
             quantization=fp8_scheme(d.get("quantization_config")),
+            **_moe_fields(d, family),
         )
 
     @classmethod
@@ -297,7 +351,29 @@ class ModelConfig:
             **({"query_pre_attn_scalar": self.query_pre_attn_scalar} if self.query_pre_attn_scalar else {}),
             **({"original_max_position_embeddings": self.rope_scaling["original_max_position_embeddings"]}
                if self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling else {}),
-        }
+        } | self._moe_hf_dict()
+
+    def _moe_hf_dict(self) -> dict:
+        if not self.num_experts:
+            return {}
+        out = {name: getattr(self, name) for name in MOE_FIELDS if name != "num_experts"}
+        out["mlp_only_layers"] = list(self.mlp_only_layers)
+        return out | {self.family.num_experts_key: self.num_experts}
+
+
+def _moe_fields(d: dict, family: Family) -> dict:
+    """The ModelConfig MoE fields of a config.json (none for a dense family). The expert MLP's width is
+    moe_intermediate_size where the config has one (Qwen3-MoE), intermediate_size elsewhere."""
+    if family.num_experts_key is None:
+        return {}
+    norm = family.norm_topk_prob
+    layers = d.get("mlp_only_layers") or []
+    if not isinstance(layers, list):
+        raise ValueError(f"invalid mlp_only_layers={layers!r:.40} in the model config: must be a list of layers")
+    return {"num_experts": d.get(family.num_experts_key), "num_experts_per_tok": d.get("num_experts_per_tok"),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)) if norm is None else norm,
+            "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
+            "decoder_sparse_step": d.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(layers)}
 
 
 def normalize_rope_scaling(rs: dict | None) -> dict | None:
@@ -357,6 +433,8 @@ def _check_unsupported(d: dict, arch: str, family: Family) -> None:
     for key, ok in required.items():
         if (d.get(key) or False) != ok:
             raise ValueError(f"unsupported {key}={d[key]!r:.40} in this {arch} config (tinyvllm requires {ok!r})")
+    if d.get("clip_qkv") is not None:  # OLMoE's optional clamp of Q, K and V
+        raise ValueError(f"unsupported clip_qkv={d['clip_qkv']!r:.40} in this {arch} config (tinyvllm requires None)")
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported hidden_act {act!r:.40} in this {arch} config: supported are "
@@ -409,8 +487,8 @@ def window_fields(d: dict, family: Family) -> dict:
 
 
 def check_dimension(name: str, value: object) -> None:
-    """ValueError unless `value` is an integer within DIMENSIONS[name]."""
-    low, high = DIMENSIONS[name]
+    """ValueError unless `value` is an integer within DIMENSIONS[name] (or MOE_DIMENSIONS[name])."""
+    low, high = DIMENSIONS[name] if name in DIMENSIONS else MOE_DIMENSIONS[name]
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"invalid {name}={value!r:.40} in the model config: must be an integer in [{low}, {high}]")
 

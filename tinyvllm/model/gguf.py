@@ -1,9 +1,10 @@
-"""GGUF (llama.cpp) models (llama, qwen2, qwen3): metadata -> ModelConfig, tensors -> float32 HF-named weights,
-vocab -> Tokenizer."""
+"""GGUF (llama.cpp) models (llama, qwen2, qwen3, and the mixture-of-experts qwen3moe and Mixtral-style llama):
+metadata -> ModelConfig, tensors -> float32 HF-named weights, vocab -> Tokenizer."""
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,17 +16,21 @@ from gguf import GGMLQuantizationType as QT
 from tinyvllm.model.config import FAMILIES, ModelConfig, check_dimension, window_fields
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.gguf_file import read_gguf
-from tinyvllm.model.layout import (gguf_permuted_heads, hf_name_of_gguf, layout_of, layout_of_architecture,
-                                   norm_names, tied_copies)
+from tinyvllm.model.layout import (gguf_experts, gguf_permuted_heads, hf_name_of_gguf, layout_of,
+                                   layout_of_architecture, norm_names, tied_copies)
 from tinyvllm.model.rope import rope_inv_freq
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
 
 # general.architecture -> HF architecture (convert_hf_to_gguf writes Mistral as "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
 # llama.cpp scales a Gemma's attention by hidden / heads (not head_dim) in the 27B, which it knows by its depth
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# general.architecture -> the HF architecture it is when its expert_count is set (convert_hf_to_gguf writes Mixtral
+# as "llama" with experts)
+GGUF_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (as in the model's own tokenizer.json).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -56,27 +61,48 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokeni
     config = config_from_gguf(meta, tensors)
     layout = layout_of(config)
     folded = (layout.gguf_rope_freqs, *layout.gguf_rope_factors)  # already in config.rope_scaling
-    by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name not in folded}
+    skipped = (*folded, *gguf_experts(config))  # the experts are read stacked, below
+    by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name not in skipped}
     for name, source in tied_copies(config).items():
         if source in by_hf_name:
             by_hf_name[name] = by_hf_name[source]
-    return config, GGUFWeights(by_hf_name, config), tokenizer_from_gguf(meta)
+    experts = {hf: (tensors[name], e) for name, hfs in stacked.items() if name in tensors for e, hf in enumerate(hfs)}
+    return config, GGUFWeights(by_hf_name, config, experts), tokenizer_from_gguf(meta)
 
 
 class GGUFWeights(LazyWeights):
-    """A GGUF file's tensors by HF name, each dequantized to float32 when asked for (the file stays mapped)."""
+    """A GGUF file's tensors by HF name, each dequantized to float32 when asked for (the file stays mapped). An
+    expert's tensor is its slice of the file's stacked one (`experts`: HF name -> (stacked tensor, expert)); the last
+    STACKED dequantized stacked tensors are kept, as the experts are read one after another."""
 
-    def __init__(self, tensors: dict[str, Any], config: ModelConfig) -> None:
+    STACKED = 2  # an expert's gate and up: read in turn from two stacked tensors
+
+    def __init__(self, tensors: dict[str, Any], config: ModelConfig,
+                 experts: dict[str, tuple[Any, int]] | None = None) -> None:
         self.tensors = tensors
         self.config = config
         self.permuted_heads = gguf_permuted_heads(config)
         # convert_hf_to_gguf stores a Gemma's RMSNorm gains with its (1 + weight) offset added: taken off here
         self.norm_shift = norm_names(config) if config.norm_offset else set()
+        self.experts = experts or {}
+        self.stacked: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.experts:
+            return tuple(int(n) for n in reversed(self.experts[name][0].shape.tolist()))[1:]
         return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
 
+    def expert(self, name: str) -> np.ndarray:
+        tensor, e = self.experts[name]
+        if tensor.name not in self.stacked:
+            self.stacked[tensor.name] = dequantize(tensor)
+            while len(self.stacked) > self.STACKED:
+                self.stacked.popitem(last=False)
+        return np.array(self.stacked[tensor.name][e])
+
     def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.experts:
+            return self.expert(name)
         w = dequantize(self.tensors[name])
         # llama.cpp stores a Llama's Q/K rows interleaved per head (rotate-pairs RoPE); undone for the rotate-half
         # layout. Qwen's it keeps as HF has them (llama.cpp runs those with rotate-half "NEOX" RoPE).
@@ -86,10 +112,10 @@ class GGUFWeights(LazyWeights):
         return w if heads is None else unpermute_qk(w, heads)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
+        return iter([*self.tensors, *self.experts])
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self.tensors) + len(self.experts)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
@@ -105,7 +131,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
             raise ValueError(f"GGUF metadata is missing {arch}.{key}")
     if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
         raise ValueError("GGUF metadata is missing tokenizer.ggml.tokens (the vocabulary)")
-    layout = layout_of_architecture(GGUF_ARCHITECTURES[arch])
+    architecture = (GGUF_MOE_ARCHITECTURES.get(arch) if get("expert_count") else None) or GGUF_ARCHITECTURES[arch]
+    layout = layout_of_architecture(architecture)
     hidden, heads = get("embedding_length"), get("attention.head_count")
     check_dimension("hidden_size", hidden)  # both checked before head_dim is computed from them
     check_dimension("num_attention_heads", heads)
@@ -132,9 +159,10 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         torch_dtype=_storage_dtype(tensors),
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=architecture,
         partial_rotary_factor=rotated / head_dim if rotated else 1.0,
         **_family_fields_from_gguf(arch, get, head_dim, hidden // heads),
+        **_experts_from_gguf(get),
     )
 
 
@@ -173,6 +201,16 @@ def _family_fields_from_gguf(arch: str, get: Callable[..., Any], head_dim: int, 
         "query_pre_attn_scalar": hidden_per_head if n == GEMMA_27B_LAYERS.get(arch) else head_dim,
         "local_rope_theta": _round32(get("rope.freq_base_swa", dict(family.defaults)["rope_local_base_freq"]))
         if "rope_local_base_freq" in dict(family.defaults) else None}
+
+
+def _experts_from_gguf(get) -> dict:
+    """The ModelConfig MoE fields of a GGUF's metadata (none without expert_count). llama.cpp renormalizes the
+    chosen experts' weights of these architectures unless expert_weights_norm says otherwise; every layer is sparse."""
+    if not get("expert_count"):
+        return {}
+    return {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length") or get("feed_forward_length"),
+            "norm_topk_prob": bool(get("expert_weights_norm", True))}
 
 
 def hf_name(config: ModelConfig, name: str) -> str:

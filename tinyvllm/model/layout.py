@@ -7,6 +7,12 @@ the family adds to Llama's layer carries the Family flag it is present under (Qw
 norms); everything else is derived from the table: the tensors a checkpoint must hold (`weight_shapes`), what each
 packed tensor stacks (`model_parts`, `layer_parts`), the GGUF names (`hf_name_of_gguf`), and which GGUF rows
 llama.cpp interleaves (`gguf_permuted_heads`).
+
+A mixture-of-experts layer's experts are packed stacked: a Packed with `experts` set holds, for each expert e in
+order, its parts' rows one after another ("{e}" in a part's name is the expert's index), as one array
+[num_experts, rows, columns] (experts_gate_up [E, 2 * I, hidden], experts_down [E, hidden, I]), so that a per-expert
+per-output-channel scale is [E, rows]. A Packed's `mlp` says in which layers it is present: "moe" in the layers
+whose MLP is the experts (ModelConfig.moe_layer), "dense" in the others; None in every layer.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Packed:
     parts: tuple[Part, ...]
     flag: str | None = None  # the Family flag it is present under; None: every family has it
     tied_to: str | None = None  # the field it is (not a copy of) when the config ties word embeddings
+    experts: bool = False  # stacked over the experts: its parts' names hold "{e}"
+    mlp: str | None = None  # "moe": only in the expert layers; "dense": only in the others; None: in every layer
 
 
 @dataclass(frozen=True)
@@ -120,18 +128,47 @@ GEMMA = Layout(model=LLAMA.model, layer=_replaced(
 def _prefixed(layout: Layout, prefix: str, skipped: tuple[str, ...]) -> Layout:
     """The layout of a checkpoint that holds this one's HF tensors under `prefix` beside others it skips."""
     def moved(packed: tuple[Packed, ...]) -> tuple[Packed, ...]:
-        return tuple(Packed(p.field, tuple(replace(part, hf=prefix + part.hf) for part in p.parts), p.flag,
-                            p.tied_to) for p in packed)
+        return tuple(replace(p, parts=tuple(replace(part, hf=prefix + part.hf) for part in p.parts)) for p in packed)
 
     return replace(layout, model=moved(layout.model), layer=layout.layer, hf_layer=prefix + layout.hf_layer,
                    hf_skipped=skipped)
 
 
+def moe_layout(base: Layout, block: str, gate: str, up: str, down: str, norm_shapes: tuple[str, str] | None = None
+               ) -> Layout:
+    """base with a mixture-of-experts MLP in the sparse layers (the router `block`.gate and the experts
+    `block`.experts.{e}.<gate|up|down>), base's dense MLP in the others; norm_shapes: the q/k norms' shapes."""
+    experts = block + ".experts.{e}."
+    layer = []
+    for p in base.layer:
+        if p.field in ("gate_up", "down"):
+            p = replace(p, mlp="dense")
+        if norm_shapes and p.field in ("q_norm", "k_norm"):
+            shape = norm_shapes[p.field == "k_norm"]
+            p = replace(p, parts=tuple(replace(part, shape=(shape,)) for part in p.parts))
+        layer.append(p)
+    moe = (
+        Packed("router", (Part(block + ".gate.weight", "ffn_gate_inp.weight", ("experts", "hidden")),), mlp="moe"),
+        Packed("experts_gate_up", (Part(experts + gate, "ffn_gate_exps.weight", ("expert_intermediate", "hidden")),
+                                   Part(experts + up, "ffn_up_exps.weight", ("expert_intermediate", "hidden"))),
+               experts=True, mlp="moe"),
+        Packed("experts_down", (Part(experts + down, "ffn_down_exps.weight", ("hidden", "expert_intermediate")),),
+               experts=True, mlp="moe"),
+    )
+    return replace(base, layer=(*layer, *moe))
+
+
+MIXTRAL = moe_layout(LLAMA, "block_sparse_moe", "w1.weight", "w3.weight", "w2.weight")
+QWEN3_MOE = moe_layout(LLAMA, "mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# OLMoE's q/k norms are over the whole projection: [heads * head_dim] and [kv_heads * head_dim]
+OLMOE = moe_layout(LLAMA, "mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight", norm_shapes=("q", "kv"))
+
 # Family.model_type -> its checkpoint layout. Llama's four families share its names; what Qwen adds is flagged. A
 # Gemma 3 multimodal checkpoint holds the language model under language_model.
 LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "phi3": PHI3, "gemma2": GEMMA,
            "gemma3_text": GEMMA,
-           "gemma3": _prefixed(GEMMA, "language_model.", ("vision_tower.", "multi_modal_projector."))}
+           "gemma3": _prefixed(GEMMA, "language_model.", ("vision_tower.", "multi_modal_projector.")),
+           "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE, "olmoe": OLMOE}
 
 
 def layout_of(config: ModelConfig) -> Layout:
@@ -148,12 +185,32 @@ def dimensions(config: ModelConfig) -> dict[str, int]:
     d = config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     return {"vocab": config.vocab_size, "hidden": config.hidden_size, "intermediate": config.intermediate_size,
-            "q": q, "kv": kv, "head_dim": d, "qkv": q + 2 * kv, "gate_up": 2 * config.intermediate_size}
+            "q": q, "kv": kv, "head_dim": d, "qkv": q + 2 * kv, "gate_up": 2 * config.intermediate_size,
+            "experts": config.num_experts, "expert_intermediate": config.moe_intermediate_size}
 
 
-def present(packed: Packed, config: ModelConfig) -> bool:
-    """Whether the config's family has this packed tensor."""
+def present(packed: Packed, config: ModelConfig, layer: int | None = None) -> bool:
+    """Whether the config's family has this packed tensor (in layer `layer`, for one whose `mlp` is set)."""
+    if packed.mlp is not None and layer is not None and (packed.mlp == "moe") != config.moe_layer(layer):
+        return False
     return packed.flag is None or getattr(config.family, packed.flag)
+
+
+def part_names(packed: Packed, part: Part, prefix: str, config: ModelConfig) -> list[str]:
+    """The HF names of one part of a layer's packed tensor: one per expert for a stacked one."""
+    if not packed.experts:
+        return [prefix + part.hf]
+    return [prefix + part.hf.format(e=e) for e in range(config.num_experts)]
+
+
+def expert_names(packed: Packed, prefix: str, config: ModelConfig) -> list[str]:
+    """A stacked packed tensor's HF names in its packed order: expert 0's parts, then expert 1's, ..."""
+    return [prefix + part.hf.format(e=e) for e in range(config.num_experts) for part in packed.parts]
+
+
+def stacked_experts(config: ModelConfig) -> set[str]:
+    """The layer fields stacked over the experts ([num_experts, rows, columns] once packed)."""
+    return {p.field for p in layout_of(config).layer if p.experts and present(p, config)}
 
 
 def model_parts(config: ModelConfig) -> dict[str, list[str]]:
@@ -167,7 +224,8 @@ def layer_parts(config: ModelConfig, i: int) -> dict[str, list[str]]:
     tensors whose rows each one stacks, in order."""
     layout = layout_of(config)
     prefix = layout.hf_layer.format(i=i)
-    return {p.field: [prefix + part.hf for part in p.parts] for p in layout.layer if present(p, config)}
+    return {p.field: expert_names(p, prefix, config) if p.experts else [prefix + part.hf for part in p.parts]
+            for p in layout.layer if present(p, config, i)}
 
 
 def tied_copies(config: ModelConfig) -> dict[str, str]:
@@ -183,13 +241,13 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     also where it is tied)."""
     layout, dims = layout_of(config), dimensions(config)
 
-    def shapes(packed: tuple[Packed, ...], prefix: str) -> dict[str, tuple[int, ...]]:
-        return {prefix + part.hf: tuple(dims[n] for n in part.shape)
-                for p in packed if present(p, config) for part in p.parts}
+    def shapes(packed: tuple[Packed, ...], prefix: str, i: int | None = None) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(dims[n] for n in part.shape) for p in packed if present(p, config, i)
+                for part in p.parts for name in part_names(p, part, prefix, config)}
 
     out = shapes(layout.model, "")
     for i in range(config.num_hidden_layers):
-        out |= shapes(layout.layer, layout.hf_layer.format(i=i))
+        out |= shapes(layout.layer, layout.hf_layer.format(i=i), i)
     return out
 
 
@@ -261,6 +319,17 @@ def gguf_name_map(config: ModelConfig) -> dict[str, str]:
     for i in range(config.num_hidden_layers):
         hf, gguf = layout.hf_layer.format(i=i), layout.gguf_layer.format(i=i)
         out |= {gguf + part.gguf: hf + part.hf for p in layout.layer if present(p, config) for part in p.parts}
+    return out
+
+
+def gguf_experts(config: ModelConfig) -> dict[str, list[str]]:
+    """GGUF name -> the HF names of its experts in expert order, for each part of a stacked packed tensor: a GGUF file
+    holds one [experts, rows, columns] tensor per part (ffn_gate_exps: every expert's gate)."""
+    layout, out = layout_of(config), {}
+    for i in range(config.num_hidden_layers):
+        hf, gguf = layout.hf_layer.format(i=i), layout.gguf_layer.format(i=i)
+        out |= {gguf + part.gguf: part_names(p, part, hf, config) for p in layout.layer
+                if p.experts and present(p, config, i) for part in p.parts}
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
-from tinyvllm.model.layout import layer_parts, model_parts
+from tinyvllm.model.layout import layer_parts, model_parts, stacked_experts
 
 __all__ = ["LayerWeights", "LazyWeights", "ModelWeights", "layer_parts", "pack_weights"]
 
@@ -51,13 +51,17 @@ class LayerWeights(Generic[Matrix]):
     post_norm: np.ndarray  # [hidden]
     qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]: Q rows, then K, then V
     o: Matrix  # [hidden, heads * head_dim]
-    gate_up: Matrix  # [2 * intermediate, hidden]: gate rows, then up
-    down: Matrix  # [hidden, intermediate]
+    gate_up: Matrix | None = None  # [2 * intermediate, hidden]: gate rows, then up; None in an expert layer
+    down: Matrix | None = None  # [hidden, intermediate]
     qkv_bias: np.ndarray | None = None  # [(heads + 2 * kv_heads) * head_dim], laid out as qkv's rows
     q_norm: np.ndarray | None = None  # [head_dim], the same gain for every query head
     k_norm: np.ndarray | None = None  # [head_dim]
     attn_out_norm: np.ndarray | None = None  # [hidden]: of the attention's output (ModelConfig.sandwich_norms)
     mlp_out_norm: np.ndarray | None = None  # [hidden]: of the MLP's output
+    # an expert layer's MLP (ModelConfig.moe_layer): the router and the experts stacked (model/layout.py)
+    router: Matrix | None = None  # [num_experts, hidden]
+    experts_gate_up: Matrix | None = None  # [num_experts, 2 * moe_intermediate, hidden]: each expert's gate, then up
+    experts_down: Matrix | None = None  # [num_experts, hidden, moe_intermediate]
 
 
 @dataclass
@@ -85,9 +89,15 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, get: Ca
             return join([get(name) for name in names])
         return get(names[0]) if len(names) == 1 else np.concatenate([get(name) for name in names])
 
+    experts = stacked_experts(config)
+
+    def pack(field: str, names: list[str]) -> np.ndarray:
+        packed = stack(names)
+        return packed.reshape(config.num_experts, -1, packed.shape[-1]) if field in experts else packed
+
     def layers() -> Iterator[LayerWeights]:
         for i in range(config.num_hidden_layers):
-            yield LayerWeights(**{field: stack(names) for field, names in layer_parts(config, i).items()})
+            yield LayerWeights(**{field: pack(field, names) for field, names in layer_parts(config, i).items()})
 
     parts = model_parts(config)
     embed = stack(parts["embed"])

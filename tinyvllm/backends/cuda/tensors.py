@@ -91,3 +91,7 @@ class DeviceLayer:
     k_norm: DeviceTensor | None = None
     attn_out_norm: DeviceTensor | None = None  # Gemma's: the cuda backend refuses such a model (no kernels yet)
     mlp_out_norm: DeviceTensor | None = None
+    # an expert layer's router and stacked experts (LayerWeights'); None: the cuda backend refuses expert models
+    router: DeviceTensor | None = None
+    experts_gate_up: DeviceTensor | None = None
+    experts_down: DeviceTensor | None = None

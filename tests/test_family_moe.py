@@ -1,0 +1,248 @@
+"""The mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) on the numpy backend against HF transformers (torch
+CPU, float32, eager attention), loaded by both from the same HF model dir; their config and checkpoint names; the
+cuda backend's refusal."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import llm_for, require, run, one_line_error
+
+from tinyvllm import SamplingParams
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
+from tinyvllm.model.loader import load_model
+
+torch = require("torch")
+transformers = require("transformers")
+
+MOE = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
+CONFIGS = {
+    # Mixtral: renormalized top-2 of 4; head_dim from hidden / heads
+    "mixtral": dict(MOE, architecture="MixtralForCausalLM", num_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48, moe_intermediate_size=48),
+    # Qwen3-MoE: q/k norms per head, its own expert width, a dense layer (mlp_only_layers), norm_topk_prob
+    "qwen3_moe": dict(MOE, architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=3,
+                      norm_topk_prob=True, intermediate_size=96, moe_intermediate_size=32, mlp_only_layers=(1,),
+                      rope_theta=1e6, tie_word_embeddings=True),
+    # Qwen3-MoE: decoder_sparse_step 2 (layers 1 and 3 sparse), unnormalized top-k
+    "qwen3_moe-step2": dict(MOE, architecture="Qwen3MoeForCausalLM", num_hidden_layers=4, num_experts=6,
+                            num_experts_per_tok=2, norm_topk_prob=False, intermediate_size=80,
+                            moe_intermediate_size=24, decoder_sparse_step=2),
+    # OLMoE: unnormalized top-8 of 16, q/k norms over the whole projection
+    "olmoe": dict(MOE, architecture="OlmoeForCausalLM", num_experts=16, num_experts_per_tok=8,
+                  intermediate_size=32, moe_intermediate_size=32),
+}
+PROMPTS = [[5, 77, 300, 12, 9, 411, 38], [100, 3, 3, 250, 8, 19, 460, 61, 7, 222, 14], [42]]
+
+
+def model_dir(tmp_path, name):
+    config = tiny_config(**CONFIGS[name])
+    return save_hf_model_dir(tmp_path / name, config, random_weights(config, seed=len(name)))
+
+
+def hf_model(path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # our checkpoint names are HF's
+    return model.eval()
+
+
+def hf_prompt_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)].numpy()
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_numpy_matches_hf(tmp_path, name):
+    path = model_dir(tmp_path, name)
+    model = hf_model(path)
+    llm = llm_for(path, block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    worst = 0.0
+    for ids, out in zip(PROMPTS, outs):
+        ours = np.array([entry[token] for token, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        ours = np.array([v.logprob for v in ours])
+        worst = max(worst, float(np.abs(ours - hf_prompt_logprobs(model, ids)).max(initial=0.0)))
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, 8)
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_config_round_trip(tmp_path, name):
+    path = model_dir(tmp_path, name)
+    config = load_model(path).config
+    assert config == ModelConfig.from_dir(path)
+    want = tiny_config(**CONFIGS[name])
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                  "mlp_only_layers"):
+        assert getattr(config, field) == getattr(want, field)
+    # HF reads the same MoE config from the file (Mixtral's count under its own key)
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    assert getattr(hf, "num_local_experts", getattr(hf, "num_experts", None)) == want.num_experts
+    sparse = [i for i in range(config.num_hidden_layers) if config.moe_layer(i)]
+    assert sparse == {"qwen3_moe": [0, 2], "qwen3_moe-step2": [1, 3]}.get(name, [0, 1, 2])
+
+
+def test_mixtral_always_renormalizes_and_reads_its_expert_count():
+    d = tiny_config(**CONFIGS["mixtral"]).to_hf_dict()
+    assert d["num_local_experts"] == 4 and "num_experts" not in d
+    d["norm_topk_prob"] = False  # HF's Mixtral renormalizes whatever the config says
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is True
+    d = tiny_config(**CONFIGS["olmoe"]).to_hf_dict()
+    del d["norm_topk_prob"]
+    assert ModelConfig.from_hf_dict(d).norm_topk_prob is False  # OLMoE's default: the probabilities as they are
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ({"num_experts": 0}, "num_experts=0"),
+    ({"mlp_only_layers": [7]}, "mlp_only_layers entry 7"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers=1"),
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+])
+def test_bad_moe_configs_are_refused(change, message):
+    d = tiny_config(**CONFIGS["qwen3_moe"]).to_hf_dict() | change
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_dense_family_with_experts_is_refused():
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no experts"):
+        replace(tiny_config(), num_experts=4, num_experts_per_tok=2)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    path = model_dir(tmp_path, "mixtral")
+    from tinyvllm.model.loader import read_safetensors, write_safetensors
+
+    tensors = read_safetensors(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    write_safetensors(path / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=r"tensor model.layers.1.block_sparse_moe.experts.3.w2.weight is missing"):
+        load_model(path)
+
+
+def test_cuda_backend_refuses_moe_in_one_line(tmp_path):
+    path = model_dir(tmp_path, "qwen3_moe")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = run(path, src, tmp_path / "out.parquet", "--backend", "cuda")
+    line = one_line_error(result, exit_code=None)
+    assert "Qwen3MoeForCausalLM" in line and "mixture-of-experts" in line and "numpy" in line
+
+
+def test_weight_bytes_are_what_the_numpy_backend_holds(tmp_path):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "qwen3_moe")  # tied, a dense layer and expert layers
+    llm = llm_for(path)
+    backend = llm.llm_engine.backend
+    arrays = [backend.embed, backend.final_norm, backend.lm_head.data] + [
+        getattr(w, "data", w) for layer in backend.layers for w in vars(layer).values() if w is not None]
+    held = sum(a.nbytes for a in arrays)  # the tied LM head: the embedding's transpose, a copy
+    assert numpy_backend.host_weight_bytes(backend.config) == held
+
+
+def test_a_model_that_does_not_fit_is_one_line(tmp_path, monkeypatch):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "mixtral")
+    need = numpy_backend.host_weight_bytes(load_model(path).config)
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: need - 1)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    line = one_line_error(run(path, src, tmp_path / "out.parquet"), exit_code=None)
+    assert "weights need" in line and "GiB as float32" in line
+
+
+def test_kv_cache_fits_in_the_memory_the_weights_leave(tmp_path, monkeypatch):
+    from tinyvllm.backends import numpy_backend
+
+    path = model_dir(tmp_path, "olmoe")
+    llm = llm_for(path, num_kv_blocks=None, cpu_kv_cache_gib=64.0)
+    backend = llm.llm_engine.backend
+    block = backend.kv_bytes_per_block()
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: int(10.5 * block / numpy_backend.KV_SHARE))
+    assert backend.init_kv_cache() == 10
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: block // 2)
+    with pytest.raises(MemoryError, match="no room for a KV cache on the numpy backend"):
+        backend.init_kv_cache()
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: None)  # unknown: the setting alone
+    assert backend.init_kv_cache() == min(8 * -(-2048 // 16), (64 << 30) // block)
+
+
+def stacked_for_gguf(config, weights):
+    """The weights as convert_hf_to_gguf hands them over: each layer's experts stacked per part, under the merged
+    name gguf's tensor map knows (mlp.experts.gate_proj, block_sparse_moe.experts.w1, ...)."""
+    out = {}
+    for name, w in weights.items():
+        head, sep, rest = name.partition(".experts.")
+        if not sep:
+            out[name] = w
+            continue
+        merged = head + ".experts." + rest.partition(".")[2]
+        if merged not in out:
+            out[merged] = np.stack([weights[f"{head}.experts.{e}.{rest.partition('.')[2]}"]
+                                    for e in range(config.num_experts)])
+    return out
+
+
+# a qwen3moe GGUF has no dense layers (llama.cpp makes every layer sparse); Mixtral's is a "llama" file with experts
+@pytest.mark.parametrize("name, arch, change", [("mixtral", "llama", {}),
+                                                ("qwen3_moe", "qwen3moe", {"mlp_only_layers": ()})])
+def test_gguf_with_expert_tensors_runs_as_the_hf_dir(tmp_path, name, arch, change):
+    from test_gguf import write_gguf
+
+    config = replace(tiny_config(**CONFIGS[name]), tie_word_embeddings=False, **change)
+    weights = random_weights(config, seed=3)
+    hf_dir = save_hf_model_dir(tmp_path / "hf", config, weights)
+
+    def experts(w):
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+    path = write_gguf(tmp_path / "m.gguf", config, stacked_for_gguf(config, weights), arch=arch, metadata=experts)
+    loaded = load_model(path)
+    assert loaded.config.architecture == config.architecture and loaded.config.num_experts == config.num_experts
+    for hf_name in ("model.layers.1.mlp.experts.5.down_proj.weight",
+                    "model.layers.1.block_sparse_moe.experts.3.w3.weight"):
+        if hf_name in weights:
+            np.testing.assert_array_equal(loaded.weights[hf_name], weights[hf_name])
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    ours, ref = (llm_for(p).generate(prompts, params) for p in (path, hf_dir))
+    for a, b in zip(ours, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        got = [v.logprob for e in a.prompt_logprobs[1:] for v in e.values()]
+        want = [v.logprob for e in b.prompt_logprobs[1:] for v in e.values()]
+        assert np.allclose(got, want, atol=1e-5)
+
+
+def test_backend_auto_runs_moe_on_the_cpu_where_cuda_would_run(tmp_path, monkeypatch, caplog):
+    import tinyvllm.backends as backends
+    from tinyvllm.backends.numpy_backend import NumpyBackend
+
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)  # as on a machine with a usable GPU
+    monkeypatch.setattr(backends, "gpu_present", lambda: True)
+    path = model_dir(tmp_path, "olmoe")
+    from tinyvllm import LLM
+
+    with caplog.at_level("WARNING", logger="tinyvllm.backends"):
+        llm = LLM(str(path), backend="auto", max_num_seqs=2)
+    assert isinstance(llm.llm_engine.backend, NumpyBackend)
+    assert "mixture-of-experts" in caplog.text and "OlmoeForCausalLM" in caplog.text
+    with pytest.raises(ValueError, match="OlmoeForCausalLM is a mixture-of-experts model, which runs on the numpy "
+                                         "backend only"):
+        LLM(str(path), backend="cuda")

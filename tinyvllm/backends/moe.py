@@ -1,0 +1,89 @@
+"""The mixture-of-experts MLP on the host (numpy, float32): the twin a fused CUDA MoE kernel follows, step by step.
+
+1. route: each token's router logits [T, E] -> softmax probabilities (float32) -> the top-k experts by probability,
+   highest first, and their weights: the probabilities themselves, or renormalized to sum to 1 over the k chosen
+   (norm_topk_prob; Mixtral always, which is the softmax over the k chosen logits). Ties are broken as torch.topk
+   on the CPU breaks them (backends/topk.py), so that a router's choice is HF's whatever its logits.
+2. group_by_expert, the grouping contract: the T * k (token, slot) assignments flattened token-major (assignment
+   a = token * k + slot) and sorted by expert id, stably, so that within an expert the assignments keep token order;
+   offsets [E + 1] bound each expert's run (an expert no token chose has an empty run). A kernel may pad each run to
+   its GEMM tile; the order within a run is the same.
+3. per expert with a non-empty run: gather its tokens' rows, one GEMM with the stacked gate/up weight, SiLU(gate) *
+   up, one GEMM with the down weight.
+4. each assignment's row times its routing weight, written back to its (token, slot) place, and each token's k rows
+   summed in slot order: the output in token order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.backends.host_weight import HostWeight, linear
+from tinyvllm.backends.topk import topk
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """One layer's experts' weights stacked: data [experts, in, out] in a HostWeight encoding, with scale
+    [experts, out] for an encoding that has one (FP8: per expert and output channel). expert(e) is expert e's
+    HostWeight, a view of its slice."""
+
+    data: np.ndarray
+    dtype: str = "float32"
+    scale: np.ndarray | None = None
+
+    @classmethod
+    def from_rows(cls, w: np.ndarray) -> StackedWeight:
+        """float32 experts from [experts, out, in] as model/weights.py packs them."""
+        return cls(np.ascontiguousarray(np.swapaxes(w, 1, 2), dtype=np.float32))
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def expert(self, e: int) -> HostWeight:
+        return HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [T, E] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]), highest probability first.
+    Among equal probabilities the experts torch.topk picks (backends/topk.py), as HF's routers do."""
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    probs = e / e.sum(axis=-1, keepdims=True)
+    ids = topk(probs, top_k)
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(np.float32), ids
+
+
+def group_by_expert(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids [T, k] -> (assignments [T * k] sorted by expert, stably; offsets [num_experts + 1]): expert e's
+    assignments are order[offsets[e]:offsets[e + 1]], each token * k + slot."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.zeros(num_experts + 1, np.int64)
+    np.cumsum(np.bincount(flat, minlength=num_experts), out=offsets[1:])
+    return order, offsets
+
+
+def fused_moe(x: np.ndarray, gate_up: StackedWeight, down: StackedWeight, weights: np.ndarray, ids: np.ndarray,
+              act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The experts' weighted sum for each token: x [T, hidden], gate_up stacked [E, hidden, 2 * I] (each expert's
+    gate columns, then up), down [E, I, hidden], the routing of `route`; act: [n, 2 * I] -> [n, I] (SiLU-and-mul,
+    numpy_backend.silu_and_mul) -> [T, hidden] float32.  Twin: the fused MoE kernel of the cuda backend."""
+    num_tokens, k = ids.shape
+    order, offsets = group_by_expert(ids, gate_up.num_experts)
+    rows = np.empty((num_tokens * k, x.shape[1]), np.float32)  # one per assignment, in grouped order
+    gathered = x[order // k]
+    for e in np.flatnonzero(np.diff(offsets)):
+        run = slice(offsets[e], offsets[e + 1])
+        rows[run] = linear(act(linear(gathered[run], gate_up.expert(e))), down.expert(e))
+    rows *= weights.reshape(-1)[order][:, None]
+    out = np.empty_like(rows)
+    out[order] = rows  # back to (token, slot) order
+    return out.reshape(num_tokens, k, -1).sum(axis=1)
