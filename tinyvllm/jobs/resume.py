@@ -1,9 +1,11 @@
 """What lets a killed job resume and a finished one be a no-op.
 
 A job's identity is what must not change between a run and its resumption (the input's content and the settings
-that shape the results). `<output>.parts/manifest.json` records it beside the committed pieces; the finished
-output's metadata records it too, so that rerunning a finished job finds it done (the job, and rows 0..N-1 each
-once) instead of computing it again.
+that shape the results). `<output>.parts/manifest.json` records it beside the committed pieces, and each piece
+records it too (so a lost or damaged manifest is written again from them); the finished output's metadata records
+it as well, so that rerunning a finished job finds it done (the job, and rows 0..N-1 each once) instead of
+computing it again. Everything here that decides whether a job may start only reads, so that a run decides before
+it loads the model and writes anything.
 """
 
 from __future__ import annotations
