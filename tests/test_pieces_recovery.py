@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from helpers import EXAMPLES, Crash, ok_run, one_line_error, run
+from helpers import EXAMPLES, Crash, counted_run, ok_run, one_line_error, run
 
 from tinyvllm.io import PartsWriter
 from tinyvllm.io.writer import parts_dir, piece_job, rows_sha256
@@ -54,17 +54,7 @@ def crashed_run(model, out, monkeypatch, commits: int | None = None, *args) -> P
 
 def computed_rows(model, out, monkeypatch, *args):
     """The run's Result and the rows it computed (rather than kept from the pieces)."""
-    added = []
-    add = PartsWriter.add
-
-    def counting(self, record):
-        added.append(record["row"])
-        add(self, record)
-
-    with monkeypatch.context() as m:
-        m.setattr(PartsWriter, "add", counting)
-        result = run(model, PROMPTS, out, *GREEDY, *args)
-    return result, sorted(added)
+    return counted_run(monkeypatch, model, PROMPTS, out, *GREEDY, *args)
 
 
 def committed(parts: Path) -> list[int]:

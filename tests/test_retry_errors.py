@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import EXAMPLES, Crash, ok_run, one_line_error, run, write_jsonl
+from helpers import EXAMPLES, Crash, counted_run, ok_run, one_line_error, run, write_jsonl
 
 from tinyvllm.cli import main
 from tinyvllm.io import PartsWriter
@@ -48,19 +48,9 @@ def with_errors(model, src, out, monkeypatch, *args) -> pa.Table:
         return ok_run(model, src, out, *GREEDY, *args)
 
 
-def counted_run(model, src, out, monkeypatch, *args):
-    """run(), and the rows it computed."""
-    added = []
-    add = PartsWriter.add
-
-    def counting(self, record):
-        added.append(record["row"])
-        add(self, record)
-
-    with monkeypatch.context() as m:
-        m.setattr(PartsWriter, "add", counting)
-        result = run(model, src, out, *GREEDY, *args)
-    return result, sorted(added)
+def retried(model, src, out, monkeypatch, *args):
+    """run() with GREEDY, and the rows it computed."""
+    return counted_run(monkeypatch, model, src, out, *GREEDY, *args)
 
 
 def test_retry_recomputes_only_the_error_rows(tiny_model_dir, tmp_path, monkeypatch, reference):
@@ -71,7 +61,7 @@ def test_retry_recomputes_only_the_error_rows(tiny_model_dir, tmp_path, monkeypa
     again = run(tiny_model_dir, PROMPTS, out, *GREEDY)  # without the flag: finished, nothing to do
     assert again.exit_code == 0 and "already complete" in again.stderr
 
-    result, computed = counted_run(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
+    result, computed = retried(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
     assert result.exit_code == 0, result.output
     assert computed == errors  # the error rows alone
     final = pq.read_table(out)
@@ -88,7 +78,7 @@ def test_retry_on_an_output_without_errors_does_nothing(tiny_model_dir, tmp_path
     out = tmp_path / "out.parquet"
     ok_run(tiny_model_dir, src, out, *GREEDY)
     mtime = out.stat().st_mtime_ns
-    result, computed = counted_run(tiny_model_dir, src, out, monkeypatch, "--retry-errors")
+    result, computed = retried(tiny_model_dir, src, out, monkeypatch, "--retry-errors")
     assert result.exit_code == 0 and "already complete" in result.stderr and computed == []
     assert out.stat().st_mtime_ns == mtime
 
@@ -107,7 +97,7 @@ def test_retry_on_an_interrupted_output(tiny_model_dir, tmp_path, monkeypatch, r
         assert isinstance(run(tiny_model_dir, PROMPTS, out, *GREEDY).exception, Crash)
     pieces = sorted(parts_dir(out).glob("piece-*.parquet"))
     pieces[-1].unlink()  # rows not committed yet
-    result, computed = counted_run(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
+    result, computed = retried(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
     assert result.exit_code == 0, result.output
     assert set(FLAKY) <= set(computed) and computed == sorted(set(computed))  # each computed once
     assert results(pq.read_table(out)) == results(reference)
@@ -148,7 +138,7 @@ def test_retry_an_openai_output(tiny_model_dir, tmp_path, monkeypatch):
         flaky(m)
         m.setattr(PartsWriter, "finalize", crash)
         assert isinstance(run(tiny_model_dir, PROMPTS, out, *GREEDY).exception, Crash)
-    result, computed = counted_run(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
+    result, computed = retried(tiny_model_dir, PROMPTS, out, monkeypatch, "--retry-errors")
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [int(line["id"].rsplit("_", 1)[1]) for line in lines] == list(range(16))
