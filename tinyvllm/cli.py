@@ -425,8 +425,6 @@ def _run(cfg: JobConfig) -> None:
         click.echo(f"wrote {_count(summary['rows'], 'row')} ({_count(summary['error_rows'], 'error')}) to "
                    f"{cfg.output} in {summary['wall_time_s']:.1f}s, {tps if tps is not None else '-'} output tok/s",
                    err=True)
-        if "retried_rows" in summary:  # --retry-errors
-            click.echo(f"retried {_count(summary['retried_rows'], 'error row')}", err=True)
         if summary.get("structured_output_incomplete"):
             click.echo(f"{_count(summary['structured_output_incomplete'], 'row')} ran out of max_tokens (or met a "
                        "stop string) before the structured output was complete: see structured_output_complete",

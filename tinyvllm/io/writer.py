@@ -207,6 +207,7 @@ class PartsWriter:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-commit")
         self._commit: Future | None = None  # the commit in flight
         self.committed = 0  # rows committed by this run
+        self.summary_extra: dict = {}  # what the summary adds about this run (retried_rows)
 
     def pieces(self) -> list[Path]:
         return sorted(self.parts.glob("piece-*.parquet"))
@@ -347,15 +348,15 @@ class PartsWriter:
             piece.unlink()
         return self.committed
 
-    def finalize(self, metadata: dict, engine_stats: dict | None = None, extra: dict | None = None) -> dict:
+    def finalize(self, metadata: dict, engine_stats: dict | None = None) -> dict:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
 
         `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added;
-        `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `extra` into the summary."""
+        `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `summary_extra` into the summary."""
         self.flush()
         pieces = self.pieces()
         self._check_every_row(pieces)
-        summary = {**_summarize_pieces(pieces, self.output), **(extra or {})}
+        summary = {**_summarize_pieces(pieces, self.output), **self.summary_extra}
         if engine_stats:
             summary["engine_stats"] = metadata["engine_stats"] = engine_stats
         metadata = {**metadata, "counts": {k: summary[k] for k in

@@ -152,7 +152,7 @@ def _parts_of(parts: Path, job: dict) -> tuple[dict | None, str | None, dict[Pat
     piece holds rows of another job, or if pieces that record no job (whose job only a manifest can tell) are
     there without this job's manifest. Unreadable pieces count as none (the writer sets them aside)."""
     ours, unrecorded = {}, []
-    for piece in sorted(parts.glob("piece-*.parquet")) if parts.is_dir() else []:
+    for piece in sorted(parts.glob("piece-*.parquet")) if parts.is_dir() and not parts.is_symlink() else []:
         try:
             other, started = piece_job(piece), json.loads(pq.read_schema(piece).metadata[b"tinyvllm.run_started"])
         except Exception:  # pyarrow raises several types for a damaged file; a foreign one lacks our metadata

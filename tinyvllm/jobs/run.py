@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -258,7 +259,8 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                   output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
     rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields, cfg.input_options)
     total = count_rows(cfg.input, cfg.input_options)
-    with executor or LocalExecutor() as executor:
+    with ExitStack() as stack:
+        executor = stack.enter_context(executor or LocalExecutor())
         # Nothing is written until the job can start: the output free, the model loaded. Then the lock keeps other
         # runs out, and what was read before it is read again under it.
         check_not_busy(cfg.output)
@@ -267,23 +269,22 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         if resume.work_to_do(cfg, job, total):
             executor.start(cfg)
         _make_output_dir(cfg.output)
-        with OutputLock(cfg.output) as lock, StopSignals() as signals:
-            finished = resume.finished_summary(cfg, job, total)
-            if finished is not None and not (cfg.retry_errors and finished["error_rows"]):
-                return finished
-            manifest = resume.open_parts(cfg, job)
+        lock, signals = stack.enter_context(OutputLock(cfg.output)), stack.enter_context(StopSignals())
+        summary = resume.finished_summary(cfg, job, total)
+        if summary is not None and not (cfg.retry_errors and summary["error_rows"]):  # --retry-errors: rows to redo
+            return summary
+        manifest = resume.open_parts(cfg, job)
 
-            def before_commit() -> None:
-                lock.verify()
-                if resume.input_stamp(cfg.input) != stamp:  # rows read since may come from other content
-                    raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
-                                   "before: restore it and run the same command again, or pass --overwrite to start "
-                                   "over")
+        def before_commit() -> None:
+            lock.verify()
+            if resume.input_stamp(cfg.input) != stamp:  # rows read since may come from other content: none committed
+                raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
+                               "before: restore it and run the same command again, or pass --overwrite to start over")
 
-            job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=finished is not None)
-            info, stats = job_run.execute(executor, defaults, rows)
-            job_run.check_complete(manifest)
-            return job_run.writer.finalize(_metadata(cfg, defaults, manifest, info), stats, job_run.retried)
+        job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=summary is not None)
+        info, stats = job_run.execute(executor, defaults, rows)
+        job_run.check_complete(manifest)
+        return job_run.writer.finalize(_metadata(cfg, defaults, manifest, info), stats)
 
 
 class _JobRun:
@@ -297,14 +298,21 @@ class _JobRun:
                                   piece_rows=cfg.piece_rows, guard=before_commit, job=job)
         for damaged in self.writer.damaged:
             print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
-        # --retry-errors: the error rows (of the finished output, `retry_output`, or of the pieces) are taken out
-        self.retried = None if not cfg.retry_errors else {"retried_rows": (
-            self.writer.adopt_output(cfg.output) if retry_output else 0) + self.writer.drop_error_rows()}
+        if cfg.retry_errors:
+            self._take_out_errors(retry_output)
         self.done = self.writer.committed_rows()
         self.warned: set[str] = set()  # the ignored fields warned about
         self.tokens = 0  # completion tokens emitted by this run
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
+
+    def _take_out_errors(self, from_output: bool) -> None:
+        """--retry-errors: take the error rows out of the committed pieces (and first the finished output's rows
+        back into pieces, `from_output`), so that this run computes them again; the summary counts them."""
+        retried = (self.writer.adopt_output(self.cfg.output) if from_output else 0) + self.writer.drop_error_rows()
+        self.writer.summary_extra["retried_rows"] = retried
+        if not self.cfg.quiet:
+            print(f"retrying {retried} error row{'s' * (retried != 1)}; the other rows are kept", file=sys.stderr)
 
     def execute(self, executor, defaults: SamplingParams, rows: Iterator[Row]) -> tuple[dict, dict]:
         """The executor's run over the rows not done yet; returns its (engine info, engine stats). What was emitted
