@@ -103,20 +103,30 @@ def test_retry_on_an_interrupted_output(tiny_model_dir, tmp_path, monkeypatch, r
     assert results(pq.read_table(out)) == results(reference)
 
 
-def test_a_retry_that_is_killed_resumes_without_the_flag(tiny_model_dir, tmp_path, monkeypatch, reference):
+@pytest.mark.parametrize("rerun", [(), ("--retry-errors",)], ids=["same-command", "without-the-flag"])
+def test_a_stopped_retry_resumes(tiny_model_dir, tmp_path, monkeypatch, reference, rerun):
+    """A retry killed after it took the output's rows back into pieces resumes from them, with the flag or
+    without: the rows it fixed are kept, not computed a third time."""
     out = tmp_path / "out.parquet"
     with_errors(tiny_model_dir, PROMPTS, out, monkeypatch)
+    commit = PartsWriter._commit_piece
+    committed = []
 
-    def crash(self, *a, **k):
-        raise Crash
+    def stop_after_one_commit(self, records, seq):
+        if committed:
+            raise Crash
+        commit(self, records, seq)
+        committed.extend(r["row"] for r in records)
 
     with monkeypatch.context() as m:
-        m.setattr(PartsWriter, "finalize", crash)
+        m.setattr(PartsWriter, "_commit_piece", stop_after_one_commit)
         assert isinstance(run(tiny_model_dir, PROMPTS, out, *GREEDY, "--retry-errors").exception, Crash)
-    assert parts_dir(out).exists()
-    result = run(tiny_model_dir, PROMPTS, out, *GREEDY, "--retry-errors")
-    assert result.exit_code == 0, result.output
+    assert committed and set(committed) <= set(FLAKY)
+    result, computed = retried(tiny_model_dir, PROMPTS, out, monkeypatch, *rerun)
+    assert result.exit_code == 0 and "already complete" not in result.stderr, result.output
+    assert computed and not set(computed) & set(committed) and set(computed) | set(committed) >= set(FLAKY)
     assert results(pq.read_table(out)) == results(reference)
+    assert not parts_dir(out).exists()
 
 
 def test_retry_an_openai_output(tiny_model_dir, tmp_path, monkeypatch):

@@ -29,7 +29,8 @@ from tinyvllm.jobs.dummy import is_dummy
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
-__all__ = ["finished_summary", "input_sha256", "input_stamp", "iso_time", "job_identity", "open_parts", "work_to_do"]
+__all__ = ["finished_summary", "input_sha256", "input_stamp", "iso_time", "job_identity", "mark_retrying", "open_parts",
+           "work_to_do"]
 
 
 def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
@@ -100,6 +101,9 @@ def _is_finished(cfg: JobConfig, job: dict, num_rows: int) -> bool:
         _parts_of(parts_dir(cfg.output), job)  # raises if they hold rows of another job
         return False
     problem = _finished_problem(cfg.output, job, num_rows)
+    manifest, _ = _read_manifest(parts_dir(cfg.output))
+    if problem is None and manifest is not None and manifest["job"] == job and manifest.get("retrying"):
+        return False  # a --retry-errors run was stopped: its pieces hold the output's rows, some computed again
     if problem is None:
         if cfg.retry_errors:
             _error_rows(cfg.output)
@@ -144,6 +148,18 @@ def open_parts(cfg: JobConfig, job: dict) -> dict:
     except OSError as e:
         raise JobError(f"cannot prepare {parts}: {e.strerror}") from None
     return manifest
+
+
+def mark_retrying(output: Path) -> None:
+    """Note in the manifest that the pieces hold all of the finished output's rows but its error rows, which this
+    run computes again (--retry-errors): a rerun resumes from the pieces instead of finding the output finished."""
+    parts = parts_dir(output)
+    manifest = {**json.loads((parts / "manifest.json").read_bytes()), "retrying": True}
+    try:
+        atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
+                     parts)
+    except OSError as e:
+        raise JobError(f"cannot write {parts / 'manifest.json'}: {e.strerror}") from None
 
 
 def _parts_of(parts: Path, job: dict) -> tuple[dict | None, str | None, dict[Path, float]]:

@@ -309,7 +309,11 @@ class _JobRun:
     def _take_out_errors(self, from_output: bool) -> None:
         """--retry-errors: take the error rows out of the committed pieces (and first the finished output's rows
         back into pieces, `from_output`), so that this run computes them again; the summary counts them."""
-        retried = (self.writer.adopt_output(self.cfg.output) if from_output else 0) + self.writer.drop_error_rows()
+        retried = 0
+        if from_output:
+            retried = self.writer.adopt_output(self.cfg.output)
+            resume.mark_retrying(self.cfg.output)
+        retried += self.writer.drop_error_rows()
         self.writer.summary_extra["retried_rows"] = retried
         if not self.cfg.quiet:
             print(f"retrying {retried} error row{'s' * (retried != 1)}; the other rows are kept", file=sys.stderr)
