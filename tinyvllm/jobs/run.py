@@ -7,8 +7,9 @@ engine, and finished rows go to disk in small pieces (see io/writer.py). The job
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
 `<output>.parts/`, whose manifest.json (or, if it is lost, the pieces, which record it too) must still match the
 input (size + sha256) and the settings that change results (jobs/resume.py). Nothing is written before the job
-can start: the model is loaded first. A lock in that folder keeps two runs off one output (jobs/guard.py). Rerunning a finished
-job is a no-op: the output's metadata (the job, and rows 0..N-1 each once) is what says it is finished.
+can start: the model is loaded first. A lock in that folder keeps two runs off one output (jobs/guard.py).
+Rerunning a finished job is a no-op: the output's metadata (the job, and rows 0..N-1 each once) is what says it is
+finished.
 Job files (jobs/*.toml) are read by jobs/file.py.
 """
 
