@@ -78,9 +78,15 @@ def stopped_before_a_commit(model, out, monkeypatch, *args) -> Path:
     return parts_dir(out)
 
 
-def test_a_parts_folder_with_no_committed_rows_is_taken_over(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("leftover", ["another-jobs-manifest", "damaged-manifest", "a-lock-alone"])
+def test_a_parts_folder_with_no_committed_rows_is_taken_over(tiny_model_dir, tmp_path, monkeypatch, leftover):
     out = tmp_path / "out.parquet"
-    stopped_before_a_commit(tiny_model_dir, out, monkeypatch, "--max-tokens", "2")  # another job's settings
+    parts = stopped_before_a_commit(tiny_model_dir, out, monkeypatch, "--max-tokens", "2")  # another job's settings
+    if leftover == "damaged-manifest":
+        (parts / "manifest.json").write_bytes(b"{not json")
+    elif leftover == "a-lock-alone":
+        (parts / "manifest.json").unlink()
+        lock_path(out).touch()
     result = run(tiny_model_dir, PROMPTS, out, *GREEDY)
     assert result.exit_code == 0 and result.stderr == "", result.output
     table = pq.read_table(out)
