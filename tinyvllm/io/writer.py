@@ -418,12 +418,6 @@ def rows_sha256(table: pa.Table) -> str:
     return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
-def piece_job(piece: Path) -> dict | None:
-    """The job identity a piece records (None: it records none); raises what pyarrow raises for a damaged file."""
-    job = (pq.read_schema(piece).metadata or {}).get(JOB_KEY)
-    return None if job is None else json.loads(job)
-
-
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], temp_dir: Path) -> None:
     """write() the file's bytes to a new temp file in temp_dir, fsync it, rename it to `path`.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tinyvllm.errors import JobError, JobUsageError
-from tinyvllm.io.writer import (atomic_write, clear_parts, output_format, output_rows_problem, parts_dir, piece_job,
+from tinyvllm.io.writer import (atomic_write, clear_parts, output_format, output_rows_problem, parts_dir,
                                 summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import is_dummy
@@ -170,7 +170,9 @@ def _parts_of(parts: Path, job: dict) -> tuple[dict | None, str | None, dict[Pat
     ours, unrecorded = {}, []
     for piece in sorted(parts.glob("piece-*.parquet")) if parts.is_dir() and not parts.is_symlink() else []:
         try:
-            other, started = piece_job(piece), json.loads(pq.read_schema(piece).metadata[b"tinyvllm.run_started"])
+            metadata = pq.read_schema(piece).metadata or {}
+            started = json.loads(metadata[b"tinyvllm.run_started"])
+            other = json.loads(metadata[b"tinyvllm.job"]) if b"tinyvllm.job" in metadata else None
         except Exception:  # pyarrow raises several types for a damaged file; a foreign one lacks our metadata
             continue
         if other is None:
