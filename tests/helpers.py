@@ -65,6 +65,23 @@ def run(model, src, out, *args) -> Result:
                                      "--backend", "numpy", "--quiet", *map(str, args)])
 
 
+def counted_run(monkeypatch, model, src, out, *args) -> tuple[Result, list[int]]:
+    """run(), and the row numbers it computed (rather than kept from committed pieces or a finished output)."""
+    from tinyvllm.io import PartsWriter
+
+    added = []
+    add = PartsWriter.add
+
+    def counting(self, record):
+        added.append(record["row"])
+        add(self, record)
+
+    with monkeypatch.context() as m:
+        m.setattr(PartsWriter, "add", counting)
+        result = run(model, src, out, *args)
+    return result, sorted(added)
+
+
 def ok_result(model, src, out, *args) -> Result:
     """run(), which must succeed and leave no pieces behind; its Result (for any output format)."""
     result = run(model, src, out, *args)

@@ -6,7 +6,11 @@ Every file is first written under a temp name inside `<output>.parts/` that no o
 token), created exclusively and never through a link, and locked while it is written: a temp file is removed only
 by its writer or, once unlocked, by a later run (its writer is dead). Pieces carry the run's id in their names, so
 two runs never produce the same piece. finalize() writes the output only when every input row is in a piece; a row
-committed twice (a piece copied, two runs) is kept once."""
+committed twice (a piece copied, two runs) is kept once.
+
+Each piece's key-value metadata records the job's identity (the one `manifest.json` holds, so that a lost manifest
+is rebuilt from the pieces: jobs/resume.py) and a checksum of its rows, checked when a later run resumes: a piece
+whose rows were changed after they were committed is set aside and its rows computed again."""
 
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ _TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())])
 # Output formats by the output's extension: Parquet, or the OpenAI Batch API's output JSONL.
 OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "openai"}
 OPENAI_LINE_KEYS = ("custom_id", "response")  # an OpenAI output line's keys besides `id` and `error`
+JOB_KEY, CHECKSUM_KEY = b"tinyvllm.job", b"tinyvllm.rows_sha256"  # a piece's (and the output's) metadata keys
 
 
 def _arrow_type(s: Setting) -> pa.DataType:
@@ -231,8 +236,8 @@ class PartsWriter:
 
     def __init__(self, output: Path, schema: pa.Schema, run_started: float, num_rows: int,
                  piece_rows: int = PIECE_ROWS, piece_seconds: float = PIECE_SECONDS,
-                 guard: Callable[[], None] = lambda: None):
-        self.output, self.parts, self.num_rows = output, parts_dir(output), num_rows
+                 guard: Callable[[], None] = lambda: None, job: dict | None = None):
+        self.output, self.parts, self.num_rows, self.job = output, parts_dir(output), num_rows, job
         self.schema = schema.with_metadata({"tinyvllm.run_started": json.dumps(run_started)})
         self.piece_rows, self.piece_seconds, self._guard = piece_rows, piece_seconds, guard
         self.run_id = secrets.token_hex(6)
@@ -248,6 +253,7 @@ class PartsWriter:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-commit")
         self._commit: Future | None = None  # the commit in flight
         self.committed = 0  # rows committed by this run
+        self.summary_extra: dict = {}  # what the summary adds about this run (retried_rows)
 
     def pieces(self) -> list[Path]:
         return sorted(self.parts.glob("piece-*.parquet"))
@@ -290,7 +296,44 @@ class PartsWriter:
             return "its rows are not in increasing order"
         if rows[0] < 0 or rows[-1] >= self.num_rows:
             return f"it holds rows outside the input's 0..{self.num_rows - 1}"
+        digest = table.schema.metadata.get(CHECKSUM_KEY)
+        if digest is not None and digest.decode() != rows_sha256(table):
+            return "its rows were changed after they were committed (their checksum does not match)"
         return None
+
+    def drop_error_rows(self) -> int:
+        """Take the error rows out of the committed pieces (each such piece replaced by one without them, or removed
+        if they are all it holds), so that this run computes them again; return how many there were."""
+        dropped = 0
+        for piece in self.pieces():
+            table = _read_piece(piece)
+            errors = table.num_rows - table.column("error").null_count
+            if errors == table.num_rows:
+                self._guard()
+                piece.unlink()
+            elif errors:
+                self._guard()
+                self._write_piece(piece, table.filter(pc.is_null(table.column("error"))))
+            dropped += errors
+        return dropped
+
+    def adopt_output(self, output: Path) -> int:
+        """Commit the rows of a finished Parquet output of this job as pieces again, but for its error rows (this
+        run computes them again); return how many error rows it had. The pieces keep the wall time the output
+        took, which the summary adds to this run's."""
+        source = pq.ParquetFile(output)
+        counts = json.loads((source.schema_arrow.metadata or {}).get(b"tinyvllm.counts", b"{}"))
+        last = pc.max(source.read(columns=["finished_at"]).column(0)).as_py() or 0.0
+        metadata = {"tinyvllm.run_started": json.dumps(last - counts.get("wall_time_s", 0.0))}
+        errors = 0
+        for batch in source.iter_batches(batch_size=self.piece_rows):
+            table = _conform(pa.Table.from_batches([batch]), self.schema)
+            kept = table.filter(pc.is_null(table.column("error")))
+            errors += table.num_rows - kept.num_rows
+            if kept.num_rows:
+                self._guard()
+                self._write_piece(self._next_piece(), kept.replace_schema_metadata(metadata))
+        return errors
 
     def add(self, record: dict) -> None:
         if not self._buffer:
@@ -324,9 +367,25 @@ class PartsWriter:
 
     def _commit_piece(self, records: list[dict], seq: int) -> None:
         records.sort(key=lambda r: r["row"])  # sorted pieces let finalize() merge instead of sort
-        table = pa.Table.from_pylist(records, schema=self.schema)
-        self._write(self.parts / f"piece-{self.run_id}-{seq:06d}.parquet", lambda f: pq.write_table(table, f))
+        self._write_piece(self.parts / f"piece-{self.run_id}-{seq:06d}.parquet",
+                          pa.Table.from_pylist(records, schema=self.schema))
         self.committed += len(records)
+
+    def _next_piece(self) -> Path:
+        self._seq += 1
+        return self.parts / f"piece-{self.run_id}-{self._seq - 1:06d}.parquet"
+
+    def _write_piece(self, path: Path, table: pa.Table) -> None:
+        """Write a piece: `table` (its metadata names the run that computed its rows) with the job's identity and
+        the checksum of its rows as a reader of the file gets them back."""
+        plain = pa.BufferOutputStream()
+        pq.write_table(table, plain)
+        metadata = {**table.schema.metadata, CHECKSUM_KEY: rows_sha256(pq.ParquetFile(pa.BufferReader(
+            plain.getvalue())).read()).encode()}
+        if self.job is not None:
+            metadata[JOB_KEY] = json.dumps(self.job).encode()
+        table = table.replace_schema_metadata(metadata)
+        self._write(path, lambda f: pq.write_table(table, f))
 
     def discard(self) -> int:
         """Remove the pieces this run committed (the next run computes their rows again); return their row count."""
@@ -339,11 +398,11 @@ class PartsWriter:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
 
         `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added;
-        `engine_stats` (prefix-cache hit rate, preemptions) goes into both."""
+        `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `summary_extra` into the summary."""
         self.flush()
         pieces = self.pieces()
         self._check_every_row(pieces)
-        summary = _summarize_pieces(pieces, self.output)
+        summary = {**_summarize_pieces(pieces, self.output), **self.summary_extra}
         if engine_stats:
             summary["engine_stats"] = metadata["engine_stats"] = engine_stats
         metadata = {**metadata, "counts": {k: summary[k] for k in
@@ -394,6 +453,15 @@ class PartsWriter:
         except OSError as e:
             raise JobError(f"cannot write {path}: {e.strerror or e}; rows committed before are kept in {self.parts}: "
                            "fix that (disk space, permissions) and run the same command again to resume") from None
+
+
+def rows_sha256(table: pa.Table) -> str:
+    """A checksum of a table's rows: its columns in Arrow's IPC stream form, without the schema's metadata."""
+    table = table.replace_schema_metadata(None).combine_chunks()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as stream:
+        stream.write_table(table)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], temp_dir: Path) -> None:

@@ -59,6 +59,8 @@ class JobConfig:
                                         low=1, high=1 << 24)
     piece_rows: int = setting(PIECE_ROWS, "rows per committed piece", low=1, high=1 << 24)
     overwrite: bool = setting(False, "start over: drop committed rows, replace a finished output")
+    retry_errors: bool = setting(False, "compute the error rows of a finished (or interrupted) output again, "
+                                 "keeping its other rows")
     quiet: bool = setting(False, "no progress bar or final line")
     ray: RayConfig | None = None  # set: run the engine work on Ray replicas
     chat_template_source: str | None = None  # the chat_template file's content (run_job reads it)
@@ -70,6 +72,8 @@ class JobConfig:
         check_settings(self)
         if self.keep_columns is not None and self.drop_input_columns:
             raise ValueError("keep_columns and drop_input_columns contradict each other: give one")
+        if self.overwrite and self.retry_errors:
+            raise ValueError("overwrite and retry_errors contradict each other: give one")
         if self.keep_columns is not None and not self.kept_columns:
             raise ValueError(f"invalid keep_columns={self.keep_columns!r}: name at least one column")
         self.template_kwargs  # noqa: B018 (raises ValueError unless it is a JSON object)

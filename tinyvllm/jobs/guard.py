@@ -38,10 +38,9 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+                busy = _busy(self.output, fd)
                 os.close(fd)
-                raise OutputBusy(f"{self.output} is being written by another run ({_describe(holder)}, as its lock "
-                                 f"{self.path} says); wait for it to finish, or stop it") from None
+                raise busy from None
             except OSError as e:
                 os.close(fd)
                 raise JobError(f"cannot lock {self.path}: {e.strerror} (the file system must support flock)") from None
@@ -96,6 +95,33 @@ class OutputLock:
             pass
         finally:
             os.close(self._fd)
+
+
+def check_not_busy(output: Path) -> None:
+    """OutputBusy if a live run holds the output's lock. It creates nothing: a run asks before it loads its model
+    (so that a busy output is said at once), then takes the lock itself (OutputLock), which is what keeps two runs
+    apart."""
+    try:
+        fd = os.open(lock_path(output), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # no lock file (or one OutputLock refuses, saying why)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(output, fd) from None
+    except OSError:  # a file system without flock: OutputLock says so
+        pass
+    finally:
+        os.close(fd)
+
+
+def _busy(output: Path, fd: int) -> OutputBusy:
+    try:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+    except OSError:
+        holder = []
+    return OutputBusy(f"{output} is being written by another run ({_describe(holder)}, as its lock "
+                      f"{lock_path(output)} says); wait for it to finish, or stop it")
 
 
 def _describe(holder: list[str]) -> str:

@@ -61,6 +61,9 @@ class RayExecutor:
         if self.started_ray:
             self.ray.shutdown()
 
+    def start(self, cfg: JobConfig) -> None:
+        """Nothing to load here: each replica loads the model when it starts."""
+
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterable[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
             stopped: Callable[[], bool], columns: pa.Schema) -> tuple[dict, dict]:

@@ -1,9 +1,11 @@
 """What lets a killed job resume and a finished one be a no-op.
 
 A job's identity is what must not change between a run and its resumption (the input's content and the settings
-that shape the results). `<output>.parts/manifest.json` records it beside the committed pieces; the finished
-output's metadata records it too, so that rerunning a finished job finds it done (the job, and rows 0..N-1 each
-once) instead of computing it again.
+that shape the results). `<output>.parts/manifest.json` records it beside the committed pieces, and each piece
+records it too (so a lost or damaged manifest is written again from them); the finished output's metadata records
+it as well, so that rerunning a finished job finds it done (the job, and rows 0..N-1 each once) instead of
+computing it again. Everything here that decides whether a job may start only reads, so that a run decides before
+it loads the model and writes anything.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tinyvllm.errors import JobError
+from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io.writer import (atomic_write, clear_parts, output_format, output_rows_problem, parts_dir,
                                 schema_digest, summarize_output, summary_path)
 from tinyvllm.jobs.config import JobConfig
@@ -26,7 +29,8 @@ from tinyvllm.jobs.dummy import is_dummy
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
-__all__ = ["finished_summary", "input_sha256", "input_stamp", "iso_time", "job_identity", "open_parts"]
+__all__ = ["finished_summary", "input_sha256", "input_stamp", "iso_time", "job_identity", "mark_retrying", "open_parts",
+           "work_to_do"]
 
 
 def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
@@ -70,45 +74,125 @@ def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
+def work_to_do(cfg: JobConfig, job: dict, num_rows: int) -> bool:
+    """Whether the job has rows to compute (False: `cfg.output` is its finished output, with no error rows to
+    retry); JobError if the output, or the rows its parts folder holds, are another job's. It only reads, so that a
+    run checks this before it loads the model, and again (finished_summary) once it holds the lock."""
+    return not _is_finished(cfg, job, num_rows) or (cfg.retry_errors and _error_rows(cfg.output) > 0)
+
+
 def finished_summary(cfg: JobConfig, job: dict, num_rows: int) -> dict | None:
     """The summary of `cfg.output` if it is this job's finished output (`already_complete` set), None if there is
-    work to do (no output, --overwrite, or pieces of this job pending); JobError if the output is something else."""
-    if cfg.overwrite or not cfg.output.exists():
+    work to do (no output, --overwrite, or pieces of this job pending); JobError if the output is something else.
+    (With --retry-errors and error rows in it, the caller takes the output's rows back.)"""
+    if not _is_finished(cfg, job, num_rows):
         return None
+    summary = _summary_of(cfg.output)
+    clear_parts(parts_dir(cfg.output))  # left by a run killed while it removed them
+    return summary
+
+
+def _is_finished(cfg: JobConfig, job: dict, num_rows: int) -> bool:
+    """Whether `cfg.output` is this job's finished output (False: there is work to do); JobError if the output or
+    its parts' rows are another job's, or if --retry-errors cannot take the output's rows back."""
+    if cfg.overwrite:
+        return False
+    if not cfg.output.exists():
+        _parts_of(parts_dir(cfg.output), job)  # raises if they hold rows of another job
+        return False
     problem = _finished_problem(cfg.output, job, num_rows)
+    manifest, _ = _read_manifest(parts_dir(cfg.output))
+    if problem is None and manifest is not None and manifest["job"] == job and manifest.get("retrying"):
+        return False  # a --retry-errors run was stopped: its pieces hold the output's rows, some computed again
     if problem is None:
-        summary = _summary_of(cfg.output)
-        clear_parts(parts_dir(cfg.output))  # left by a run killed while it removed them
-        return summary
-    manifest = _read_manifest(parts_dir(cfg.output))
-    if manifest is None or manifest["job"] != job:
+        if cfg.retry_errors:
+            _error_rows(cfg.output)
+        return True
+    manifest, _, ours = _parts_of(parts_dir(cfg.output), job)
+    if manifest is None and not ours:
         raise JobError(f"{cfg.output} exists {problem}; pass --overwrite to replace it")
-    return None
+    return False
+
+
+def _error_rows(output: Path) -> int:
+    """The error rows of this job's finished output; JobUsageError for an OpenAI JSONL output that has some: its
+    lines do not keep what the output's other rows need (so --retry-errors cannot take them back)."""
+    if output_format(output) == "parquet":
+        column = pq.read_table(output, columns=["error"]).column("error")
+        return len(column) - column.null_count
+    errors = json.loads(summary_path(output).read_bytes())["error_rows"]
+    if errors:
+        raise JobUsageError(f"--retry-errors cannot take back the rows of the finished {output}: an OpenAI batch "
+                            "output does not keep them whole; rerun with --overwrite, or write a .parquet output")
+    return 0
 
 
 def open_parts(cfg: JobConfig, job: dict) -> dict:
     """Create `<output>.parts/` with its manifest, or check that the one there is this job's (to resume); returns
-    the manifest."""
+    the manifest. A missing or damaged manifest is written again from the pieces, which record their job; a
+    manifest of another job with no committed rows beside it is replaced."""
     parts = parts_dir(cfg.output)
     try:
         if cfg.overwrite:
             clear_parts(parts)
-        manifest = _read_manifest(parts)
+        manifest, damage, ours = _parts_of(parts, job)
         if manifest is not None:
-            if manifest["job"] != job:
-                raise JobError(f"cannot resume: {parts} holds rows of a different job "
-                               f"({_differences(manifest['job'], job)}); rerun with the original input and "
-                               "settings, or pass --overwrite to start over")
             return manifest
-        if any(parts.glob("piece-*.parquet")):
-            raise JobError(f"cannot resume: {parts} has pieces but no manifest.json; pass --overwrite to start over")
-        manifest = {"job": job, "input": cfg.input_label or str(cfg.input), "started_at": iso_time(time.time()),
-                    "version": __version__}
+        if ours:
+            print(f"note: {damage or f'{parts} has no manifest.json'}: resuming from its {len(ours)} pieces, which "
+                  "record this job", file=sys.stderr)
+        manifest = {"job": job, "input": cfg.input_label or str(cfg.input),
+                    "started_at": iso_time(min(ours.values(), default=time.time())), "version": __version__}
         atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
                      parts)
     except OSError as e:
         raise JobError(f"cannot prepare {parts}: {e.strerror}") from None
     return manifest
+
+
+def mark_retrying(output: Path) -> None:
+    """Note in the manifest that the pieces hold all of the finished output's rows but its error rows, which this
+    run computes again (--retry-errors): a rerun resumes from the pieces instead of finding the output finished."""
+    parts = parts_dir(output)
+    manifest = {**json.loads((parts / "manifest.json").read_bytes()), "retrying": True}
+    try:
+        atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
+                     parts)
+    except OSError as e:
+        raise JobError(f"cannot write {parts / 'manifest.json'}: {e.strerror}") from None
+
+
+def _parts_of(parts: Path, job: dict) -> tuple[dict | None, str | None, dict[Path, float]]:
+    """What `parts` holds for this job, reading only: (its manifest if it is this job's, what is wrong with the
+    manifest there if it is damaged, {piece: its run's start} of the pieces that record this job). JobError if a
+    piece holds rows of another job, or if pieces that record no job (whose job only a manifest can tell) are
+    there without this job's manifest. Unreadable pieces count as none (the writer sets them aside)."""
+    ours, unrecorded = {}, []
+    for piece in sorted(parts.glob("piece-*.parquet")) if parts.is_dir() and not parts.is_symlink() else []:
+        try:
+            metadata = pq.read_schema(piece).metadata or {}
+            started = json.loads(metadata[b"tinyvllm.run_started"])
+            other = json.loads(metadata[b"tinyvllm.job"]) if b"tinyvllm.job" in metadata else None
+        except Exception:  # pyarrow raises several types for a damaged file; a foreign one lacks our metadata
+            continue
+        if other is None:
+            unrecorded.append(piece)
+        elif other != job:
+            raise JobError(f"cannot resume: {piece} holds rows of a different job ({_differences(other, job)}); rerun "
+                           "with the original input and settings, or pass --overwrite to start over")
+        else:
+            ours[piece] = float(started)
+    manifest, damage = _read_manifest(parts)
+    if manifest is not None and manifest["job"] == job:
+        return manifest, None, ours
+    if unrecorded and manifest is not None:
+        raise JobError(f"cannot resume: {parts} holds rows of a different job "
+                       f"({_differences(manifest['job'], job)}); rerun with the original input and settings, "
+                       "or pass --overwrite to start over")
+    if unrecorded:
+        raise JobError(f"cannot resume: {damage or f'{parts} has pieces but no manifest.json'}; pass --overwrite "
+                       "to start over")
+    return None, damage, ours
 
 
 def _finished_problem(output: Path, job: dict, num_rows: int) -> str | None:
@@ -144,18 +228,19 @@ def _summary_of(output: Path) -> dict:
     return {**summary, "already_complete": True}
 
 
-def _read_manifest(parts: Path) -> dict | None:
-    """The manifest of the pieces in `parts` (None: there is none); JobError if it is damaged."""
+def _read_manifest(parts: Path) -> tuple[dict | None, str | None]:
+    """The manifest in `parts` and None; (None, what is wrong with it) if it is damaged; (None, None) if there is
+    none."""
     path = parts / "manifest.json"
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
-        return None
+        return None, None
     except (OSError, ValueError) as e:
-        raise JobError(f"cannot resume: {path} is damaged ({e}); pass --overwrite to start over") from None
+        return None, f"{path} is damaged ({e})"
     if not isinstance(manifest, dict) or not isinstance(manifest.get("job"), dict):
-        raise JobError(f"cannot resume: {path} is damaged (no job in it); pass --overwrite to start over")
-    return manifest
+        return None, f"{path} is damaged (no job in it)"
+    return manifest, None
 
 
 def _differences(old: dict, new: dict) -> str:

@@ -5,9 +5,11 @@ engine, and finished rows go to disk in small pieces (see io/writer.py). The job
 `LLMEngine.add_request` and `step` alone; what runs a step (the backend, its kernels) is below it.
 
 A job survives being killed: rerun the same command and it resumes, skipping the rows already committed in
-`<output>.parts/`, whose manifest.json must still match the input (size + sha256) and the settings that change
-results (jobs/resume.py). A lock in that folder keeps two runs off one output (jobs/guard.py). Rerunning a finished
-job is a no-op: the output's metadata (the job, and rows 0..N-1 each once) is what says it is finished.
+`<output>.parts/`, whose manifest.json (or, if it is lost, the pieces, which record it too) must still match the
+input (size + sha256) and the settings that change results (jobs/resume.py). Nothing is written before the job
+can start: the model is loaded first. A lock in that folder keeps two runs off one output (jobs/guard.py).
+Rerunning a finished job is a no-op: the output's metadata (the job, and rows 0..N-1 each once) is what says it is
+finished.
 Job files (jobs/*.toml) are read by jobs/file.py.
 """
 
@@ -24,6 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from tinyvllm.io.writer import (OPENAI_LINE_KEYS, lock_path, output_format, outp
 from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
-from tinyvllm.jobs.guard import OutputLock, StopSignals
+from tinyvllm.jobs.guard import OutputLock, StopSignals, check_not_busy
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
@@ -81,6 +84,11 @@ class LocalExecutor:
 
     def __exit__(self, *exc) -> None:
         pass
+
+    def start(self, cfg: JobConfig) -> None:
+        """Load the job's model, before the job writes anything: a model that cannot load leaves nothing behind."""
+        if self.llm is None:
+            self.llm = load_llm(cfg)
 
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterator[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
@@ -266,11 +274,19 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                   output_token_ids=cfg.output_token_ids or output_format(cfg.output) == "openai")
     rows = read_rows(cfg.input, columns, cfg.allow_unknown_fields, cfg.input_options)
     total = count_rows(cfg.input, cfg.input_options)
-    with executor or LocalExecutor() as executor, OutputLock(cfg.output) as lock, StopSignals() as signals:
+    with ExitStack() as stack:
+        executor = stack.enter_context(executor or LocalExecutor())
+        # Nothing is written until the job can start: the output free, the model loaded. Then the lock keeps other
+        # runs out, and what was read before it is read again under it.
+        check_not_busy(cfg.output)
         stamp = resume.input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
         job = resume.job_identity(cfg, defaults)
+        if resume.work_to_do(cfg, job, total):
+            executor.start(cfg)
+        _make_output_dir(cfg.output)
+        lock, signals = stack.enter_context(OutputLock(cfg.output)), stack.enter_context(StopSignals())
         summary = resume.finished_summary(cfg, job, total)
-        if summary is not None:
+        if summary is not None and not (cfg.retry_errors and summary["error_rows"]):  # --retry-errors: rows to redo
             return summary
         manifest = resume.open_parts(cfg, job)
 
@@ -280,7 +296,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                 raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
                                "before: restore it and run the same command again, or pass --overwrite to start over")
 
-        job_run = _JobRun(cfg, columns, total, signals, before_commit)
+        job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=summary is not None)
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
         return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
@@ -290,19 +306,33 @@ class _JobRun:
     """One run of a job in this process: the pieces writer, the progress bar, and the rows still to do."""
 
     def __init__(self, cfg: JobConfig, columns: pa.Schema, total: int, signals: StopSignals,
-                 before_commit: Callable[[], None]) -> None:
+                 before_commit: Callable[[], None], job: dict, retry_output: bool = False) -> None:
         self.cfg, self.columns, self.total, self.signals = cfg, columns, total, signals
         self.started = time.time()
         self.writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), self.started, total,
-                                  piece_rows=cfg.piece_rows, guard=before_commit)
+                                  piece_rows=cfg.piece_rows, guard=before_commit, job=job)
         for damaged in self.writer.damaged:
             print(f"warning: set aside damaged piece {damaged}; its rows will be computed again", file=sys.stderr)
+        if cfg.retry_errors:
+            self._take_out_errors(retry_output)
         self.done = self.writer.committed_rows()
         self.warned: set[str] = set()  # the ignored fields warned about
         self.tokens = 0  # completion tokens emitted by this run
         self.errors: dict[int, str] = {}  # row -> error, of the error rows this run emitted
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
+
+    def _take_out_errors(self, from_output: bool) -> None:
+        """--retry-errors: take the error rows out of the committed pieces (and first the finished output's rows
+        back into pieces, `from_output`), so that this run computes them again; the summary counts them."""
+        retried = 0
+        if from_output:
+            retried = self.writer.adopt_output(self.cfg.output)
+            resume.mark_retrying(self.cfg.output)
+        retried += self.writer.drop_error_rows()
+        self.writer.summary_extra["retried_rows"] = retried
+        if not self.cfg.quiet:
+            print(f"retrying {retried} error row{'s' * (retried != 1)}; the other rows are kept", file=sys.stderr)
 
     def execute(self, executor, defaults: SamplingParams, rows: Iterator[Row]) -> tuple[dict, dict]:
         """The executor's run over the rows not done yet; returns its (engine info, engine stats). What was emitted
@@ -472,12 +502,15 @@ def _row_seed(seed: int, index: int) -> int:
 
 
 def _check_output(output: Path, input_path: Path) -> None:
-    """The output can be written and none of the files it makes can be the input."""
+    """The output can be written and none of the files it makes can be the input. Creates nothing (its folder is
+    made once the job can start: _make_output_dir)."""
+    folder = _nearest_existing(output.parent)
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        name_max = os.pathconf(output.parent, "PC_NAME_MAX")
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
     except OSError as e:
         raise JobError(f"cannot create output directory {output.parent}: {e.strerror}") from None
+    if not folder.is_dir():
+        raise JobError(f"cannot create output directory {output.parent}: {folder} is not a directory")
     for made in (output, summary_path(output), parts_dir(output)):
         if len(made.name.encode()) > name_max:
             raise JobError(f"output name too long: {made.name[:40]}... would be {len(made.name.encode())} bytes, "
@@ -489,9 +522,23 @@ def _check_output(output: Path, input_path: Path) -> None:
         raise JobError(f"the input {input_path} is inside {parts_dir(output)}, which this job clears")
     if output.is_dir():
         raise JobError(f"output is a directory: {output}")
-    if not os.access(output.parent, os.W_OK | os.X_OK):
-        raise JobError(f"output directory is not writable: {output.parent}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise JobError(f"output directory is not writable: {folder}")
     output_format(output)
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """`folder`, or the closest of its parents that exists."""
+    while not os.path.lexists(folder) and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
+def _make_output_dir(output: Path) -> None:
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"cannot create output directory {output.parent}: {e.strerror}") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:
