@@ -61,7 +61,8 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights, Tokeni
     config = config_from_gguf(meta, tensors)
     layout = layout_of(config)
     folded = (layout.gguf_rope_freqs, *layout.gguf_rope_factors)  # already in config.rope_scaling
-    skipped = (*folded, *gguf_experts(config))  # the experts are read stacked, below
+    stacked = gguf_experts(config)  # the experts, read stacked below
+    skipped = (*folded, *stacked)
     by_hf_name = {hf_name(config, name): t for name, t in tensors.items() if name not in skipped}
     for name, source in tied_copies(config).items():
         if source in by_hf_name:
