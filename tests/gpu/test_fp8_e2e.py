@@ -24,7 +24,7 @@ from tinyvllm.engine.block_manager import BlockManager
 pytestmark = pytest.mark.gpu
 
 
-def run_steps(cuda, ours, ref, config):
+def prefill_and_decode(cuda, ours, ref, config):
     """A prefill of three prompts (7, 100 and 33 tokens), then 6 decode steps
     fed the numpy backend's greedy tokens: (logits rel errors, greedy agreements, cuda's prefill logits)."""
     rng = np.random.default_rng(0)
@@ -50,13 +50,13 @@ def test_cuda_fp8_matches_numpy_fp8(cuda, cuda_backend, name, layers):
                                                                                             "down"))
     ours.init_kv_cache()
     ref.init_kv_cache()
-    errors, agree, fp8_logits = run_steps(cuda, ours, ref, config)
+    errors, agree, fp8_logits = prefill_and_decode(cuda, ours, ref, config)
     ours.close()
     bf16_limits = replace(limits, quantization=None)
     bf16, ref32 = cuda_backend(model, bf16_limits), NumpyBackend(model, bf16_limits)
     bf16.init_kv_cache()
     ref32.init_kv_cache()
-    bf16_errors, bf16_agree, bf16_logits = run_steps(cuda, bf16, ref32, config)
+    bf16_errors, bf16_agree, bf16_logits = prefill_and_decode(cuda, bf16, ref32, config)
     bf16.close()
     print(f"REPORT fp8 W8A8 cuda vs numpy fp8 {name} ({layers} layers): logits rel err prefill {errors[0]:.2e}, "
           f"decode max {max(errors[1:]):.2e}; greedy agree {np.mean(agree):.3f} | bf16 cuda vs numpy float32: "
