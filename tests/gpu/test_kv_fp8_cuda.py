@@ -8,10 +8,11 @@ import pytest
 
 from tinyvllm.backends.numpy_backend import NumpyBackend, write_kv_cache
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.model.dtypes import E4M3_NAN
 
-from test_cuda_model import CONFIGS, bf16_model
-from test_fp8_e2e import prefill_and_decode
+from test_cuda_model import (CONFIGS, bf16_model, decode_against_numpy, gpu_logits, make_seqs, prefill_batch,
+                             rel_err)
 from test_kernels import (ROPE_CACHE_SHAPES, Gpu, cache_setup, check_attention_decode, check_attention_prefill,
                           check_rotated, rope_and_cache_inputs)
 
@@ -89,7 +90,16 @@ def test_cuda_fp8_model_matches_numpy_fp8(cuda, cuda_backend, name, layers):
     bf16_cache = cuda_backend(model, replace(limits, kv_cache_dtype="auto"))
     assert 2 * ours.kv_bytes_per_block() == bf16_cache.kv_bytes_per_block()  # twice the blocks in the same memory
     bf16_cache.close()
-    errors, agree, _ = prefill_and_decode(cuda, ours, ref, config)
+    rng = np.random.default_rng(0)
+    seqs = make_seqs([rng.integers(0, config.vocab_size, n) for n in (7, 100, 33)])
+    bm = BlockManager(EngineConfig(block_size=16, enable_prefix_caching=False), 64)
+    batch = prefill_batch(seqs, bm, 16)
+    got = ours.execute(batch)
+    ref_logits = ref.forward(batch, batch.query_start_loc[1:] - 1)
+    errors = [rel_err(gpu_logits(cuda, ours, 3), ref_logits)]
+    agree = [np.mean(got.last_token_ids == ref_logits.argmax(-1))]
+    decode_errors, decode_agree, _ = decode_against_numpy(cuda, ours, ref, seqs, ref_logits.argmax(-1), bm)
+    errors, agree = errors + decode_errors, agree + decode_agree
     print(f"REPORT fp8 KV cuda vs numpy {name} ({layers} layers): logits rel err prefill {errors[0]:.2e}, decode max "
           f"{max(errors[1:]):.2e}; greedy agree {np.mean(agree):.3f}")
     assert max(errors) < 5e-2 and np.mean(agree) > 0.8
