@@ -625,6 +625,28 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     assert forward.on_stream(FakeStream()).linear.fp8 is forward.linear.fp8
 
 
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block", "ct-channel"])
+def test_an_fp8_checkpoint_is_requantized_per_channel(forward_module, tmp_path, scheme):
+    """An FP8 checkpoint on a stand-in device: its weights stream dequantized, as bf16, and are quantized per output
+    channel on the GPU, as quantization="fp8" does with a bf16 checkpoint."""
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    model = load_model(write_fp8_checkpoint(tmp_path, scheme, head_dim=64)[0])
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8)
+    recorder = TypedRecorder()
+    forward = forward_module.CudaForward(model, engine, FakeDevice(recorder), FakeStream(), 16)
+    dtypes = {(i, field): getattr(layer, field).dtype for i, layer in enumerate(forward.layers)
+              for field in ("qkv", "o", "gate_up", "down")}
+    ignored = {(1, "down")} if scheme == "ct-channel" else set()  # its ignore list leaves layer 1's down float
+    assert {key for key, dtype in dtypes.items() if dtype != E4M3} == ignored
+    assert all(dtypes[key] == BF16 for key in ignored)
+    assert [name for name, _, _ in recorder.launches].count("quantize_fp8") == len(dtypes) - len(ignored)
+
+
 class FakeGraph:
     """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
 

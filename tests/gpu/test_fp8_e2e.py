@@ -104,7 +104,7 @@ def model_dir(tmp_path_factory):
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], list(range(10, 90)), [300] * 5]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-SETTINGS = dict(max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.3)
+SETTINGS = dict(max_num_seqs=8, max_model_len=256, num_kv_blocks=128)
 
 
 def generate(model_dir, **settings):

@@ -32,6 +32,7 @@ from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
+from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
@@ -136,7 +137,7 @@ class CudaForward:
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)))
         self.ops = device.ops(stream)
         if self.fp8:
-            self._quantize_weights()
+            self._quantize_weights(model.weights)
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch)  # our GEMV for a few rows, else cuBLAS
         self.kv: KVCache | None = None
         self.k_cache: list[int] = []
@@ -216,20 +217,28 @@ class CudaForward:
         finally:
             self.device.free(scratch)
 
-    def _quantize_weights(self) -> None:
-        """Each layer's linear weights from bf16 to e4m3 codes with a float32 scale per output channel (row),
-        amax(row) / 448, on the GPU (quantize_fp8), each bf16 weight freed once its codes are made: the rows of
-        gate_up are quantized in their interleaved order, which per-row scales do not mind."""
+    def _fp8_fields(self, weights: Mapping[str, np.ndarray], i: int) -> list[str]:
+        """Layer i's linear weights that run in e4m3: every one of FP8_MATRICES, but of an FP8 checkpoint only those
+        it stores in float8 (a layer it left unquantized stays bf16, as on the numpy backend)."""
+        if not isinstance(weights, Fp8CheckpointWeights):
+            return list(FP8_MATRICES)
+        parts = layer_parts(self.config, i)
+        return [field for field in FP8_MATRICES if all(name in weights.scales for name in parts[field])]
+
+    def _quantize_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Each layer's linear weights (_fp8_fields) from bf16 to e4m3 codes with a float32 scale per output channel
+        (row), amax(row) / 448, on the GPU (quantize_fp8), each bf16 weight freed once its codes are made: the rows
+        of gate_up are quantized in their interleaved order, which per-row scales do not mind."""
         for i, layer in enumerate(self.layers):
             quantized = {}
-            for field in FP8_MATRICES:
+            for field in self._fp8_fields(weights, i):
                 w = getattr(layer, field)
                 scale = self.device.empty(F32, w.shape[:1])
                 codes = self.device.empty(E4M3, w.shape)
                 self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, w.shape[0], w.shape[1])
                 quantized[field] = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
             self.stream.synchronize()
-            for field in FP8_MATRICES:
+            for field in quantized:
                 self.device.free(getattr(layer, field))
             self.layers[i] = dataclasses.replace(layer, **quantized)
         log.info("cuda weights: linear layers quantized to fp8 (e4m3, a scale per output channel)")
