@@ -235,7 +235,7 @@ def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, mess
 from dataclasses import fields  # noqa: E402
 
 from tinyvllm.backends.cuda import cublas  # noqa: E402  (no CUDA needed to import it)
-from tinyvllm.backends.cuda.linear import Linear  # noqa: E402
+from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear  # noqa: E402
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceLayer, DeviceTensor  # noqa: E402
 from tinyvllm.model.weights import LayerWeights  # noqa: E402
 
@@ -293,8 +293,8 @@ def test_linear_picks_its_kernel_by_the_weights_dtype_and_rows(recorder):
 def test_linear_refuses_what_it_cannot_run(recorder):
     linear = linear_layer(recorder)
     x, out = DeviceTensor(10, BF16, (4, 64)), DeviceTensor(30, F32, (4, 32))
-    with pytest.raises(ValueError, match="e4m3 weights are not supported"):
-        linear.gemm(out, x, DeviceTensor(20, E4M3, (32, 64)), 1)
+    with pytest.raises(ValueError, match="e4m3 linear layer needs its weight's per-channel scales"):
+        linear.gemm(out, x, DeviceTensor(20, E4M3, (32, 64)), 1)  # no scales, no fp8 scratch
     with pytest.raises(ValueError, match="do not fit"):
         linear.gemm(out, x, DeviceTensor(20, BF16, (32, 48)), 1)  # k 48 against x's 64
     with pytest.raises(ValueError, match="do not fit"):
@@ -318,8 +318,41 @@ def test_cublas_types_come_from_the_tensors():
     x, w = DeviceTensor(1, BF16, (4, 64)), DeviceTensor(2, BF16, (32, 64))
     assert cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, w) == cublas.BF16_GEMM_F32_OUT
     assert cublas.gemm_types(DeviceTensor(3, BF16, (4, 32)), x, w) == cublas.BF16_GEMM
-    with pytest.raises(ValueError, match="e4m3 weights"):
+    with pytest.raises(ValueError, match="e4m3 weights and bf16 inputs"):
         cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), x, DeviceTensor(2, E4M3, (32, 64)))
+    codes, w8 = DeviceTensor(1, E4M3, (4, 64)), DeviceTensor(2, E4M3, (32, 64))
+    assert cublas.gemm_types(DeviceTensor(3, F32, (4, 32)), codes, w8) == cublas.FP8_GEMM
+    with pytest.raises(ValueError, match="e4m3 weights into a bf16 output is not supported \\(f32\\)"):
+        cublas.gemm_types(DeviceTensor(3, BF16, (4, 32)), codes, w8)
+
+
+def fp8_linear(recorder, t=16, k=2048, n=16384):
+    scratch = Fp8Scratch(DeviceTensor(100, E4M3, (t, k)), DeviceTensor(200, F32, (t,)), DeviceTensor(300, F32, (t, n)))
+    return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132), fp8=scratch)
+
+
+def test_linear_runs_e4m3_weights_through_fp8(recorder):
+    """An e4m3 weight: the input quantized per token into the scratch codes, then gemv_fp8 for up to 8 rows (any
+    weight size), else cuBLASLt's FP8 GEMM into the float32 scratch and scale_rows_cols; SwiGLU after either."""
+    linear = fp8_linear(recorder)
+    x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, E4M3, (3072, 2048), DeviceTensor(21, F32, (3072,)))
+    out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
+    linear.gemm(residual, x, w, 8, accumulate=True)
+    linear.gemm(out, x, w, 9)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_f32", "quantize_fp8",
+                                                          "scale_rows_cols_bf16"]
+    assert recorder.args == [(100, 200, 10, 2048), (40, 100, 200, 20, 21, 8, 3072, 2048, 1), (100, 200, 10, 2048),
+                             (30, 300, 200, 21, 3072, 0)]
+    [(acc, codes, weight, m, accumulate)] = linear.blas.calls
+    assert (acc.ptr, acc.dtype, acc.shape, codes.ptr, codes.dtype, codes.shape, weight, m, accumulate) == \
+        (300, F32, (9, 3072), 100, E4M3, (9, 2048), w, 9, False)
+    act, gate_up = DeviceTensor(50, BF16, (16, 8192)), DeviceTensor(60, BF16, (16, 16384))
+    wg = DeviceTensor(70, E4M3, (16384, 2048), DeviceTensor(71, F32, (16384,)))
+    recorder.launches.clear()
+    linear.gate_up_swiglu(act, x, wg, 1, gate_up)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_bf16", "silu_and_mul"]
+    with pytest.raises(ValueError, match="fp8 scratch buffers hold it"):
+        fp8_linear(recorder, k=1024).gemm(out, x, w, 9)  # 9 rows of 2048 codes: over the 16 x 1024 scratch
 
 
 def test_nothing_touches_a_gpu_at_import():
@@ -549,6 +582,73 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     other.close()
 
 
+def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
+    """quantization="fp8" on a stand-in device: each layer's linear weights become e4m3 with a float32 scale per
+    output channel (the bf16 weights freed), the embedding and LM head stay bf16, and a step's linear layers
+    quantize their input, then run gemv_fp8 (decode) or cuBLASLt's FP8 GEMM and scale_rows_cols (prefill)."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    config = tiny_config(head_dim=64)
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8, quantization="fp8")
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    forward = forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine, device,
+                                         FakeStream(), 16)
+    for layer in forward.layers:
+        for field in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, field)
+            assert w.dtype == E4M3 and w.scale.dtype == F32 and w.scale.shape == w.shape[:1], field
+            assert w.ptr in device.live and w.scale.ptr in device.live
+        assert layer.input_norm.dtype == BF16
+    assert forward.embed.dtype == forward.lm_head.dtype == BF16
+    quantized = [args for (name, _, _), args in zip(recorder.launches, recorder.args) if name == "quantize_fp8"]
+    assert len(quantized) == 4 * config.num_hidden_layers
+    weight_shapes = {getattr(forward.layers[0], field).shape for field in ("qkv", "o", "gate_up", "down")}
+    kept = {forward.embed.ptr, forward.lm_head.ptr}  # of the shape of qkv here
+    assert not [t for t in device.live.values()
+                if t.dtype == BF16 and t.shape in weight_shapes and t.ptr not in kept]  # the bf16 ones freed
+    recorder.launches.clear()
+    forward.allocate_kv_cache(8)
+    buffers = FakeBuffers()
+    forward.decode(4, buffers, buffers, buffers)
+    per_layer = ["rms_norm", "quantize_fp8", "gemv_fp8_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
+                 "attention_combine", "quantize_fp8", "gemv_fp8_f32", "rms_norm", "quantize_fp8", "gemv_fp8_bf16",
+                 "silu_and_mul", "quantize_fp8", "gemv_fp8_f32"]
+    assert [name for name, _, _ in recorder.launches] == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm",
+                                                          "gemv_f32", "apply_logits_processors", "sample",
+                                                          "count_tokens"]
+    recorder.launches.clear()
+    forward.prefill(10, buffers, buffers, 3, 2)
+    assert [name for name, _, _ in recorder.launches].count("scale_rows_cols_f32") == 2 * config.num_hidden_layers
+    assert all(x.dtype == E4M3 and out.dtype == F32 for out, x, _, _, _ in forward.linear.blas.calls)
+    assert forward.on_stream(FakeStream()).linear.fp8 is forward.linear.fp8
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block", "ct-channel"])
+def test_an_fp8_checkpoint_is_requantized_per_channel(forward_module, tmp_path, scheme):
+    """An FP8 checkpoint on a stand-in device: its weights stream dequantized, as bf16, and are quantized per output
+    channel on the GPU, as quantization="fp8" does with a bf16 checkpoint."""
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    model = load_model(write_fp8_checkpoint(tmp_path, scheme, head_dim=64)[0])
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8)
+    recorder = TypedRecorder()
+    forward = forward_module.CudaForward(model, engine, FakeDevice(recorder), FakeStream(), 16)
+    dtypes = {(i, field): getattr(layer, field).dtype for i, layer in enumerate(forward.layers)
+              for field in ("qkv", "o", "gate_up", "down")}
+    ignored = {(1, "down")} if scheme == "ct-channel" else set()  # its ignore list leaves layer 1's down float
+    assert {key for key, dtype in dtypes.items() if dtype != E4M3} == ignored
+    assert all(dtypes[key] == BF16 for key in ignored)
+    assert [name for name, _, _ in recorder.launches].count("quantize_fp8") == len(dtypes) - len(ignored)
+
+
 class FakeGraph:
     """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
 
@@ -587,11 +687,12 @@ def serve_every_feature(runner, model, engine_config, device, use_graphs: bool):
     return backend, [name for name, _, _ in device.kernels.launches]
 
 
-def engine_config_for(model, graphs: str | None, kv_cache_dtype: str = "auto"):
+def engine_config_for(model, graphs: str | None, kv_cache_dtype: str = "auto", quantization: str | None = None):
     from tinyvllm.config import EngineConfig
 
     engine_config = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy", kv_cache_dtype=kv_cache_dtype)
+                                 num_kv_blocks=16, cuda_graph_capture=graphs or "lazy", kv_cache_dtype=kv_cache_dtype,
+                                 quantization=quantization)
     return engine_config.for_model(model.config.max_position_embeddings)
 
 
@@ -632,8 +733,9 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
                                                                  "attention_prefill_fp8_d64"}),
     (dict(head_dim=128, architecture="Qwen2ForCausalLM"), "auto", {"attention_decode_d128_r8",
                                                                    "attention_prefill_d128"})])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, make_model_dir, monkeypatch, shape,
-                                                             kv_cache_dtype, attention):
+                                                             kv_cache_dtype, attention, quantization):
     """The backend prepares needed_kernels of its model's shapes: every kernel its steps launch (eager and
     captured), and of the attention kernels' instances only its head dim's, KV cache dtype's and decode tile's."""
     import importlib
@@ -646,17 +748,20 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     monkeypatch.setattr(runner, "Graph", FakeGraph)
     model = load_model(make_model_dir(**shape))
     device = FakeDevice(TypedRecorder())
-    backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager", kv_cache_dtype), device,
-                                         True)
+    engine_config = engine_config_for(model, "eager", kv_cache_dtype, quantization)
+    backend, names = serve_every_feature(runner, model, engine_config, device, True)
     backend.close()
     assert set(names) <= set(device.prepared)
     cfg = model.config
     assert device.prepared == needed_kernels(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                             kv_cache_dtype == "fp8")
+                                             kv_cache_dtype == "fp8", quantization == "fp8")
     chosen = {name for name in device.prepared if name.startswith(("attention_decode_", "attention_prefill_"))}
     assert chosen == attention and attention <= set(names)
+    fp8 = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
+    assert (fp8 <= set(names)) == (quantization == "fp8")  # the FP8 weights' kernels run, or are not built
     assert set(SIGNATURES) - set(device.prepared) == {
-        name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention
+        name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
+        set() if quantization else fp8)
 
 
 class FakePycuda:

@@ -200,9 +200,11 @@ def test_broken_fp8_checkpoints_are_refused_in_one_line(tmp_path):
         load_model(path)
 
 
-def test_the_cuda_backend_refuses_an_fp8_checkpoint(tmp_path):
-    path, *_ = write_fp8_checkpoint(tmp_path, "fp8-tensor")
-    with pytest.raises(SettingError, match="is an FP8 checkpoint \\(quant_method fp8\\): the cuda backend has no FP8"):
+@pytest.mark.parametrize("scheme", ["fp8-static", "ct-static"])
+def test_the_cuda_backend_refuses_static_activation_scales(scheme, tmp_path):
+    path, *_ = write_fp8_checkpoint(tmp_path, scheme)
+    with pytest.raises(SettingError, match="is an FP8 checkpoint with static activation scales .*: the cuda backend "
+                                           "quantizes activations per token; use backend numpy$"):
         LLM(path, backend="cuda")
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import ok_run, one_line_error, require, run
+from helpers import ok_run, require, run
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backends.host_weight import HostWeight, linear
@@ -229,13 +229,3 @@ def test_quantization_from_the_api_cli_and_job_files(tiny_model_dir, tmp_path):
                    'backend = "numpy"\nquantization = "fp8"\n[sampling]\nmax_tokens = 2\n')
     assert CliRunner().invoke(main, ["job", str(job), "--quiet"]).exit_code == 0
     assert engine_of(tmp_path / "j.parquet")["quantization"] == "fp8"
-
-
-def test_the_cuda_backend_refuses_fp8_weights_in_one_line(tiny_model_dir, tmp_path):
-    message = "invalid quantization='fp8': the cuda backend has no FP8 weight kernels yet; use backend numpy"
-    with pytest.raises(SettingError, match=f"^{message}$"):
-        LLM(tiny_model_dir, backend="cuda", quantization="fp8")
-    result = run(tiny_model_dir, EXAMPLES / "prompts.jsonl", tmp_path / "o.parquet", "--backend", "cuda",
-                 "--quantization", "fp8")
-    one_line_error(result, message, exit_code=2)
-    assert not (tmp_path / "o.parquet").exists()

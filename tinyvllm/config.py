@@ -221,7 +221,7 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the compute dtype; fp8 (= fp8_e4m3): e4m3 with a "
                                   "scale per layer and KV head, half the bytes of bf16", choices=KV_CACHE_DTYPES)
     quantization: str | None = setting(None, "fp8: linear layers' weights in e4m3 with a scale per output channel, "
-                                       "activations per token (numpy backend; cuda refuses it); an FP8 checkpoint "
+                                       "activations per token; an FP8 checkpoint "
                                        "runs as stored [default: the checkpoint's]", choices=QUANTIZATIONS)
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
     max_logprobs: int | None = setting(None, "most logprobs (or prompt logprobs) a request may ask per token; a "

@@ -79,13 +79,12 @@ def create_backend(model, config: EngineConfig) -> Backend:
 
 
 def _refuse_fp8_weights(model, config: EngineConfig) -> None:
-    """SettingError where FP8 weights would run on the cuda backend, which has no FP8 GEMM kernels yet."""
-    if config.quantization is not None:
-        raise SettingError(f"invalid quantization={config.quantization!r}: the cuda backend has no FP8 weight kernels "
-                           "yet; use backend numpy")
-    if model.config.quantization is not None:
-        raise SettingError(f"{model.source} is an FP8 checkpoint (quant_method {model.config.quantization.method}): "
-                           "the cuda backend has no FP8 weight kernels yet; use backend numpy")
+    """SettingError for an FP8 checkpoint the cuda backend would not run as quantized: it quantizes activations per
+    token, so static input scales stay on the numpy backend."""
+    scheme = model.config.quantization
+    if scheme is not None and scheme.static_input:
+        raise SettingError(f"{model.source} is an FP8 checkpoint with static activation scales (quant_method "
+                           f"{scheme.method}): the cuda backend quantizes activations per token; use backend numpy")
 
 
 __all__ = ["Backend", "Batch", "SamplerOutput", "SamplingBatch", "create_backend", "cuda_available"]

@@ -18,11 +18,14 @@ import ctypes.util
 import functools
 from collections.abc import Callable
 
-from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor, matmul_shape
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul_shape
 
-CUDA_R_32F, CUDA_R_16BF = 0, 14
-CUDA_TYPES = {BF16: CUDA_R_16BF, F32: CUDA_R_32F}  # device dtype -> cudaDataType, for the dtypes the GEMMs take
-WEIGHT_DTYPES = (BF16,)  # the weights (A) and inputs (B) a GEMM here takes; outputs bf16 or float32
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 14, 28
+# device dtype -> cudaDataType, for the dtypes the GEMMs take
+CUDA_TYPES = {BF16: CUDA_R_16BF, F32: CUDA_R_32F, E4M3: CUDA_R_8F_E4M3}
+# weight (A) dtype -> the outputs a GEMM of it writes; the inputs (B) are of the weights' dtype. An e4m3 GEMM runs
+# with unit scales into float32 (its per-row and per-column scales are applied after it: cuda/fp8.cu).
+OUTPUT_DTYPES = {BF16: (BF16, F32), E4M3: (F32,)}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
@@ -94,15 +97,18 @@ def _lib() -> ctypes.CDLL:
 GemmTypes = tuple[int, int, int]  # the cudaDataTypes of A (the weights), B (the input rows), C (the output rows)
 BF16_GEMM = (CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF)
 BF16_GEMM_F32_OUT = (CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F)
+FP8_GEMM = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_32F)
 
 
 def gemm_types(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor) -> GemmTypes:
     """The cudaDataTypes of out = x . w^T from the tensors' dtypes; ValueError for a pair cuBLAS is not set up for
-    here (a quantized weight needs its scales passed too: not yet)."""
-    if w.dtype not in WEIGHT_DTYPES or x.dtype != w.dtype:
-        raise ValueError(f"cuBLAS GEMM of {w.dtype} weights and {x.dtype} inputs is not supported (bf16 only)")
-    if out.dtype not in CUDA_TYPES:
-        raise ValueError(f"cuBLAS GEMM into a {out.dtype} output is not supported (bf16 or f32)")
+    here."""
+    if w.dtype not in OUTPUT_DTYPES or x.dtype != w.dtype:
+        raise ValueError(f"cuBLAS GEMM of {w.dtype} weights and {x.dtype} inputs is not supported (bf16 or e4m3 "
+                         "both)")
+    if out.dtype not in OUTPUT_DTYPES[w.dtype]:
+        raise ValueError(f"cuBLAS GEMM of {w.dtype} weights into a {out.dtype} output is not supported "
+                         f"({' or '.join(OUTPUT_DTYPES[w.dtype])})")
     return CUDA_TYPES[w.dtype], CUDA_TYPES[x.dtype], CUDA_TYPES[out.dtype]
 
 

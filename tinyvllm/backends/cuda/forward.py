@@ -16,6 +16,7 @@ device buffers that the step driver (runner.py) fills, so a decode step's launch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -27,10 +28,11 @@ import numpy as np
 import pycuda.driver as cuda
 
 from tinyvllm.backends.cuda.device import Device
-from tinyvllm.backends.cuda.linear import Linear
+from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
-from tinyvllm.backends.cuda.tensors import BF16, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
+from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.backends.base import check_cuda_kernels
@@ -48,6 +50,13 @@ STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
 # took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
+FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (embedding, LM head: bf16)
+
+
+def fp8_weights(model, engine_config: EngineConfig) -> bool:
+    """Whether the layers' linear weights run FP8 W8A8: quantization="fp8", or an FP8 checkpoint (its weights
+    dequantized as they stream, then requantized per output channel on the GPU like any bf16 weight)."""
+    return engine_config.quantization == "fp8" or model.config.quantization is not None
 
 
 def decode_buckets(max_seqs: int) -> list[int]:
@@ -123,11 +132,14 @@ class CudaForward:
         if engine_config.fp8_kv_cache:
             k_scales, v_scales = (device.upload(s, F32) for s in kv_cache_scales(model.weights, cfg))
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
+        self.fp8 = fp8_weights(model, engine_config)
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)))
         self.ops = device.ops(stream)
-        self.linear = Linear(self.blas, self.ops)  # our GEMV for a few rows, else cuBLAS
+        if self.fp8:
+            self._quantize_weights(model.weights)
+        self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch)  # our GEMV for a few rows, else cuBLAS
         self.kv: KVCache | None = None
         self.k_cache: list[int] = []
         self.v_cache: list[int] = []
@@ -206,6 +218,32 @@ class CudaForward:
         finally:
             self.device.free(scratch)
 
+    def _fp8_fields(self, weights: Mapping[str, np.ndarray], i: int) -> list[str]:
+        """Layer i's linear weights that run in e4m3: every one of FP8_MATRICES, but of an FP8 checkpoint only those
+        it stores in float8 (a layer it left unquantized stays bf16, as on the numpy backend)."""
+        if not isinstance(weights, Fp8CheckpointWeights):
+            return list(FP8_MATRICES)
+        parts = layer_parts(self.config, i)
+        return [field for field in FP8_MATRICES if all(name in weights.scales for name in parts[field])]
+
+    def _quantize_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Each layer's linear weights (_fp8_fields) from bf16 to e4m3 codes with a float32 scale per output channel
+        (row), amax(row) / 448, on the GPU (quantize_fp8), each bf16 weight freed once its codes are made: the rows
+        of gate_up are quantized in their interleaved order, which per-row scales do not mind."""
+        for i, layer in enumerate(self.layers):
+            quantized = {}
+            for field in self._fp8_fields(weights, i):
+                w = getattr(layer, field)
+                scale = self.device.empty(F32, w.shape[:1])
+                codes = self.device.empty(E4M3, w.shape)
+                self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, w.shape[0], w.shape[1])
+                quantized[field] = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
+            self.stream.synchronize()
+            for field in quantized:
+                self.device.free(getattr(layer, field))
+            self.layers[i] = dataclasses.replace(layer, **quantized)
+        log.info("cuda weights: linear layers quantized to fp8 (e4m3, a scale per output channel)")
+
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms)
 
@@ -221,6 +259,9 @@ class CudaForward:
             token_counts=empty(I32, (s, vocab)), prompt_mask=empty(U8, (s, vocab)),
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
             workspace=empty(U8, (WORKSPACE_BYTES,)))
+        self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
+            codes=empty(E4M3, (t, max(hidden, self.q_width, inter))), scales=empty(F32, (t,)),
+            acc=empty(F32, (t, max(self.qkv_width, 2 * inter, hidden))))
         cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
         cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
         cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
@@ -277,7 +318,7 @@ class CudaForward:
         other.blas = self.device.cublas(stream, self.buf.workspace, exact_rows=self.blas.exact_rows,
                                         algos=self.blas.algos)
         other.ops = self.device.ops(stream)
-        other.linear = Linear(other.blas, other.ops)
+        other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch)
         return other
 
     def close(self) -> None:

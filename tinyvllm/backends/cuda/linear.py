@@ -5,13 +5,20 @@ At decode batch 1..8 a GEMM is one pass over the weights, and cuBLAS reaches onl
 bandwidth there; gemv.cu is built to stream the weights at the copy rate. Both paths compute the same thing
 (bf16 inputs, float32 accumulation) and launch without allocating or synchronizing, so either can be captured in
 a CUDA graph.
+
+FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8): the input is quantized to e4m3 per token
+first (quantize_fp8); then our FP8 GEMV (gemv_fp8) for a few rows, else cuBLASLt's FP8 GEMM into float32 and
+scale_rows_cols applying the token and channel scales (cuda/fp8.cu). SwiGLU is then silu_and_mul on the bf16
+gate/up product.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tinyvllm.backends.cuda.cublas import Cublas
-from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS, VECTOR, Ops
-from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor, matmul_shape
+from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
 # a few MB (Llama-3.2-1B's QKV and O) and ties at 16-32 MB (its MLP). In a decode step it also starts streaming its
@@ -20,22 +27,37 @@ from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor, matmul_shape
 GEMV_MAX_WEIGHTS = 64 << 20  # n * k up to which the kernel runs
 
 
+@dataclass(frozen=True)
+class Fp8Scratch:
+    """The buffers an FP8 linear layer goes through: its input's e4m3 codes and their scales, and the float32
+    product of the cuBLASLt path before the scales."""
+
+    codes: DeviceTensor  # e4m3 [t, >= every layer input's width]
+    scales: DeviceTensor  # f32 [t]: one per token
+    acc: DeviceTensor  # f32 [t, >= every layer output's width]
+
+
 class Linear:
     """out[:m] = x[:m] . w^T, row-major, w [n, k]: the kernel chosen by the weight's dtype (bf16: our GEMV for a few
-    rows, else cuBLAS), with the launchers of `ops` (the device's, on the stream `blas` runs on)."""
+    rows, else cuBLAS; e4m3: the same through fp8 (scratch: its buffers)), with the launchers of `ops` (the
+    device's, on the stream `blas` runs on)."""
 
-    def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS) -> None:
+    def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS,
+                 fp8: Fp8Scratch | None = None) -> None:
         self.blas = blas
         self.ops = ops
         self.max_gemv_weights = max_gemv_weights
+        self.fp8 = fp8
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
         return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % VECTOR == 0
 
-    @staticmethod
-    def _check(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+    def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+        if w.dtype == E4M3:
+            return self._check_fp8(out, x, w, m)
         if w.dtype != BF16:
-            raise ValueError(f"linear layers with {w.dtype} weights are not supported on the cuda backend (bf16)")
+            raise ValueError(f"linear layers with {w.dtype} weights are not supported on the cuda backend (bf16 or "
+                             "e4m3 with scales)")
         if x.dtype != BF16 or out.dtype not in (BF16, F32):
             raise ValueError(f"a bf16 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
                              f"{out.dtype}")
@@ -44,10 +66,39 @@ class Linear:
     def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
         """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate."""
         n, k = self._check(out, x, w, m)
-        if self.uses_gemv(m, n, k):
+        if w.dtype == E4M3:
+            self._gemm_fp8(out, x, w, m, n, k, accumulate)
+        elif self.uses_gemv(m, n, k):
             self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         else:
             self.blas.gemm(out, x, w, m, accumulate=accumulate)
+
+    def _check_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+        s = self.fp8
+        if s is None or w.scale is None or w.scale.shape != w.shape[:1]:
+            raise ValueError("an e4m3 linear layer needs its weight's per-channel scales and the fp8 scratch buffers")
+        if x.dtype != BF16 or out.dtype not in (BF16, F32):
+            raise ValueError(f"an e4m3 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
+                             f"{out.dtype}")
+        n, k = matmul_shape(out, x, w, m)
+        if k % FP8_VECTOR or n % VECTOR or m * k > s.codes.numel or m * n > s.acc.numel or m > s.scales.numel:
+            raise ValueError(f"an e4m3 product of {m} rows, n {n}, k {k}: k must be a multiple of {FP8_VECTOR}, n of "
+                             f"{VECTOR}, and the fp8 scratch buffers hold it")
+        return n, k
+
+    def _gemm_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
+                  accumulate: bool) -> None:
+        """x quantized per token into the scratch codes, then our GEMV (m <= GEMV_MAX_ROWS, any size: it streams
+        half the bytes of bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one) or cuBLASLt and the scales."""
+        s = self.fp8
+        self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
+        if m <= GEMV_MAX_ROWS:
+            self.ops.gemv_fp8(out.ptr, s.codes.ptr, s.scales.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32,
+                              accumulate)
+            return
+        acc = DeviceTensor(s.acc.ptr, F32, (m, n))
+        self.blas.gemm(acc, DeviceTensor(s.codes.ptr, E4M3, (m, k)), w, m)
+        self.ops.scale_rows_cols(out.ptr, acc.ptr, s.scales.ptr, w.scale.ptr, m, n, out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                        gate_up: DeviceTensor) -> None:
@@ -57,7 +108,10 @@ class Linear:
         n, k = self._check(gate_up, x, w, m)
         if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
             raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
-        if self.uses_gemv(m, n, k):
+        if w.dtype == E4M3:
+            self._gemm_fp8(gate_up, x, w, m, n, k, False)
+            self.ops.silu_and_mul(out.ptr, gate_up.ptr, m, n // 2)
+        elif self.uses_gemv(m, n, k):
             self.ops.gemv_swiglu(out.ptr, x.ptr, w.ptr, m, n, k)
         else:
             self.blas.gemm(gate_up, x, w, m)

@@ -30,12 +30,15 @@ SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per ro
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
+FP8_GEMV_WARPS = 4  # gemv_fp8: warps per block
+FP8_GEMV_ROWS = 2  # gemv_fp8: weight rows per warp (at most 4: lane i * rows + r writes output (i, r))
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
+    "fp8": {"FP8_GEMV_WARPS": FP8_GEMV_WARPS, "FP8_GEMV_ROWS": FP8_GEMV_ROWS},
 }
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
@@ -45,6 +48,8 @@ MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, silu_and_mul, logits processors: threads per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
+FP8_VECTOR = 16  # e4m3 codes per 16-byte load: gemv_fp8's k and cuBLASLt's FP8 leading dimensions are multiples
+QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
 
 
@@ -363,3 +368,37 @@ class Ops:
         pointers); block_elems counts 2-byte units (an fp8 block of n entries is n / 2 of them)."""
         _require_vectors("copy_blocks", block_elems=block_elems)
         self.launch("copy_blocks", (num_pairs, num_caches), ELEMENTWISE_THREADS, caches, pairs, block_elems)
+
+    @kernel("fp8", "e4m3* out, float* scales, const bf16* x, int cols")
+    def quantize_fp8(self, out: int, scales: int, x: int, rows: int, cols: int) -> None:
+        """e4m3 out [rows, cols] and float32 scales [rows] of bf16 x [rows, cols]: one scale per row, amax / 448 (a
+        weight's output channels at load, a linear layer's input tokens in a step)."""
+        _require_vectors("quantize_fp8", cols=cols)
+        self.launch("quantize_fp8", (rows,), QUANTIZE_THREADS, out, scales, x, cols)
+
+    @kernel("fp8", "float* out, const float* acc, const float* row_scale, const float* col_scale, int n, "
+                   "int accumulate", "scale_rows_cols_f32")
+    @kernel("fp8", "bf16* out, const float* acc, const float* row_scale, const float* col_scale, int n, "
+                   "int accumulate", "scale_rows_cols_bf16")
+    def scale_rows_cols(self, out: int, acc: int, row_scale: int, col_scale: int, m: int, n: int, out_fp32: bool,
+                        accumulate: bool) -> None:
+        """out[m, n] = acc[m, n] * row_scale[m] * col_scale[n] (+ out when accumulate): float32 acc, out float32 or
+        bf16 (the FP8 GEMM's epilogue)."""
+        _require_vectors("scale_rows_cols", n=n)
+        per_block = ELEMENTWISE_THREADS * VECTOR
+        self.launch("scale_rows_cols_" + ("f32" if out_fp32 else "bf16"), (m, -(-n // per_block)),
+                    ELEMENTWISE_THREADS, out, acc, row_scale, col_scale, n, int(accumulate))
+
+    @kernel("fp8", "float* out, const e4m3* x, const float* x_scale, const e4m3* w, const float* w_scale, int m, "
+                   "int n, int k, int accumulate", "gemv_fp8_f32")
+    @kernel("fp8", "bf16* out, const e4m3* x, const float* x_scale, const e4m3* w, const float* w_scale, int m, "
+                   "int n, int k, int accumulate", "gemv_fp8_bf16")
+    def gemv_fp8(self, out: int, x: int, x_scale: int, w: int, w_scale: int, m: int, n: int, k: int,
+                 out_fp32: bool, accumulate: bool) -> None:
+        """out[m, n] = x[m, k] . w[n, k]^T * x_scale[m] * w_scale[n] (+ out when accumulate), e4m3 codes x and w,
+        float32 products and sums, for m <= 8."""
+        _require(1 <= m <= GEMV_MAX_ROWS, f"gemv_fp8: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
+        _require(k % FP8_VECTOR == 0, f"gemv_fp8: k {k} is not a multiple of {FP8_VECTOR}")
+        grid = (-(-n // (FP8_GEMV_WARPS * FP8_GEMV_ROWS)),)
+        self.launch("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), grid, FP8_GEMV_WARPS * 32, out, x, x_scale, w,
+                    w_scale, m, n, k, int(accumulate))

@@ -29,7 +29,7 @@ from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, 
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.driver import Graph
-from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets
+from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets, fp8_weights
 from tinyvllm.backends.cuda.kernels import needed_kernels
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.config import EngineConfig
@@ -238,7 +238,7 @@ class CudaBackend(Backend):
         self.num_blocks = 0
         cfg = model.config
         needed = needed_kernels(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                engine_config.fp8_kv_cache)
+                                engine_config.fp8_kv_cache, fp8_weights(model, engine_config))
         # seconds per start-up phase, for `tinyvllm bench --startup`
         start = time.perf_counter()
         # the kernels build on a thread from here on (before the context is made), while the weights upload

@@ -1,0 +1,187 @@
+"""The FP8 W8A8 kernels (cuda/fp8.cu) and Linear's e4m3 path against their numpy twins (model/fp8.py quantize_rows,
+backends/host_weight.py's fp8 product) on fresh random inputs; outputs start poisoned (NaN, 0x7F codes), so that
+unwritten elements show. Lines starting with REPORT carry measured errors (pytest -s).
+
+Quantization is bit-exact (both divide by amax / 448 in IEEE float32 and round to nearest even); the products of
+e4m3 values are exact in float32 on both sides, so a product differs from its twin only by its summation order
+(and cuBLASLt's FP8 tensor-core accumulation).
+"""
+
+import numpy as np
+import pytest
+
+from test_kernels import Gpu
+from test_kv_fp8_cuda import random_codes
+from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
+from tinyvllm.backends.host_weight import HostWeight
+from tinyvllm.backends.host_weight import linear as host_linear
+from tinyvllm.backends.numpy_backend import interleave_gate_up, silu_and_mul
+from tinyvllm.model.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
+from tinyvllm.model.fp8 import quantize_rows
+
+pytestmark = pytest.mark.gpu
+
+WORKSPACE_BYTES = 32 << 20
+MAX_T, MAX_K, MAX_N = 320, 14336, 28672  # the scratch buffers: up to Llama-3.1-8B's widths
+MODES = [(False, False), (True, False), (True, True)]  # (out_fp32, accumulate): QKV / gate_up; O and down's +=
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def bf16_rows(rng, shape, octaves=6.0):
+    """bf16-exact float32 values whose rows differ in magnitude by up to 2^octaves (so that per-row scales
+    matter); row 0 is all zeros where there are several rows (its scale must be 1, its codes 0)."""
+    x = rng.standard_normal(shape, dtype=np.float32) * np.exp2(rng.uniform(-octaves, 0, (shape[0], 1)))
+    if shape[0] > 1:
+        x[0] = 0
+    return bf16_to_f32(f32_to_bf16(x.astype(np.float32)))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8), (7, 2048), (33, 14336), (300, 520), (3, 4104)])
+def test_quantize_fp8_is_bit_exact(cuda, ops, rows, cols):
+    gpu, rng = Gpu(cuda), np.random.default_rng(rows * 100_003 + cols)
+    x = bf16_rows(rng, (rows, cols))
+    codes, scales = gpu.put(np.full((rows, cols), 0x7F, np.uint8)), gpu.poisoned((rows,), np.float32)
+    ops.quantize_fp8(codes, scales, gpu.bf16(x), rows, cols)
+    want = quantize_rows(x)
+    np.testing.assert_array_equal(gpu.get(scales, (rows,), np.float32), want.scale)
+    np.testing.assert_array_equal(gpu.get(codes, (rows, cols), np.uint8), want.codes)
+
+
+@pytest.mark.parametrize("out_fp32,accumulate", MODES + [(False, True)])
+@pytest.mark.parametrize("m,n", [(1, 8), (9, 3072), (300, 2056)])
+def test_scale_rows_cols(cuda, ops, m, n, out_fp32, accumulate):
+    gpu, rng = Gpu(cuda), np.random.default_rng(m * 7 + n)
+    acc = rng.standard_normal((m, n), dtype=np.float32) * 1000
+    rs, cs = (np.exp2(rng.uniform(-12, -4, size)).astype(np.float32) for size in (m, n))
+    ref = acc * rs[:, None] * cs[None, :]
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * np.std(ref)))
+    if accumulate:
+        ref = ref + old
+    start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else (
+        f32_to_bf16(old) if accumulate else np.full((m, n), 0x7FC0, np.uint16))
+    out = gpu.put(start)
+    ops.scale_rows_cols(out, gpu.put(acc), gpu.put(rs), gpu.put(cs), m, n, out_fp32, accumulate)
+    atol = 1e-6 * np.abs(ref).max()  # a sum that cancels keeps the error of its terms (a fused multiply-add's)
+    if out_fp32:
+        np.testing.assert_allclose(gpu.get(out, (m, n), np.float32), ref, rtol=1e-6, atol=atol)
+    else:  # one bf16 rounding of the float32 value
+        np.testing.assert_allclose(gpu.get_bf16(out, (m, n)), ref, rtol=2 ** -8, atol=atol)
+
+
+# (n, k): n = 1 and odd n (a warp's second row past n); k of one lane's 16 codes, with a tail past a warp's 512;
+# Llama-3.2-1B's QKV, O, gate_up, down; Llama-3.1-8B's down
+GEMV_SHAPES = [(1, 16), (37, 528), (1001, 2064), (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
+               (4096, 14336)]
+
+
+@pytest.fixture(scope="module")
+def fp8_weights(cuda):
+    """(n, k) -> (device e4m3 codes, their float32 values, device scales, the scales), made once per module."""
+    made = {}
+
+    def get(n, k):
+        if (n, k) not in made:
+            rng = np.random.default_rng(n * 7919 + k)
+            codes, scales = random_codes(rng, (n, k)), np.exp2(rng.uniform(-10, -4, n)).astype(np.float32)
+            made[n, k] = (cuda.to_device(codes), e4m3_to_f32(codes), cuda.to_device(scales), scales)
+        return made[n, k]
+
+    return get
+
+
+@pytest.mark.parametrize("out_fp32,accumulate", MODES)
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
+def test_gemv_fp8(cuda, ops, fp8_weights, m, n, k, out_fp32, accumulate):
+    """out = (x codes . w codes^T) * x_scale * w_scale (+ out): every e4m3 code but NaN, both signs."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(1000 * m + n + k)
+    w_dev, w, ws_dev, ws = fp8_weights(n, k)
+    x, xs = random_codes(rng, (m, k)), np.exp2(rng.uniform(-10, -4, m)).astype(np.float32)
+    ref = (e4m3_to_f32(x) @ w.T) * xs[:, None] * ws[None, :]
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * np.std(ref)))
+    if accumulate:
+        ref = ref + old
+    start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else np.full((m, n), 0x7FC0,
+                                                                                                    np.uint16)
+    out = gpu.put(start)
+    ops.gemv_fp8(out, gpu.put(x), gpu.put(xs), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
+    got = gpu.get(out, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out, (m, n))
+    assert rel_err(got, ref) < (1e-5 if out_fp32 else 1e-2)
+
+
+@pytest.fixture(scope="module")
+def fp8_linear(cuda, device, kernels):
+    """Linear with its fp8 scratch buffers and a cuBLASLt handle, on a stream of its own."""
+    from tinyvllm.backends.cuda.cublas import Cublas
+    from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
+    from tinyvllm.backends.cuda.ops import Ops
+
+    stream = cuda.Stream()
+    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
+    memory = [cuda.mem_alloc(size) for size in (MAX_T * MAX_K, 4 * MAX_T, 4 * MAX_T * MAX_N)]
+    scratch = Fp8Scratch(DeviceTensor(int(memory[0]), E4M3, (MAX_T, MAX_K)), DeviceTensor(int(memory[1]), F32,
+                                                                                           (MAX_T,)),
+                         DeviceTensor(int(memory[2]), F32, (MAX_T, MAX_N)))
+    yield Linear(blas, Ops(kernels, stream, device.num_sms), fp8=scratch)
+    blas.close()
+    for allocation in [workspace, *memory]:
+        allocation.free()
+
+
+def upload_fp8_weight(gpu, ops, w):
+    """w (bf16-exact [n, k]) as the backend loads it: bf16 on the GPU, quantized there (quantize_fp8)."""
+    n, k = w.shape
+    codes, scale = gpu.put(np.full((n, k), 0x7F, np.uint8)), gpu.poisoned((n,), np.float32)
+    ops.quantize_fp8(codes, scale, gpu.bf16(w), n, k)
+    return DeviceTensor(codes, E4M3, (n, k), DeviceTensor(scale, F32, (n,)))
+
+
+# (n, k, out_fp32, accumulate): Llama-3.2-1B's QKV (bf16) and O (+= the float32 residual); odd sizes
+LINEAR_SHAPES = [(3072, 2048, False, False), (2048, 2048, True, True), (1000, 2064, True, False), (48, 528, False,
+                                                                                                    False)]
+
+
+@pytest.mark.parametrize("n,k,out_fp32,accumulate", LINEAR_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 5, MAX_ROWS, MAX_ROWS + 1, 64, 300])
+def test_linear_fp8_matches_the_host_twin(cuda, fp8_linear, m, n, k, out_fp32, accumulate):
+    """bf16 x through Linear.gemm with a weight quantized on the GPU (gemv_fp8 for m <= 8, cuBLASLt's FP8 GEMM
+    and scale_rows_cols above) against host_weight.linear of quantize_rows(w) (the numpy backend's product)."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(31 * m + n + k)
+    w, x = bf16_rows(rng, (n, k), 3.0), bf16_rows(rng, (m, k))
+    ref = host_linear(x, HostWeight.from_fp8(quantize_rows(w)))
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * (np.std(ref) + 1e-30)))
+    if accumulate:
+        ref = ref + old
+    weight = upload_fp8_weight(gpu, fp8_linear.ops, w)
+    start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else np.full((m, n), 0x7FC0,
+                                                                                                    np.uint16)
+    out = DeviceTensor(gpu.put(start), F32 if out_fp32 else BF16, (m, n))
+    fp8_linear.gemm(out, DeviceTensor(gpu.bf16(x), BF16, (m, k)), weight, m, accumulate=accumulate)
+    fp8_linear.ops.stream.synchronize()
+    got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
+    err = rel_err(got, ref)
+    path = "gemv_fp8" if m <= MAX_ROWS else "cuBLASLt fp8"
+    print(f"REPORT fp8 linear m={m} n={n} k={k} ({path}, {'f32' if out_fp32 else 'bf16'} out): rel err {err:.2e}")
+    assert err < (1e-3 if out_fp32 else 1e-2)
+
+
+@pytest.mark.parametrize("m", [1, MAX_ROWS, MAX_ROWS + 1, 64])
+def test_gate_up_swiglu_fp8(cuda, fp8_linear, m):
+    """The gate/up projection with interleaved e4m3 rows, then SwiGLU, against numpy's SwiGLU of the host
+    twin's product (rounded to bf16, as gate_up is)."""
+    n, k = 16384, 2048
+    gpu, rng = Gpu(cuda), np.random.default_rng(m)
+    w, x = bf16_rows(rng, (n, k), 3.0), bf16_rows(rng, (m, k))
+    with np.errstate(over="ignore"):
+        ref = silu_and_mul(bf16_to_f32(f32_to_bf16(host_linear(x, HostWeight.from_fp8(quantize_rows(w))))))
+    weight = upload_fp8_weight(gpu, fp8_linear.ops, interleave_gate_up(w.T).T)  # rows as the backend packs them
+    out, gate_up = gpu.poisoned((m, n // 2), np.uint16), gpu.poisoned((m, n), np.uint16)
+    fp8_linear.gate_up_swiglu(DeviceTensor(out, BF16, (m, n // 2)), DeviceTensor(gpu.bf16(x), BF16, (m, k)), weight,
+                              m, DeviceTensor(gate_up, BF16, (m, n)))
+    fp8_linear.ops.stream.synchronize()
+    assert rel_err(gpu.get_bf16(out, (m, n // 2)), ref) < 2e-2
