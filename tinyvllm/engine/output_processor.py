@@ -80,22 +80,27 @@ class OutputProcessor:
         counts = result.num_sampled.tolist() if runs else None
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
         lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(sampled))
-        rows, quick = range(len(sampled)), {}
+        rows, may_stop, hits, entries = range(len(sampled)), set(), set(), {}
+        first = sampled[:, 0].tolist() if fast is None else []
         if fast is not None:
             num_fast = len(fast.slots)
-            unattached, looked_at, may_stop = self.run.read(fast, sampled[:num_fast, 0])
-            rows = [*sorted({*unattached.tolist(), *looked_at.tolist()}), *range(num_fast, len(sampled))]
-            may_stop = set(may_stop.tolist())
-        first = sampled[:, 0].tolist() if rows else []  # a steady decode of attached rows needs none
-        if fast is not None and len(looked_at):
-            quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
+            unattached, looked_at, stoppable = self.run.read(fast, sampled[:num_fast, 0])
+            if len(looked_at) or len(unattached) or len(sampled) > num_fast:  # a steady decode needs none
+                first = sampled[:, 0].tolist()
+            if len(looked_at):  # rows only a stop string can end: read together, then those it ends one by one
+                plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
+                hits = set(self._take_texts(step.seqs, plain.tolist(), first, (fast.sample_index[plain] + 1).tolist(),
+                                            result.logprobs))
+                may_stop = set(stoppable.tolist())
+                entries = self._look_ahead(step.seqs, stoppable.tolist(), first, result.logprobs)
+            rows = [*sorted({*unattached.tolist(), *may_stop, *hits}), *range(num_fast, len(sampled))]
         for i in rows:
-            seq, index = step.seqs[i], launched.index(i)
-            if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
-                if i in may_stop:
-                    self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
-                else:
-                    self._take_text(seq, first[i], index + 1, now, ended, quick[i])
+            seq = step.seqs[i]
+            if i in hits:  # attached: its token is in the run and its text cut already
+                self._end(seq, launched.index(i) + 1, now, ended)
+                continue
+            if i in may_stop:  # attached: its token is in the run already; only the stop rules and logprobs are left
+                self._take(seq, first[i], launched.index(i) + 1, result.logprobs, i, now, ended, advance, entries[i])
                 continue
             attached = seq.run_slot >= 0
             if attached:
@@ -181,16 +186,26 @@ class OutputProcessor:
             advance.append((seq.constraint, token))
         return False
 
-    def _take_text(self, seq: Sequence, token: int, length: int, now: float, ended: list[Sequence],
-                   entry: dict[int, float] | None) -> None:
-        """_take() of a token that no stop token, EOS or length limit can end on (an attached row's, without a
-        structured output): its logprob entry, then its stop strings."""
-        if entry is not None:
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[token]
-        if seq.detokenizer is not None and _stop_string_hit(
-                seq, token, length - seq.num_prompt_tokens > seq.params.min_tokens):
-            self._end(seq, length, now, ended)
+    def _take_texts(self, seqs: list[Sequence], rows: list[int], tokens: list[int], lengths: list[int],
+                    logprobs: Logprobs | None) -> list[int]:
+        """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output;
+        each row `lengths[j]` tokens long with it): their logprob entries, then their stop strings; the rows a stop
+        string ends (their text cut, their stop reason set)."""
+        with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
+        if with_logprobs:
+            taken = [tokens[i] for i in with_logprobs]
+            for i, token, entry in zip(with_logprobs, taken, logprob_entries(
+                    logprobs, with_logprobs, taken, [seqs[i].params.logprobs for i in with_logprobs])):
+                seq = seqs[i]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token]
+        hits = []
+        for i, length in zip(rows, lengths):
+            seq = seqs[i]
+            if seq.detokenizer is not None and _stop_string_hit(
+                    seq, tokens[i], length - seq.num_prompt_tokens > seq.params.min_tokens):
+                hits.append(i)
+        return hits
 
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
@@ -281,12 +296,12 @@ def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
     if not delta:
         return False
     before = len(seq.text)
-    seq.text += delta
+    text = seq.text = seq.text + delta
     if not look:
         return False
     stops = seq.params.stop
-    search_from = max(0, before - max(map(len, stops)) + 1)
-    hits = [(pos, s) for s in stops if (pos := seq.text.find(s, search_from)) >= 0]
+    search_from = max(0, before - (len(stops[0]) if len(stops) == 1 else max(map(len, stops))) + 1)
+    hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
     if not hits:
         return False
     pos, stop = min(hits)
