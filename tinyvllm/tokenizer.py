@@ -294,8 +294,11 @@ class _ByteDetokenizer(IncrementalDetokenizer):
         return self._pieces[token_id] if token_id < len(self._pieces) else b""  # no such token: no text
 
     def add(self, token_id: int) -> str:
-        if not self.pending and token_id < len(self._texts):
-            text = self._texts[token_id]
+        if not self.pending:
+            try:
+                text = self._texts[token_id]
+            except IndexError:  # no such token: no text
+                return ""
             if text is not None:
                 return text
         buf = self.pending + self._piece(token_id)

@@ -202,8 +202,9 @@ class OutputProcessor:
         hits = []
         for i, length in zip(rows, lengths):
             seq = seqs[i]
-            if seq.detokenizer is not None and _stop_string_hit(
-                    seq, tokens[i], length - seq.num_prompt_tokens > seq.params.min_tokens):
+            detokenizer = seq.detokenizer
+            if detokenizer is not None and (delta := detokenizer.add(tokens[i])) and _stop_found(
+                    seq, delta, length - seq.num_prompt_tokens > seq.params.min_tokens):
                 hits.append(i)
         return hits
 
@@ -293,13 +294,16 @@ def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
     """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it, with
     include_stop_str_in_output) and finish."""
     delta = seq.detokenizer.add(token)
-    if not delta:
-        return False
+    return bool(delta) and _stop_found(seq, delta, look)
+
+
+def _stop_found(seq: Sequence, delta: str, look: bool) -> bool:
+    """_stop_string_hit() of the token's text, `delta` (not empty)."""
     before = len(seq.text)
     text = seq.text = seq.text + delta
     if not look:
         return False
-    stops = seq.params.stop
+    stops = seq.params.stop  # a match is new if it ends in delta: it starts at most a stop's length back
     search_from = max(0, before - (len(stops[0]) if len(stops) == 1 else max(map(len, stops))) + 1)
     hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
     if not hits:
@@ -327,12 +331,32 @@ def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], k
     """logprob_dicts() of one token at each of `rows` (k[i] top logprobs for row i), from one copy of the arrays."""
     if not rows:
         return []
-    k = max(ks)
-    top_ids, top = logprobs.top_ids[rows, :k].tolist(), logprobs.top_logprobs[rows, :k].tolist()
+    k, where = max(ks), np.asarray(rows)
+    top_array = logprobs.top_logprobs[where, :k]
+    top_ids, top = logprobs.top_ids[where, :k].tolist(), top_array.tolist()
+    own = logprobs.token_logprobs[where].tolist()
+    if min(ks) == k and (top_array > -np.inf).all():  # each row's k entries, none forbidden (nor NaN)
+        return _full_entries(k, top_ids, top, token_ids, own)
     out = []
-    for ids, values, n, token, own in zip(top_ids, top, ks, token_ids, logprobs.token_logprobs[rows].tolist()):
+    for ids, values, n, token, lp in zip(top_ids, top, ks, token_ids, own):
         pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
-        entry = {t: lp for t, lp in pairs if lp > -math.inf}
-        entry[token] = own
+        entry = {t: v for t, v in pairs if v > -math.inf}
+        entry[token] = lp
+        out.append(entry)
+    return out
+
+
+def _full_entries(k: int, top_ids: list, top: list, token_ids: list[int], own: list[float]) -> list[dict[int, float]]:
+    """The entries of rows with all k top logprobs, the token's last (dict literals for the usual small k)."""
+    if k == 0:
+        return [{token: lp} for token, lp in zip(token_ids, own)]
+    if k == 1:
+        return [{t: v, token: lp} for (t,), (v,), token, lp in zip(top_ids, top, token_ids, own)]
+    if k == 2:
+        return [{t: v, u: w, token: lp} for (t, u), (v, w), token, lp in zip(top_ids, top, token_ids, own)]
+    out = []
+    for ids, values, token, lp in zip(top_ids, top, token_ids, own):
+        entry = dict(zip(ids, values))
+        entry[token] = lp
         out.append(entry)
     return out
