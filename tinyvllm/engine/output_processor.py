@@ -192,18 +192,17 @@ class OutputProcessor:
         each row `lengths[j]` tokens long with it): their logprob entries, then their stop strings; the rows a stop
         string ends (their text cut, their stop reason set)."""
         with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
-        if with_logprobs:
-            taken = [tokens[i] for i in with_logprobs]
-            for i, token, entry in zip(with_logprobs, taken, logprob_entries(
-                    logprobs, with_logprobs, taken, [seqs[i].params.logprobs for i in with_logprobs])):
-                seq = seqs[i]
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token]
+        entries = iter(logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
+                                       [seqs[i].params.logprobs for i in with_logprobs]))
         hits = []
         for i, length in zip(rows, lengths):
-            seq = seqs[i]
+            seq, token = seqs[i], tokens[i]
+            if seq.logprobs is not None:
+                entry = next(entries)
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token]
             detokenizer = seq.detokenizer
-            if detokenizer is not None and (delta := detokenizer.add(tokens[i])) and _stop_found(
+            if detokenizer is not None and (delta := detokenizer.add(token)) and _stop_found(
                     seq, delta, length - seq.num_prompt_tokens > seq.params.min_tokens):
                 hits.append(i)
         return hits
