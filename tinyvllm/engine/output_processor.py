@@ -303,11 +303,17 @@ def _stop_found(seq: Sequence, delta: str, look: bool) -> bool:
     if not look:
         return False
     stops = seq.params.stop  # a match is new if it ends in delta: it starts at most a stop's length back
-    search_from = max(0, before - (len(stops[0]) if len(stops) == 1 else max(map(len, stops))) + 1)
-    hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
-    if not hits:
-        return False
-    pos, stop = min(hits)
+    if len(stops) == 1:
+        stop = stops[0]
+        pos = text.find(stop, max(0, before - len(stop) + 1))
+        if pos < 0:
+            return False
+    else:
+        search_from = max(0, before - max(map(len, stops)) + 1)
+        hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
     seq.text = seq.text[:pos + len(stop) if seq.params.include_stop_str_in_output else pos]
     seq.finish_reason, seq.stop_reason = "stop", stop
     return True
