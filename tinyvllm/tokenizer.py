@@ -284,14 +284,14 @@ class _ByteDetokenizer(IncrementalDetokenizer):
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         table = detok_table(tokenizer, skip_special_tokens)
-        self._pieces, self._texts = table.pieces, table.texts
+        self.pieces, self._texts = table.pieces, table.texts
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(b"".join(map(self._piece, prompt_ids[-5:])))
         self.pending = decoder.getstate()[0]  # the window's incomplete last character
         self.skip = len(self.pending.decode("utf-8", "replace"))
 
     def _piece(self, token_id: int) -> bytes:
-        return self._pieces[token_id] if token_id < len(self._pieces) else b""  # no such token: no text
+        return self.pieces[token_id] if token_id < len(self.pieces) else b""  # no such token: no text
 
     def add(self, token_id: int) -> str:
         if not self.pending:
@@ -308,6 +308,21 @@ class _ByteDetokenizer(IncrementalDetokenizer):
             return ""
         skip, self.pending, self.skip = self.skip, b"", 0
         return text[skip:]
+
+    def extend(self, token_ids: list[int]) -> str:
+        """What add() of each token in turn gives, joined, in one decode: the text up to the last token after which
+        the bytes decode to complete characters (where add() last emitted)."""
+        pieces = list(map(self._piece, token_ids))
+        buf = self.pending + b"".join(pieces)
+        end = len(buf)
+        for piece in reversed(pieces):
+            text = buf[:end].decode("utf-8", "replace")
+            if len(text) > self.skip and not text.endswith("\ufffd"):
+                skip, self.pending, self.skip = self.skip, buf[end:], 0
+                return text[skip:]
+            end -= len(piece)
+        self.pending = buf
+        return ""
 
 
 @dataclass

@@ -21,6 +21,9 @@ from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.tokenizer import decode_continuations
 
 
+MAX_TEXT_MASKS = 32  # kinds of stop-string rows whose text may be added later (more: each token looked at)
+
+
 @dataclass
 class InFlightStep:
     """A step submitted to the backend, with what is needed to read its output."""
@@ -65,6 +68,9 @@ class OutputProcessor:
         self.structured_outputs = structured_outputs
         self.release, self.pass_on_forks = release, pass_on_forks
         self.run = run
+        # per stop-string row kind (tokenizer, last characters): which tokens may end a match (_mask_id)
+        width = 0 if run is None else len(run.stop_mask)
+        self.text_masks, self._mask_ids = np.zeros((0, width), np.bool_), {}
 
     def process(self, launched: InFlightStep, result: SamplerOutput,
                 advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
@@ -89,8 +95,7 @@ class OutputProcessor:
                 first = sampled[:, 0].tolist()
             if len(looked_at):  # rows only a stop string can end: read together, then those it ends one by one
                 plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
-                hits = set(self._take_texts(step.seqs, plain.tolist(), first, (fast.sample_index[plain] + 1).tolist(),
-                                            result.logprobs))
+                hits = set(self._take_texts(step.seqs, plain, fast, sampled[plain, 0], first, result.logprobs))
                 may_stop = set(stoppable.tolist())
                 entries = self._look_ahead(step.seqs, stoppable.tolist(), first, result.logprobs)
             rows = [*sorted({*unattached.tolist(), *may_stop, *hits}), *range(num_fast, len(sampled))]
@@ -100,7 +105,10 @@ class OutputProcessor:
                 self._end(seq, launched.index(i) + 1, now, ended)
                 continue
             if i in may_stop:  # attached: its token is in the run already; only the stop rules and logprobs are left
-                self._take(seq, first[i], launched.index(i) + 1, result.logprobs, i, now, ended, advance, entries[i])
+                slot, index = int(fast.slots[i]), launched.index(i)
+                self.run.catch_up_text(slot, index)
+                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, entries[i])
+                self.run.text_mask[slot] = -2 if self.run.has_text[slot] else -1  # its text's state: looked at next
                 continue
             attached = seq.run_slot >= 0
             if attached:
@@ -186,26 +194,68 @@ class OutputProcessor:
             advance.append((seq.constraint, token))
         return False
 
-    def _take_texts(self, seqs: list[Sequence], rows: list[int], tokens: list[int], lengths: list[int],
-                    logprobs: Logprobs | None) -> list[int]:
-        """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output;
-        each row `lengths[j]` tokens long with it): their logprob entries, then their stop strings; the rows a stop
-        string ends (their text cut, their stop reason set)."""
-        with_logprobs = [i for i in rows if seqs[i].logprobs is not None]
-        entries = iter(logprob_entries(logprobs, with_logprobs, [tokens[i] for i in with_logprobs],
-                                       [seqs[i].params.logprobs for i in with_logprobs]))
-        hits = []
-        for i, length in zip(rows, lengths):
-            seq, token = seqs[i], tokens[i]
-            if seq.logprobs is not None:
-                entry = next(entries)
+    def _take_texts(self, seqs: list[Sequence], rows: np.ndarray, fast: FastRows, tokens: np.ndarray,
+                    first: list[int], logprobs: Logprobs | None) -> list[int]:
+        """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output):
+        their logprob entries, then their stop strings; the rows a stop string ends (their text cut, their stop
+        reason set). A token whose bytes hold no stop string's last character cannot end a match: its text is
+        added later, with the row's next token that may (DecodeRun.catch_up_text), or when the row leaves."""
+        run = self.run
+        slots, lengths = fast.slots[rows], fast.sample_index[rows] + 1
+        with_logprobs = rows[run.has_logprobs[slots]].tolist()
+        if with_logprobs:
+            taken = [first[i] for i in with_logprobs]
+            for i, token, entry in zip(with_logprobs, taken, logprob_entries(
+                    logprobs, with_logprobs, taken, [seqs[i].params.logprobs for i in with_logprobs])):
+                seq = seqs[i]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
-            detokenizer = seq.detokenizer
-            if detokenizer is not None and (delta := detokenizer.add(token)) and _stop_found(
+        text = run.has_text[slots]
+        mask = run.text_mask[slots]
+        deferred = text & (mask >= 0) & ~run.text_held[slots] & (lengths - 1 > run.look_after[slots])
+        if deferred.any():
+            deferred[deferred] = ~self.text_masks[mask[deferred], tokens[deferred]]
+            run.deferred[slots[deferred]] += 1
+        looked = text & ~deferred
+        hits = []
+        for i, slot, length in zip(rows[looked].tolist(), slots[looked].tolist(), lengths[looked].tolist()):
+            seq = seqs[i]
+            run.catch_up_text(slot, length - 1)
+            if (delta := seq.detokenizer.add(first[i])) and _stop_found(
                     seq, delta, length - seq.num_prompt_tokens > seq.params.min_tokens):
                 hits.append(i)
+            else:
+                self._note_text(slot, seq)
         return hits
+
+    def _note_text(self, slot: int, seq: Sequence) -> None:
+        """The row's text state in the run: its mask of tokens that may end a stop string (chosen once), and
+        whether its detokenizer holds back bytes (then its next token is looked at whatever it is)."""
+        run = self.run
+        if run.text_mask[slot] == -2:
+            run.text_mask[slot] = self._mask_id(seq)
+        if run.text_mask[slot] >= 0:
+            run.text_held[slot] = bool(seq.detokenizer.pending)
+
+    def _mask_id(self, seq: Sequence) -> int:
+        """The row of text_masks for the sequence's stop strings: the tokens whose bytes hold one of their last
+        characters (-1: none applies: a tokenizer without byte pieces, a last character beyond ASCII, too many
+        masks already)."""
+        pieces, stops = getattr(seq.detokenizer, "pieces", None), seq.params.stop
+        last = {ord(stop[-1]) if stop else 256 for stop in stops}
+        if pieces is None or not last or max(last) > 127:
+            return -1
+        lasts = bytes(sorted(last))
+        key = (id(pieces), lasts)
+        if key not in self._mask_ids:
+            if len(self._mask_ids) >= MAX_TEXT_MASKS:
+                return -1
+            mask = np.zeros(self.text_masks.shape[1], np.bool_)  # the model's vocabulary: no text past the table
+            n = min(len(pieces), len(mask))
+            mask[:n] = [len(piece.translate(None, lasts)) < len(piece) for piece in pieces[:n]]
+            self.text_masks = np.concatenate([self.text_masks, mask[None]])
+            self._mask_ids[key] = len(self._mask_ids)
+        return self._mask_ids[key]
 
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
