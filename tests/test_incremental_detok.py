@@ -114,19 +114,48 @@ def test_a_table_that_does_not_round_trip_is_not_used():
     _check_stream(tokenizer, [1], [3, 2, 1, 3], True)
 
 
+PROMPTS = ["Emoji: 😀🚀 family, café 東京 and", "The quick brown fox", "日本語のテキスト", "a b c d e f g",
+           "Accents: naïve Ångström", "  leading spaces\tand\nnew lines"]
+
+
+@pytest.fixture(scope="module")
+def text_llm():
+    return llm_for(dummy_model("tiny", text=True))
+
+
+def _free(llm, max_tokens=40):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [out.outputs[0] for out in llm.generate(PROMPTS, params)]
+
+
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_strings_spanning_tokens_and_characters(tmp_path, include):
-    """Stop strings cut from a greedy output's text (across token boundaries, at multi-byte characters) end the
-    same run there: the text up to the stop string (with it, include_stop_str_in_output), its tokens a prefix."""
-    llm = llm_for(dummy_model("tiny", text=True))
-    prompt = "Emoji: 😀🚀 family, café 東京 and"
-    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].outputs[0]
-    assert len(free.text) > 12
-    for start in (3, len(free.text) // 2, len(free.text) - 4):
-        stop = free.text[start:start + 3]
-        cut = free.text.find(stop)
-        out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop],
-                                                  include_stop_str_in_output=include))[0].outputs[0]
-        assert out.finish_reason == "stop" and out.stop_reason == stop
-        assert out.text == free.text[:cut + len(stop) if include else cut]
-        assert out.token_ids == free.token_ids[:len(out.token_ids)]
+def test_stop_strings_spanning_tokens_and_characters(text_llm, include):
+    """Stop strings cut from greedy outputs' texts (across token boundaries, at multi-byte characters, two per
+    request) end the same batch there: the text up to the first stop string (with it, include_stop_str_in_output),
+    its tokens a prefix. The rows decode together, each token's text added at once or later (when its bytes hold no
+    stop string's last character)."""
+    free = _free(text_llm)
+    assert all(len(out.text) > 12 for out in free)
+    for pick in (lambda n: 3, lambda n: n // 2, lambda n: n - 4):
+        stops = [[out.text[pick(len(out.text)):pick(len(out.text)) + 3], "\x00never"] for out in free]
+        params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=stop,
+                                 include_stop_str_in_output=include) for stop in stops]
+        for out, ref, stop in zip(text_llm.generate(PROMPTS, params), free, stops):
+            out = out.outputs[0]
+            cut = ref.text.find(stop[0])
+            assert out.finish_reason == "stop" and out.stop_reason == stop[0]
+            assert out.text == ref.text[:cut + len(stop[0]) if include else cut]
+            assert out.token_ids == ref.token_ids[:len(out.token_ids)]
+
+
+@pytest.mark.parametrize("min_tokens", [0, 5])
+def test_stop_strings_that_never_match_keep_the_whole_text(text_llm, min_tokens):
+    """Rows whose stop strings never match end at their length limit with the text decoded at the end without
+    stop strings (their text partly added after the token, when the row leaves)."""
+    free = _free(text_llm, 60)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=["\x00never", "zz\x01"],
+                            min_tokens=min_tokens, logprobs=1)
+    for out, ref in zip(text_llm.generate(PROMPTS, params), free):
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == ref.text and out.outputs[0].token_ids == ref.token_ids
+        assert len(out.outputs[0].logprobs) == 60
