@@ -369,11 +369,14 @@ def _byte_level_table(backend: tokenizers.Tokenizer, tokens: list[str | None], s
               for i, token in enumerate(tokens)]
     rng = np.random.default_rng(0)
     runs = [rng.integers(0, len(tokens), 8).tolist() for _ in range(256)] if tokens else []
-    checks = [[i] for i in range(len(tokens))] + runs
-    decoded = backend.decode_batch(checks, skip_special_tokens=bool(skipped))
-    if any(text != b"".join(pieces[i] for i in ids).decode("utf-8", "replace") for ids, text in zip(checks, decoded)):
+    singles = backend.decode_batch([[i] for i in range(len(tokens))], skip_special_tokens=bool(skipped))
+    joined = backend.decode_batch(runs, skip_special_tokens=bool(skipped))
+    if any(text != piece.decode("utf-8", "replace") for piece, text in zip(pieces, singles)) or any(
+            text != b"".join(pieces[i] for i in ids).decode("utf-8", "replace") for ids, text in zip(runs, joined)):
         return None
-    return DetokTable([_whole_text(p) for p in pieces], pieces)
+    # a decode without U+FFFD is the piece's whole text (one with it: a piece that is no UTF-8, or ends in U+FFFD)
+    return DetokTable([text if "\ufffd" not in text else _whole_text(piece) for piece, text in zip(pieces, singles)],
+                      pieces)
 
 
 def _whole_text(piece: bytes) -> str | None:
