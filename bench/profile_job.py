@@ -43,7 +43,7 @@ from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import text_tokenizer
 from tinyvllm.model.dummy import llama_3_2_1b_config
 from tinyvllm.model.loader import LoadedModel
-from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.tokenizer import Tokenizer, _ByteDetokenizer, _WindowDetokenizer
 
 TOTAL: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
@@ -169,7 +169,8 @@ def main() -> None:
     wall, job_cpu, summary = run_job()  # uninstrumented: the wall
     for name in ("apply_chat_template", "encode_prompts"):
         timed(Tokenizer, name)
-    timed(IncrementalDetokenizer, "add", "detokenize (incremental, stop strings)")
+    timed(_ByteDetokenizer, "add", "detokenize (incremental, stop strings: byte table)")
+    timed(_WindowDetokenizer, "add", "detokenize (incremental, stop strings: tokenizer window)")
     timed(output_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
     timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
     timed(job_run, "output_record", "output_record")

@@ -9,6 +9,7 @@ HF), `convert_ids_to_tokens`, `convert_tokens_to_ids`,
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import numbers
@@ -16,10 +17,12 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import numpy as np
 import tokenizers
 from jinja2 import nodes
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
@@ -54,6 +57,7 @@ class Tokenizer:
         self.add_bos = add_bos and self.bos_token_id is not None
         self.chat_template = chat_template
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._detok_tables: dict[bool, DetokTable | None] = {}  # per skip_special_tokens, built when first asked
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -218,34 +222,189 @@ def _up_to_final_message(text: str, final: dict) -> str:
 
 
 class IncrementalDetokenizer:
-    """Decodes generated ids one at a time (vLLM's prefix_offset/read_offset scheme).
+    """Decodes generated ids one at a time, with vLLM's prefix_offset/read_offset scheme: a token's text is what the
+    decode of a short window (from a few prompt tokens back, so that SentencePiece's dropped leading space is kept)
+    grows by, emitted once it no longer ends in U+FFFD (an incomplete UTF-8 sequence).
 
-    Each step decodes a short window twice, with and without the new tokens, and emits the difference once it no
-    longer ends in U+FFFD (an incomplete UTF-8 sequence). The window starts a few tokens back so that tokenizers
-    which drop a leading space at the start of a decode (SentencePiece) still produce it.
-    """
+    Where the tokenizer's table of token texts is exact (`DetokTable`) the text comes without a tokenizer call: a
+    byte-level BPE's tokens are fixed byte strings, joined in a byte buffer while they end in an incomplete character
+    (`_ByteDetokenizer`); a SentencePiece token of plain text adds its text when nothing is held back. Anything else
+    (SentencePiece's byte pieces, special tokens, other decoders) decodes the window twice with the tokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+    def __new__(cls, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        if cls is IncrementalDetokenizer:
+            table = detok_table(tokenizer, skip_special_tokens)
+            cls = _ByteDetokenizer if table is not None and table.pieces is not None else _WindowDetokenizer
+        return super().__new__(cls)
+
+    def add(self, token_id: int) -> str:
+        raise NotImplementedError
+
+
+class _WindowDetokenizer(IncrementalDetokenizer):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        # the ids are Python ints: the tokenizers library's decode takes them as they are (a step decodes each
-        # sequence with stop strings twice, so Tokenizer.decode's conversion would cost as much as the decodes)
+        # the ids are Python ints: the tokenizers library's decode takes them as they are (Tokenizer.decode's
+        # conversion would cost as much as the decodes)
         backend = getattr(tokenizer, "backend", None)
         self._decode = tokenizer.decode if backend is None else backend.decode
+        table = detok_table(tokenizer, skip_special_tokens)
+        self._texts = None if table is None else table.texts
+        # whether the window before read_offset decodes to some text before SentencePiece's strip: then a plain
+        # token's text is what the window grows by (true once a text was emitted)
+        self._grown = False
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
+        ids = self.ids
+        if self._grown and self.read_offset == len(ids) and self._texts is not None:
+            text = self._texts[token_id] if token_id < len(self._texts) else None
+            if text:
+                ids.append(token_id)
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                return text
+        ids.append(token_id)
         decode, skip = self._decode, self.skip_special_tokens
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip)
-        new_text = decode(self.ids[self.prefix_offset :], skip)
+        prefix_text = decode(ids[self.prefix_offset : self.read_offset], skip)
+        new_text = decode(ids[self.prefix_offset :], skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self._grown = True
         return delta
+
+
+class _ByteDetokenizer(IncrementalDetokenizer):
+    """The window scheme on bytes: the window's decode grows by the decode of the bytes after its last complete
+    character (`pending`: an incomplete one, or tokens whose text ends in U+FFFD), less the `skip` characters
+    that the prompt's incomplete tail decoded to."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        table = detok_table(tokenizer, skip_special_tokens)
+        self.pieces, self._texts = table.pieces, table.texts
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(map(self._piece, prompt_ids[-5:])))
+        self.pending = decoder.getstate()[0]  # the window's incomplete last character
+        self.skip = len(self.pending.decode("utf-8", "replace"))
+
+    def _piece(self, token_id: int) -> bytes:
+        return self.pieces[token_id] if token_id < len(self.pieces) else b""  # no such token: no text
+
+    def add(self, token_id: int) -> str:
+        if not self.pending:
+            try:
+                text = self._texts[token_id]
+            except IndexError:  # no such token: no text
+                return ""
+            if text is not None:
+                return text
+        buf = self.pending + self._piece(token_id)
+        text = buf.decode("utf-8", "replace")
+        if len(text) <= self.skip or text.endswith("\ufffd"):
+            self.pending = buf
+            return ""
+        skip, self.pending, self.skip = self.skip, b"", 0
+        return text[skip:]
+
+    def extend(self, token_ids: list[int]) -> str:
+        """What add() of each token in turn gives, joined, in one decode: the text up to the last token after which
+        the bytes decode to complete characters (where add() last emitted)."""
+        pieces = list(map(self._piece, token_ids))
+        buf = self.pending + b"".join(pieces)
+        end = len(buf)
+        for piece in reversed(pieces):
+            text = buf[:end].decode("utf-8", "replace")
+            if len(text) > self.skip and not text.endswith("\ufffd"):
+                skip, self.pending, self.skip = self.skip, buf[end:], 0
+                return text[skip:]
+            end -= len(piece)
+        self.pending = buf
+        return ""
+
+
+@dataclass
+class DetokTable:
+    """Each token's text as the detokenizer may add it: `texts[id]` its text wherever nothing is held back before
+    it (None: not known alone: part of a character, U+FFFD at its end, a SentencePiece byte or special token);
+    `pieces[id]` a byte-level BPE's bytes of each token (None for other tokenizers)."""
+
+    texts: list[str | None]
+    pieces: list[bytes] | None = None
+
+
+def detok_table(tokenizer, skip_special_tokens: bool) -> DetokTable | None:
+    """The tokenizer's DetokTable (built once; None where no table is exact: it then decodes every token)."""
+    tables = getattr(tokenizer, "_detok_tables", None)
+    if tables is None:
+        return None  # a tokenizer of another kind
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = _build_detok_table(tokenizer.backend, skip_special_tokens)
+    return tables[skip_special_tokens]
+
+
+def _build_detok_table(backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> DetokTable | None:
+    """The table, checked against the tokenizer: every id's decode alone (and, for SentencePiece, after a plain
+    token), and for byte-level BPE random runs of ids (the decode joins the bytes)."""
+    kind = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
+    if kind.get("type") == "ByteLevel":
+        return _byte_level_table(backend, tokens, special if skip_special_tokens else set())
+    if kind.get("type") == "Sequence" and [d.get("type") for d in kind["decoders"]][:3] == SPM_DECODERS \
+            and kind["decoders"][0] == {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}:
+        return _sentencepiece_table(backend, tokens, set(backend.get_added_tokens_decoder()))
+    return None
+
+
+SPM_DECODERS = ["Replace", "ByteFallback", "Fuse"]  # then, optionally, Strip of the decode's leading space
+
+
+def _byte_level_table(backend: tokenizers.Tokenizer, tokens: list[str | None], skipped: set[int]) -> DetokTable | None:
+    to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    pieces = [b"" if token is None or i in skipped else
+              bytes(map(to_byte.__getitem__, token)) if all(c in to_byte for c in token) else token.encode()
+              for i, token in enumerate(tokens)]
+    rng = np.random.default_rng(0)
+    runs = [rng.integers(0, len(tokens), 8).tolist() for _ in range(256)] if tokens else []
+    singles = backend.decode_batch([[i] for i in range(len(tokens))], skip_special_tokens=bool(skipped))
+    joined = backend.decode_batch(runs, skip_special_tokens=bool(skipped))
+    if any(text != piece.decode("utf-8", "replace") for piece, text in zip(pieces, singles)) or any(
+            text != b"".join(pieces[i] for i in ids).decode("utf-8", "replace") for ids, text in zip(runs, joined)):
+        return None
+    # a decode without U+FFFD is the piece's whole text (one with it: a piece that is no UTF-8, or ends in U+FFFD)
+    return DetokTable([text if "\ufffd" not in text else _whole_text(piece) for piece, text in zip(pieces, singles)],
+                      pieces)
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if text.endswith("\ufffd") else text
+
+
+def _sentencepiece_table(backend: tokenizers.Tokenizer, tokens: list[str | None], added: set[int]) -> DetokTable:
+    texts = [None if token is None or i in added or re.fullmatch(r"<0x[0-9A-F]{2}>", token)
+             else token.replace("\u2581", " ") for i, token in enumerate(tokens)]
+    anchor = next((i for i, t in enumerate(texts) if t and t.isalpha()), None)
+    if anchor is None:
+        return DetokTable([None] * len(tokens))
+    base = backend.decode([anchor])
+    decoded = backend.decode_batch([[anchor, i] for i in range(len(tokens))])
+    return DetokTable([text if text and not text.endswith("\ufffd") and whole == base + text else None
+                       for text, whole in zip(texts, decoded)])
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of each byte to the character a byte-level BPE token writes it as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
 
 
 def decode_continuations(tokenizer: Tokenizer, requests: list[tuple[list[int], list[int], bool]]) -> list[str]:

@@ -21,6 +21,9 @@ from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.tokenizer import decode_continuations
 
 
+MAX_TEXT_MASKS = 32  # kinds of stop-string rows whose text may be added later (more: each token looked at)
+
+
 @dataclass
 class InFlightStep:
     """A step submitted to the backend, with what is needed to read its output."""
@@ -65,6 +68,9 @@ class OutputProcessor:
         self.structured_outputs = structured_outputs
         self.release, self.pass_on_forks = release, pass_on_forks
         self.run = run
+        # per stop-string row kind (tokenizer, last characters): which tokens may end a match (_mask_id)
+        width = 0 if run is None else len(run.stop_mask)
+        self.text_masks, self._mask_ids = np.zeros((0, width), np.bool_), {}
 
     def process(self, launched: InFlightStep, result: SamplerOutput,
                 advance: list[tuple[OutputConstraint, int]]) -> list[RequestOutput]:
@@ -80,22 +86,29 @@ class OutputProcessor:
         counts = result.num_sampled.tolist() if runs else None
         # each row's first row of result.logprobs: the rows before it hold its predecessors' accepted tokens
         lp_rows = (np.cumsum(result.num_sampled) - result.num_sampled).tolist() if runs else range(len(sampled))
-        rows, quick = range(len(sampled)), {}
+        rows, may_stop, hits, entries = range(len(sampled)), set(), set(), {}
+        first = sampled[:, 0].tolist() if fast is None else []
         if fast is not None:
             num_fast = len(fast.slots)
-            unattached, looked_at, may_stop = self.run.read(fast, sampled[:num_fast, 0])
-            rows = [*sorted({*unattached.tolist(), *looked_at.tolist()}), *range(num_fast, len(sampled))]
-            may_stop = set(may_stop.tolist())
-        first = sampled[:, 0].tolist() if rows else []  # a steady decode of attached rows needs none
-        if fast is not None and len(looked_at):
-            quick = self._look_ahead(step.seqs, looked_at.tolist(), first, result.logprobs)
+            unattached, looked_at, stoppable = self.run.read(fast, sampled[:num_fast, 0])
+            if len(looked_at) or len(unattached) or len(sampled) > num_fast:  # a steady decode needs none
+                first = sampled[:, 0].tolist()
+            if len(looked_at):  # rows only a stop string can end: read together, then those it ends one by one
+                plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
+                hits = set(self._take_texts(step.seqs, plain, fast, sampled[plain, 0], first, result.logprobs))
+                may_stop = set(stoppable.tolist())
+                entries = self._look_ahead(step.seqs, stoppable.tolist(), first, result.logprobs)
+            rows = [*sorted({*unattached.tolist(), *may_stop, *hits}), *range(num_fast, len(sampled))]
         for i in rows:
-            seq, index = step.seqs[i], launched.index(i)
-            if i in quick:  # attached: its token is in the run already; only the stop rules and logprobs are left
-                if i in may_stop:
-                    self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, quick[i])
-                else:
-                    self._take_text(seq, first[i], index + 1, now, ended, quick[i])
+            seq = step.seqs[i]
+            if i in hits:  # attached: its token is in the run and its text cut already
+                self._end(seq, launched.index(i) + 1, now, ended)
+                continue
+            if i in may_stop:  # attached: its token is in the run already; only the stop rules and logprobs are left
+                slot, index = int(fast.slots[i]), launched.index(i)
+                self.run.catch_up_text(slot, index)
+                self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, entries[i])
+                self.run.text_mask[slot] = -2 if self.run.has_text[slot] else -1  # its text's state: looked at next
                 continue
             attached = seq.run_slot >= 0
             if attached:
@@ -181,16 +194,68 @@ class OutputProcessor:
             advance.append((seq.constraint, token))
         return False
 
-    def _take_text(self, seq: Sequence, token: int, length: int, now: float, ended: list[Sequence],
-                   entry: dict[int, float] | None) -> None:
-        """_take() of a token that no stop token, EOS or length limit can end on (an attached row's, without a
-        structured output): its logprob entry, then its stop strings."""
-        if entry is not None:
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[token]
-        if seq.detokenizer is not None and _stop_string_hit(
-                seq, token, length - seq.num_prompt_tokens > seq.params.min_tokens):
-            self._end(seq, length, now, ended)
+    def _take_texts(self, seqs: list[Sequence], rows: np.ndarray, fast: FastRows, tokens: np.ndarray,
+                    first: list[int], logprobs: Logprobs | None) -> list[int]:
+        """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output):
+        their logprob entries, then their stop strings; the rows a stop string ends (their text cut, their stop
+        reason set). A token whose bytes hold no stop string's last character cannot end a match: its text is
+        added later, with the row's next token that may (DecodeRun.catch_up_text), or when the row leaves."""
+        run = self.run
+        slots, lengths = fast.slots[rows], fast.sample_index[rows] + 1
+        with_logprobs = rows[run.has_logprobs[slots]].tolist()
+        if with_logprobs:
+            taken = [first[i] for i in with_logprobs]
+            for i, token, entry in zip(with_logprobs, taken, logprob_entries(
+                    logprobs, with_logprobs, taken, [seqs[i].params.logprobs for i in with_logprobs])):
+                seq = seqs[i]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token]
+        text = run.has_text[slots]
+        mask = run.text_mask[slots]
+        deferred = text & (mask >= 0) & ~run.text_held[slots] & (lengths - 1 > run.look_after[slots])
+        if deferred.any():
+            deferred[deferred] = ~self.text_masks[mask[deferred], tokens[deferred]]
+            run.deferred[slots[deferred]] += 1
+        looked = text & ~deferred
+        hits = []
+        for i, slot, length in zip(rows[looked].tolist(), slots[looked].tolist(), lengths[looked].tolist()):
+            seq = seqs[i]
+            run.catch_up_text(slot, length - 1)
+            if (delta := seq.detokenizer.add(first[i])) and _stop_found(
+                    seq, delta, length - seq.num_prompt_tokens > seq.params.min_tokens):
+                hits.append(i)
+            else:
+                self._note_text(slot, seq)
+        return hits
+
+    def _note_text(self, slot: int, seq: Sequence) -> None:
+        """The row's text state in the run: its mask of tokens that may end a stop string (chosen once), and
+        whether its detokenizer holds back bytes (then its next token is looked at whatever it is)."""
+        run = self.run
+        if run.text_mask[slot] == -2:
+            run.text_mask[slot] = self._mask_id(seq)
+        if run.text_mask[slot] >= 0:
+            run.text_held[slot] = bool(seq.detokenizer.pending)
+
+    def _mask_id(self, seq: Sequence) -> int:
+        """The row of text_masks for the sequence's stop strings: the tokens whose bytes hold one of their last
+        characters (-1: none applies: a tokenizer without byte pieces, a last character beyond ASCII, too many
+        masks already)."""
+        pieces, stops = getattr(seq.detokenizer, "pieces", None), seq.params.stop
+        last = {ord(stop[-1]) if stop else 256 for stop in stops}
+        if pieces is None or not last or max(last) > 127:
+            return -1
+        lasts = bytes(sorted(last))
+        key = (id(pieces), lasts)
+        if key not in self._mask_ids:
+            if len(self._mask_ids) >= MAX_TEXT_MASKS:
+                return -1
+            mask = np.zeros(self.text_masks.shape[1], np.bool_)  # the model's vocabulary: no text past the table
+            n = min(len(pieces), len(mask))
+            mask[:n] = [len(piece.translate(None, lasts)) < len(piece) for piece in pieces[:n]]
+            self.text_masks = np.concatenate([self.text_masks, mask[None]])
+            self._mask_ids[key] = len(self._mask_ids)
+        return self._mask_ids[key]
 
     def _end(self, seq: Sequence, length: int, now: float, ended: list[Sequence]) -> None:
         """Stop the sequence at `length` tokens (dropping the next step's pending token, if it was queued); it joins
@@ -278,18 +343,27 @@ def _stop_string_hit(seq: Sequence, token: int, look: bool) -> bool:
     """Append the token's text; if `look` and a stop string now appears, cut the text before it (or after it, with
     include_stop_str_in_output) and finish."""
     delta = seq.detokenizer.add(token)
-    if not delta:
-        return False
+    return bool(delta) and _stop_found(seq, delta, look)
+
+
+def _stop_found(seq: Sequence, delta: str, look: bool) -> bool:
+    """_stop_string_hit() of the token's text, `delta` (not empty)."""
     before = len(seq.text)
-    seq.text += delta
+    text = seq.text = seq.text + delta
     if not look:
         return False
-    stops = seq.params.stop
-    search_from = max(0, before - max(map(len, stops)) + 1)
-    hits = [(pos, s) for s in stops if (pos := seq.text.find(s, search_from)) >= 0]
-    if not hits:
-        return False
-    pos, stop = min(hits)
+    stops = seq.params.stop  # a match is new if it ends in delta: it starts at most a stop's length back
+    if len(stops) == 1:
+        stop = stops[0]
+        pos = text.find(stop, max(0, before - len(stop) + 1))
+        if pos < 0:
+            return False
+    else:
+        search_from = max(0, before - max(map(len, stops)) + 1)
+        hits = [(pos, s) for s in stops if (pos := text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
     seq.text = seq.text[:pos + len(stop) if seq.params.include_stop_str_in_output else pos]
     seq.finish_reason, seq.stop_reason = "stop", stop
     return True
@@ -312,12 +386,32 @@ def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], k
     """logprob_dicts() of one token at each of `rows` (k[i] top logprobs for row i), from one copy of the arrays."""
     if not rows:
         return []
-    k = max(ks)
-    top_ids, top = logprobs.top_ids[rows, :k].tolist(), logprobs.top_logprobs[rows, :k].tolist()
+    k, where = max(ks), np.asarray(rows)
+    top_array = logprobs.top_logprobs[where, :k]
+    top_ids, top = logprobs.top_ids[where, :k].tolist(), top_array.tolist()
+    own = logprobs.token_logprobs[where].tolist()
+    if min(ks) == k and (top_array > -np.inf).all():  # each row's k entries, none forbidden (nor NaN)
+        return _full_entries(k, top_ids, top, token_ids, own)
     out = []
-    for ids, values, n, token, own in zip(top_ids, top, ks, token_ids, logprobs.token_logprobs[rows].tolist()):
+    for ids, values, n, token, lp in zip(top_ids, top, ks, token_ids, own):
         pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
-        entry = {t: lp for t, lp in pairs if lp > -math.inf}
-        entry[token] = own
+        entry = {t: v for t, v in pairs if v > -math.inf}
+        entry[token] = lp
+        out.append(entry)
+    return out
+
+
+def _full_entries(k: int, top_ids: list, top: list, token_ids: list[int], own: list[float]) -> list[dict[int, float]]:
+    """The entries of rows with all k top logprobs, the token's last (dict literals for the usual small k)."""
+    if k == 0:
+        return [{token: lp} for token, lp in zip(token_ids, own)]
+    if k == 1:
+        return [{t: v, token: lp} for (t,), (v,), token, lp in zip(top_ids, top, token_ids, own)]
+    if k == 2:
+        return [{t: v, u: w, token: lp} for (t, u), (v, w), token, lp in zip(top_ids, top, token_ids, own)]
+    out = []
+    for ids, values, token, lp in zip(top_ids, top, token_ids, own):
+        entry = dict(zip(ids, values))
+        entry[token] = lp
         out.append(entry)
     return out

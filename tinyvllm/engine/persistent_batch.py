@@ -36,6 +36,12 @@ ARRAYS = {
     "max_len": np.int64, "arrival": np.int64, "trow": np.int64, "nblocks": np.int64, "hashed": np.int64,
     "check": np.bool_,  # its tokens are read one by one (logprobs, stop strings)
     "has_processors": np.bool_,
+    # stop strings (the output processor's): which of its masks of tokens that may end a match applies (-1: none,
+    # every token is looked at; -2: not chosen yet), the length after which stop strings are looked for, how many
+    # of the last tokens read have text still to add (`deferred`), and whether its text holds back bytes that may
+    # end a match
+    "text_mask": np.int64, "look_after": np.int64, "deferred": np.int64, "text_held": np.bool_,
+    "has_logprobs": np.bool_, "has_text": np.bool_,
 }
 
 
@@ -105,6 +111,9 @@ class DecodeRun:
         row = self.batch_rows.row(seq)
         self.trow[slot], self.max_len[slot], self.arrival[slot] = row, seq.max_len, seq.arrival_index
         self.check[slot] = seq.logprobs is not None or seq.detokenizer is not None
+        self.has_logprobs[slot], self.has_text[slot] = seq.logprobs is not None, seq.detokenizer is not None
+        self.deferred[slot] = 0
+        self.look_after[slot] = seq.num_prompt_tokens + seq.params.min_tokens
         self.has_processors[slot] = seq.processors is not None
         self._mark_stops(seq.params.stop_token_ids)
         self.read_in(slot)
@@ -143,6 +152,21 @@ class DecodeRun:
         seq.num_pending = int(self.pending[slot])
         seq.sample_row = int(self.sample_row[slot])
         self.base[slot] = self.ctx[slot]
+        self.catch_up_text(slot, int(self.ctx[slot] - self.pending[slot]))
+
+    def catch_up_text(self, slot: int, upto: int) -> None:
+        """Add the text of the row's deferred tokens (those before position `upto`) to its sequence's text."""
+        n = int(self.deferred[slot])
+        if n:
+            self.deferred[slot] = 0
+            seq = self.seqs[slot]
+            seq.text += seq.detokenizer.extend(self.known_tokens(slot, upto - n, upto))
+
+    def known_tokens(self, slot: int, start: int, stop: int) -> list[int]:
+        """The row's tokens at positions start..stop-1 (known ones: in token_ids, then in the buffer)."""
+        base, token_ids = int(self.base[slot]), self.seqs[slot].token_ids
+        head = token_ids[start:min(stop, base)] if start < base else []
+        return head + (self.buf[slot, max(start, base) - base: stop - base].tolist() if stop > base else [])
 
     def read_in(self, slot: int) -> None:
         """Take the sequence's fields into the arrays; its pending placeholders (the last num_pending token ids)
@@ -156,6 +180,7 @@ class DecodeRun:
         self.ctx[slot], self.base[slot], self.pending[slot] = length, length - k, k
         self.computed[slot], self.sample_row[slot] = seq.num_computed_tokens, seq.sample_row
         self.nblocks[slot], self.hashed[slot] = len(seq.block_table), seq.num_hashed_blocks
+        self.text_mask[slot] = -2 if seq.detokenizer is not None else -1  # its text's state: looked at next
 
     def write_back_live(self, seq: Sequence) -> None:
         """Bring an attached sequence's fields up to date for code that reads and changes them; restore() after."""
