@@ -8,9 +8,9 @@ in process), and prints both walls, their difference per row, the main thread's 
 the main thread runs the engine: what the job adds there is what cannot overlap the device; the worker threads' time
 shows in the wall only where they take the GIL), the CPU of the job's own Python threads per row (the producer's,
 the commit thread's and what the main thread adds: all of it holds the GIL but for batch tokenization and Parquet's
-C++ writing, so on a GPU host, where the main thread is the bottleneck, it adds to the wall), and the inclusive time of each phase of the job path per row
-(phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template; with no
-device to wait for, the threads' phases include waits for the GIL).
+C++ writing, so on a GPU host, where the main thread is the bottleneck, it adds to the wall), and the inclusive
+time of each phase of the job path per row (phases nest: the engine's step holds the detokenization; a row's
+preparation holds the chat template; with no device to wait for, the threads' phases include waits for the GIL).
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
 --device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
 token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
