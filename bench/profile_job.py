@@ -6,9 +6,11 @@ answers at once, so what is left is the host's work alone (runs on a CPU; no wei
 Times J1's requests as token ids through LLM.generate, then the same rows as a job through the CLI's runner (run_job,
 in process), and prints both walls, their difference per row, the main thread's CPU time per row in each (on a GPU
 the main thread runs the engine: what the job adds there is what cannot overlap the device; the worker threads' time
-shows in the wall only where they take the GIL), and the inclusive time of each phase of the job path per row
-(phases nest: the engine's step holds the detokenization; a row's preparation holds the chat template; with no
-device to wait for, the threads' phases include waits for the GIL).
+shows in the wall only where they take the GIL), the CPU of the job's own Python threads per row (the producer's,
+the commit thread's and what the main thread adds: all of it holds the GIL but for batch tokenization and Parquet's
+C++ writing, so on a GPU host, where the main thread is the bottleneck, it adds to the wall), and the inclusive
+time of each phase of the job path per row (phases nest: the engine's step holds the detokenization; a row's
+preparation holds the chat template; with no device to wait for, the threads' phases include waits for the GIL).
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
 --device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
 token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 import tinyvllm.engine.output_processor as output_module
 import tinyvllm.llm
@@ -48,6 +51,8 @@ from tinyvllm.tokenizer import Tokenizer, _ByteDetokenizer, _WindowDetokenizer
 TOTAL: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
 THREADS: dict[str, set[str]] = collections.defaultdict(set)  # "main" and/or "worker": where the phase ran
+PRODUCER = "producer (read, parse, prepare, tokenize)"
+COMMIT = "Parquet commit: to Arrow, write, fsync"
 
 
 class InstantBackend(Backend):
@@ -145,6 +150,9 @@ def main() -> None:
     requests = [Request(tokenizer.encode_prompt(tokenizer.apply_chat_template(r["messages"]), templated=True),
                         args.max_tokens, {"stop": [args.stop]} if args.stop else {}) for r in rows]
     run_workload(llm, requests[: args.max_num_seqs])  # warm-up
+    pa.array([1])  # pyarrow imports pandas at its first list conversion (~0.3 s, once): not part of a row's cost
+    reset_prefix_cache = llm.llm_engine.block_manager.reset_prefix_cache  # each run starts cold, as in J1
+    reset_prefix_cache()
     cpu = time.thread_time()
     engine = run_workload(llm, requests)
     engine_cpu = time.thread_time() - cpu
@@ -158,6 +166,7 @@ def main() -> None:
             cfg = JobConfig(source, Path(tmp) / "out.parquet", Path(model.source), engine=llm.engine_config,
                             sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
                             quiet=True)
+            reset_prefix_cache()
             start, cpu = time.perf_counter(), time.thread_time()
             if profiler:
                 profiler.enable()
@@ -177,10 +186,11 @@ def main() -> None:
     timed(readers, "_jsonl_records", "read + json.loads")
     timed(readers, "_rows", "read + parse rows (all)")
     timed(writer.PartsWriter, "_start_commit", "Parquet commit: hand over (guard)")
-    timed(writer.PartsWriter, "_commit_piece", "Parquet commit: to Arrow, write, fsync")
+    timed(writer.PartsWriter, "_commit_piece", COMMIT)
     timed(writer.PartsWriter, "finalize", "finalize (merge pieces into the output)")
     timed(LLMEngine, "add_request", "engine.add_request (tokenize inside)")
     timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
+    timed(job_run.RowPipeline, "_produce", PRODUCER)
     profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # the main thread's CPU time
     run_job(profiler)
     finalize = TOTAL["finalize (merge pieces into the output)"]
@@ -191,6 +201,10 @@ def main() -> None:
     extra = wall - finalize - engine["wall_s"]
     print(f"job - engine, to the last commit: {1e6 * extra / len(rows):.0f} us/row = "
           f"{1e6 * extra / summary['output_tokens']:.2f} us/output token")
+    # What holds the GIL: the engine's thread is the bottleneck on a GPU host, so this adds to the wall there.
+    threads = TOTAL[PRODUCER] + TOTAL[COMMIT] + job_cpu - finalize - engine_cpu
+    print(f"the job's own CPU in its Python threads (producer + commit + the main thread's extra): "
+          f"{1e6 * threads / len(rows):.0f} us/row")
     print("phases of the job path, inclusive CPU time per row, and the threads they ran on:")
     for name, seconds in sorted(TOTAL.items(), key=lambda item: -item[1]):
         print(f"  {name:<45} {1e6 * seconds / len(rows):9.1f} us  {'+'.join(sorted(THREADS[name]))}")

@@ -15,6 +15,7 @@ Job files (jobs/*.toml) are read by jobs/file.py.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import os
@@ -446,11 +447,11 @@ def sampling_defaults(cfg: JobConfig) -> SamplingParams:
 def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
                     max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
     """What to send for a row: (prompt, already templated?, its SamplingParams). ValueError: the row is bad."""
-    params = defaults.with_overrides(row.overrides)
+    params = defaults.with_overrides(row.overrides) if row.overrides else defaults
     if params.max_tokens is not None and params.max_tokens > max_model_len:
         raise ValueError(f"invalid max_tokens={params.max_tokens}: more than max_model_len={max_model_len}")
     if params.seed is None:
-        params = replace(params, seed=_row_seed(cfg.engine.seed, row.index))
+        params = _with_seed(params, _row_seed(cfg.engine.seed, row.index))
     messages = row.messages
     if messages is None and cfg.chat and isinstance(row.prompt, str):
         messages = [{"role": "user", "content": row.prompt}]
@@ -495,6 +496,14 @@ def _check_columns(columns: pa.Schema, output: Path) -> None:
     if clash:
         raise JobError(f"the input column {clash[0]!r} has the name of a result column of the output: rename it, "
                        "or leave it out with --keep-columns or --drop-input-columns")
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    """A copy of checked `params` with a seed from _row_seed (in range by construction): replace() would check
+    every field again, which is most of a plain row's preparation."""
+    params = copy.copy(params)
+    params.seed = seed
+    return params
 
 
 def _row_seed(seed: int, index: int) -> int:
