@@ -159,3 +159,19 @@ def test_image_content_parts_are_refused_in_one_line():
         tok.apply_chat_template(image)
     text = [{"role": "user", "content": [{"type": "text", "text": "what?"}]}]
     assert "what?" in tok.apply_chat_template(text)
+
+
+def test_backend_auto_runs_gemma_on_the_cpu_where_cuda_would_run(tmp_path, monkeypatch, caplog):
+    import tinyvllm.backends as backends
+    from tinyvllm.backends.numpy_backend import NumpyBackend
+
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)  # as on a machine with a usable GPU
+    monkeypatch.setattr(backends, "gpu_present", lambda: True)
+    config = tiny_config(**GEMMA2)
+    model = save_hf_model_dir(tmp_path / "model", config, random_weights(config))
+    with caplog.at_level("WARNING", logger="tinyvllm.backends"):
+        from tinyvllm import LLM
+
+        with LLM(str(model), backend="auto", max_model_len=64, max_num_seqs=2) as llm:
+            assert isinstance(llm.llm_engine.backend, NumpyBackend)
+    assert "the cuda backend has no kernels yet for this Gemma2ForCausalLM model's" in caplog.text

@@ -246,3 +246,22 @@ def test_backend_auto_runs_moe_on_the_cpu_where_cuda_would_run(tmp_path, monkeyp
     with pytest.raises(ValueError, match="OlmoeForCausalLM is a mixture-of-experts model, which runs on the numpy "
                                          "backend only"):
         LLM(str(path), backend="cuda")
+
+
+def test_fp8_weights_on_a_moe_model_are_refused_in_one_line(tmp_path):
+    from tinyvllm import LLM
+    from tinyvllm.config import SettingError
+
+    path = model_dir(tmp_path, "olmoe")
+    with pytest.raises(SettingError, match="^invalid quantization='fp8': a mixture-of-experts model's experts have "
+                                           "no FP8 path yet"):
+        LLM(str(path), backend="numpy", quantization="fp8")
+
+
+def test_an_fp8_checkpoint_of_a_moe_model_is_refused_in_one_line():
+    from tinyvllm.model.config import ModelConfig
+
+    config = tiny_config(**CONFIGS["olmoe"]).to_hf_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(ValueError, match="^unsupported FP8 checkpoint of the mixture-of-experts OlmoeForCausalLM"):
+        ModelConfig.from_hf_dict(config)

@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 
-from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch, check_cuda_kernels
+from tinyvllm.backends.base import Backend, Batch, SamplerOutput, SamplingBatch, missing_cuda_kernels
 from tinyvllm.config import EngineConfig, SettingError
 
 log = logging.getLogger(__name__)
@@ -40,20 +40,30 @@ def gpu_present() -> bool:
     return bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0")
 
 
-def cuda_refusal(model_config) -> str | None:
-    """Why the cuda backend does not run this model, though it runs here (None: it does)."""
+def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
+    """Why the cuda backend does not run this model, though it runs here (None: it does): `auto` runs such a model
+    on the numpy backend, `cuda` refuses it in this line."""
     if model_config.num_experts:
         return (f"{model_config.architecture} is a mixture-of-experts model, which runs on the numpy backend only "
                 "(--backend numpy): the cuda backend has no fused MoE kernel")
-    return None
+    scheme = model_config.quantization
+    if scheme is not None and scheme.static_input:
+        return (f"this is an FP8 checkpoint with static activation scales (quant_method {scheme.method}): the cuda "
+                "backend quantizes activations per token; use backend numpy")
+    return missing_cuda_kernels(model_config, max_model_len)
 
 
 def create_backend(model, config: EngineConfig) -> Backend:
     """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
     name = config.backend
-    refusal = cuda_refusal(model.config)
-    if name == "cuda" and refusal:
-        raise ValueError(refusal)
+    if config.quantization == "fp8" and model.config.num_experts:
+        raise SettingError("invalid quantization='fp8': a mixture-of-experts model's experts have no FP8 path yet "
+                           "(its other layers would be quantized and its experts not); leave quantization unset")
+    refusal = cuda_refusal(model.config, config.max_model_len)
+    if name == "cuda":
+        _refuse_fp8_weights(model)
+        if refusal:
+            raise ValueError(refusal)
     if name == "auto":
         reason = cuda_unavailable_reason() or refusal
         if reason is not None:  # said out loud only where a GPU was there to be used
@@ -67,8 +77,6 @@ def create_backend(model, config: EngineConfig) -> Backend:
 
         return NumpyBackend(model, config)
     if name == "cuda":
-        _refuse_fp8_weights(model, config)
-        check_cuda_kernels(model.config, config.max_model_len)  # before any GPU work: what only numpy runs
         try:
             from tinyvllm.backends.cuda.runner import CudaBackend
         except ImportError as exc:
@@ -78,7 +86,7 @@ def create_backend(model, config: EngineConfig) -> Backend:
     raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
 
 
-def _refuse_fp8_weights(model, config: EngineConfig) -> None:
+def _refuse_fp8_weights(model) -> None:
     """SettingError for an FP8 checkpoint the cuda backend would not run as quantized: it quantizes activations per
     token, so static input scales stay on the numpy backend."""
     scheme = model.config.quantization

@@ -225,11 +225,19 @@ class Backend(ABC):
         idempotent, and no step may follow. Nothing here."""
 
 
-def check_cuda_kernels(model_config, max_model_len: int | None) -> None:
-    """ValueError naming what this model (a ModelConfig) needs that the cuda backend has no kernels for."""
+def missing_cuda_kernels(model_config, max_model_len: int | None) -> str | None:
+    """What this model (a ModelConfig) needs that the cuda backend has no kernels for, as one line (None: nothing)."""
     missing = model_config.ops_beyond_llama(max_model_len)
     fused = fused_parts(model_config)
     missing += [f"fused {', '.join(fused)} checkpoint tensors"] if fused else []
+    if not missing:
+        return None
+    return (f"the cuda backend has no kernels yet for this {model_config.architecture} model's "
+            f"{'; '.join(missing)}: run it with --backend numpy")
+
+
+def check_cuda_kernels(model_config, max_model_len: int | None) -> None:
+    """ValueError naming what this model needs that the cuda backend has no kernels for."""
+    missing = missing_cuda_kernels(model_config, max_model_len)
     if missing:
-        raise ValueError(f"the cuda backend has no kernels yet for this {model_config.architecture} model's "
-                         f"{'; '.join(missing)}: run it with --backend numpy")
+        raise ValueError(missing)
