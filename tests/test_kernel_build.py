@@ -208,6 +208,8 @@ def test_build_kernels_errors_are_one_line(tmp_path, monkeypatch):
     assert len(no_gpu.output.strip().splitlines()) == 1
     bad = CliRunner().invoke(main, ["build-kernels", "--arch", "90"])
     assert bad.exit_code == 2 and "'90' is not an architecture such as sm_90" in bad.output
+    good_then_bad = CliRunner().invoke(main, ["build-kernels", "--arch", "sm_90", "--arch", "90"])
+    assert good_then_bad.exit_code == 2 and "'90' is not an architecture" in good_then_bad.output  # before any nvcc
     no_nvcc = CliRunner().invoke(main, ["build-kernels", "--arch", "sm_90"])
     assert no_nvcc.exit_code == 1 and "cannot find nvcc" in no_nvcc.output
     assert len(no_nvcc.output.strip().splitlines()) == 1

@@ -394,9 +394,10 @@ def build_kernels_cmd(archs: tuple[str, ...]) -> None:
     archs = archs or tuple(gpu_archs())
     if not archs:
         raise click.ClickException("no NVIDIA GPU listed by nvidia-smi: give the architecture, e.g. --arch sm_90")
-    for arch in archs:
+    for arch in archs:  # every one checked before any compiles
         if not re.fullmatch(r"sm_\d+[a-z]?", arch):
             raise click.UsageError(f"--arch {arch!r} is not an architecture such as sm_90")
+    for arch in archs:
         try:
             jobs, seconds, directory = build_every_kernel(arch)
         except KernelCompileError as e:

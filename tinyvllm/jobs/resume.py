@@ -143,23 +143,25 @@ def open_parts(cfg: JobConfig, job: dict) -> dict:
                   "record this job", file=sys.stderr)
         manifest = {"job": job, "input": cfg.input_label or str(cfg.input),
                     "started_at": iso_time(min(ours.values(), default=time.time())), "version": __version__}
-        atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
-                     parts)
+        _write_manifest(parts, manifest)
     except OSError as e:
         raise JobError(f"cannot prepare {parts}: {e.strerror}") from None
     return manifest
+
+
+def _write_manifest(parts: Path, manifest: dict) -> None:
+    atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"), parts)
 
 
 def mark_retrying(output: Path) -> None:
     """Note in the manifest that the pieces hold all of the finished output's rows but its error rows, which this
     run computes again (--retry-errors): a rerun resumes from the pieces instead of finding the output finished."""
     parts = parts_dir(output)
-    manifest = {**json.loads((parts / "manifest.json").read_bytes()), "retrying": True}
     try:
-        atomic_write(parts / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2).encode() + b"\n"),
-                     parts)
-    except OSError as e:
-        raise JobError(f"cannot write {parts / 'manifest.json'}: {e.strerror}") from None
+        manifest = {**json.loads((parts / "manifest.json").read_bytes()), "retrying": True}
+        _write_manifest(parts, manifest)
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot update {parts / 'manifest.json'}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _parts_of(parts: Path, job: dict) -> tuple[dict | None, str | None, dict[Path, float]]:
