@@ -373,17 +373,13 @@ def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> 
     """{token: logprob} per token, from rows first_row.. of `logprobs`: the actual token's and the top-k (k of this
     request, the batch may have more) that a logits processor or constraint left possible (fewer than k when it
     forbade the rest)."""
-    out = []
-    for r, token in enumerate(token_ids, first_row):
-        entry = {int(t): float(lp) for t, lp in zip(logprobs.top_ids[r, :k], logprobs.top_logprobs[r, :k])
-                 if lp > -np.inf}
-        entry[int(token)] = float(logprobs.token_logprobs[r])
-        out.append(entry)
-    return out
+    n = len(token_ids)
+    return logprob_entries(logprobs, list(range(first_row, first_row + n)), np.asarray(token_ids).tolist(), [k] * n)
 
 
 def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
-    """logprob_dicts() of one token at each of `rows` (k[i] top logprobs for row i), from one copy of the arrays."""
+    """{token: logprob} of one token at each of `rows` (ks[i] top logprobs for row i; see logprob_dicts), from one
+    copy of the arrays."""
     if not rows:
         return []
     k, where = max(ks), np.asarray(rows)
