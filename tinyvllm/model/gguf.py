@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) models (llama, qwen2, qwen3, and the mixture-of-experts qwen3moe and Mixtral-style llama):
+"""GGUF (llama.cpp) models (llama, qwen2, qwen3, phi3, gemma2, gemma3, and the mixture-of-experts qwen3moe and
+Mixtral-style llama):
 metadata -> ModelConfig, tensors -> float32 HF-named weights, vocab -> Tokenizer."""
 
 from __future__ import annotations

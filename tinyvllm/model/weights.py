@@ -45,7 +45,8 @@ class LazyWeights(Mapping):
 @dataclass
 class LayerWeights(Generic[Matrix]):
     """One decoder layer; as packed, matrices [out, in] as the checkpoint stores them. The optional parts are what
-    the family adds to Llama's layer (ModelConfig.attention_bias, qk_norm, sandwich_norms); None where it has none."""
+    the family adds to Llama's layer (ModelConfig.attention_bias, qk_norm, sandwich_norms) and an expert layer's
+    router and experts in place of its dense MLP (ModelConfig.moe_layer); None where it has none."""
 
     input_norm: np.ndarray  # [hidden]
     post_norm: np.ndarray  # [hidden]
