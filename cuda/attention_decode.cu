@@ -39,9 +39,18 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-step of P V
 
-// The parts a context of ctx keys is cut into (attention_decode and attention_combine agree on it).
-__device__ __forceinline__ int splits_used(int ctx, int num_splits) {
-    return min(num_splits, max(1, (ctx + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
+// A sliding window of `window` keys (0: none) shows the query at position ctx - 1 the keys from
+// window_start(ctx, window) on; the keys attention_decode reads from the cache are those, in tiles from
+// first_tile(...) (a multiple of TILE, so that a tile lies in one cache block): keys before window_start are never
+// loaded (zero-filled and masked), so their blocks may be freed and reused.
+__device__ __forceinline__ int window_start(int ctx, int window) { return window > 0 ? max(0, ctx - window) : 0; }
+__device__ __forceinline__ int first_tile(int ctx, int window) { return window_start(ctx, window) / TILE * TILE; }
+
+// The parts the keys of a context of ctx keys with this window are cut into (attention_decode and attention_combine
+// agree on it): by the keys from first_tile, so that a windowed context is cut by its window.
+__device__ __forceinline__ int splits_used(int ctx, int window, int num_splits) {
+    const int keys = ctx - first_tile(ctx, window);
+    return min(num_splits, max(1, (keys + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
 }
 
 // Launch: grid (ceil(num_kv_heads * head_chunks / NWARPS), S, num_splits), block NWARPS * 32, where head_chunks =
@@ -51,7 +60,9 @@ __device__ __forceinline__ int splits_used(int ctx, int num_splits) {
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
 // out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
-// fp8: k_scales, v_scales are this layer's [num_kv_heads] (unused for bf16). context_lens, block_tables and
+// fp8: k_scales, v_scales are this layer's [num_kv_heads] (unused for bf16). window: the layer's sliding window
+// (0: none); softcap: its attention-logit cap (0: none; scores become softcap * tanh(score / softcap)), both uniform
+// branches, so that a layer without them does no per-key work for them. context_lens, block_tables and
 // bt_stride are not __restrict__: ptxas would move their non-coherent loads above the wait (test_pdl.py).
 template <int D, int ROWS, class Cache>
 __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ partial_o,
@@ -59,7 +70,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                  const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
                                  const int* block_tables, const int* bt_stride, const int* context_lens,
                                  float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,
-                                 int num_splits, const float* __restrict__ k_scales,
+                                 int num_splits, int window, float softcap, const float* __restrict__ k_scales,
                                  const float* __restrict__ v_scales) {
     grid_dependency_wait();
     // The next kernel may launch only once this one's loop is done (below), unlike pdl_begin: launched at the
@@ -77,7 +88,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     const int group = num_heads / num_kv_heads, head_chunks = (group + ROWS - 1) / ROWS;
     const int item = blockIdx.x * NWARPS + warp;
     const int s = blockIdx.y, split = blockIdx.z;
-    const int ctx = context_lens[s], used = splits_used(ctx, num_splits);
+    const int ctx = context_lens[s], used = splits_used(ctx, window, num_splits);
     // No block barrier below: a warp may leave.
     if (item >= num_kv_heads * head_chunks || split >= used) {
         allow_dependents_launch();
@@ -85,20 +96,23 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     }
     const int kvh = item / head_chunks, chunk = item % head_chunks;
     const int h0 = kvh * group + chunk * ROWS, num_g = min(ROWS, group - chunk * ROWS);
-    // Parts start at multiples of TILE, so that with block_size % TILE == 0 a tile lies in one cache block.
-    const int per_split = ((ctx + used - 1) / used + TILE - 1) / TILE * TILE;
-    const int start = min(ctx, split * per_split), end = min(ctx, start + per_split);
+    // Parts start at multiples of TILE, so that with block_size % TILE == 0 a tile lies in one cache block; keys
+    // before `lo` (the window's first) are neither loaded nor seen.
+    const int lo = window_start(ctx, window), first = first_tile(ctx, window);
+    const int per_split = ((ctx - first + used - 1) / used + TILE - 1) / TILE * TILE;
+    const int start = min(ctx, first + split * per_split), end = min(ctx, start + per_split);
     const int num_tiles = (end - start + TILE - 1) / TILE;
     const int* table = block_tables + (int64_t)s * bt_stride[0];
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
 
     // This lane always moves the same VEC entries (`part`) of keys row0 + i * ROW_STEP of a tile; slots[i] holds
-    // their cache slots (-1 past `end`: zero-filled).
+    // their cache slots (-1 outside lo .. end - 1: zero-filled, never read).
     constexpr int ROW_STEP = 32 / (D / VEC);
     const int part = lane % (D / VEC), row0 = lane / (D / VEC);
     const int64_t dim0 = (int64_t)kvh * D + part * VEC;
     // With block_size % TILE == 0, lane j holds the slot of the first key of tile 32 c + j for the chunk c of 32
-    // tiles in use (first_slot) and the next chunk (next_first_slot, loaded a chunk ahead).
+    // tiles in use (first_slot) and the next chunk (next_first_slot, loaded a chunk ahead): a tile's first key may
+    // be before lo, but it lies in lo's block then.
     const bool tile_in_one_block = block_size % TILE == 0;
     auto chunk_first_slots = [&](int c) {
         const int tok = start + (c * 32 + lane) * TILE;
@@ -117,17 +131,18 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                 first_slot = next_first_slot;
                 if (t + 32 < num_tiles) next_first_slot = chunk_first_slots(t / 32 + 1);
             }
-            const int first = __shfl_sync(0xffffffffu, first_slot, t % 32);
+            const int first_key_slot = __shfl_sync(0xffffffffu, first_slot, t % 32);
 #pragma unroll
             for (int i = 0; i < PIECES; ++i) {
                 const int row = row0 + i * ROW_STEP;
-                slots[i] = tile0 + row < end ? first + row : -1;
+                slots[i] = (unsigned)(tile0 + row - lo) < (unsigned)(end - lo) ? first_key_slot + row : -1;
             }
         } else {
 #pragma unroll
             for (int i = 0; i < PIECES; ++i) {
                 const int tok = tile0 + row0 + i * ROW_STEP;
-                slots[i] = tok < end ? table[tok / block_size] * block_size + tok % block_size : -1;
+                slots[i] = (unsigned)(tok - lo) < (unsigned)(end - lo)
+                               ? table[tok / block_size] * block_size + tok % block_size : -1;
             }
         }
     };
@@ -190,12 +205,15 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
     __syncwarp();  // every lane has its fragments before the stage is refilled
 
-    const float scale_log2 = scale * 1.4426950408889634f * (FP8 ? k_scales[kvh] : 1.f);
+    const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
+    // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
+    const float scale_log2 = 1.4426950408889634f * (softcap > 0.f ? softcap : score_scale);
+    const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
     const float v_scale = FP8 ? v_scales[kvh] : 1.f;
     float m[HALVES], l[HALVES], o[D / 8][4];
-    int key_end[HALVES];  // every row sees the keys before `end`
+    int key_begin[HALVES], key_end[HALVES];  // every row sees the keys lo .. end - 1
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f, key_end[h] = end;
+    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f, key_begin[h] = lo, key_end[h] = end;
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
@@ -213,11 +231,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         widen(k_s);
         widen(v_s);
 
-        // S = Q K^T: 16 rows x TILE keys; online softmax of this thread's rows (m stays finite: key `start` < end
-        // is in the first tile); O += P V (rows 8-15 of P are zero when only 8 are in use).
+        // S = Q K^T: 16 rows x TILE keys; online softmax of this thread's rows (m stays finite: the first tile
+        // holds a key the rows see, key max(lo, start) < end); O += P V (rows 8-15 of P are zero when only 8 are in
+        // use).
         float sacc[TILE / 8][4];
         mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
-        online_softmax<TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_end);
+        if (softcap > 0.f) soft_cap_scores<TILE, HALVES>(sacc, cap_scale);
+        online_softmax<TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_begin, key_end);
         const uint32_t p[4] = {pack_bf16(sacc[0][0], sacc[0][1]), HALVES == 2 ? pack_bf16(sacc[0][2], sacc[0][3]) : 0u,
                                pack_bf16(sacc[1][0], sacc[1][1]), HALVES == 2 ? pack_bf16(sacc[1][2], sacc[1][3]) : 0u};
         mma_pv<D, LD>(o, p, v_s, lane);
@@ -251,16 +271,17 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 }
 
 // Merge the parts of each (sequence, head) cut into more than one: weights w_z = l_z * 2^(m_z - max m),
-// out = sum w_z o_z / sum w_z. Launch: grid (num_heads, S), block D: one thread per output dim.
+// out = sum w_z o_z / sum w_z. Launch: grid (num_heads, S), block D: one thread per output dim; window: the
+// layer's, as attention_decode was given (the parts are cut by it).
 // The parts come COMBINE_UNROLL at a time, their (m, l) and outputs loaded together and merged online: at batch 1
 // this kernel is on the critical path, where a pass for the max and a second for the sum cost two round trips.
 constexpr int COMBINE_UNROLL = 8;
 #if KEEPS(attention_combine)
 extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                              const float2* __restrict__ partial_ml, const int* context_lens,
-                                             int num_splits) {
+                                             int num_splits, int window) {
     pdl_begin();
-    const int used = splits_used(context_lens[blockIdx.y], num_splits);
+    const int used = splits_used(context_lens[blockIdx.y], window, num_splits);
     if (used == 1) return;  // attention_decode wrote this output itself
     const int num_heads = gridDim.x, D = blockDim.x;
     const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits;
@@ -303,20 +324,20 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
     extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_d##D##_r##ROWS(                    \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
-        int num_kv_heads, int block_size, int row_stride, int num_splits) {                                       \
+        int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap) {            \
         attention_decode<D, ROWS, bf16>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
                                         context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
-                                        num_splits, nullptr, nullptr);                                            \
+                                        num_splits, window, softcap, nullptr, nullptr);                           \
     }
 #define DECODE_KERNEL_FP8(D, ROWS)                                                                                \
     extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_fp8_d##D##_r##ROWS(                \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
-        int num_kv_heads, int block_size, int row_stride, int num_splits, const float* k_scales,                  \
-        const float* v_scales) {                                                                                  \
+        int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap,               \
+        const float* k_scales, const float* v_scales) {                                                           \
         attention_decode<D, ROWS, e4m3>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
                                         context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
-                                        num_splits, k_scales, v_scales);                                          \
+                                        num_splits, window, softcap, k_scales, v_scales);                         \
     }
 #if KEEPS(attention_decode_d64_r8)
 DECODE_KERNEL(64, 8)

@@ -4,7 +4,10 @@
 // FlashAttention-2 on tensor cores: mma.sync m16n8k16 with bf16 operands and float32 accumulators, online softmax
 // in registers. Query i (0-based among the new tokens) of sequence s sits at position context_lens[s] - q_len + i
 // and sees keys 0 .. that position, so the same kernel serves a prompt, a prompt whose prefix is already cached and
-// a chunk of a long prompt. Grouped-query attention: the rows of a tile are (query, head) pairs of the `group`
+// a chunk of a long prompt; with a sliding window of W keys it sees the keys position - W + 1 .. position only, and a
+// tile reads no key before the first one its rows see (a block that left the window may be freed and reused).
+// Attention-logit soft-capping (Gemma 2) turns each scaled score x into softcap * tanh(x / softcap). Grouped-query
+// attention: the rows of a tile are (query, head) pairs of the `group`
 // query heads of one KV head, token-major, so each K/V tile loaded into shared memory serves all of them.
 //
 // An fp8 cache (Cache = e4m3, the _fp8 kernels) is widened to bf16 (exactly) as its tiles are staged; the KV head's
@@ -22,7 +25,8 @@
 // row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8] (padding keeps
 // ldmatrix conflict-free).
 // qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D]. fp8: k_scales,
-// v_scales are this layer's [num_kv_heads] (unused for bf16).
+// v_scales are this layer's [num_kv_heads] (unused for bf16). window (0: none) and softcap (0: none) are the layer's,
+// uniform branches: a layer without them does no per-key work for them.
 // tile_seq and tile_row0 are not __restrict__: ptxas would move their non-coherent loads, the kernel's first,
 // above pdl_begin's wait (common.cuh).
 template <int D, class Cache>
@@ -31,8 +35,9 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
                                   const int* __restrict__ block_tables, int bt_stride,
                                   const int* __restrict__ query_start_loc, const int* __restrict__ context_lens,
                                   const int* tile_seq, const int* tile_row0, float scale,
-                                  int num_heads, int num_kv_heads, int block_size, int row_stride,
-                                  const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
+                                  int num_heads, int num_kv_heads, int block_size, int row_stride, int window,
+                                  float softcap, const float* __restrict__ k_scales,
+                                  const float* __restrict__ v_scales) {
     pdl_begin();
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int LD = D + 8;
@@ -63,19 +68,28 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         ldmatrix_x4(qf[kk], &k_s[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
     __syncthreads();
 
-    // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16) and their query positions.
-    int pos[2];
+    // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16), their query positions and the keys they
+    // see (up to the position, from the window's first).
+    int key_begin[2], key_end[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) pos[h] = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
-    const int key_end[2] = {pos[0] + 1, pos[1] + 1};  // each row sees the keys up to its position
-    const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;  // keys any row of the tile sees
-    const float scale_log2 = scale * 1.4426950408889634f * (FP8 ? k_scales[kvh] : 1.f);
+    for (int h = 0; h < 2; ++h) {
+        const int pos = past + min(row0 + warp * 16 + lane / 4 + 8 * h, num_rows - 1) / group;
+        key_begin[h] = window > 0 ? max(0, pos - window + 1) : 0;
+        key_end[h] = pos + 1;
+    }
+    // the keys any row of the tile sees: from its first row's window start to its last row's position
+    const int kv_begin = window > 0 ? max(0, past + row0 / group - window + 1) : 0;
+    const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;
+    const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
+    // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
+    const float scale_log2 = 1.4426950408889634f * (softcap > 0.f ? softcap : score_scale);
+    const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
-    for (int n0 = 0; n0 < kv_end; n0 += BLOCK_N) {
+    for (int n0 = kv_begin; n0 < kv_end; n0 += BLOCK_N) {
         // K and V of keys n0 .. n0 + BLOCK_N - 1 through the block table; keys past kv_end are zeros (never NaN
         // garbage).
         for (int c = threadIdx.x; c < BLOCK_N * D / 8; c += blockDim.x) {
@@ -101,8 +115,10 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         float sacc[BLOCK_N / 8][4];
         mma_qk<D, BLOCK_N, LD>(sacc, qf, k_s, lane);
 
-        // Causal mask and online softmax; m stays finite: key 0 is in every row's first tile.
-        online_softmax<BLOCK_N, D, 2>(sacc, m, l, o, n0, lane, scale_log2, key_end);
+        // Causal (and window) mask and online softmax. Without a window key 0 is in every row's first tile; with
+        // one a row's first keys may come in a later tile (EMPTY_ROWS).
+        if (softcap > 0.f) soft_cap_scores<BLOCK_N, 2>(sacc, cap_scale);
+        online_softmax<BLOCK_N, D, 2, true>(sacc, m, l, o, n0, lane, scale_log2, key_begin, key_end);
 
         // O += P V, 16 keys per k-step.
 #pragma unroll
@@ -137,20 +153,21 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##D(                      \
         bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
-        const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride) {       \
+        const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,         \
+        int window, float softcap) {                                                                               \
         attention_prefill<D, bf16>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
                                    context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
-                                   row_stride, nullptr, nullptr);                                                  \
+                                   row_stride, window, softcap, nullptr, nullptr);                                 \
     }
 #define PREFILL_KERNEL_FP8(D)                                                                                      \
     extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_fp8_d##D(                  \
         bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
         const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,         \
-        const float* k_scales, const float* v_scales) {                                                            \
+        int window, float softcap, const float* k_scales, const float* v_scales) {                                 \
         attention_prefill<D, e4m3>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
                                    context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
-                                   row_stride, k_scales, v_scales);                                                \
+                                   row_stride, window, softcap, k_scales, v_scales);                               \
     }
 #if KEEPS(attention_prefill_d64)
 PREFILL_KERNEL(64)

@@ -30,26 +30,30 @@ __device__ __forceinline__ void store_entries4(e4m3* p, const __nv_bfloat162 v[2
     *reinterpret_cast<uint32_t*>(p) = (uint32_t)lo | (uint32_t)hi << 16;
 }
 
-// For token t (a qkv row [q heads | k heads | v heads]) at position positions[t]: q and k heads are rotated in place
-// (rotate-half layout: for j < D/2, (x[j], x[j + D/2]) <- (x[j] cos - x[j + D/2] sin, x[j + D/2] cos + x[j] sin),
-// angle = pos * inv_freq[j]); then, if slot = slot_mapping[t] >= 0, k_cache[slot] = the rotated K heads and
-// v_cache[slot] = the V heads. A negative slot (a padded row of a captured decode batch) writes no cache entry.
-// cos_sin [max_positions, D/2] is computed once on the host in float64 from rope_inv_freq, so Llama 3's frequency
-// scaling costs nothing here and long positions keep their precision. Caches are [num_slots, kv_heads, D]
-// (slot = block * block_size + offset); k_scales, v_scales: an fp8 cache's scales of this layer ([kv_heads] each),
-// null for bf16.
-// Launch: grid (T, ceil(items / blockDim.x)), block 128, with items = (num_heads + num_kv_heads) * D / 8 rotations
-// of 4 pairs (j .. j + 3 of one head) followed by num_kv_heads * D / 8 copies of 8 V entries: one item per
-// thread, so that a thread's loads are all in flight at once (at batch 1 this kernel is on the critical path; a
-// loop over scalar pairs was ~12 dependent round trips). D % 8 == 0.
+// For token t (a qkv row [q heads | k heads | v heads]) at position positions[t]: the first R = rotary_dim dims of
+// the q and k heads are rotated in place (rotate-half layout within them: for j < R/2, (x[j], x[j + R/2]) <-
+// (x[j] c - x[j + R/2] s, x[j + R/2] c + x[j] s), (c, s) = cos_sin[pos, j]); dims R .. D - 1 pass unrotated
+// (partial_rotary_factor < 1: Phi-4-mini). Then, if slot = slot_mapping[t] >= 0, k_cache[slot] = the rotated K heads
+// and v_cache[slot] = the V heads. A negative slot (a padded row of a captured decode batch) writes no cache entry.
+// cos_sin [max_positions, R/2] is computed once on the host in float64 (model/rope.py Rope.cos_sin), so frequency
+// scaling (Llama 3's, LongRoPE's short and long factors and its attention factor) costs nothing here and long
+// positions keep their precision; a layer with a RoPE of its own (Gemma 3's sliding layers) gets its own table.
+// Caches are [num_slots, kv_heads, D] (slot = block * block_size + offset); k_scales, v_scales: an fp8 cache's scales
+// of this layer ([kv_heads] each), null for bf16.
+// Launch: grid (T, ceil(items / blockDim.x)), block 128, with items = (num_heads + num_kv_heads) * R / 8 rotations
+// of 4 pairs (j .. j + 3 of one head), then num_kv_heads * (D - R) / 8 copies of 8 unrotated K entries, then
+// num_kv_heads * D / 8 copies of 8 V entries: one item per thread, so that a thread's loads are all in flight at
+// once (at batch 1 this kernel is on the critical path; a loop over scalar pairs was ~12 dependent round trips).
+// D % 8 == 0, R % 8 == 0.
 template <typename C>
 __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, C* __restrict__ v_cache,
                                const int* __restrict__ positions, const int* __restrict__ slot_mapping,
                                const float2* __restrict__ cos_sin, int num_heads, int num_kv_heads, int head_dim,
-                               int row_stride, const float* __restrict__ k_scales,
+                               int rotary_dim, int row_stride, const float* __restrict__ k_scales,
                                const float* __restrict__ v_scales) {
     pdl_begin();
-    const int half = head_dim / 2, quads = half / 4, kv_width = num_kv_heads * head_dim;
+    const int half = rotary_dim / 2, quads = half / 4, kv_width = num_kv_heads * head_dim;
+    const int tail = head_dim - rotary_dim, k_tails = num_kv_heads * tail;  // the unrotated K entries
     const int rotations = (num_heads + num_kv_heads) * quads, item = blockIdx.y * blockDim.x + threadIdx.x;
     const int64_t slot = slot_mapping[blockIdx.x];
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
@@ -81,7 +85,14 @@ __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, 
             store_entries4(k + j + half, r2, inv_scale);
         }
     } else if (slot >= 0) {
-        const int i = (item - rotations) * 8;
+        int i = (item - rotations) * 8;
+        if (i < k_tails) {  // never with tail 0 (the division)
+            const int kv_head = i / tail, d = rotary_dim + i % tail;
+            store_entries8(k_cache + slot * kv_width + kv_head * head_dim + d,
+                           row + (num_heads + kv_head) * head_dim + d, k_scales ? 1.f / k_scales[kv_head] : 1.f);
+            return;
+        }
+        i -= k_tails;
         if (i < kv_width)
             store_entries8(v_cache + slot * kv_width + i, row + (num_heads + num_kv_heads) * head_dim + i,
                            v_scales ? 1.f / v_scales[i / head_dim] : 1.f);
@@ -90,15 +101,15 @@ __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, 
 
 extern "C" __global__ void rope_and_cache_bf16(bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions,
                                                const int* slot_mapping, const float2* cos_sin, int num_heads,
-                                               int num_kv_heads, int head_dim, int row_stride) {
+                                               int num_kv_heads, int head_dim, int rotary_dim, int row_stride) {
     rope_and_cache(qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                   row_stride, nullptr, nullptr);
+                   rotary_dim, row_stride, nullptr, nullptr);
 }
 
 extern "C" __global__ void rope_and_cache_fp8(bf16* qkv, e4m3* k_cache, e4m3* v_cache, const int* positions,
                                               const int* slot_mapping, const float2* cos_sin, int num_heads,
-                                              int num_kv_heads, int head_dim, int row_stride, const float* k_scales,
-                                              const float* v_scales) {
+                                              int num_kv_heads, int head_dim, int rotary_dim, int row_stride,
+                                              const float* k_scales, const float* v_scales) {
     rope_and_cache(qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                   row_stride, k_scales, v_scales);
+                   rotary_dim, row_stride, k_scales, v_scales);
 }

@@ -74,26 +74,43 @@ __device__ __forceinline__ void mma_pv(float (&o)[D / 8][4], const uint32_t (&p)
     }
 }
 
+// Attention-logit soft-capping (Gemma 2) of mma_qk's raw scores: s <- tanh(s * in_scale), with in_scale = the
+// softmax scale / cap; the caller then scores them with scale_log2 = cap * log2(e), so a key's score is
+// cap * tanh(q.k * scale / cap). Only the 2 * HALVES accumulator entries of the rows in use are computed.
+template <int N, int HALVES>
+__device__ __forceinline__ void soft_cap_scores(float (&s)[N / 8][4], float in_scale) {
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2 * HALVES; ++e) s[nb][e] = tanhf(s[nb][e] * in_scale);
+}
+
 // One key tile of the online softmax (FlashAttention-2, log2 domain) for the rows of a warp's 16-row tile that this
 // thread holds: row lane / 4 for half 0 and row lane / 4 + 8 for half 1 (HALVES is 1 when rows 8-15 are unused).
 // s holds mma_qk's raw scores of the N keys from tile0 (this thread's: tile0 + nb * 8 + 2 * (lane % 4) + (0, 1));
 // on return it holds their unnormalized probabilities 2^(s * scale_log2 - m), 0 for the keys a row does not see
-// (key >= key_end[half]). m (running row max), l (this lane's share of the running row sum; the caller sums the quad
-// at the end) and the output accumulator o are rescaled to the new max. Every row must see a key of the first tile,
-// so m stays finite.
-template <int N, int D, int HALVES>
+// (outside key_begin[half] .. key_end[half] - 1: one unsigned compare per key, as a bare upper bound costs). m
+// (running row max), l (this lane's share of the running row sum; the caller sums the quad at the end) and the
+// output accumulator o are rescaled to the new max. Unless EMPTY_ROWS, every row must see a key of the first tile,
+// so m stays finite; with EMPTY_ROWS a row may see none of a tile's keys before its first one (a sliding window
+// starting past the tile), at the cost of a select per row and tile.
+template <int N, int D, int HALVES, bool EMPTY_ROWS = false>
 __device__ __forceinline__ void online_softmax(float (&s)[N / 8][4], float (&m)[HALVES], float (&l)[HALVES],
                                                float (&o)[D / 8][4], int tile0, int lane, float scale_log2,
-                                               const int (&key_end)[HALVES]) {
-    float row_max[HALVES], alpha[HALVES];
+                                               const int (&key_begin)[HALVES], const int (&key_end)[HALVES]) {
+    int first[HALVES];  // the tile's first key relative to each row's first visible key
+    unsigned visible[HALVES];  // how many keys each row sees
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) first[h] = tile0 - key_begin[h], visible[h] = key_end[h] - key_begin[h];
+    float row_max[HALVES], alpha[HALVES], shift[HALVES];  // shift: the max the probabilities are taken from
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) row_max[h] = -INFINITY;
 #pragma unroll
     for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 2 * HALVES; ++e) {  // element e of an accumulator: half e / 2, key + e % 2
-            const int key = tile0 + nb * 8 + (lane % 4) * 2 + e % 2;
-            const float v = key < key_end[e / 2] ? s[nb][e] * scale_log2 : -INFINITY;
+            const unsigned key = first[e / 2] + nb * 8 + (lane % 4) * 2 + e % 2;  // wraps below key_begin
+            const float v = key < visible[e / 2] ? s[nb][e] * scale_log2 : -INFINITY;
             s[nb][e] = v;
             row_max[e / 2] = fmaxf(row_max[e / 2], v);
         }
@@ -103,7 +120,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[N / 8][4], float (&m)[
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
         row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
         const float m_new = fmaxf(m[h], row_max[h]);
-        alpha[h] = exp2f(m[h] - m_new);
+        shift[h] = EMPTY_ROWS && m_new == -INFINITY ? 0.f : m_new;  // no key yet: p = 0 below, l and o stay 0
+        alpha[h] = exp2f(m[h] - shift[h]);
         m[h] = m_new;
         l[h] *= alpha[h];
     }
@@ -111,7 +129,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N / 8][4], float (&m)[
     for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 2 * HALVES; ++e) {
-            s[nb][e] = exp2f(s[nb][e] - m[e / 2]);
+            s[nb][e] = exp2f(s[nb][e] - shift[e / 2]);
             l[e / 2] += s[nb][e];
         }
 #pragma unroll

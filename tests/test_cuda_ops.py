@@ -43,7 +43,7 @@ def test_each_kernel_has_a_launcher_with_its_c_parameters():
 def test_arg_format_follows_the_c_types():
     assert SIGNATURES["rms_norm"].arg_format == "PPPPif"
     assert SIGNATURES["sample"].arg_format == "PPiPPPPP"
-    assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiii"
+    assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiiiif"
 
 
 def function_bodies(source: str, head: str) -> dict[str, str]:
@@ -151,7 +151,7 @@ def test_attention_decode_geometry(recorder, heads, kv_heads, d, splits, kernel,
     combine = [("attention_combine", (heads, 5), (d, 1, 1))] if splits > 1 else []
     assert recorder.launches == [(kernel, grid, (ops.DECODE_WARPS * 32, 1, 1)), *combine]
     if combine:  # the combine reads the contexts, to know how many parts each has
-        assert recorder.args[-1] == (1, 2, 3, context_lens, splits)
+        assert recorder.args[-1] == (1, 2, 3, context_lens, splits, 0)
 
 
 def test_decode_splits():
@@ -208,6 +208,23 @@ def test_rope_and_cache_geometry(recorder):
                                  ("rope_and_cache_fp8", (1, 3), (128, 1, 1))]
 
 
+def test_rope_and_cache_partial_rotary_geometry(recorder):
+    # Phi-4-mini's heads: 96 of 128 dims rotated; (24 + 8) heads x 12 rotations + 8 x 4 copies of 8 unrotated K
+    # entries + 8 x 16 copies of 8 V entries = 544 threads
+    Ops(recorder, None).rope_and_cache(*range(1, 7), 2, 24, 8, 128, 5120, rotary_dim=96)
+    assert recorder.launches == [("rope_and_cache_bf16", (2, 5), (128, 1, 1))]
+    assert recorder.args[-1][6:11] == (24, 8, 128, 96, 5120)
+
+
+def test_window_and_softcap_reach_the_attention_kernels(recorder):
+    launcher = Ops(recorder, None)
+    launcher.attention_decode(*range(1, 10), 5, 0.125, 32, 8, 64, 16, 4096, 3, window=512, softcap=50.0)
+    launcher.attention_prefill(*range(1, 11), 7, 0.125, 32, 8, 128, 16, 6144, window=4096, softcap=50)
+    decode, combine, prefill = recorder.args
+    assert decode[-2:] == (512, 50.0) and combine[-1] == 512  # the combine cuts the parts as the kernel did
+    assert prefill[-2:] == (4096, 50.0) and isinstance(prefill[-1], float)
+
+
 @pytest.mark.parametrize("launch,message", [
     (lambda o: o.rms_norm(1, 2, 3, 0, 4, 1001, 1e-5), "hidden 1001 is not a multiple of 8"),
     (lambda o: o.rms_norm(1, 2, 3, 0, 4, 16392, 1e-5), "hidden 16392 is over the 16384 one block holds"),
@@ -223,6 +240,10 @@ def test_rope_and_cache_geometry(recorder):
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 0), "num_splits 0 < 1"),
     (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 30, 8, 64, 16, 4096), "30 query heads"),
+    (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 1, window=-1), "window -1"),
+    (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 32, 8, 64, 16, 4096, softcap=-1.0), "softcap -1.0 < 0"),
+    (lambda o: o.rope_and_cache(*range(1, 7), 5, 32, 8, 64, 3072, rotary_dim=36), "rotary_dim 36 is not a multiple"),
+    (lambda o: o.rope_and_cache(*range(1, 7), 5, 32, 8, 64, 3072, rotary_dim=72), "rotary_dim 72 not in 1..64"),
 ])
 def test_launchers_refuse_shapes_their_kernels_cannot_run(recorder, launch, message):
     with pytest.raises(ValueError, match=message):

@@ -138,7 +138,7 @@ def test_cuda_backend_refuses_gemma_before_touching_a_gpu(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
     message = one_line_error(run(model, src, tmp_path / "out.parquet", "--backend", "cuda"))
     assert "the cuda backend has no kernels yet for this Gemma2ForCausalLM model's" in message
-    assert "sliding window of 5 tokens" in message and "--backend numpy" in message
+    assert "--backend numpy" in message and "sliding window" not in message  # the attention kernels have windows
 
 
 def test_new_family_configs_round_trip_through_config_json():

@@ -87,8 +87,11 @@ def test_phi3_hub_config_reads_longrope_and_partial_rotary():
 
 def test_cuda_refuses_phi3_in_one_line():
     config = tiny_config(**PHI, partial_rotary_factor=0.5)
-    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*partial rotary.*qkv_proj.*--backend numpy"):
+    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*qkv_proj.*--backend numpy"):
         check_cuda_kernels(config, 2048)
+    assert config.ops_beyond_llama(2048) == []  # 8 of 16 dims rotated: rope_and_cache does that
+    odd = tiny_config(**PHI, partial_rotary_factor=0.25, rope_scaling=longrope(2, 32))
+    assert odd.ops_beyond_llama(2048) == ["4 rotary dimensions (not a multiple of 8)"]
 
 
 def test_fp8_kv_cache_is_refused_for_fused_checkpoints(tmp_path):

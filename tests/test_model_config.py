@@ -109,7 +109,7 @@ def test_families():
         assert ModelConfig.from_hf_dict(json.loads(json.dumps(c.to_hf_dict()))) == c
 
 
-def test_sliding_window_layers_and_the_cuda_refusal():
+def test_sliding_window_layers_run_on_cuda():
     qwen = ModelConfig.from_hf_dict(dict(HUB_QWEN2_5, use_sliding_window=True, sliding_window=4096,
                                          num_hidden_layers=28))
     assert qwen.layer_windows == [None] * 21 + [4096] * 7  # from max_window_layers on
@@ -117,12 +117,9 @@ def test_sliding_window_layers_and_the_cuda_refusal():
     with pytest.raises(ValueError, match="attention_bias"):  # Qwen3's flag also biases O
         ModelConfig.from_hf_dict(dict(HUB_QWEN3, attention_bias=True))
     mistral = ModelConfig.from_hf_dict(dict(HUB_MISTRAL, sliding_window=4096))
-    check_cuda_kernels(mistral, 4096)  # a window no sequence outgrows is plain causal attention
-    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*sliding window of 4096 tokens .*"
-                                         "--backend numpy"):
-        check_cuda_kernels(mistral, 4097)
-    with pytest.raises(ValueError, match="max_model_len 32768"):
-        check_cuda_kernels(mistral, None)  # the model's 32768
+    for length in (4096, 4097, None):  # the attention kernels take each layer's window
+        check_cuda_kernels(mistral, length)
+        check_cuda_kernels(qwen, length)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "yarn"])

@@ -247,19 +247,14 @@ class ModelConfig:
         return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
     def ops_beyond_llama(self, max_model_len: int | None) -> list[str]:
-        """What a sequence of max_model_len tokens (None: the model's longest) needs beyond Llama's decoder: the
-        operations only the numpy backend implements."""
-        length = max_model_len or self.max_position_embeddings
-        windows = [w for w in self.layer_windows if w is not None and w < length]
-        kind = (self.rope_scaling or {}).get("rope_type")
-        named = {f"a sliding window of {min(windows, default=0)} tokens (shorter than max_model_len {length})": windows,
-                 "LongRoPE": kind == "longrope", "partial rotary dimensions": self.partial_rotary_factor != 1,
-                 "a second RoPE base for sliding layers": self.local_rope_theta is not None,
+        """What a sequence of max_model_len tokens (None: the model's longest) needs beyond the decoder the cuda
+        backend runs (Llama's, with sliding windows, soft-capped attention logits, query_pre_attn_scalar, LongRoPE,
+        partial rotary dimensions and a second RoPE base): the operations only the numpy backend implements."""
+        named = {f"{self.rotary_dim} rotary dimensions (not a multiple of 8)": self.rotary_dim % 8 != 0,
                  f"the {self.activation} activation": self.activation != "silu",
                  "(1 + weight) RMSNorm": self.norm_offset != 0, "scaled embeddings": self.embed_scale != 1,
                  "norms of the attention and MLP outputs": self.sandwich_norms,
-                 "soft-capped logits": self.attn_logit_softcapping or self.final_logit_softcapping,
-                 "query_pre_attn_scalar": self.query_pre_attn_scalar is not None}
+                 "soft-capped final logits": self.final_logit_softcapping}
         return [name for name, needed in named.items() if needed]
 
     @classmethod

@@ -78,3 +78,15 @@ def layer_ropes(config) -> list[Rope]:
     local = Rope(rope_inv_freq(dim, config.local_rope_theta, None))
     types = config.layer_types or ("full_attention",) * config.num_hidden_layers
     return [local if t == "sliding_attention" else full for t in types]
+
+
+def cos_sin_tables(config, max_positions: int) -> tuple[list[np.ndarray], list[int]]:
+    """The rotations of positions 0..max_positions-1 as tables float32 [max_positions, rotary_dim // 2, 2] of
+    (cos, sin) pairs, one per distinct Rope of layer_ropes (Gemma 3: its sliding layers' and its global layers'), and
+    each layer's table index: what cuda/cache.cu's rope_and_cache reads (its cos_sin)."""
+    ropes = layer_ropes(config)
+    distinct = list({id(rope): rope for rope in ropes}.values())
+    positions = np.arange(max_positions)
+    tables = [np.stack(rope.cos_sin(positions), axis=-1) for rope in distinct]
+    index = {id(rope): i for i, rope in enumerate(distinct)}
+    return tables, [index[id(rope)] for rope in ropes]

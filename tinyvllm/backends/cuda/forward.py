@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,7 +35,7 @@ from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.backends.base import check_cuda_kernels
-from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
+from tinyvllm.model.rope import cos_sin_tables
 from tinyvllm.model.weights import layer_parts
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,10 @@ class CudaForward:
         self.q_width = self.heads * self.head_dim
         self.kv_width = self.kv_heads * self.head_dim
         self.qkv_width = self.q_width + 2 * self.kv_width
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = cfg.attention_scale  # head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 (Gemma)
+        # each layer's sliding window (0: none) and attention-logit soft cap (0: none), as the attention kernels take
+        self.windows = [window or 0 for window in cfg.layer_windows]
+        self.softcap = cfg.attn_logit_softcapping or 0.0
         self.max_tokens, self.max_seqs = max_tokens, engine_config.max_num_seqs
 
         self.kv_entry_bytes = 1 if engine_config.fp8_kv_cache else 2  # e4m3 codes or bf16
@@ -264,10 +266,10 @@ class CudaForward:
             acc=empty(F32, (t, max(self.qkv_width, 2 * inter, hidden))))
         cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
         cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
-        cos, sin = rope_cos_sin(np.arange(self.engine_config.max_model_len), rope_inv_freq(d, cfg.rope_theta,
-                                                                                   cfg.rope_scaling))
-        self.cos_sin = self.device.upload(np.stack([cos, sin], axis=-1).astype(np.float32, copy=False),
-                                          F32)  # float2 [max_model_len, d / 2]
+        # float2 [max_model_len, rotary_dim / 2] per distinct RoPE (model/rope.py), and each layer's
+        tables, layer_table = cos_sin_tables(cfg, self.engine_config.max_model_len)
+        self.rope_tables = [self.device.upload(table, F32) for table in tables]
+        self.cos_sin = [self.rope_tables[t].ptr for t in layer_table]
 
     def kv_bytes_per_block(self) -> int:
         return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * self.kv_entry_bytes
@@ -344,8 +346,8 @@ class CudaForward:
                 ops.qk_norm(b.qkv.ptr, layer.q_norm.ptr, layer.k_norm.ptr, n, self.heads, self.kv_heads,
                             self.head_dim, self.qkv_width, eps)
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
-                               inp.ptr("slot_mapping"), self.cos_sin.ptr, n, self.heads, self.kv_heads,
-                               self.head_dim, self.qkv_width, self.kv_scales[i])
+                               inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
+                               self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim)
             attention(i)
             linear.gemm(b.x, b.attn, layer.o, n, accumulate=True)
             ops.rms_norm(b.h.ptr, b.x.ptr, layer.post_norm.ptr, 0, n, hidden, eps)
@@ -402,7 +404,7 @@ class CudaForward:
                                       self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
                                       inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
                                       self.head_dim, self.engine_config.block_size, self.qkv_width, splits,
-                                      self.kv_scales[i])
+                                      self.kv_scales[i], self.windows[i], self.softcap)
 
         self._layers(n, inp, out, attention)
         self.ops.rms_norm(b.h.ptr, b.x.ptr, self.final_norm.ptr, 0, n, self.config.hidden_size,
@@ -420,7 +422,8 @@ class CudaForward:
                                        inp.ptr("block_tables"), bt_width, inp.ptr("query_start_loc"),
                                        inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
                                        num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
-                                       self.engine_config.block_size, self.qkv_width, self.kv_scales[i])
+                                       self.engine_config.block_size, self.qkv_width, self.kv_scales[i],
+                                       self.windows[i], self.softcap)
 
         self._layers(n, inp, out, attention)
 

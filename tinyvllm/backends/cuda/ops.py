@@ -96,6 +96,11 @@ def _require_attention_shape(kernel_name: str, head_dim: int, num_heads: int, nu
                                             f"{num_kv_heads} KV heads")
 
 
+def _require_window_softcap(kernel_name: str, window: int, softcap: float) -> None:
+    _require(isinstance(window, int) and window >= 0, f"{kernel_name}: window {window!r} is not a count of keys >= 0")
+    _require(softcap >= 0, f"{kernel_name}: softcap {softcap} < 0")
+
+
 def decode_rows(group: int) -> int:
     """attention_decode's query heads per block (the rows of its mma tile in use): 8 or 16."""
     return 8 if group <= 8 else 16
@@ -204,25 +209,29 @@ class Ops:
         self.launch("silu_and_mul", (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
 
     @kernel("cache", "bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions, const int* slot_mapping, "
-                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int row_stride",
-            "rope_and_cache_bf16")
+                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, "
+                     "int row_stride", "rope_and_cache_bf16")
     @kernel("cache", "bf16* qkv, e4m3* k_cache, e4m3* v_cache, const int* positions, const int* slot_mapping, "
-                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int row_stride"
-                     + FP8_SCALES, "rope_and_cache_fp8")
+                     "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, "
+                     "int row_stride" + FP8_SCALES, "rope_and_cache_fp8")
     def rope_and_cache(self, qkv: int, k_cache: int, v_cache: int, positions: int, slot_mapping: int, cos_sin: int,
                        num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, row_stride: int,
-                       kv_scales: tuple[int, int] | None = None) -> None:
-        """RoPE on the q and k heads of the qkv rows, in place, and their rotated K and V into the cache slots
-        slot_mapping (negative: none). kv_scales: an fp8 cache's K and V scales of this layer (device float32
-        [kv_heads] each); None: a bf16 cache."""
-        _require_vectors("rope_and_cache", head_dim=head_dim, row_stride=row_stride)
+                       kv_scales: tuple[int, int] | None = None, rotary_dim: int | None = None) -> None:
+        """RoPE on the first rotary_dim dims (None: all) of the q and k heads of the qkv rows, in place, with
+        cos_sin (float2 [positions, rotary_dim / 2]: model/rope.py's cos and sin), and their rotated K and V into
+        the cache slots slot_mapping (negative: none). kv_scales: an fp8 cache's K and V scales of this layer
+        (device float32 [kv_heads] each); None: a bf16 cache."""
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        _require_vectors("rope_and_cache", head_dim=head_dim, row_stride=row_stride, rotary_dim=rotary_dim)
+        _require(0 < rotary_dim <= head_dim, f"rope_and_cache: rotary_dim {rotary_dim} not in 1..{head_dim}")
         _require((num_heads + 2 * num_kv_heads) * head_dim <= row_stride,
                  f"rope_and_cache: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of "
                  f"{row_stride}")
         args = (qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                row_stride)
-        # a thread per 4 rotated pairs of a q or k head, then per 8 V entries
-        items = (num_heads + num_kv_heads) * head_dim // VECTOR + num_kv_heads * head_dim // VECTOR
+                rotary_dim, row_stride)
+        # a thread per 4 rotated pairs of a q or k head, then per 8 unrotated K entries, then per 8 V entries
+        items = ((num_heads + num_kv_heads) * rotary_dim + num_kv_heads * (head_dim - rotary_dim)
+                 + num_kv_heads * head_dim) // VECTOR
         grid = (num_tokens, -(-items // ROW_THREADS))
         if kv_scales is None:
             self.launch("rope_and_cache_bf16", grid, ROW_THREADS, *args)
@@ -232,63 +241,72 @@ class Ops:
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, "
                                 "const bf16* v_cache, const int* block_tables, const int* bt_stride, "
                                 "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
-                                "int block_size, int row_stride, int num_splits",
+                                "int block_size, int row_stride, int num_splits, int window, float softcap",
             *(f"attention_decode_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, "
                                 "const e4m3* v_cache, const int* block_tables, const int* bt_stride, "
                                 "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
-                                "int block_size, int row_stride, int num_splits" + FP8_SCALES,
+                                "int block_size, int row_stride, int num_splits, int window, float softcap"
+                                + FP8_SCALES,
             *(f"attention_decode_fp8_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
     def attention_decode(self, out: int, partial_o: int, partial_ml: int, q: int, k_cache: int, v_cache: int,
                          block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
                          num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
-                         num_splits: int, kv_scales: tuple[int, int] | None = None) -> None:
-        """Decode attention of num_seqs sequences; with num_splits > 1 a context is cut into up to num_splits parts
-        of whole 16-key tiles, through partial_o [num_seqs * num_heads * num_splits, head_dim] float32 and
-        partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V scales of
-        this layer (device float32 [kv_heads] each); None: a bf16 cache."""
+                         num_splits: int, kv_scales: tuple[int, int] | None = None, window: int = 0,
+                         softcap: float = 0.0) -> None:
+        """Decode attention of num_seqs sequences; with num_splits > 1 the keys a query sees are cut into up to
+        num_splits parts of whole 16-key tiles, through partial_o [num_seqs * num_heads * num_splits, head_dim]
+        float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V
+        scales of this layer (device float32 [kv_heads] each); None: a bf16 cache. window: the layer's sliding
+        window (0: none; the kernel reads no key before it); softcap: its attention-logit cap (0: none)."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
+        _require_window_softcap("attention_decode", window, softcap)
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
         fp8 = "" if kv_scales is None else "fp8_"
         self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}", (decode_blocks(num_kv_heads, group), num_seqs,
                                                                    num_splits),
                     DECODE_WARPS * 32, out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
-                    context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits,
-                    *(kv_scales or ()))
+                    context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits, window,
+                    float(softcap), *(kv_scales or ()))
         if num_splits > 1:
             self.attention_combine(out, partial_o, partial_ml, context_lens, num_seqs, num_heads, head_dim,
-                                   num_splits)
+                                   num_splits, window)
 
     @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, const int* context_lens, "
-                                "int num_splits")
+                                "int num_splits, int window")
     def attention_combine(self, out: int, partial_o: int, partial_ml: int, context_lens: int, num_seqs: int,
-                          num_heads: int, head_dim: int, num_splits: int) -> None:
+                          num_heads: int, head_dim: int, num_splits: int, window: int = 0) -> None:
+        """Merge attention_decode's parts (window: the one it was given, which its parts are cut by)."""
         self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, context_lens,
-                    num_splits)
+                    num_splits, window)
 
     @kernel("attention_prefill", "bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, "
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
                                  "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
-                                 "int num_heads, int num_kv_heads, int block_size, int row_stride",
-            *(f"attention_prefill_d{d}" for d in HEAD_DIMS))
+                                 "int num_heads, int num_kv_heads, int block_size, int row_stride, int window, "
+                                 "float softcap", *(f"attention_prefill_d{d}" for d in HEAD_DIMS))
     @kernel("attention_prefill", "bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, "
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
                                  "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
-                                 "int num_heads, int num_kv_heads, int block_size, int row_stride" + FP8_SCALES,
+                                 "int num_heads, int num_kv_heads, int block_size, int row_stride, int window, "
+                                 "float softcap" + FP8_SCALES,
             *(f"attention_prefill_fp8_d{d}" for d in HEAD_DIMS))
     def attention_prefill(self, out: int, qkv: int, k_cache: int, v_cache: int, block_tables: int, bt_stride: int,
                           query_start_loc: int, context_lens: int, tile_seq: int, tile_row0: int, num_tiles: int,
                           scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          row_stride: int, kv_scales: tuple[int, int] | None = None) -> None:
-        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles). kv_scales: as
-        attention_decode's."""
+                          row_stride: int, kv_scales: tuple[int, int] | None = None, window: int = 0,
+                          softcap: float = 0.0) -> None:
+        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles). kv_scales, window
+        and softcap: as attention_decode's."""
         _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
+        _require_window_softcap("attention_prefill", window, softcap)
         fp8 = "" if kv_scales is None else "fp8_"
         self.launch(f"attention_prefill_{fp8}d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out,
                     qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
-                    scale, num_heads, num_kv_heads, block_size, row_stride, *(kv_scales or ()))
+                    scale, num_heads, num_kv_heads, block_size, row_stride, window, float(softcap),
+                    *(kv_scales or ()))
 
     @kernel("sampling", "int* out, const float* logits, int vocab, const float* temperature, const float* top_p, "
                         "const int* top_k, const float* min_p, const uint32_t* noise_keys")
