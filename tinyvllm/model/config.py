@@ -255,10 +255,7 @@ class ModelConfig:
         named = {f"a sliding window of {min(windows, default=0)} tokens (shorter than max_model_len {length})": windows,
                  "LongRoPE": kind == "longrope", "partial rotary dimensions": self.partial_rotary_factor != 1,
                  "a second RoPE base for sliding layers": self.local_rope_theta is not None,
-                 f"the {self.activation} activation": self.activation != "silu",
-                 "(1 + weight) RMSNorm": self.norm_offset != 0, "scaled embeddings": self.embed_scale != 1,
-                 "norms of the attention and MLP outputs": self.sandwich_norms,
-                 "soft-capped logits": self.attn_logit_softcapping or self.final_logit_softcapping,
+                 "soft-capped attention scores": self.attn_logit_softcapping,
                  "query_pre_attn_scalar": self.query_pre_attn_scalar is not None}
         return [name for name, needed in named.items() if needed]
 
