@@ -110,8 +110,8 @@ def gemma_3_1b_config() -> ModelConfig:
 
 # microsoft/Phi-3.5-mini-instruct's LongRoPE factors (its config.json holds these as float32 values)
 PHI_3_5_SHORT_FACTOR = [1.0, 1.02, 1.03, 1.03, *[1.05] * 5, 1.07, 1.1, 1.11, 1.16, 1.16, 1.17, 1.29, 1.34, 1.68, 1.79,
-                        1.82, 1.85, 1.88, 1.91, 1.94, 1.99, *[2.02] * 6, *[2.03] * 9, 2.08, 2.09, 2.19, 2.22, 2.59, 2.73,
-                        2.75, 2.84]
+                        1.82, 1.85, 1.88, 1.91, 1.94, 1.99, *[2.02] * 6, *[2.03] * 9, 2.08, 2.09, 2.19, 2.22, 2.59,
+                        2.73, 2.75, 2.84]
 PHI_3_5_LONG_FACTOR = [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23, 4.79, 7.4, 7.7, 9.09, 12.2, 17.67,
                        24.46, 28.57, 30.42, 30.84, 32.59, 32.93, 42.32, 44.96, 50.34, 50.45, 57.55, 57.93, 58.21, 60.14,
                        62.61, 62.62, 62.71, 63.14, 63.14, 63.77, 63.93, 63.96, 63.97, 64.03, 64.07, 64.08, 64.12, 64.41,
@@ -119,13 +119,15 @@ PHI_3_5_LONG_FACTOR = [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23
 
 
 def phi_3_5_mini_config() -> ModelConfig:
-    """microsoft/Phi-3.5-mini-instruct's config.json: fused qkv_proj and gate_up_proj, head_dim 96, LongRoPE."""
+    """microsoft/Phi-3.5-mini-instruct's config.json: fused Q/K/V and gate/up checkpoint tensors, head_dim 96,
+    LongRoPE."""
     return ModelConfig.from_hf_dict({
         "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
         "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
         "hidden_act": "silu", "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False,
-        "rope_scaling": {"type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR, "long_factor": PHI_3_5_LONG_FACTOR},
+        "rope_scaling": {"type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
+                         "long_factor": PHI_3_5_LONG_FACTOR},
         "bos_token_id": 1, "eos_token_id": [32007, 32001, 32000], "torch_dtype": "bfloat16"})
 
 
