@@ -29,15 +29,17 @@ PEERS = ("static", "compiled", "generate_batch")
 
 
 def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sdpa"):
-    """The HF transformers model of the LoadedModel's family (Llama, Mistral, Qwen2, Qwen3) holding its weights.
+    """The HF transformers model of the LoadedModel's family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3)
+    holding its weights.
 
     Built in `dtype` directly on `device` (HF's own random init runs there, then is overwritten), and each weight is
     copied in as stored (bf16 bit patterns for a bf16 checkpoint or a dummy model), one tensor at a time: an 8B
     model costs no float32 copy and no host copy of the whole model."""
-    hf_dict = loaded.config.to_hf_dict()
+    hf_dict = loaded.config.to_hf_dict() | {"pad_token_id": 0}  # Phi-3's default (32000) is past a small vocabulary
     config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
     config.eos_token_id = None  # random weights: never stop early
-    config._attn_implementation = attn
+    # HF's sdpa attention has no soft cap: Gemma 2 runs eager (as HF picks for it)
+    config._attn_implementation = "eager" if loaded.config.attn_logit_softcapping else attn
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # as from_pretrained(dtype=...) does: parameters made in dtype, not cast later
     try:

@@ -1,4 +1,5 @@
-// Helpers shared by the kernels: 16-byte bf16 vectors, fp8 (e4m3) conversions and warp/block reductions.
+// Helpers shared by the kernels: 16-byte bf16 vectors, fp8 (e4m3) conversions, the MLP's gated activations and
+// warp/block reductions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -90,6 +91,19 @@ __device__ __forceinline__ uint2 f32x8_to_e4m3x8(const float x[8], float scale) 
                                             __NV_E4M3);
     return out;
 }
+
+// The gate's activation times up, in float32: silu(g) = g / (1 + exp(-g)) (SwiGLU), or HF's gelu_pytorch_tanh,
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (GeGLU, Gemma). Shared by activation.cu and gemv.cu's epilogue.
+struct Silu {
+    static __device__ __forceinline__ float apply(float g, float u) { return g / (1.f + expf(-g)) * u; }
+};
+
+struct GeluTanh {
+    static __device__ __forceinline__ float apply(float g, float u) {
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        return 0.5f * g * (1.f + tanhf(inner)) * u;
+    }
+};
 
 // Reductions over a warp or a block, of an operation given as a type: Sum or Max.
 struct Sum {

@@ -21,9 +21,9 @@
 // kernel (programmatic dependent launch, common.cuh), so they overlap its end; and the next kernel may launch at
 // once, so that its blocks are resident and its own first loads in flight as this one ends (common.cuh).
 //
-// The gate/up projection (gemv_swiglu_bf16) ends in SwiGLU instead of storing gate_up (activation.cu's
-// silu_and_mul, a kernel and a boundary fewer per layer): its weight rows come interleaved so that a 16-row tile
-// holds 8 units' gate rows and their up rows.
+// The gate/up projection (gemv_swiglu_bf16, gemv_geglu_bf16) ends in SwiGLU or GeGLU instead of storing gate_up
+// (activation.cu's silu_and_mul and gelu_tanh_and_mul, a kernel and a boundary fewer per layer): its weight rows
+// come interleaved so that a 16-row tile holds 8 units' gate rows and their up rows.
 //
 // A warp with more than one iteration of k (Llama-3.2-1B's down projection: 4) loads an iteration, waits for it,
 // multiplies, and only then loads the next, so HBM idles between iterations. The `_pipelined` kernels keep a second
@@ -33,6 +33,8 @@
 //
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
+#include <type_traits>
+
 #include "mma.cuh"
 
 // Asking for 2 blocks per SM (so 128 registers) is what makes ptxas keep all 3 * GEMV_UNROLL loads of an iteration
@@ -84,13 +86,14 @@ __device__ __forceinline__ void multiply(float (&c)[2][4], const uint4 (&lo)[GEM
     }
 }
 
-// SiLU(gate) * up from float32 sums, each first rounded to bf16 as the GEMM's bf16 output is before
-// activation.cu's silu_and_mul reads it, so that both paths give the same activation.
-__device__ __forceinline__ float swiglu(float gate, float up) {
-    gate = __bfloat162float(__float2bfloat16(gate));
-    up = __bfloat162float(__float2bfloat16(up));
-    return gate / (1.f + expf(-gate)) * up;
+// Act(gate, up) (common.cuh: Silu, GeluTanh) from float32 sums, each first rounded to bf16 as the GEMM's bf16 output
+// is before activation.cu's kernels read it, so that both paths give the same activation.
+template <class Act>
+__device__ __forceinline__ float gated(float gate, float up) {
+    return Act::apply(__bfloat162float(__float2bfloat16(gate)), __bfloat162float(__float2bfloat16(up)));
 }
+
+struct Ungated {};  // gemv's Act for a plain product (no activation)
 
 __device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
 
@@ -99,8 +102,8 @@ __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
 }
 
 // Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, k % 8 == 0,
-// x and w 16-byte aligned; split in {1, 2, 4, 8}; SWIGLU: n % 16 == 0.
-template <typename T, bool SWIGLU, bool PIPELINED>
+// x and w 16-byte aligned; split in {1, 2, 4, 8}; a gated Act (not Ungated): n % 16 == 0.
+template <typename T, class Act, bool PIPELINED>
 __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16* __restrict__ w, int m, int n,
                      int k, int split, int accumulate) {
     __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
@@ -144,7 +147,8 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();
-    if (SWIGLU) {  // a tile's rows g are gate rows, g + 8 the same units' up rows: out [m, n / 2]
+    if constexpr (!std::is_same<Act, Ungated>::value) {
+        // a tile's rows g are gate rows, g + 8 the same units' up rows: out [m, n / 2]
         for (int e = threadIdx.x; e < tiles * 64; e += blockDim.x) {
             const int tile = e >> 6, l = (e & 63) >> 1, j = e & 1;  // lane l's gate (c element j), up (j + 2)
             float gate = 0.f, up = 0.f;
@@ -153,18 +157,18 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
                 up += partial[tile * split + i][l * 4 + j + 2];
             }
             const int unit = (tile0 + tile) * 8 + (l >> 2), col = (l & 3) * 2 + j;
-            if (unit < n / 2 && col < m) store_out(out + (int64_t)col * (n / 2) + unit, swiglu(gate, up), 0);
+            if (unit < n / 2 && col < m) store_out(out + (int64_t)col * (n / 2) + unit, gated<Act>(gate, up), 0);
         }
-        return;
-    }
-    // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
-    // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
-    for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
-        const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3;
-        float sum = 0.f;
-        for (int i = 0; i < split; ++i) sum += partial[tile * split + i][f];
-        const int row = (tile0 + tile) * 16 + (l >> 2) + (j >> 1) * 8, col = (l & 3) * 2 + (j & 1);
-        if (row < n && col < m) store_out(out + (int64_t)col * n + row, sum, accumulate);
+    } else {
+        // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
+        // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
+        for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
+            const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3;
+            float sum = 0.f;
+            for (int i = 0; i < split; ++i) sum += partial[tile * split + i][f];
+            const int row = (tile0 + tile) * 16 + (l >> 2) + (j >> 1) * 8, col = (l & 3) * 2 + (j & 1);
+            if (row < n && col < m) store_out(out + (int64_t)col * n + row, sum, accumulate);
+        }
     }
 }
 
@@ -172,19 +176,19 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
 #define GEMV_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
-        gemv<bf16, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                       \
+        gemv<bf16, Ungated, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                       \
     }
 #define GEMV_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_f32##SUFFIX(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {   \
-        gemv<float, false, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                      \
+        gemv<float, Ungated, PIPELINED>(out, x, w, m, n, k, split, accumulate);                                      \
     }
-// out [m, n / 2] = SwiGLU(x . w^T), w the gate/up projection with its rows interleaved in groups of 8 (8 gate rows,
-// then the same units' 8 up rows; backends/cuda/forward.py packs it so)
-#define GEMV_SWIGLU(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                  \
+// out [m, n / 2] = Act(x . w^T) (SwiGLU: swiglu, GeGLU: geglu), w the gate/up projection with its rows interleaved in
+// groups of 8 (8 gate rows, then the same units' 8 up rows; backends/cuda/forward.py packs it so)
+#define GEMV_GATED(NAME, ACT, SUFFIX, PIPELINED, MIN_BLOCKS)                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
-    gemv_swiglu_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {            \
-        gemv<bf16, true, PIPELINED>(out, x, w, m, n, k, split, 0);                                                 \
+    gemv_##NAME##_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {          \
+        gemv<bf16, ACT, PIPELINED>(out, x, w, m, n, k, split, 0);                                                  \
     }
 #if KEEPS(gemv_bf16)
 GEMV_BF16(, false, GEMV_MIN_BLOCKS)
@@ -193,7 +197,10 @@ GEMV_BF16(, false, GEMV_MIN_BLOCKS)
 GEMV_F32(, false, GEMV_MIN_BLOCKS)
 #endif
 #if KEEPS(gemv_swiglu_bf16)
-GEMV_SWIGLU(, false, GEMV_MIN_BLOCKS)
+GEMV_GATED(swiglu, Silu, , false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_geglu_bf16)
+GEMV_GATED(geglu, GeluTanh, , false, GEMV_MIN_BLOCKS)
 #endif
 #if KEEPS(gemv_bf16_pipelined)
 GEMV_BF16(_pipelined, true, 1)
@@ -202,5 +209,8 @@ GEMV_BF16(_pipelined, true, 1)
 GEMV_F32(_pipelined, true, 1)
 #endif
 #if KEEPS(gemv_swiglu_bf16_pipelined)
-GEMV_SWIGLU(_pipelined, true, 1)
+GEMV_GATED(swiglu, Silu, _pipelined, true, 1)
+#endif
+#if KEEPS(gemv_geglu_bf16_pipelined)
+GEMV_GATED(geglu, GeluTanh, _pipelined, true, 1)
 #endif

@@ -17,13 +17,13 @@ extern "C" __global__ void add_qkv_bias(bf16* __restrict__ qkv, const bf16* __re
     }
 }
 
-// Each Q head x <- x / sqrt(mean(x^2) + eps) * q_weight, each K head likewise with k_weight (one gain vector of
-// head_dim for all heads); V is untouched.
+// Each Q head x <- x / sqrt(mean(x^2) + eps) * (offset + q_weight), each K head likewise with k_weight (one gain
+// vector of head_dim for all heads; offset as norm.cu's: Gemma 3's 1, in float32); V is untouched.
 // Launch: grid (T), block 128: one warp per head at a time; a lane reads and writes the same elements.
 // Twin: numpy_backend.qk_norm.
 extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restrict__ q_weight,
                                    const bf16* __restrict__ k_weight, int num_heads, int num_kv_heads, int head_dim,
-                                   int row_stride, float eps) {
+                                   int row_stride, float eps, float offset) {
     pdl_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
@@ -37,6 +37,6 @@ extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restric
         }
         const float inv_rms = rsqrtf(warp_reduce<Sum>(sum_sq) / head_dim + eps);
         for (int i = lane; i < head_dim; i += 32) x[i] = __float2bfloat16(__bfloat162float(x[i]) * inv_rms *
-                                                                          __bfloat162float(w[i]));
+                                                                          (offset + __bfloat162float(w[i])));
     }
 }

@@ -111,6 +111,24 @@ def test_dummy_presets_floors(preset):
         assert not config.tie_word_embeddings
 
 
+# The issue-40 families' presets: their published parameter counts, and the layer ops each needs
+FAMILY_PRESETS = {"gemma-2-2b": (2_614_341_888, 2 * 26 * 4 * 256 * 2, "Gemma2ForCausalLM"),
+                  "gemma-3-1b": (999_885_952, 2 * 26 * 1 * 256 * 2, "Gemma3ForCausalLM"),
+                  "phi-3.5-mini": (3_821_079_552, 2 * 32 * 32 * 96 * 2, "Phi3ForCausalLM")}
+
+
+@pytest.mark.parametrize("preset", list(FAMILY_PRESETS))
+def test_family_presets_are_the_hub_configs(preset):
+    config = PRESETS[preset]()
+    params = sum(math.prod(shape) for name, shape in weight_shapes(config).items()
+                 if not (name == "lm_head.weight" and config.tie_word_embeddings))
+    assert (params, kv_bytes_per_token(config), config.architecture) == FAMILY_PRESETS[preset]
+    gemma = preset.startswith("gemma")
+    assert (config.activation == "gelu_pytorch_tanh") == gemma == config.sandwich_norms == config.tie_word_embeddings
+    assert config.final_logit_softcapping == (30.0 if preset == "gemma-2-2b" else None)
+    assert (config.rope_scaling or {}).get("rope_type") == (None if gemma else "longrope")
+
+
 def test_big_presets_shapes():
     llama, qwen = PRESETS["llama-3.1-8b"](), PRESETS["qwen2.5-7b"]()
     assert llama.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -41,7 +41,7 @@ def test_each_kernel_has_a_launcher_with_its_c_parameters():
 
 
 def test_arg_format_follows_the_c_types():
-    assert SIGNATURES["rms_norm"].arg_format == "PPPPif"
+    assert SIGNATURES["rms_norm"].arg_format == "PPPPiff"
     assert SIGNATURES["sample"].arg_format == "PPiPPPPP"
     assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiiiif"
 
@@ -603,6 +603,65 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     other.close()
 
 
+# The layer ops Gemma 2 and 3 and Phi-3 add (their windows, attention soft cap and RoPE variants left out)
+GEMMA_LAYER_FAMILIES = {
+    "Gemma2ForCausalLM": dict(activation="gelu_pytorch_tanh", final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "Gemma3ForCausalLM": dict(activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "Gemma3ForConditionalGeneration": dict(activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "Phi3ForCausalLM": dict(),
+}
+
+
+@pytest.mark.parametrize("architecture", list(GEMMA_LAYER_FAMILIES))
+def test_forward_runs_the_gemma_and_phi3_layer_ops(forward_module, architecture):
+    """Gemma's (1 + weight) norms, scaled embeddings, sandwich norms (the O and down GEMMs into a float32 scratch,
+    then rms_norm_residual), GeGLU and final-logit soft cap, and Phi-3's fused qkv_proj / gate_up_proj uploaded into
+    the packed layout: the launches, their C types and their float arguments, on a stand-in device."""
+    from tinyvllm.backends.base import missing_cuda_kernels
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    config = tiny_config(head_dim=64, architecture=architecture, **GEMMA_LAYER_FAMILIES[architecture])
+    assert missing_cuda_kernels(config, 128) is None
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8)
+    recorder = TypedRecorder()
+    forward = forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine,
+                                         FakeDevice(recorder), FakeStream(), 16)
+    gemma = architecture.startswith("Gemma")
+    assert forward.layers[0].qkv.shape == (512, 64) and forward.layers[0].gate_up.shape == (256, 64)
+    assert (forward.layers[0].attn_out_norm is not None) == gemma and (forward.buf.part is not None) == gemma
+    assert (forward.layers[0].q_norm is not None) == architecture.startswith("Gemma3")
+    assert forward.lm_head is forward.embed if gemma else forward.lm_head is not forward.embed
+    forward.allocate_kv_cache(8)
+    buffers = FakeBuffers()
+    forward.decode(4, buffers, buffers, buffers)
+    names = [name for name, _, _ in recorder.launches]
+    qk_norm = ["qk_norm"] * architecture.startswith("Gemma3")
+    if gemma:
+        per_layer = ["rms_norm", "gemv_bf16", *qk_norm, "rope_and_cache_bf16", "attention_decode_d64_r8",
+                     "attention_combine", "gemv_f32", "rms_norm_residual", "gemv_geglu_bf16", "gemv_f32",
+                     "rms_norm_residual"]
+    else:
+        per_layer = ["rms_norm", "gemv_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8", "attention_combine",
+                     "gemv_f32", "rms_norm", "gemv_swiglu_bf16", "gemv_f32"]
+    cap = ["soft_cap"] * (architecture == "Gemma2ForCausalLM")
+    assert names == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32", *cap,
+                     "apply_logits_processors", "sample", "count_tokens"]
+    args = {name: a for (name, _, _), a in zip(recorder.launches, recorder.args)}
+    assert args["embedding"][-1] == (8.0 if gemma else 1.0)  # sqrt(hidden 64)
+    assert args["rms_norm"][-1] == (1.0 if gemma else 0.0)
+    if gemma:
+        assert args["rms_norm_residual"][0] == 0 and args["rms_norm_residual"][-1] == 1.0  # the MLP's: no next norm
+        outputs = [a[0] for (name, _, _), a in zip(recorder.launches, recorder.args) if name == "rms_norm_residual"]
+        assert outputs[0] == forward.buf.h.ptr  # after the attention: the MLP's input, normed
+    if cap:
+        assert args["soft_cap"] == (forward.buf.logits.ptr, config.vocab_size, 30.0)
+    forward.prefill(10, buffers, buffers, 3, 2)  # cuBLAS: GeGLU after the gate/up GEMM
+    assert ("gelu_tanh_and_mul" in [name for name, _, _ in recorder.launches]) == gemma
+
+
 def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     """quantization="fp8" on a stand-in device: each layer's linear weights become e4m3 with a float32 scale per
     output channel (the bf16 weights freed), the embedding and LM head stay bf16, and a step's linear layers
@@ -780,9 +839,10 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     assert chosen == attention and attention <= set(names)
     fp8 = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
     assert (fp8 <= set(names)) == (quantization == "fp8")  # the FP8 weights' kernels run, or are not built
+    geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # another activation's GEMVs
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
-        set() if quantization else fp8)
+        set() if quantization else fp8) | geglu
 
 
 class FakePycuda:

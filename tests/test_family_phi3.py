@@ -85,13 +85,14 @@ def test_phi3_hub_config_reads_longrope_and_partial_rotary():
         ModelConfig.from_hf_dict(dict(hub, rope_scaling={**hub["rope_scaling"], "long_factor": [2.0] * 47}))
 
 
-def test_cuda_refuses_phi3_in_one_line():
+def test_cuda_runs_phi3_and_refuses_odd_rotary_dims_in_one_line():
     config = tiny_config(**PHI, partial_rotary_factor=0.5)
-    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*qkv_proj.*--backend numpy"):
-        check_cuda_kernels(config, 2048)
-    assert config.ops_beyond_llama(2048) == []  # 8 of 16 dims rotated: rope_and_cache does that
+    check_cuda_kernels(config, 2048)  # 8 of 16 dims rotated by rope_and_cache; fused qkv_proj/gate_up_proj uploaded
+    assert config.ops_beyond_llama(2048) == []
     odd = tiny_config(**PHI, partial_rotary_factor=0.25, rope_scaling=longrope(2, 32))
     assert odd.ops_beyond_llama(2048) == ["4 rotary dimensions (not a multiple of 8)"]
+    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*4 rotary dimensions.*--backend numpy"):
+        check_cuda_kernels(odd, 2048)
 
 
 def test_fp8_kv_cache_is_refused_for_fused_checkpoints(tmp_path):

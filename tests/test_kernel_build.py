@@ -33,7 +33,7 @@ def test_every_kernel_is_built_by_exactly_one_job():
         assert job.source == (kernel_cache.cuda_dir() / f"{job.file}.cu").read_text()
         select = {"SELECT_KERNELS": 1, f"KEEP_{job.name}": 1} if split else {}
         assert dict(job.defines) == {**DEFINES.get(job.file, {}), **select}
-    assert len([job for job in jobs if job.file == "gemv"]) == 6  # a job per gemv kernel
+    assert len([job for job in jobs if job.file == "gemv"]) == 8  # a job per gemv kernel
 
 
 def test_each_kernel_of_a_split_file_is_behind_its_own_guard():
@@ -65,8 +65,13 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     needed = kernels.needed_kernels(head_dim, heads, kv_heads, fp8)
     assert {name for name in needed if ATTENTION_INSTANCE.match(name)} == attention
     fp8_weights = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
-    others = {name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"} - fp8_weights
+    geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # a GeGLU model's (Gemma's) only
+    others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"}
+              - fp8_weights - geglu)
     assert others <= set(needed)  # gemv's every form (ops.py picks among them by shape and SM count), ...
+    assert not geglu & set(needed)
+    gemma = kernels.needed_kernels(head_dim, heads, kv_heads, fp8, activation="gelu_pytorch_tanh")
+    assert set(gemma) ^ set(needed) == geglu | {name for name in SIGNATURES if name.startswith("gemv_swiglu_")}
     assert not fp8_weights & set(needed) and fp8_weights <= set(kernels.needed_kernels(head_dim, heads, kv_heads,
                                                                                        fp8, fp8_weights=True))
     assert ("attention_combine" in needed) == (head_dim in HEAD_DIMS)
@@ -132,7 +137,7 @@ def test_kernel_table_loads_a_jobs_module_once_and_the_rest_at_first_lookup(fake
                                                                                                  programmatic))
     table = kernels.KernelTable("sm_90", programmatic=True)
     table.load(["rms_norm", "attention_decode_d64_r8"])
-    assert sorted(table) == ["attention_decode_d64_r8", "rms_norm"] and len(loaded) == 2
+    assert sorted(table) == ["attention_decode_d64_r8", "rms_norm", "rms_norm_residual"] and len(loaded) == 2
     assert table["rms_norm"].launcher == (1000, True)
     table.load(["rms_norm"])  # loaded already
     assert len(loaded) == 2

@@ -133,7 +133,7 @@ def weight_bytes(config: ModelConfig, bytes_per_param: int = 2) -> int:
     """Bytes of weights a decode step reads: every GEMM's (the LM head included), the norm gains and the biases.
     Not an untied embedding table, of which a step gathers only its tokens' rows."""
     h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
-    per_layer = 2 * h  # the two RMSNorm gains
+    per_layer = (4 if config.sandwich_norms else 2) * h  # the RMSNorm gains
     if config.attention_bias:
         per_layer += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
     if config.qk_norm:

@@ -21,6 +21,7 @@ from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.model.dummy import llama_3_2_1b_config, random_weights, save_hf_model_dir, smollm2_135m_config
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
+from tinyvllm.model.layout import tied_copies
 from tinyvllm.model.loader import LoadedModel
 from tinyvllm.outputs import RequestMetrics
 
@@ -34,10 +35,11 @@ def rel_err(out, ref):
 
 
 def bf16_model(config, seed=0) -> LoadedModel:
+    tied = tied_copies(config)  # a tied LM head is the embedding (under the family's names)
     weights = {name: bf16_to_f32(f32_to_bf16(w)) for name, w in random_weights(config, seed).items()
-               if name != "lm_head.weight" or not config.tie_word_embeddings}
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+               if name not in tied}
+    for name, source in tied.items():
+        weights[name] = weights[source]
     return LoadedModel(config, weights, None, "random")
 
 

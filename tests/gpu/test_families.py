@@ -1,6 +1,9 @@
 """The CUDA backend against the numpy backend on each model family's additions to Llama: Qwen2's Q/K/V biases and
-Qwen3's per-head q/k RMSNorm (head_dim decoupled from hidden / heads), on random weights of real shapes rounded to
-bf16 so that both sides compute with the same weights. REPORT lines carry the measured numbers (pytest -s)."""
+Qwen3's per-head q/k RMSNorm (head_dim decoupled from hidden / heads); Gemma 2 and 3 (GeGLU, (1 + weight) and
+sandwich norms, scaled embeddings, soft caps, sliding windows, Gemma 3's q/k norms and local RoPE base) and
+Phi-3.5-mini (fused checkpoint tensors, LongRoPE, head_dim 96, a sliding window), on random weights of real shapes
+rounded to bf16 so that both sides compute with the same weights. REPORT lines carry the measured numbers (pytest
+-s)."""
 
 from dataclasses import replace
 
@@ -10,7 +13,7 @@ import pytest
 from tinyvllm.backends.numpy_backend import NumpyBackend
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.model.dummy import tiny_config
+from tinyvllm.model.dummy import PHI_3_5_LONG_FACTOR, PHI_3_5_SHORT_FACTOR, tiny_config
 
 from test_cuda_model import bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
 
@@ -26,6 +29,28 @@ FAMILIES = {
                        tie_word_embeddings=True, rms_norm_eps=1e-6),
     "qwen2-untied": dict(architecture="Qwen2ForCausalLM", hidden_size=512, intermediate_size=1024,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    # Gemma 2 and 3, Phi-3.5-mini (model/dummy.py's presets' shapes) with windows the 100-token prompt crosses
+    "gemma-2-2b": dict(architecture="Gemma2ForCausalLM", hidden_size=2304, intermediate_size=9216,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       sliding_window=32, layer_types=("sliding_attention", "full_attention"),
+                       tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=256, sliding_window=32,
+                       layer_types=("sliding_attention", "full_attention"), rope_theta=1e6, local_rope_theta=10000.0,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6),
+    # the language model of a Gemma 3 multimodal checkpoint (its tensors under language_model.), text only
+    "gemma-3-multimodal": dict(architecture="Gemma3ForConditionalGeneration", hidden_size=1152,
+                               intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=32,
+                               layer_types=("sliding_attention", "full_attention"), rope_theta=1e6,
+                               local_rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "phi-3.5-mini": dict(architecture="Phi3ForCausalLM", hidden_size=3072, intermediate_size=8192,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=96, sliding_window=64,
+                         max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
+                                       "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
 }
 
 # 64-token prefill chunks: the 100-token prompt is computed in two

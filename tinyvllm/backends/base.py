@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyvllm.model.layout import fused_parts
 
 
 @dataclass
@@ -228,8 +227,6 @@ class Backend(ABC):
 def missing_cuda_kernels(model_config, max_model_len: int | None) -> str | None:
     """What this model (a ModelConfig) needs that the cuda backend has no kernels for, as one line (None: nothing)."""
     missing = model_config.ops_beyond_llama(max_model_len)
-    fused = fused_parts(model_config)
-    missing += [f"fused {', '.join(fused)} checkpoint tensors"] if fused else []
     if not missing:
         return None
     return (f"the cuda backend has no kernels yet for this {model_config.architecture} model's "

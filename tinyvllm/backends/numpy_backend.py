@@ -30,9 +30,16 @@ from tinyvllm.model.weights import LayerWeights, pack_weights
 # ---- the operations (each the twin of a CUDA kernel) -------------------------------------------------------------
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / rms(x) * weight over the last axis.  Twin: cuda/norm.cu rms_norm."""
+    """x / rms(x) * weight over the last axis (weight: a gain plus the family's norm_offset, host_layer).
+    Twin: cuda/norm.cu rms_norm."""
     variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
     return (x / np.sqrt(variance + eps)) * weight
+
+
+def add_rms_norm(x: np.ndarray, part: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x + rms_norm(part): a sandwich norm's residual add, of the attention's or the MLP's output (Gemma 2 and 3).
+    Twin: cuda/norm.cu rms_norm_residual (with the next rms_norm of the result fused in)."""
+    return x + rms_norm(part, weight, eps)
 
 
 def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
@@ -63,7 +70,8 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 def gelu_tanh_and_mul(gate_up: np.ndarray) -> np.ndarray:
-    """GELU(gate) (its tanh approximation, HF's gelu_pytorch_tanh) * up: Gemma's GeGLU. No CUDA twin yet."""
+    """GELU(gate) (its tanh approximation, HF's gelu_pytorch_tanh) * up: Gemma's GeGLU.
+    Twin: cuda/activation.cu gelu_tanh_and_mul, and gemv.cu's gemv_geglu_bf16."""
     gate, up = np.split(gate_up, 2, axis=-1)
     inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate * gate * gate)
     return np.float32(0.5) * gate * (np.float32(1) + np.tanh(inner)) * up
@@ -73,14 +81,15 @@ ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}  # 
 
 
 def soft_cap(x: np.ndarray, cap: float | None) -> np.ndarray:
-    """cap * tanh(x / cap): Gemma 2's attention scores and logits (x as it is for no cap). No CUDA twin yet."""
+    """cap * tanh(x / cap): Gemma 2's attention scores and logits (x as it is for no cap).
+    Twin: cuda/activation.cu soft_cap (the logits)."""
     return x if cap is None else np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
 def interleave_gate_up(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [..., 2 * I] (gate, then up) with its last axis in the cuda backend's order: groups of 8 gate entries,
-    each followed by the same units' 8 up entries. Twin: the gate/up weight's rows as cuda/forward.py packs them,
-    and so the columns of their product, which cuda/activation.cu and gemv.cu's gemv_swiglu read."""
+    each followed by the same units' 8 up entries. Twin: the gate/up weight's rows as backends/cuda/forward.py packs
+    them, and so the columns of their product, which cuda/activation.cu and gemv.cu's gated GEMVs read."""
     gate, up = np.split(gate_up, 2, axis=-1)
     pairs = np.stack([gate.reshape(*gate.shape[:-1], -1, 8), up.reshape(*up.shape[:-1], -1, 8)], axis=-2)
     return pairs.reshape(gate_up.shape)
@@ -336,14 +345,11 @@ class NumpyBackend(Backend):
         attn = paged_attention(q, self.k_cache[i], self.v_cache[i], batch, self.engine_config.block_size,
                                self.attention[i], self.kv_scales[i])
         out = linear(attn.reshape(len(x), heads * d), layer.o)
-        if layer.attn_out_norm is not None:  # Gemma: the attention's output normalized before the residual add
-            out = rms_norm(out, layer.attn_out_norm, cfg.rms_norm_eps)
-        x = x + out
+        # Gemma: the attention's (and the MLP's) output normalized before the residual add
+        x = x + out if layer.attn_out_norm is None else add_rms_norm(x, out, layer.attn_out_norm, cfg.rms_norm_eps)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
         out = self.mlp(layer, h)
-        if layer.mlp_out_norm is not None:
-            out = rms_norm(out, layer.mlp_out_norm, cfg.rms_norm_eps)
-        return x + out
+        return x + out if layer.mlp_out_norm is None else add_rms_norm(x, out, layer.mlp_out_norm, cfg.rms_norm_eps)
 
     def mlp(self, layer: LayerWeights[HostWeight], h: np.ndarray) -> np.ndarray:
         """The layer's MLP on its normed input h [T, hidden]: the dense one, or the experts its router picks."""

@@ -250,11 +250,7 @@ class ModelConfig:
         """What a sequence of max_model_len tokens (None: the model's longest) needs beyond the decoder the cuda
         backend runs (Llama's, with sliding windows, soft-capped attention logits, query_pre_attn_scalar, LongRoPE,
         partial rotary dimensions and a second RoPE base): the operations only the numpy backend implements."""
-        named = {f"{self.rotary_dim} rotary dimensions (not a multiple of 8)": self.rotary_dim % 8 != 0,
-                 f"the {self.activation} activation": self.activation != "silu",
-                 "(1 + weight) RMSNorm": self.norm_offset != 0, "scaled embeddings": self.embed_scale != 1,
-                 "norms of the attention and MLP outputs": self.sandwich_norms,
-                 "soft-capped final logits": self.final_logit_softcapping}
+        named = {f"{self.rotary_dim} rotary dimensions (not a multiple of 8)": self.rotary_dim % 8 != 0}
         return [name for name, needed in named.items() if needed]
 
     @classmethod

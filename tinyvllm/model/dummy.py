@@ -85,9 +85,56 @@ def qwen2_5_7b_config() -> ModelConfig:
     )
 
 
+def gemma_2_2b_config() -> ModelConfig:
+    """google/gemma-2-2b's config.json (in bf16; the hub's says float32)."""
+    return ModelConfig.from_hf_dict({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True, "bos_token_id": 2,
+        "eos_token_id": [1, 107], "torch_dtype": "bfloat16"})
+
+
+def gemma_3_1b_config() -> ModelConfig:
+    """google/gemma-3-1b-it's config.json: 5 sliding layers of 512 tokens to each global one."""
+    return ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"})
+
+
+# microsoft/Phi-3.5-mini-instruct's LongRoPE factors (its config.json holds these as float32 values)
+PHI_3_5_SHORT_FACTOR = [1.0, 1.02, 1.03, 1.03, *[1.05] * 5, 1.07, 1.1, 1.11, 1.16, 1.16, 1.17, 1.29, 1.34, 1.68, 1.79,
+                        1.82, 1.85, 1.88, 1.91, 1.94, 1.99, *[2.02] * 6, *[2.03] * 9, 2.08, 2.09, 2.19, 2.22, 2.59,
+                        2.73, 2.75, 2.84]
+PHI_3_5_LONG_FACTOR = [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23, 4.79, 7.4, 7.7, 9.09, 12.2, 17.67,
+                       24.46, 28.57, 30.42, 30.84, 32.59, 32.93, 42.32, 44.96, 50.34, 50.45, 57.55, 57.93, 58.21, 60.14,
+                       62.61, 62.62, 62.71, 63.14, 63.14, 63.77, 63.93, 63.96, 63.97, 64.03, 64.07, 64.08, 64.12, 64.41,
+                       64.48, 64.51, 64.53, 64.84]
+
+
+def phi_3_5_mini_config() -> ModelConfig:
+    """microsoft/Phi-3.5-mini-instruct's config.json: fused Q/K/V and gate/up checkpoint tensors, head_dim 96,
+    LongRoPE."""
+    return ModelConfig.from_hf_dict({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
+                         "long_factor": PHI_3_5_LONG_FACTOR},
+        "bos_token_id": 1, "eos_token_id": [32007, 32001, 32000], "torch_dtype": "bfloat16"})
+
+
 # --dummy-weights names -> the config of that model's shapes
 PRESETS = {"llama-3.1-8b": llama_3_1_8b_config, "qwen2.5-7b": qwen2_5_7b_config, "llama-3.2-1b": llama_3_2_1b_config,
-           "smollm2-135m": smollm2_135m_config, "tiny": tiny_config}
+           "smollm2-135m": smollm2_135m_config, "gemma-2-2b": gemma_2_2b_config, "gemma-3-1b": gemma_3_1b_config,
+           "phi-3.5-mini": phi_3_5_mini_config, "tiny": tiny_config}
 
 
 def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:

@@ -1,13 +1,15 @@
 """The decoder forward (Llama and the families of model/config.py) in bf16 on one NVIDIA GPU: weights, activations
 and the paged KV cache in device memory, and the launch sequence of a step.
 
-Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3) -> rope_and_cache (RoPE, and K and
-V into the paged cache) -> attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul -> down
-GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and
-float32 compute; the GEMV of the gate/up projection applies SwiGLU itself (silu_and_mul inside, on weight rows
-interleaved for it). The residual stream stays float32 and the O and down GEMMs add into it (beta = 1). The LM
-head writes float32 logits that never leave the GPU: the sampler kernel returns token ids (and logprobs when
-asked).
+Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3, Gemma 3) -> rope_and_cache (RoPE, and
+K and V into the paged cache) -> attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul (or
+gelu_tanh_and_mul: Gemma) -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to
+8 rows (linear.py), bf16 in and float32 compute; the GEMV of the gate/up projection applies the activation itself
+(on weight rows interleaved for it). The residual stream stays float32 and the O and down GEMMs add into it (beta =
+1); with sandwich norms (Gemma 2 and 3) they write a float32 scratch instead, and rms_norm_residual adds its norm
+to the residual and normalizes the result for the next GEMM. Every norm multiplies by (norm_offset + gain), the
+embedding by embed_scale rounded to bf16 (Gemma's). The LM head writes float32 logits (soft-capped where the model
+caps them) that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
@@ -32,7 +34,9 @@ from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
+from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.kv_scales import kv_cache_scales
+from tinyvllm.model.layout import model_parts
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.rope import cos_sin_tables
@@ -81,6 +85,7 @@ class Activations:
     attn: DeviceTensor  # bf16 [t, q_width]
     gate_up: DeviceTensor  # bf16 [t, 2 * intermediate]
     act: DeviceTensor  # bf16 [t, intermediate]
+    part: DeviceTensor | None  # f32 [t, hidden]: the O or down GEMM's product before its sandwich norm; None: no such
     logits: DeviceTensor  # f32 [s, vocab]
     sample_hidden: DeviceTensor  # bf16 [s, hidden]: final-normed hidden states of the positions that sample
     token_counts: DeviceTensor  # i32 [s, vocab]: the logits processors' token counts, a slot per running sequence
@@ -126,6 +131,9 @@ class CudaForward:
         # each layer's sliding window (0: none) and attention-logit soft cap (0: none), as the attention kernels take
         self.windows = [window or 0 for window in cfg.layer_windows]
         self.softcap = cfg.attn_logit_softcapping or 0.0
+        self.norm_offset = float(cfg.norm_offset)  # every RMSNorm multiplies by (norm_offset + gain)
+        # HF multiplies the embeddings by sqrt(hidden) in the model's dtype (Gemma): here bf16
+        self.embed_scale = float(bf16_to_f32(f32_to_bf16(np.array([cfg.embed_scale], np.float32)))[0])
         self.max_tokens, self.max_seqs = max_tokens, engine_config.max_num_seqs
 
         self.kv_entry_bytes = 1 if engine_config.fp8_kv_cache else 2  # e4m3 codes or bf16
@@ -153,9 +161,9 @@ class CudaForward:
         rows one after another in device memory, so the parts are copied to their offsets and never fused on the
         host. Each part goes from the model file (a bf16 checkpoint's as stored, with no host copy of the tensor)
         through a few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces."""
-        cfg, shapes = self.config, weight_shapes(self.config)
+        cfg, shapes, names = self.config, weight_shapes(self.config), model_parts(self.config)
         tied = cfg.tie_word_embeddings
-        size = sum(nbytes(BF16, shape) for name, shape in shapes.items() if not (tied and name == "lm_head.weight"))
+        size = sum(nbytes(BF16, shape) for name, shape in shapes.items() if not (tied and name in names["lm_head"]))
         free, total = self.device.mem_get_info()
         if size > free:
             raise MemoryError(f"the model's bf16 weights need {size / GIB:.2f} GiB but the GPU ({self.device_name})"
@@ -170,9 +178,9 @@ class CudaForward:
             parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
             return tensor
 
-        self.embed = place(["model.embed_tokens.weight"])
-        self.lm_head = self.embed if tied else place(["lm_head.weight"])
-        self.final_norm = place(["model.norm.weight"])
+        self.embed = place(names["embed"])
+        self.lm_head = self.embed if tied else place(names["lm_head"])
+        self.final_norm = place(names["final_norm"])
         self.layers = [DeviceLayer(**{field: place(names) for field, names in layer_parts(cfg, i).items()})
                        for i in range(cfg.num_hidden_layers)]
         self._stream_parts(w, parts)
@@ -257,6 +265,7 @@ class CudaForward:
         self.buf = Activations(
             x=empty(F32, (t, hidden)), h=empty(BF16, (t, hidden)), qkv=empty(BF16, (t, self.qkv_width)),
             attn=empty(BF16, (t, self.q_width)), gate_up=empty(BF16, (t, 2 * inter)), act=empty(BF16, (t, inter)),
+            part=empty(F32, (t, hidden)) if cfg.sandwich_norms else None,
             logits=empty(F32, (s, vocab)), sample_hidden=empty(BF16, (s, hidden)),
             token_counts=empty(I32, (s, vocab)), prompt_mask=empty(U8, (s, vocab)),
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
@@ -333,26 +342,41 @@ class CudaForward:
     def _layers(self, n: int, inp: Buffers, out: Buffers, attention: Callable[[int], None]) -> None:
         """Embed n tokens and run every layer on them, the residual stream ending in buf.x."""
         cfg, b, ops, linear = self.config, self.buf, self.ops, self.linear
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset
         # tokens sampled by the previous step, which is queued before this one but not read back yet
         ops.resolve_tokens(inp.ptr("token_ids"), inp.ptr("token_src"), out.ptr("ids"), n)
-        ops.embedding(b.x.ptr, self.embed.ptr, inp.ptr("token_ids"), n, hidden)
+        ops.embedding(b.x.ptr, self.embed.ptr, inp.ptr("token_ids"), n, hidden, self.embed_scale)
         for i, layer in enumerate(self.layers):
-            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps)
+            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps, offset)
             linear.gemm(b.qkv, b.h, layer.qkv, n)
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
             if layer.q_norm is not None:
                 ops.qk_norm(b.qkv.ptr, layer.q_norm.ptr, layer.k_norm.ptr, n, self.heads, self.kv_heads,
-                            self.head_dim, self.qkv_width, eps)
+                            self.head_dim, self.qkv_width, eps, offset)
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
                                inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
                                self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim)
             attention(i)
-            linear.gemm(b.x, b.attn, layer.o, n, accumulate=True)
-            ops.rms_norm(b.h.ptr, b.x.ptr, layer.post_norm.ptr, 0, n, hidden, eps)
-            linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up)
-            linear.gemm(b.x, b.act, layer.down, n, accumulate=True)
+            self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
+            linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation)
+            self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm)
+
+    def _add_to_residual(self, n: int, x: DeviceTensor, w: DeviceTensor, out_norm: DeviceTensor | None,
+                         next_norm: DeviceTensor | None = None) -> None:
+        """buf.x += x . w^T (the O or down projection), normalized by out_norm first where the layer has sandwich
+        norms; then, with next_norm, buf.h = rms_norm(buf.x) * next_norm (the next GEMM's input). Without out_norm the
+        GEMM adds into the residual stream itself; with it, it writes buf.part, which rms_norm_residual adds."""
+        cfg, b, ops = self.config, self.buf, self.ops
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset
+        if out_norm is None:
+            self.linear.gemm(b.x, x, w, n, accumulate=True)
+            if next_norm is not None:
+                ops.rms_norm(b.h.ptr, b.x.ptr, next_norm.ptr, 0, n, hidden, eps, offset)
+            return
+        self.linear.gemm(b.part, x, w, n)
+        ops.rms_norm_residual(0 if next_norm is None else b.h.ptr, b.x.ptr, b.part.ptr, out_norm.ptr,
+                              0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset)
 
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
         """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more
@@ -371,8 +395,11 @@ class CudaForward:
 
     def compute_logits(self, n: int, hidden_rows: DeviceTensor) -> None:
         """The float32 logits of the first n final-normed rows of hidden_rows (bf16 [>= n, hidden]) into
-        buf.logits."""
+        buf.logits, soft-capped where the model caps them (final_logit_softcapping), before anything reads them."""
         self.linear.gemm(self.buf.logits, hidden_rows, self.lm_head, n)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            self.ops.soft_cap(self.buf.logits.ptr, n, self.config.vocab_size, cap)
 
     def sample_logits(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, last_tokens: int,
                       masks: Buffers | None = None) -> None:
@@ -408,7 +435,7 @@ class CudaForward:
 
         self._layers(n, inp, out, attention)
         self.ops.rms_norm(b.h.ptr, b.x.ptr, self.final_norm.ptr, 0, n, self.config.hidden_size,
-                          self.config.rms_norm_eps)
+                          self.config.rms_norm_eps, self.norm_offset)
         self.compute_logits(n, b.h)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
@@ -432,7 +459,7 @@ class CudaForward:
         sequences first_seq.."""
         cfg = self.config
         self.ops.rms_norm(self.buf.sample_hidden.row(first_seq), self.buf.x.ptr, self.final_norm.ptr, rows, count,
-                          cfg.hidden_size, cfg.rms_norm_eps)
+                          cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
 
     def sample_prefill(self, num_seqs: int, inp: Buffers, out: Buffers, proc: Buffers,
                        masks: Buffers | None = None) -> None:
@@ -447,6 +474,7 @@ class CudaForward:
     def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
         """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""
         cfg, buf = self.config, self.buf
-        self.ops.rms_norm(buf.h.ptr, buf.x.ptr, self.final_norm.ptr, rows, m, cfg.hidden_size, cfg.rms_norm_eps)
+        self.ops.rms_norm(buf.h.ptr, buf.x.ptr, self.final_norm.ptr, rows, m, cfg.hidden_size, cfg.rms_norm_eps,
+                          self.norm_offset)
         self.compute_logits(m, buf.h)
         self.logprobs(m, targets, k, out)

@@ -1,5 +1,6 @@
 """Linear layers: our GEMV kernel (cuda/gemv.cu) for a few rows, cuBLAS for more. With the GEMV the gate/up
-projection ends in SwiGLU (gemv_swiglu); after cuBLAS, SwiGLU is a kernel of its own (silu_and_mul).
+projection ends in its activation, SwiGLU or GeGLU (gemv_swiglu, gemv_geglu); after cuBLAS, the activation is a
+kernel of its own (silu_and_mul, gelu_tanh_and_mul).
 
 At decode batch 1..8 a GEMM is one pass over the weights, and cuBLAS reaches only about half of the memory
 bandwidth there; gemv.cu is built to stream the weights at the copy rate. Both paths compute the same thing
@@ -8,7 +9,7 @@ a CUDA graph.
 
 FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8): the input is quantized to e4m3 per token
 first (quantize_fp8); then our FP8 GEMV (gemv_fp8) for a few rows, else cuBLASLt's FP8 GEMM into float32 and
-scale_rows_cols applying the token and channel scales (cuda/fp8.cu). SwiGLU is then silu_and_mul on the bf16
+scale_rows_cols applying the token and channel scales (cuda/fp8.cu). The activation is then its kernel on the bf16
 gate/up product.
 """
 
@@ -25,6 +26,8 @@ from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul
 # weights while the kernel before it ends (programmatic dependent launch), which cuBLAS's kernels do not: with the
 # MLP's GEMMs on it too, W3 went from 1.16 to 1.11 ms per token; the 128k x 2048 LM head stays on cuBLAS (equal).
 GEMV_MAX_WEIGHTS = 64 << 20  # n * k up to which the kernel runs
+# ModelConfig.activation -> the Ops launchers of its gated MLP: (the GEMV with it as epilogue, the kernel after cuBLAS)
+GATED_ACTIVATIONS = {"silu": ("gemv_swiglu", "silu_and_mul"), "gelu_pytorch_tanh": ("gemv_geglu", "gelu_tanh_and_mul")}
 
 
 @dataclass(frozen=True)
@@ -101,18 +104,21 @@ class Linear:
         self.ops.scale_rows_cols(out.ptr, acc.ptr, s.scales.ptr, w.scale.ptr, m, n, out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
-                       gate_up: DeviceTensor) -> None:
-        """bf16 out[:m, n / 2] = SwiGLU(x . w^T), w [n, k] the gate/up projection with its rows interleaved in groups
-        of 8 (8 gate, then the same units' 8 up); gate_up: a bf16 [>= m, n] buffer that the cuBLAS path goes
-        through."""
+                       gate_up: DeviceTensor, activation: str = "silu") -> None:
+        """bf16 out[:m, n / 2] = SwiGLU(x . w^T) (activation "silu"; "gelu_pytorch_tanh": GeGLU), w [n, k] the gate/up
+        projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up); gate_up: a bf16
+        [>= m, n] buffer that the cuBLAS path goes through."""
         n, k = self._check(gate_up, x, w, m)
         if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
             raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"the cuda backend has no gated MLP with the {activation!r} activation")
+        gemv, kernel = (getattr(self.ops, name) for name in GATED_ACTIVATIONS[activation])
         if w.dtype == E4M3:
             self._gemm_fp8(gate_up, x, w, m, n, k, False)
-            self.ops.silu_and_mul(out.ptr, gate_up.ptr, m, n // 2)
+            kernel(out.ptr, gate_up.ptr, m, n // 2)
         elif self.uses_gemv(m, n, k):
-            self.ops.gemv_swiglu(out.ptr, x.ptr, w.ptr, m, n, k)
+            gemv(out.ptr, x.ptr, w.ptr, m, n, k)
         else:
             self.blas.gemm(gate_up, x, w, m)
-            self.ops.silu_and_mul(out.ptr, gate_up.ptr, m, n // 2)
+            kernel(out.ptr, gate_up.ptr, m, n // 2)

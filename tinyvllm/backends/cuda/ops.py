@@ -46,7 +46,7 @@ GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
-ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, silu_and_mul, logits processors: threads per block
+ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, the activations, soft_cap, logits processors: per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
 FP8_VECTOR = 16  # e4m3 codes per 16-byte load: gemv_fp8's k and cuBLASLt's FP8 leading dimensions are multiples
 QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
@@ -150,6 +150,16 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int) -> tu
     return kernel_name + "_pipelined" * pipelined, (blocks,), split
 
 
+def _norm_threads(kernel_name: str, hidden: int) -> int:
+    """The block of rms_norm and rms_norm_residual: a chunk of 8 entries per thread where a block has enough of
+    them, else NORM_CHUNKS each."""
+    _require_vectors(kernel_name, hidden=hidden)
+    chunks = hidden // VECTOR
+    _require(chunks <= MAX_THREADS * NORM_CHUNKS, f"{kernel_name}: hidden {hidden} is over the "
+                                                  f"{MAX_THREADS * NORM_CHUNKS * VECTOR} one block holds")
+    return -(-min(chunks, MAX_THREADS) // 32) * 32
+
+
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
 
 
@@ -165,24 +175,33 @@ class Ops:
     def launch(self, name: str, grid: tuple[int, ...], block: int, *args) -> None:
         self.kernels[name](grid, (block, 1, 1), self.stream, *args)
 
-    @kernel("embedding", "float* out, const bf16* table, const int* ids, int hidden")
-    def embedding(self, out: int, table: int, ids: int, num_tokens: int, hidden: int) -> None:
+    @kernel("embedding", "float* out, const bf16* table, const int* ids, int hidden, float scale")
+    def embedding(self, out: int, table: int, ids: int, num_tokens: int, hidden: int, scale: float = 1.0) -> None:
+        """float32 out [num_tokens, hidden] = the table's rows ids, times scale (Gemma's scaled embeddings)."""
         _require_vectors("embedding", hidden=hidden)
-        self.launch("embedding", (num_tokens,), ELEMENTWISE_THREADS, out, table, ids, hidden)
+        self.launch("embedding", (num_tokens,), ELEMENTWISE_THREADS, out, table, ids, hidden, float(scale))
 
     @kernel("embedding", "int* ids, const int* src, const int* sampled, int n")
     def resolve_tokens(self, ids: int, src: int, sampled: int, n: int) -> None:
         self.launch("resolve_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, ids, src, sampled, n)
 
-    @kernel("norm", "bf16* out, const float* x, const bf16* w, const int* rows, int hidden, float eps")
-    def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float) -> None:
-        """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1]."""
-        _require_vectors("rms_norm", hidden=hidden)
-        chunks = hidden // VECTOR
-        _require(chunks <= MAX_THREADS * NORM_CHUNKS, f"rms_norm: hidden {hidden} is over the "
-                                                      f"{MAX_THREADS * NORM_CHUNKS * VECTOR} one block holds")
-        threads = -(-min(chunks, MAX_THREADS) // 32) * 32  # a chunk per thread where a block has enough of them
-        self.launch("rms_norm", (num_rows,), threads, out, x, w, rows, hidden, eps)
+    @kernel("norm", "bf16* out, const float* x, const bf16* w, const int* rows, int hidden, float eps, float offset")
+    def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float,
+                 offset: float = 0.0) -> None:
+        """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1], normalized and
+        times (offset + w) (offset: ModelConfig.norm_offset)."""
+        self.launch("rms_norm", (num_rows,), _norm_threads("rms_norm", hidden), out, x, w, rows, hidden, eps,
+                    float(offset))
+
+    @kernel("norm", "bf16* out, float* x, const float* part, const bf16* part_w, const bf16* w, int hidden, "
+                    "float eps, float offset")
+    def rms_norm_residual(self, out: int, x: int, part: int, part_w: int, w: int, num_rows: int, hidden: int,
+                          eps: float, offset: float = 0.0) -> None:
+        """The sandwich norms' residual add: float32 x [num_rows, hidden] += rms_norm(part) * (offset + part_w)
+        (part: float32, the O or down GEMM's product), then, unless out is 0, bf16 out = rms_norm(x) * (offset + w)
+        of the new x."""
+        self.launch("rms_norm_residual", (num_rows,), _norm_threads("rms_norm_residual", hidden), out, x, part,
+                    part_w, w, hidden, eps, float(offset))
 
     @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
     def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
@@ -191,22 +210,38 @@ class Ops:
         self.launch("add_qkv_bias", (num_tokens,), ROW_THREADS, qkv, bias, width)
 
     @kernel("qkv", "bf16* qkv, const bf16* q_weight, const bf16* k_weight, int num_heads, int num_kv_heads, "
-                   "int head_dim, int row_stride, float eps")
+                   "int head_dim, int row_stride, float eps, float offset")
     def qk_norm(self, qkv: int, q_weight: int, k_weight: int, num_tokens: int, num_heads: int, num_kv_heads: int,
-                head_dim: int, row_stride: int, eps: float) -> None:
-        """RMSNorm of each Q and K head of the fused qkv rows, in place (Qwen3), before rope."""
+                head_dim: int, row_stride: int, eps: float, offset: float = 0.0) -> None:
+        """RMSNorm of each Q and K head of the fused qkv rows, times (offset + gain), in place (Qwen3, Gemma 3),
+        before rope."""
         _require((num_heads + 2 * num_kv_heads) * head_dim <= row_stride,
                  f"qk_norm: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of {row_stride}")
         self.launch("qk_norm", (num_tokens,), ROW_THREADS, qkv, q_weight, k_weight, num_heads, num_kv_heads,
-                    head_dim, row_stride, eps)
+                    head_dim, row_stride, eps, float(offset))
 
     @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
     def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
         """out [num_tokens, inter] = SwiGLU of gate_up [num_tokens, 2 * inter], its columns interleaved in groups of
         8 (8 gate, then the same units' 8 up)."""
-        _require_vectors("silu_and_mul", intermediate_size=inter)
+        self._gated("silu_and_mul", out, gate_up, num_tokens, inter)
+
+    @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
+    def gelu_tanh_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+        """silu_and_mul's GeGLU (gelu_pytorch_tanh of the gate, times up): Gemma's MLP."""
+        self._gated("gelu_tanh_and_mul", out, gate_up, num_tokens, inter)
+
+    def _gated(self, name: str, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+        _require_vectors(name, intermediate_size=inter)
         per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
-        self.launch("silu_and_mul", (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
+        self.launch(name, (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
+
+    @kernel("activation", "float* logits, int vocab, float cap")
+    def soft_cap(self, logits: int, num_rows: int, vocab: int, cap: float) -> None:
+        """float32 logits [num_rows, vocab] = cap * tanh(logits / cap), in place (final_logit_softcapping)."""
+        _require(cap > 0, f"soft_cap: cap {cap} is not > 0")
+        self.launch("soft_cap", (num_rows, -(-vocab // ELEMENTWISE_THREADS)), ELEMENTWISE_THREADS, logits, vocab,
+                    float(cap))
 
     @kernel("cache", "bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions, const int* slot_mapping, "
                      "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, "
@@ -336,8 +371,17 @@ class Ops:
     def gemv_swiglu(self, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
         """bf16 out[m, n / 2] = SwiGLU(x[m, k] . w[n, k]^T), w's rows interleaved in groups of 8 (8 gate rows, then
         the same units' 8 up rows), for m <= 8."""
-        _require(n % GEMV_TILE_ROWS == 0, f"gemv_swiglu: n = {n} rows are not whole groups of 8 gate and 8 up rows")
-        name, grid, split = _gemv_geometry("gemv_swiglu_bf16", m, n, k, self.num_sms)
+        self._gemv_gated("gemv_swiglu_bf16", out, x, w, m, n, k)
+
+    @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_geglu_bf16",
+            "gemv_geglu_bf16_pipelined")
+    def gemv_geglu(self, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
+        """gemv_swiglu's GeGLU (gelu_pytorch_tanh of the gate, times up): Gemma's MLP."""
+        self._gemv_gated("gemv_geglu_bf16", out, x, w, m, n, k)
+
+    def _gemv_gated(self, kernel_name: str, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
+        _require(n % GEMV_TILE_ROWS == 0, f"{kernel_name}: n = {n} rows are not whole groups of 8 gate and 8 up rows")
+        name, grid, split = _gemv_geometry(kernel_name, m, n, k, self.num_sms)
         self.launch(name, grid, GEMV_WARPS * 32, out, x, w, m, n, k, split)
 
     @kernel("logits_processors", "float* logits, int vocab, const int* last_tokens, const int* last_src, "
