@@ -26,6 +26,17 @@ from tinyvllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+FREE_OUTSIDE_WINDOW = True  # tests switch it off to compare a sliding-window model with every block kept
+
+
+def kv_window(config, max_model_len: int) -> int | None:
+    """How far back any layer's queries read keys, where every layer slides over a window shorter than
+    max_model_len (the largest window); None otherwise: any block may be read again (Gemma's global layers)."""
+    windows = config.layer_windows
+    if not FREE_OUTSIDE_WINDOW or None in windows or max(windows) >= max_model_len:
+        return None
+    return max(windows)
+
 
 @dataclass(frozen=True)
 class ServedModelConfig:
@@ -45,17 +56,24 @@ class LLMEngine:
         self.backend = backend
         self.engine_config = engine_config
         self.num_kv_blocks = backend.init_kv_cache()
-        self.block_manager = BlockManager(engine_config, self.num_kv_blocks)
+        window = kv_window(self.config, engine_config.max_model_len)
+        self.block_manager = BlockManager(engine_config, self.num_kv_blocks, window)
         self.scheduler = Scheduler(engine_config, self.block_manager, backend.num_lookahead_slots)
-        # A sequence can never outgrow the whole cache: that keeps a lone sequence always schedulable.
-        self.max_seq_len = min(engine_config.max_model_len, self.num_kv_blocks * engine_config.block_size)
+        # A sequence never needs more blocks at once than the whole cache: a lone sequence is always schedulable.
+        self.max_seq_len = self.block_manager.longest_sequence(engine_config.max_model_len,
+                                                               engine_config.enable_chunked_prefill)
+        if window is not None:
+            log.info("every layer slides over %d tokens: a decoding sequence holds at most %d of the %d KV blocks "
+                     "(those behind its window are freed); sequences up to %d tokens", window,
+                     self.block_manager.max_blocks_per_sequence(1), self.num_kv_blocks, self.max_seq_len)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
         self.model_config = ServedModelConfig(model.source, self.max_seq_len)
         self.penalty_slots = PenaltySlots(engine_config.max_num_seqs)
         self.batch_rows = BatchRows()
-        # Decodes in persistent arrays, for a backend that returns one token per row and a budget for every decode.
+        # Decodes in persistent arrays, for a backend that returns one token per row and a budget for every decode
+        # (and blocks that only grow: none freed behind a window).
         self.run = (DecodeRun(self.block_manager, self.batch_rows, self.config.vocab_size, self.eos_token_ids)
-                    if not backend.num_lookahead_slots and engine_config.max_num_batched_tokens
+                    if not backend.num_lookahead_slots and window is None and engine_config.max_num_batched_tokens
                     >= engine_config.max_num_seqs else None)
         self.scheduler.run = self.run
         if self.run is not None:

@@ -12,6 +12,11 @@ stalls the decodes; without it a prompt is admitted only whole (alone if it exce
 When a running sequence finds no free block for its new tokens, the most recently arrived running sequence is
 preempted: its blocks are freed and it waits to be recomputed (prompt and output so far prefilled again).
 
+A model whose every layer slides (BlockManager.window): each step first frees every running sequence's blocks that
+are behind its next query's window, and a sequence computes at most BlockManager.chunk_limit tokens a step, so that
+a lone sequence's window and chunk always fit in the cache however long the sequence (a 16k-token prompt on a cache
+of a few thousand tokens is prefilled chunk by chunk, freeing as it goes).
+
 The engine schedules a step while the previous one still runs (see llm_engine), so a sequence may end in a token
 not known yet (Sequence.num_pending). Such a sequence decodes that token next like any other; one whose pending
 token reaches its length limit is not scheduled again (it is certain to finish), and a preempted one is not
@@ -99,6 +104,9 @@ class Scheduler:
                              num_lookahead_slots=[] if self.num_lookahead_slots else None)
         self._block_copies = []
         budget = self.max_num_batched_tokens
+        if self.block_manager.window is not None:
+            for seq in self.running:
+                self.block_manager.free_outside_window(seq)
         if self.run is not None:  # the decodes it holds first, as _schedule_running would order them
             budget = self.run.schedule(step, self.running, budget, bool(self.waiting))
         if self.run is None or self.run.count < len(self.running):
@@ -132,8 +140,9 @@ class Scheduler:
         block_size, lookahead = self.block_manager.block_size, step.num_lookahead_slots
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            extra = 0 if lookahead is None else self.lookahead(seq, num_new)
+            limit = self.block_manager.chunk_limit(seq.num_computed_tokens)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget, limit)
+            extra = 0 if lookahead is None else min(self.lookahead(seq, num_new), limit - num_new)
             end = seq.num_computed_tokens + num_new + extra
             if len(seq.block_table) * block_size < end and not self._make_room(seq, end, queue, step):
                 continue  # it was preempted itself
@@ -179,7 +188,7 @@ class Scheduler:
             cached = len(self.block_manager.match_prefix(seq)) * self.block_manager.block_size
             remaining = len(seq) - cached
             if self.enable_chunked_prefill:
-                num_new = min(remaining, budget)
+                num_new = min(remaining, budget, self.block_manager.chunk_limit(cached))
             elif remaining > budget and step.seqs:
                 break  # a whole prompt larger than what is left waits (alone, it may exceed the budget)
             else:

@@ -41,6 +41,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    # leading blocks given back because no later query's window reaches them (a model whose every layer slides);
+    # their block-table entries hold FREED_BLOCK (block_manager)
+    num_freed_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the leading full blocks so far
     num_preemptions: int = 0
     # The engine queues step N+1 before it reads step N's tokens: the first token each step in flight is sampling
