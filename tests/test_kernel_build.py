@@ -65,10 +65,14 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     needed = kernels.needed_kernels(head_dim, heads, kv_heads, fp8)
     assert {name for name in needed if ATTENTION_INSTANCE.match(name)} == attention
     fp8_weights = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
-    others = {name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"} - fp8_weights
+    experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
+    others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"}
+              - fp8_weights - experts)
     assert others <= set(needed)  # gemv's every form (ops.py picks among them by shape and SM count), ...
     assert not fp8_weights & set(needed) and fp8_weights <= set(kernels.needed_kernels(head_dim, heads, kv_heads,
                                                                                        fp8, fp8_weights=True))
+    assert not experts & set(needed) and experts <= set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8,
+                                                                                experts=True))
     assert ("attention_combine" in needed) == (head_dim in HEAD_DIMS)
     jobs = compile_jobs(needed)  # and nothing else of the split files is compiled
     assert {kernel for job in jobs if job.file in SPLIT_FILES for kernel in job_kernels(job.name)} == \

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Files whose kernels a model uses only some of: a kernel of theirs is needed only as needed_kernels says.
 ATTENTION_FILES = ("attention_decode", "attention_prefill")
 FP8_WEIGHT_FILE = "fp8"  # the FP8 W8A8 kernels: needed only by a model with FP8 weights
+MOE_FILE = "moe"  # the fused mixture-of-experts kernels: needed only by a model with experts
 
 
 class Kernel:
@@ -54,17 +55,17 @@ class Kernel:
 
 
 def needed_kernels(head_dim: int, num_heads: int, num_kv_heads: int, fp8_kv_cache: bool,
-                   fp8_weights: bool = False) -> list[str]:
+                   fp8_weights: bool = False, experts: bool = False) -> list[str]:
     """The kernels a model of these attention shapes launches: every kernel but the attention kernels' instances
-    for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules), and the FP8
-    weight kernels only for FP8 weights."""
+    for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules), the FP8
+    weight kernels only for FP8 weights, and the MoE kernels only for a model with experts."""
     fp8 = "fp8_" if fp8_kv_cache else ""
     rows = decode_rows(num_heads // num_kv_heads)
     attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}", f"attention_prefill_{fp8}d{head_dim}",
                  "attention_combine"} if head_dim in HEAD_DIMS else set()
     return [name for name, signature in SIGNATURES.items()
             if (signature.file not in ATTENTION_FILES or name in attention)
-            and (signature.file != FP8_WEIGHT_FILE or fp8_weights)]
+            and (signature.file != FP8_WEIGHT_FILE or fp8_weights) and (signature.file != MOE_FILE or experts)]
 
 
 _built: dict[tuple[str, str], bytes] = {}  # (arch, job name) -> cubin, kept for the process
