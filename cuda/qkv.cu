@@ -40,3 +40,27 @@ extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restric
                                                                           (offset + __bfloat162float(w[i])));
     }
 }
+
+// Each token's whole Q x <- x / sqrt(mean(x^2) + eps) * q_weight over its q_width entries, its whole K likewise over
+// kv_width with k_weight (OLMoE: one norm over all heads); V is untouched. A block per token; a thread reads and
+// writes the same elements.  Twin: numpy_backend.qk_norm (per_head=False).
+extern "C" __global__ void qk_norm_projection(bf16* __restrict__ qkv, const bf16* __restrict__ q_weight,
+                                              const bf16* __restrict__ k_weight, int q_width, int kv_width,
+                                              int row_stride, float eps) {
+    pdl_begin();
+    __shared__ float scratch[32];
+    bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
+    for (int part = 0; part < 2; ++part) {
+        bf16* x = row + (part ? q_width : 0);
+        const bf16* w = part ? k_weight : q_weight;
+        const int width = part ? kv_width : q_width;
+        float sum_sq = 0.f;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            const float v = __bfloat162float(x[i]);
+            sum_sq += v * v;
+        }
+        const float inv_rms = rsqrtf(block_reduce<Sum>(sum_sq, scratch) / width + eps);
+        for (int i = threadIdx.x; i < width; i += blockDim.x)
+            x[i] = __float2bfloat16(__bfloat162float(x[i]) * inv_rms * __bfloat162float(w[i]));
+    }
+}

@@ -271,7 +271,8 @@ def test_device_tensor_sizes_come_from_the_dtype():
 
 def test_device_layer_has_the_host_layers_fields():
     assert [f.name for f in fields(DeviceLayer)] == [f.name for f in fields(LayerWeights)]
-    assert [f.name for f in fields(DeviceLayer) if f.default is None] == ["qkv_bias", "q_norm", "k_norm",
+    assert [f.name for f in fields(DeviceLayer) if f.default is None] == ["gate_up", "down", "qkv_bias", "q_norm",
+                                                                           "k_norm",
                                                                            "attn_out_norm", "mlp_out_norm", "router",
                                                                            "experts_gate_up", "experts_down"]
 
@@ -840,9 +841,10 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     fp8 = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
     assert (fp8 <= set(names)) == (quantization == "fp8")  # the FP8 weights' kernels run, or are not built
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # another activation's GEMVs
+    experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
-        set() if quantization else fp8) | geglu
+        set() if quantization else fp8) | geglu | experts
 
 
 class FakePycuda:

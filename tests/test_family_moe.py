@@ -1,6 +1,6 @@
 """The mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) on the numpy backend against HF transformers (torch
 CPU, float32, eager attention), loaded by both from the same HF model dir; their config and checkpoint names; the
-cuda backend's refusal."""
+refusal of FP8 experts. The cuda backend's MoE kernels: tests/gpu/test_moe_kernels.py, test_moe_models.py."""
 
 import json
 from dataclasses import replace
@@ -133,15 +133,6 @@ def test_a_missing_expert_is_named(tmp_path):
         load_model(path)
 
 
-def test_cuda_backend_refuses_moe_in_one_line(tmp_path):
-    path = model_dir(tmp_path, "qwen3_moe")
-    src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    result = run(path, src, tmp_path / "out.parquet", "--backend", "cuda")
-    line = one_line_error(result, exit_code=None)
-    assert "Qwen3MoeForCausalLM" in line and "mixture-of-experts" in line and "numpy" in line
-
-
 def test_weight_bytes_are_what_the_numpy_backend_holds(tmp_path):
     from tinyvllm.backends import numpy_backend
 
@@ -230,22 +221,13 @@ def test_gguf_with_expert_tensors_runs_as_the_hf_dir(tmp_path, name, arch, chang
         assert np.allclose(got, want, atol=1e-5)
 
 
-def test_backend_auto_runs_moe_on_the_cpu_where_cuda_would_run(tmp_path, monkeypatch, caplog):
-    import tinyvllm.backends as backends
-    from tinyvllm.backends.numpy_backend import NumpyBackend
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_backend_takes_moe_models(name):
+    """Nothing in a MoE family is beyond the cuda backend's kernels (cuda/moe.cu; OLMoE's whole-projection q/k norms:
+    qk_norm_projection), so --backend auto runs them on a usable GPU."""
+    from tinyvllm.backends import cuda_refusal
 
-    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)  # as on a machine with a usable GPU
-    monkeypatch.setattr(backends, "gpu_present", lambda: True)
-    path = model_dir(tmp_path, "olmoe")
-    from tinyvllm import LLM
-
-    with caplog.at_level("WARNING", logger="tinyvllm.backends"):
-        llm = LLM(str(path), backend="auto", max_num_seqs=2)
-    assert isinstance(llm.llm_engine.backend, NumpyBackend)
-    assert "mixture-of-experts" in caplog.text and "OlmoeForCausalLM" in caplog.text
-    with pytest.raises(ValueError, match="OlmoeForCausalLM is a mixture-of-experts model, which runs on the numpy "
-                                         "backend only"):
-        LLM(str(path), backend="cuda")
+    assert cuda_refusal(tiny_config(**CONFIGS[name]), None) is None
 
 
 def test_fp8_weights_on_a_moe_model_are_refused_in_one_line(tmp_path):

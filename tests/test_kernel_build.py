@@ -66,14 +66,17 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     assert {name for name in needed if ATTENTION_INSTANCE.match(name)} == attention
     fp8_weights = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # a GeGLU model's (Gemma's) only
+    experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"}
-              - fp8_weights - geglu)
+              - fp8_weights - geglu - experts)
     assert others <= set(needed)  # gemv's every form (ops.py picks among them by shape and SM count), ...
     assert not geglu & set(needed)
     gemma = kernels.needed_kernels(head_dim, heads, kv_heads, fp8, activation="gelu_pytorch_tanh")
     assert set(gemma) ^ set(needed) == geglu | {name for name in SIGNATURES if name.startswith("gemv_swiglu_")}
     assert not fp8_weights & set(needed) and fp8_weights <= set(kernels.needed_kernels(head_dim, heads, kv_heads,
                                                                                        fp8, fp8_weights=True))
+    assert not experts & set(needed) and experts <= set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8,
+                                                                                experts=True))
     assert ("attention_combine" in needed) == (head_dim in HEAD_DIMS)
     jobs = compile_jobs(needed)  # and nothing else of the split files is compiled
     assert {kernel for job in jobs if job.file in SPLIT_FILES for kernel in job_kernels(job.name)} == \

@@ -43,9 +43,6 @@ def gpu_present() -> bool:
 def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
     """Why the cuda backend does not run this model, though it runs here (None: it does): `auto` runs such a model
     on the numpy backend, `cuda` refuses it in this line."""
-    if model_config.num_experts:
-        return (f"{model_config.architecture} is a mixture-of-experts model, which runs on the numpy backend only "
-                "(--backend numpy): the cuda backend has no fused MoE kernel")
     scheme = model_config.quantization
     if scheme is not None and scheme.static_input:
         return (f"this is an FP8 checkpoint with static activation scales (quant_method {scheme.method}): the cuda "

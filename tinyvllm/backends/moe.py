@@ -87,3 +87,19 @@ def fused_moe(x: np.ndarray, gate_up: StackedWeight, down: StackedWeight, weight
     out = np.empty_like(rows)
     out[order] = rows  # back to (token, slot) order
     return out.reshape(num_tokens, k, -1).sum(axis=1)
+
+
+def align_block_size(ids: np.ndarray, num_experts: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """group_by_expert's order with each expert's run padded to a multiple of block_m rows with the sentinel ids.size
+    (vLLM's moe_align_block_size, the layout the CUDA expert kernels read): (sorted_ids int32 [num_post_padded],
+    expert_ids int32 [num_post_padded / block_m]: each tile's expert, num_post_padded).  Twin: cuda/moe.cu
+    moe_align."""
+    order, offsets = group_by_expert(ids, num_experts)
+    counts = np.diff(offsets)
+    padded = -(-counts // block_m) * block_m
+    starts = np.concatenate([[0], np.cumsum(padded)])
+    sorted_ids = np.full(int(starts[-1]), ids.size, np.int32)
+    for e in np.flatnonzero(counts):
+        sorted_ids[starts[e]:starts[e] + counts[e]] = order[offsets[e]:offsets[e + 1]]
+    expert_ids = np.repeat(np.arange(num_experts, dtype=np.int32), padded // block_m)
+    return sorted_ids, expert_ids, int(starts[-1])

@@ -129,12 +129,33 @@ def phi_3_5_mini_config() -> ModelConfig:
         "rope_scaling": {"type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
                          "long_factor": PHI_3_5_LONG_FACTOR},
         "bos_token_id": 1, "eos_token_id": [32007, 32001, 32000], "torch_dtype": "bfloat16"})
+def qwen3_30b_a3b_config() -> ModelConfig:
+    """Qwen3-30B-A3B's config.json: 48 expert layers of 128 experts (moe_intermediate 768), 8 per token."""
+    return ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=[151645, 151643], torch_dtype="bfloat16",
+        architecture="Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        moe_intermediate_size=768,
+    )
+
+
+def mixtral_8x7b_config() -> ModelConfig:
+    """Mixtral-8x7B-v0.1's config.json: 32 layers of 8 experts (intermediate 14336), 2 per token."""
+    return ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_ids=[2], torch_dtype="bfloat16",
+        architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        moe_intermediate_size=14336,
+    )
 
 
 # --dummy-weights names -> the config of that model's shapes
 PRESETS = {"llama-3.1-8b": llama_3_1_8b_config, "qwen2.5-7b": qwen2_5_7b_config, "llama-3.2-1b": llama_3_2_1b_config,
            "smollm2-135m": smollm2_135m_config, "gemma-2-2b": gemma_2_2b_config, "gemma-3-1b": gemma_3_1b_config,
-           "phi-3.5-mini": phi_3_5_mini_config, "tiny": tiny_config}
+           "phi-3.5-mini": phi_3_5_mini_config, "qwen3-30b-a3b": qwen3_30b_a3b_config,
+           "mixtral-8x7b": mixtral_8x7b_config, "tiny": tiny_config}
 
 
 def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:

@@ -30,6 +30,7 @@ import pycuda.driver as cuda
 
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
+from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
 from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
@@ -40,6 +41,7 @@ from tinyvllm.model.layout import model_parts
 from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
 from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.rope import cos_sin_tables
+from tinyvllm.model.layout import stacked_experts
 from tinyvllm.model.weights import layer_parts
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class CudaForward:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
             raise ValueError(f"the cuda backend needs hidden_size and intermediate_size divisible by {VECTOR}")
+        check_moe_config(cfg)
         self.device, self.stream = device, stream
         self.device_name = device.name
         self.num_sms = device.num_sms
@@ -181,7 +184,14 @@ class CudaForward:
         self.embed = place(names["embed"])
         self.lm_head = self.embed if tied else place(names["lm_head"])
         self.final_norm = place(names["final_norm"])
-        self.layers = [DeviceLayer(**{field: place(names) for field, names in layer_parts(cfg, i).items()})
+        stacked = stacked_experts(cfg)  # [num_experts, rows, columns]: each expert's parts' rows, expert by expert
+
+        def packed(field: str, tensors: list[str]) -> DeviceTensor:
+            t = place(tensors)
+            return DeviceTensor(t.ptr, t.dtype, (cfg.num_experts, t.shape[0] // cfg.num_experts, *t.shape[1:])) \
+                if field in stacked else t
+
+        self.layers = [DeviceLayer(**{field: packed(field, tensors) for field, tensors in layer_parts(cfg, i).items()})
                        for i in range(cfg.num_hidden_layers)]
         self._stream_parts(w, parts)
         self._interleave_gate_up()
@@ -208,13 +218,14 @@ class CudaForward:
         """Each layer's gate/up weight from its parts' order (the gate rows, then the up rows) to groups of 8 gate
         rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
         units and its epilogue applies SwiGLU (gemv.cu), and cuBLAS's output columns come in the order that
-        silu_and_mul reads (activation.cu). On the GPU, through one scratch copy."""
-        if not self.layers:
+        silu_and_mul reads (activation.cu). On the GPU, through one scratch copy. (An expert layer's stacked experts
+        keep their order: cuda/moe.cu reads each expert's gate and up rows where they are.)"""
+        dense = [layer.gate_up for layer in self.layers if layer.gate_up is not None]
+        if not dense:
             return
-        scratch = self.device.empty(BF16, self.layers[0].gate_up.shape)
+        scratch = self.device.empty(BF16, dense[0].shape)
         try:
-            for layer in self.layers:
-                w = layer.gate_up  # [2 * inter, hidden]
+            for w in dense:  # [2 * inter, hidden]
                 group = 8 * w.row_bytes  # bytes of 8 rows
                 cuda.memcpy_dtod(scratch.ptr, w.ptr, w.nbytes)
                 for half in range(2):  # gate, then up: into every other group
@@ -270,6 +281,7 @@ class CudaForward:
             token_counts=empty(I32, (s, vocab)), prompt_mask=empty(U8, (s, vocab)),
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
             workspace=empty(U8, (WORKSPACE_BYTES,)))
+        self.moe_buf = allocate_moe_buffers(self.device, cfg, t)
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, max(hidden, self.q_width, inter))), scales=empty(F32, (t,)),
             acc=empty(F32, (t, max(self.qkv_width, 2 * inter, hidden))))
@@ -352,15 +364,17 @@ class CudaForward:
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
             if layer.q_norm is not None:
-                ops.qk_norm(b.qkv.ptr, layer.q_norm.ptr, layer.k_norm.ptr, n, self.heads, self.kv_heads,
-                            self.head_dim, self.qkv_width, eps, offset)
+                self._qk_norm(layer, n)
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
                                inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
                                self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim)
             attention(i)
             self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
-            linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation)
-            self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm)
+            if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
+                fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg)
+            else:
+                linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation)
+                self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm)
 
     def _add_to_residual(self, n: int, x: DeviceTensor, w: DeviceTensor, out_norm: DeviceTensor | None,
                          next_norm: DeviceTensor | None = None) -> None:
@@ -377,6 +391,16 @@ class CudaForward:
         self.linear.gemm(b.part, x, w, n)
         ops.rms_norm_residual(0 if next_norm is None else b.h.ptr, b.x.ptr, b.part.ptr, out_norm.ptr,
                               0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset)
+
+    def _qk_norm(self, layer: DeviceLayer, n: int) -> None:
+        """RMSNorm of each Q and K head (Qwen3, Gemma 3), or of each token's whole Q and whole K (OLMoE), in place."""
+        cfg, qkv = self.config, self.buf.qkv.ptr
+        if cfg.qk_norm_per_head:
+            self.ops.qk_norm(qkv, layer.q_norm.ptr, layer.k_norm.ptr, n, self.heads, self.kv_heads, self.head_dim,
+                             self.qkv_width, cfg.rms_norm_eps, self.norm_offset)
+        else:
+            self.ops.qk_norm_projection(qkv, layer.q_norm.ptr, layer.k_norm.ptr, n, self.q_width, self.kv_width,
+                                        self.qkv_width, cfg.rms_norm_eps)
 
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
         """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more

@@ -32,6 +32,12 @@ GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
 FP8_GEMV_WARPS = 4  # gemv_fp8: warps per block
 FP8_GEMV_ROWS = 2  # gemv_fp8: weight rows per warp (at most 4: lane i * rows + r writes output (i, r))
+MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
+MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
+MOE_GEMV_WARPS = 4  # moe_gemv_*: warps per block, each 16 output rows of one tile
+MOE_GEMV_UNROLL = 4  # moe_gemv_*: 16-byte loads per weight row that a lane has in flight
+MOE_GEMM_BLOCK_M = 64  # moe_gemm_*: padded rows (assignments of one expert) per tile, 16 per warp
+MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per shared-memory step
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
@@ -39,6 +45,9 @@ DEFINES: dict[str, dict[str, int]] = {
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"FP8_GEMV_WARPS": FP8_GEMV_WARPS, "FP8_GEMV_ROWS": FP8_GEMV_ROWS},
+    "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
+            "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_M": MOE_GEMM_BLOCK_M,
+            "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K},
 }
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
@@ -51,6 +60,9 @@ CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
 FP8_VECTOR = 16  # e4m3 codes per 16-byte load: gemv_fp8's k and cuBLASLt's FP8 leading dimensions are multiples
 QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
+MOE_GEMV_TILE = 8  # moe_gemv_*: assignments per tile (the n = 8 side of their mma)
+MOE_GEMM_TILE_N = 128  # moe_gemm_*: output columns per tile (gate/up: 64 units' gate and up columns)
+MOE_SUM_THREADS = 256  # moe_sum: threads per block, 4 columns each
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,26 @@ def _norm_threads(kernel_name: str, hidden: int) -> int:
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
 
 
+def moe_uses_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a batch's experts run as GEMVs over tiles of MOE_GEMV_TILE assignments (decode: an expert's weights
+    read once while it has at most that many on average) rather than the grouped GEMM's tiles of MOE_GEMM_BLOCK_M."""
+    return num_tokens * top_k <= MOE_GEMV_TILE * num_experts
+
+
+def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The tile moe_align pads each expert's run to for this batch (the kernels' rows per tile)."""
+    return MOE_GEMV_TILE if moe_uses_gemv(num_tokens, top_k, num_experts) else MOE_GEMM_BLOCK_M
+
+
+def moe_max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Most tiles moe_align can make of num_assignments over num_experts (each non-empty run padded to block_m):
+    the expert kernels' grids, sized so that no count reaches the host."""
+    return (num_assignments + min(num_experts, num_assignments) * (block_m - 1)) // block_m
+
+
+MOE_INDEX_ARGS = "const int* sorted_ids, const int* expert_ids, const int* num_post_padded"
+
+
 class Ops:
     """The launchers, on one stream. `kernels` maps a kernel name to a callable(grid, block, stream, *args);
     num_sms, the GPU's SM count, is what gemv chooses its form by (0: always the plain one)."""
@@ -219,6 +251,16 @@ class Ops:
                  f"qk_norm: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of {row_stride}")
         self.launch("qk_norm", (num_tokens,), ROW_THREADS, qkv, q_weight, k_weight, num_heads, num_kv_heads,
                     head_dim, row_stride, eps, float(offset))
+
+    @kernel("qkv", "bf16* qkv, const bf16* q_weight, const bf16* k_weight, int q_width, int kv_width, "
+                   "int row_stride, float eps")
+    def qk_norm_projection(self, qkv: int, q_weight: int, k_weight: int, num_tokens: int, q_width: int,
+                           kv_width: int, row_stride: int, eps: float) -> None:
+        """RMSNorm of each token's whole Q [q_width] and whole K [kv_width] of the fused qkv rows, in place (OLMoE)."""
+        _require(q_width + 2 * kv_width <= row_stride,
+                 f"qk_norm_projection: Q {q_width} + 2 * K {kv_width} do not fit in a row of {row_stride}")
+        self.launch("qk_norm_projection", (num_tokens,), ROW_THREADS, qkv, q_weight, k_weight, q_width, kv_width,
+                    row_stride, eps)
 
     @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
     def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
@@ -464,3 +506,74 @@ class Ops:
         grid = (-(-n // (FP8_GEMV_WARPS * FP8_GEMV_ROWS)),)
         self.launch("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), grid, FP8_GEMV_WARPS * 32, out, x, x_scale, w,
                     w_scale, m, n, k, int(accumulate))
+
+    # ---- mixture of experts (cuda/moe.cu) -------------------------------------------------------------------------
+
+    @kernel("moe", "float* topk_weights, int* topk_ids, const float* logits, int num_experts, int top_k, "
+                   "int renormalize")
+    def moe_topk_softmax(self, topk_weights: int, topk_ids: int, logits: int, num_tokens: int, num_experts: int,
+                         top_k: int, renormalize: bool) -> None:
+        """Each token's top_k experts by softmax probability (int32 ids, float32 weights [num_tokens, top_k]) from
+        float32 router logits [num_tokens, num_experts]; renormalize: the weights over the chosen sum to 1."""
+        _require(1 <= top_k <= num_experts <= MOE_MAX_EXPERTS,
+                 f"moe_topk_softmax: top_k {top_k} of {num_experts} experts (at most {MOE_MAX_EXPERTS})")
+        self.launch("moe_topk_softmax", (num_tokens,), 32, topk_weights, topk_ids, logits, num_experts, top_k,
+                    int(renormalize))
+
+    @kernel("moe", "int* sorted_ids, int* expert_ids, int* num_post_padded, const int* topk_ids, int num_assignments, "
+                   "int num_experts, int block_m")
+    def moe_align(self, sorted_ids: int, expert_ids: int, num_post_padded: int, topk_ids: int, num_assignments: int,
+                  num_experts: int, block_m: int) -> None:
+        """The assignments of topk_ids (int32 [num_assignments], token-major) grouped by expert, stably, each run
+        padded to block_m with the sentinel num_assignments: sorted_ids [moe_max_tiles * block_m], expert_ids
+        [moe_max_tiles], num_post_padded [1]."""
+        _require(1 <= num_experts <= MOE_MAX_EXPERTS, f"moe_align: {num_experts} experts (at most {MOE_MAX_EXPERTS})")
+        _require(block_m >= 1 and num_assignments >= 1, f"moe_align: block_m {block_m}, {num_assignments} assignments")
+        self.launch("moe_align", (num_experts,), MOE_ALIGN_THREADS, sorted_ids, expert_ids, num_post_padded,
+                    topk_ids, num_assignments, num_experts, block_m)
+
+    def _moe_grid(self, name: str, num_tokens: int, top_k: int, num_experts: int, block_m: int, rows_per_block: int,
+                  n: int, **widths: int) -> tuple[int, int]:
+        _require_vectors(name, **widths)
+        return moe_max_tiles(num_tokens * top_k, num_experts, block_m), -(-n // rows_per_block)
+
+    @kernel("moe", "bf16* act, const bf16* x, const bf16* w, " + MOE_INDEX_ARGS + ", int top_k, int num_assignments, "
+                   "int hidden, int inter", "moe_gemv_gate_up", "moe_gemm_gate_up")
+    def moe_gate_up(self, act: int, x: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
+                    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
+        """act [padded rows, inter] bf16 = SwiGLU(x row of each padded row's token . its expert's gate/up rows), w
+        experts_gate_up [num_experts, 2 * inter, hidden] (gate rows, then up): the GEMV kernel or the grouped GEMM,
+        as moe_block_m chose for moe_align."""
+        if moe_uses_gemv(num_tokens, top_k, num_experts):
+            name, block_m, per_block, threads = "moe_gemv_gate_up", MOE_GEMV_TILE, 16 * MOE_GEMV_WARPS, MOE_GEMV_WARPS
+        else:
+            name, block_m, per_block, threads = "moe_gemm_gate_up", MOE_GEMM_BLOCK_M, MOE_GEMM_TILE_N // 2, \
+                MOE_GEMM_BLOCK_M // 16
+        grid = self._moe_grid(name, num_tokens, top_k, num_experts, block_m, per_block, inter, hidden=hidden,
+                              inter=inter)
+        self.launch(name, grid, threads * 32, act, x, w, sorted_ids, expert_ids, num_post_padded, top_k,
+                    num_tokens * top_k, hidden, inter)
+
+    @kernel("moe", "float* out, const bf16* act, const bf16* w, " + MOE_INDEX_ARGS + ", const float* topk_weights, "
+                   "int num_assignments, int hidden, int inter", "moe_gemv_down", "moe_gemm_down")
+    def moe_down(self, out: int, act: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
+                 topk_weights: int, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
+        """out [num_tokens * top_k, hidden] float32: each assignment's act row . its expert's down rows (w
+        experts_down [num_experts, hidden, inter]) times its routing weight (float32 [num_tokens * top_k])."""
+        if moe_uses_gemv(num_tokens, top_k, num_experts):
+            name, block_m, per_block, threads = "moe_gemv_down", MOE_GEMV_TILE, 16 * MOE_GEMV_WARPS, MOE_GEMV_WARPS
+        else:
+            name, block_m, per_block, threads = "moe_gemm_down", MOE_GEMM_BLOCK_M, MOE_GEMM_TILE_N, \
+                MOE_GEMM_BLOCK_M // 16
+        grid = self._moe_grid(name, num_tokens, top_k, num_experts, block_m, per_block, hidden, hidden=hidden,
+                              inter=inter)
+        self.launch(name, grid, threads * 32, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights,
+                    num_tokens * top_k, hidden, inter)
+
+    @kernel("moe", "float* x, const float* rows, int top_k, int hidden")
+    def moe_sum(self, x: int, rows: int, num_tokens: int, top_k: int, hidden: int) -> None:
+        """x [num_tokens, hidden] float32 += the sum of each token's top_k rows [num_tokens * top_k, hidden], in
+        slot order."""
+        _require(hidden % 4 == 0, f"moe_sum: hidden {hidden} is not a multiple of 4")
+        self.launch("moe_sum", (num_tokens, -(-hidden // (4 * MOE_SUM_THREADS))), MOE_SUM_THREADS, x, rows, top_k,
+                    hidden)

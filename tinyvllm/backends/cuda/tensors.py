@@ -78,20 +78,21 @@ def matmul_shape(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) ->
 class DeviceLayer:
     """One decoder layer on the GPU: model/weights.py's LayerWeights, field for field, as device tensors (matrices
     [out, in]; gate_up's rows interleaved in groups of 8 for SwiGLU, forward.py). The family's optional parts are
-    None where it has none."""
+    None where it has none; an expert layer has the router and stacked experts in place of gate_up and down."""
 
     input_norm: DeviceTensor
     post_norm: DeviceTensor
     qkv: DeviceTensor
     o: DeviceTensor
-    gate_up: DeviceTensor
-    down: DeviceTensor
+    gate_up: DeviceTensor | None = None
+    down: DeviceTensor | None = None
     qkv_bias: DeviceTensor | None = None
     q_norm: DeviceTensor | None = None
     k_norm: DeviceTensor | None = None
     attn_out_norm: DeviceTensor | None = None  # Gemma's: the cuda backend refuses such a model (no kernels yet)
     mlp_out_norm: DeviceTensor | None = None
-    # an expert layer's router and stacked experts (LayerWeights'); None: the cuda backend refuses expert models
+    # an expert layer's router [num_experts, hidden] and stacked experts [num_experts, rows, columns] (LayerWeights';
+    # cuda/moe.cu); None in a dense layer
     router: DeviceTensor | None = None
     experts_gate_up: DeviceTensor | None = None
     experts_down: DeviceTensor | None = None

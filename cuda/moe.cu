@@ -1,0 +1,530 @@
+// The fused mixture-of-experts MLP of one layer, step by step as backends/moe.py's twin does it.
+// Twin: backends/moe.py (route, group_by_expert, fused_moe).
+//
+// 1. moe_topk_softmax: a token's router logits (float32, cuBLAS's) -> softmax -> its top_k experts and weights
+//    (renormalized over the chosen ones where asked), ties broken as torch.topk on the CPU breaks them
+//    (backends/topk.py: the k + 1 largest are found by a warp; a row with a tie among them replays libstdc++'s
+//    selection on one lane).
+// 2. moe_align: the T * top_k assignments (a = token * top_k + slot) grouped by expert, stably (token order within an
+//    expert), each expert's run padded to a whole tile of block_m rows with the sentinel num_assignments: vLLM's
+//    moe_align_block_size (sorted_token_ids, expert_ids per tile, num_tokens_post_padded). A block per expert; each
+//    counts every expert (shared-memory histogram), so that the run offsets need no second kernel.
+// 3. The expert products over those tiles, a tile's rows all of one expert, so each expert's weights are read once
+//    per tile: for a few tokens (decode) GEMV-style kernels whose tile is 8 assignments (the n = 8 side of
+//    mma.m16n8k16, the weights its 16-row A side, as gemv.cu), for more a tiled GEMM of MOE_GEMM_BLOCK_M rows.
+//    The gate/up product ends in SiLU(gate) * up (gate and up rounded to bf16 first, as the dense path's are),
+//    written bf16 per padded row; the down product writes each assignment's row times its routing weight (float32).
+// 4. moe_sum: each token's top_k rows summed in slot order, added into the residual stream.
+//
+// Every grid is sized for the most tiles a batch of its size can have (ops.py), and tiles past
+// num_tokens_post_padded return at once: no count reaches the host, so a decode step is capturable in a graph.
+// Weights: experts_gate_up [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), experts_down
+// [E, hidden, inter], row-major bf16.
+//
+// Compiled with -DMOE_MAX_EXPERTS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL, -DMOE_GEMM_BLOCK_M and
+// -DMOE_GEMM_BLOCK_K from backends/cuda/ops.py, which launches the kernels.
+#include <limits.h>
+
+#include "common.cuh"
+#include "mma.cuh"
+
+// ---- 1. routing ----------------------------------------------------------------------------------------------
+
+// A router probability and its expert: libstdc++'s selection runs on these, ordered by value, largest first.
+struct Pick {
+    float v;
+    int i;
+};
+
+__device__ __forceinline__ bool goes_before(const Pick& x, const Pick& y) { return x.v > y.v; }
+
+__device__ __forceinline__ void swap_picks(Pick* q, int a, int b) {
+    const Pick t = q[a];
+    q[a] = q[b];
+    q[b] = t;
+}
+
+// std::__adjust_heap (backends/topk.py _Selection.adjust_heap, line for line).
+__device__ void adjust_heap(Pick* q, int first, int hole, int length, Pick value) {
+    const int top = hole;
+    int child = hole;
+    while (child < (length - 1) / 2) {
+        child = 2 * (child + 1);
+        if (goes_before(q[first + child], q[first + child - 1])) child -= 1;
+        q[first + hole] = q[first + child];
+        hole = child;
+    }
+    if (length % 2 == 0 && child == (length - 2) / 2) {
+        child = 2 * (child + 1);
+        q[first + hole] = q[first + child - 1];
+        hole = child - 1;
+    }
+    int parent = (hole - 1) / 2;
+    while (hole > top && goes_before(q[first + parent], value)) {
+        q[first + hole] = q[first + parent];
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    q[first + hole] = value;
+}
+
+__device__ void pop_heap(Pick* q, int first, int last, int result) {
+    const Pick value = q[result];
+    q[result] = q[first];
+    adjust_heap(q, first, 0, last - first, value);
+}
+
+__device__ void heap_select(Pick* q, int first, int middle, int last) {
+    const int length = middle - first;
+    if (length >= 2)
+        for (int parent = (length - 2) / 2; parent >= 0; --parent) adjust_heap(q, first, parent, length, q[first + parent]);
+    for (int i = middle; i < last; ++i)
+        if (goes_before(q[i], q[first])) pop_heap(q, first, middle, i);
+}
+
+__device__ void sort_heap(Pick* q, int first, int last) {
+    while (last - first > 1) {
+        --last;
+        pop_heap(q, first, last, last);
+    }
+}
+
+__device__ void median_to_first(Pick* q, int result, int a, int b, int c) {
+    int median;
+    if (goes_before(q[a], q[b]))
+        median = goes_before(q[b], q[c]) ? b : goes_before(q[a], q[c]) ? c : a;
+    else
+        median = goes_before(q[a], q[c]) ? a : goes_before(q[b], q[c]) ? c : b;
+    swap_picks(q, result, median);
+}
+
+__device__ int partition_pivot(Pick* q, int first, int last) {
+    median_to_first(q, first, first + 1, first + (last - first) / 2, last - 1);
+    int lo = first + 1, hi = last;
+    while (true) {
+        while (goes_before(q[lo], q[first])) ++lo;
+        --hi;
+        while (goes_before(q[first], q[hi])) --hi;
+        if (!(lo < hi)) return lo;
+        swap_picks(q, lo, hi);
+        ++lo;
+    }
+}
+
+__device__ void linear_insert(Pick* q, int last) {
+    const Pick value = q[last];
+    while (goes_before(value, q[last - 1])) {
+        q[last] = q[last - 1];
+        --last;
+    }
+    q[last] = value;
+}
+
+__device__ void insertion_sort(Pick* q, int first, int last) {
+    for (int i = first + 1; i < last; ++i) {
+        if (goes_before(q[i], q[first])) {
+            const Pick value = q[i];
+            for (int j = i; j > first; --j) q[j] = q[j - 1];
+            q[first] = value;
+        } else {
+            linear_insert(q, i);
+        }
+    }
+}
+
+__device__ void introselect(Pick* q, int first, int nth, int last, int depth) {
+    while (last - first > 3) {
+        if (depth == 0) {
+            heap_select(q, first, nth + 1, last);
+            swap_picks(q, first, nth);
+            return;
+        }
+        --depth;
+        const int cut = partition_pivot(q, first, last);
+        if (cut <= nth) first = cut;
+        else last = cut;
+    }
+    insertion_sort(q, first, last);
+}
+
+__device__ __forceinline__ int floor_log2(int n) { return 31 - __clz(n); }
+
+#define SORT_THRESHOLD 16  // std::sort insertion-sorts ranges up to this length (topk.py's THRESHOLD)
+
+// std::__introsort_loop without recursion: the right part of each cut is sorted on, its left part waits on a stack
+// (the parts are disjoint, so the order they are sorted in does not change the result). A part waiting has a larger
+// depth budget than every part pushed after it, so the stack holds at most depth + 1 of them.
+__device__ void introsort(Pick* q, int first, int last, int depth) {
+    int stack[3 * 40];
+    int top = 0;
+    while (true) {
+        while (last - first > SORT_THRESHOLD) {
+            if (depth == 0) {
+                heap_select(q, first, last, last);
+                sort_heap(q, first, last);
+                break;
+            }
+            --depth;
+            const int cut = partition_pivot(q, first, last);
+            stack[top++] = first;
+            stack[top++] = cut;
+            stack[top++] = depth;
+            first = cut;
+        }
+        if (top == 0) return;
+        depth = stack[--top];
+        last = stack[--top];
+        first = stack[--top];
+    }
+}
+
+__device__ void sort_picks(Pick* q, int first, int last) {
+    if (last - first <= 1) return;
+    introsort(q, first, last, 2 * floor_log2(last - first));
+    if (last - first > SORT_THRESHOLD) {
+        insertion_sort(q, first, first + SORT_THRESHOLD);
+        for (int i = first + SORT_THRESHOLD; i < last; ++i) linear_insert(q, i);
+    } else {
+        insertion_sort(q, first, last);
+    }
+}
+
+// torch.topk's choice on the CPU among n picks in index order: q[0..k) on return (topk.py _Selection.topk).
+__device__ void libstdcxx_topk(Pick* q, int n, int k) {
+    if (k * 64 <= n) {
+        heap_select(q, 0, k, n);
+        sort_heap(q, 0, k);
+    } else {
+        introselect(q, 0, k - 1, n, 2 * floor_log2(n));
+        sort_picks(q, 0, k - 1);
+    }
+}
+
+// The warp's largest of the not yet chosen (q[e].v, -inf once chosen), the lowest index among equals: the order of
+// a stable sort of the probabilities, descending.
+__device__ __forceinline__ int warp_argmax(const Pick* q, int num_experts, int lane) {
+    float best = -INFINITY;
+    int best_i = INT_MAX;
+    for (int e = lane; e < num_experts; e += 32)
+        if (q[e].v > best || (q[e].v == best && e < best_i)) best = q[e].v, best_i = e;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const int i = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+    }
+    return best_i;
+}
+
+// topk_weights, topk_ids [T, top_k]: each token's experts, highest probability first, and their weights.
+// A warp per token; logits [T, num_experts] float32, num_experts <= MOE_MAX_EXPERTS.
+extern "C" __global__ void __launch_bounds__(32) moe_topk_softmax(float* topk_weights, int* topk_ids,
+                                                                  const float* logits, int num_experts, int top_k,
+                                                                  int renormalize) {
+    pdl_begin();
+    __shared__ float probs[MOE_MAX_EXPERTS];
+    __shared__ Pick q[MOE_MAX_EXPERTS];
+    __shared__ int chosen[MOE_MAX_EXPERTS];
+    const int lane = threadIdx.x;
+    const float* row = logits + (int64_t)blockIdx.x * num_experts;
+    float row_max = -INFINITY;
+    for (int e = lane; e < num_experts; e += 32) {
+        probs[e] = row[e];
+        row_max = fmaxf(row_max, probs[e]);
+    }
+    row_max = warp_reduce<Max>(row_max);
+    float sum = 0.f;
+    for (int e = lane; e < num_experts; e += 32) {
+        probs[e] = expf(probs[e] - row_max);
+        sum += probs[e];
+    }
+    sum = warp_reduce<Sum>(sum);
+    for (int e = lane; e < num_experts; e += 32) {
+        probs[e] /= sum;
+        q[e] = Pick{probs[e], e};
+    }
+    __syncwarp();
+    const int picks = min(top_k + 1, num_experts);  // one more than k: a tie at the k-th place shows
+    for (int j = 0; j < picks; ++j) {
+        const int best = warp_argmax(q, num_experts, lane);
+        __syncwarp();
+        if (lane == 0) {
+            chosen[j] = best;
+            q[best].v = -INFINITY;
+        }
+        __syncwarp();
+    }
+    bool tie = false;
+    for (int j = lane + 1; j < picks; j += 32) tie |= probs[chosen[j]] == probs[chosen[j - 1]];
+    if (__any_sync(0xffffffffu, tie) && lane == 0) {  // torch.topk's order, by libstdc++'s algorithms
+        for (int e = 0; e < num_experts; ++e) q[e] = Pick{probs[e], e};
+        libstdcxx_topk(q, num_experts, top_k);
+        for (int j = 0; j < top_k; ++j) chosen[j] = q[j].i;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float total = 0.f;
+        for (int j = 0; j < top_k; ++j) total += probs[chosen[j]];
+        for (int j = 0; j < top_k; ++j) {
+            topk_ids[(int64_t)blockIdx.x * top_k + j] = chosen[j];
+            topk_weights[(int64_t)blockIdx.x * top_k + j] = renormalize ? probs[chosen[j]] / total : probs[chosen[j]];
+        }
+    }
+}
+
+// ---- 2. grouping ----------------------------------------------------------------------------------------------
+
+// Block e writes expert e's run: sorted_ids[start .. start + padded) its assignments in order, then the sentinel
+// num_assignments; expert_ids[start / block_m ..] = e for its tiles; block 0 writes num_post_padded (the padded
+// total). topk_ids [num_assignments] flat; grid (num_experts), block MOE_ALIGN_THREADS (whole warps).
+extern "C" __global__ void __launch_bounds__(MOE_ALIGN_THREADS) moe_align(int* sorted_ids, int* expert_ids,
+                                                                          int* num_post_padded, const int* topk_ids,
+                                                                          int num_assignments, int num_experts,
+                                                                          int block_m) {
+    pdl_begin();
+    __shared__ int counts[MOE_MAX_EXPERTS];
+    __shared__ float scratch[32];
+    __shared__ int warp_counts[MOE_ALIGN_THREADS / 32];
+    const int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < num_experts; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    for (int i = tid; i < num_assignments; i += blockDim.x) atomicAdd(&counts[topk_ids[i]], 1);
+    __syncthreads();
+    float before = 0.f, total = 0.f;  // padded rows of the experts before e, and of all (exact: < 2^24)
+    for (int i = tid; i < num_experts; i += blockDim.x) {
+        const int padded = (counts[i] + block_m - 1) / block_m * block_m;
+        total += padded;
+        if (i < e) before += padded;
+    }
+    const int start = (int)block_reduce<Sum>(before, scratch);
+    const int all = (int)block_reduce<Sum>(total, scratch);
+    if (e == 0 && tid == 0) *num_post_padded = all;
+    const int count = counts[e], padded = (count + block_m - 1) / block_m * block_m;
+    for (int j = tid; j < padded / block_m; j += blockDim.x) expert_ids[start / block_m + j] = e;
+    for (int j = count + tid; j < padded; j += blockDim.x) sorted_ids[start + j] = num_assignments;
+    if (count == 0) return;
+    int placed = 0;  // e's assignments among those scanned so far
+    for (int base = 0; base < num_assignments; base += blockDim.x) {
+        const int a = base + tid;
+        const bool mine = a < num_assignments && topk_ids[a] == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+        __syncthreads();  // the previous round has read warp_counts
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int offset = placed;
+        for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+        if (mine) sorted_ids[start + offset + __popc(ballot & ((1u << lane) - 1))] = a;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) placed += warp_counts[w];
+    }
+}
+
+// ---- 3. the expert products -----------------------------------------------------------------------------------
+
+// The weights are read once (L1 bypassed); activations with plain loads, as the previous kernel wrote them.
+__device__ __forceinline__ uint4 load_weights(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 load_activations(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// SiLU(gate) * up, each rounded to bf16 first (gemv.cu's swiglu).
+__device__ __forceinline__ float moe_swiglu(float gate, float up) {
+    gate = __bfloat162float(__float2bfloat16(gate));
+    up = __bfloat162float(__float2bfloat16(up));
+    return gate / (1.f + expf(-gate)) * up;
+}
+
+// One warp's 16 weight rows (lo: rows g, hi: rows g + 8 of its tile, each `k` long) times the 8 rows of x (x_row:
+// row g's, null for a padding row: zeros) into c: GEMV_UNROLL-style batches of 16-byte loads, then the mmas (gemv.cu
+// explains the fragment layout: a lane's 8 consecutive k feed two mmas).
+__device__ __forceinline__ void gemv_rows(float (&c)[4], const bf16* lo, const bf16* hi, const bf16* x_row, int k,
+                                          int t) {
+    const int chunks = k / 8;
+    for (int base = 0; base < chunks; base += MOE_GEMV_UNROLL * 4) {
+        uint4 wl[MOE_GEMV_UNROLL], wh[MOE_GEMV_UNROLL], xv[MOE_GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
+            const int chunk = base + u * 4 + t;
+            const bool in = chunk < chunks;
+            wl[u] = in ? load_weights(lo + chunk * 8) : make_uint4(0, 0, 0, 0);
+            wh[u] = in ? load_weights(hi + chunk * 8) : make_uint4(0, 0, 0, 0);
+            xv[u] = in && x_row ? load_activations(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
+            mma_bf16(c, wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv[u].x, xv[u].y);
+            mma_bf16(c, wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv[u].z, xv[u].w);
+        }
+    }
+}
+
+// act [tiles * 8, inter] bf16: row p = SwiGLU of (x row of assignment sorted_ids[p]) . expert's gate/up rows, for a
+// tile of 8 assignments of one expert (moe_align with block_m 8). x [T, hidden] bf16, a = token * top_k + slot.
+// Grid (max tiles, ceil(inter / (16 * MOE_GEMV_WARPS))), block MOE_GEMV_WARPS * 32: a warp per 16 units.
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32) moe_gemv_gate_up(
+    bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids, const int* num_post_padded,
+    int top_k, int num_assignments, int hidden, int inter) {
+    pdl_begin();
+    const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int u0 = (blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5)) * 16;
+    if (tile * 8 >= *num_post_padded || u0 >= inter) return;
+    const int a = sorted_ids[tile * 8 + g];
+    const bf16* x_row = a < num_assignments ? x + (int64_t)(a / top_k) * hidden : nullptr;
+    const bf16* gate = w + (int64_t)expert_ids[tile] * 2 * inter * hidden;
+    const bf16* up = gate + (int64_t)inter * hidden;
+    const int64_t lo = (int64_t)min(u0 + g, inter - 1) * hidden, hi = (int64_t)min(u0 + g + 8, inter - 1) * hidden;
+    float cg[4] = {}, cu[4] = {};
+    gemv_rows(cg, gate + lo, gate + hi, x_row, hidden, t);
+    gemv_rows(cu, up + lo, up + hi, x_row, hidden, t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // c element j: unit row g (+ 8), column (assignment of the tile) 2t (+ 1)
+        const int unit = u0 + g + 8 * (j >> 1), col = 2 * t + (j & 1);
+        if (unit < inter) act[(int64_t)(tile * 8 + col) * inter + unit] = __float2bfloat16(moe_swiglu(cg[j], cu[j]));
+    }
+}
+
+// out [num_assignments, hidden] float32: row a = topk_weights[a] * act row p . expert's down rows, for a = sorted_ids[p]
+// of a tile of 8 (padding rows not stored). Grid (max tiles, ceil(hidden / (16 * MOE_GEMV_WARPS))), block
+// MOE_GEMV_WARPS * 32.
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32) moe_gemv_down(
+    float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,
+    const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {
+    pdl_begin();
+    const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = (blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5)) * 16;
+    if (tile * 8 >= *num_post_padded || n0 >= hidden) return;
+    const bf16* down = w + (int64_t)expert_ids[tile] * hidden * inter;
+    float c[4] = {};
+    gemv_rows(c, down + (int64_t)min(n0 + g, hidden - 1) * inter, down + (int64_t)min(n0 + g + 8, hidden - 1) * inter,
+              act + (int64_t)(tile * 8 + g) * inter, inter, t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int row = n0 + g + 8 * (j >> 1), a = sorted_ids[tile * 8 + 2 * t + (j & 1)];
+        if (row < hidden && a < num_assignments) out[(int64_t)a * hidden + row] = topk_weights[a] * c[j];
+    }
+}
+
+#define GEMM_BLOCK_N 128  // B rows (output columns) per tile: gate/up 64 units' gate and up rows, down 128 columns
+#define GEMM_LD (MOE_GEMM_BLOCK_K + 8)  // shared rows padded so that ldmatrix is conflict-free
+
+// The grouped GEMM over tiles of MOE_GEMM_BLOCK_M padded rows of one expert (moe_align with that block_m), 16 rows per
+// warp, each warp all GEMM_BLOCK_N columns: A rows (x rows of the tile's tokens for gate/up, act rows for down)
+// times B rows (the expert's weight rows) through shared memory, k in steps of MOE_GEMM_BLOCK_K.
+// GATE_UP: act [p, inter] bf16 = SwiGLU of units col0 .. col0 + 63 (k = hidden); else out [a, n] float32 =
+// topk_weights[a] * act row p . down rows col0 .. col0 + 127 (k = inter). Grid (max tiles, ceil(units / 64) or
+// ceil(n / 128)), block MOE_GEMM_BLOCK_M / 16 warps.
+template <bool GATE_UP>
+__device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
+                         const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
+                         int num_assignments, int n, int k) {
+    pdl_begin();
+    constexpr int BM = MOE_GEMM_BLOCK_M, BK = MOE_GEMM_BLOCK_K, BN = GEMM_BLOCK_N, LD = GEMM_LD;
+    __shared__ __align__(16) bf16 a_s[BM * LD];
+    __shared__ __align__(16) bf16 b_s[BN * LD];
+    __shared__ int rows_s[BM];  // the A row of each tile row; -1: zeros (a padding row of gate/up)
+    const int tile = blockIdx.x, p0 = tile * BM, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (p0 >= *num_post_padded) return;
+    const int col0 = blockIdx.y * (GATE_UP ? BN / 2 : BN);  // first unit (gate/up) or output column (down)
+    const bf16* w_e = w + (int64_t)expert_ids[tile] * (GATE_UP ? 2 * n : n) * k;
+    for (int r = threadIdx.x; r < BM; r += blockDim.x) {
+        const int a = sorted_ids[p0 + r];
+        rows_s[r] = !GATE_UP ? p0 + r : a < num_assignments ? a / top_k : -1;
+    }
+    __syncthreads();
+    float acc[BN / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+    for (int k0 = 0; k0 < k; k0 += BK) {
+        for (int c = threadIdx.x; c < BM * BK / 8; c += blockDim.x) {
+            const int r = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
+            const uint4 v = rows_s[r] >= 0 && kc < k ? load_activations(a_rows + (int64_t)rows_s[r] * k + kc)
+                                                     : make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(&a_s[r * LD + part * 8]) = v;
+        }
+        for (int c = threadIdx.x; c < BN * BK / 8; c += blockDim.x) {
+            const int j = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
+            const int unit = min(col0 + j % (BN / 2), n - 1);  // gate/up: rows j < 64 gate, the rest up
+            const int row = GATE_UP ? (j < BN / 2 ? unit : n + unit) : min(col0 + j, n - 1);
+            const uint4 v = kc < k ? load_weights(w_e + (int64_t)row * k + kc) : make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(&b_s[j * LD + part * 8]) = v;
+        }
+        __syncthreads();
+        const int mi = lane / 8;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            uint32_t af[4];
+            ldmatrix_x4(af, &a_s[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; nb += 2) {
+                uint32_t b[4];
+                ldmatrix_x4(b, &b_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+                mma_bf16(acc[nb], af, b[0], b[1]);
+                mma_bf16(acc[nb + 1], af, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // the next step overwrites a_s and b_s
+    }
+    // c element e of n-block nb: row warp * 16 + lane / 4 (+ 8 for e >= 2), column nb * 8 + 2 * (lane % 4) + e % 2
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + lane / 4 + 8 * h, p = p0 + r;
+        const int a = sorted_ids[p];
+        if (!GATE_UP && a >= num_assignments) continue;
+        const float scale = GATE_UP ? 1.f : topk_weights[a];
+#pragma unroll
+        for (int nb = 0; nb < (GATE_UP ? BN / 16 : BN / 8); ++nb) {
+            const int col = col0 + nb * 8 + 2 * (lane % 4);  // even; n % 8 == 0, so col + 1 < n where col < n
+            if (col >= n) continue;
+            if (GATE_UP) {
+                *reinterpret_cast<__nv_bfloat162*>(act + (int64_t)p * n + col) = __floats2bfloat162_rn(
+                    moe_swiglu(acc[nb][2 * h], acc[nb + BN / 16][2 * h]),
+                    moe_swiglu(acc[nb][2 * h + 1], acc[nb + BN / 16][2 * h + 1]));
+            } else {
+                *reinterpret_cast<float2*>(out + (int64_t)a * n + col) =
+                    make_float2(scale * acc[nb][2 * h], scale * acc[nb][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// act [max padded rows, inter]; x [T, hidden]; w experts_gate_up.
+extern "C" __global__ void __launch_bounds__(MOE_GEMM_BLOCK_M / 16 * 32) moe_gemm_gate_up(
+    bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids, const int* num_post_padded,
+    int top_k, int num_assignments, int hidden, int inter) {
+    moe_gemm<true>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k, num_assignments,
+                   inter, hidden);
+}
+
+// out [num_assignments, hidden] float32; act as moe_gemm_gate_up wrote it; w experts_down.
+extern "C" __global__ void __launch_bounds__(MOE_GEMM_BLOCK_M / 16 * 32) moe_gemm_down(
+    float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,
+    const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {
+    moe_gemm<false>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1, num_assignments,
+                    hidden, inter);
+}
+
+// ---- 4. the weighted sum --------------------------------------------------------------------------------------
+
+// x [T, hidden] += the sum over slots 0 .. top_k - 1, in order, of rows [T * top_k, hidden] (already weighted).
+// Grid (T, ceil(hidden / (4 * blockDim))), 4 columns per thread; hidden % 4 == 0.
+extern "C" __global__ void moe_sum(float* x, const float* rows, int top_k, int hidden) {
+    pdl_begin();
+    const int t = blockIdx.x, i = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (i >= hidden) return;
+    const float* r = rows + (int64_t)t * top_k * hidden + i;
+    float4 s = *reinterpret_cast<const float4*>(r);
+    for (int j = 1; j < top_k; ++j) {
+        const float4 v = *reinterpret_cast<const float4*>(r + (int64_t)j * hidden);
+        s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+    float4* dst = reinterpret_cast<float4*>(x + (int64_t)t * hidden + i);
+    const float4 old = *dst;
+    *dst = make_float4(old.x + s.x, old.y + s.y, old.z + s.z, old.w + s.w);
+}
