@@ -34,7 +34,7 @@ def test_weight_dtype_and_scale_are_checked():
 
 def test_linear_dispatches_on_the_dtype(monkeypatch):
     """An encoding is one entry of MATMULS: here a per-output-channel scaled one."""
-    monkeypatch.setitem(host_weight.MATMULS, "scaled", lambda x, w: (x @ w.data) * w.scale)
+    monkeypatch.setitem(host_weight.MATMULS, "scaled", lambda x, w, invariant: (x @ w.data) * w.scale)
     w = HostWeight(np.eye(3, dtype=np.float32), "scaled", scale=np.array([1, 2, 4], np.float32))
     np.testing.assert_array_equal(linear(np.ones((2, 3), np.float32), w, np.ones(3, np.float32)),
                                   [[2, 3, 5], [2, 3, 5]])

@@ -232,6 +232,9 @@ class EngineConfig:
     cuda_graph_capture: str = setting("lazy", "cuda: capture every batch size's decode graph at start-up (eager), "
                                       "or batch 1's at start-up and the rest on a thread while the engine runs, "
                                       "the sizes steps meet first (lazy)", choices=GRAPH_CAPTURES)
+    # off by default: it costs throughput (README "Batch-invariant outputs")
+    batch_invariant: bool = setting(False, "every row's tokens and logprobs bitwise independent of the batch it ran "
+                                    "in (batch size, chunking, preemption, prefix-cache hits), at a cost in speed")
 
     def __post_init__(self) -> None:
         check_settings(self)

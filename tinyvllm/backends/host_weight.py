@@ -63,28 +63,45 @@ class HostWeight:
         return self.data.shape
 
 
-def _matmul_float32(x: np.ndarray, w: HostWeight) -> np.ndarray:
-    return x @ w.data
+ROW_BLOCK = 16  # batch-invariant products run in blocks of this many rows (the batch padded to a multiple of it)
 
 
-def _matmul_fp8(x: np.ndarray, w: HostWeight) -> np.ndarray:
+def product(x: np.ndarray, data: np.ndarray, invariant: bool = False) -> np.ndarray:
+    """x [T, in] @ data [in, out]. invariant: each row's result the same whatever the other rows and however many:
+    the rows padded to a multiple of ROW_BLOCK and each block one product of the same shape, so that BLAS takes
+    the same path (kernel, tiles, threads) for every block and a row's sums run in one order wherever it sits;
+    one product over all T rows picks its path by T (a GEMV for one row, other tiles and edge kernels for others)."""
+    if not invariant:
+        return x @ data
+    t = len(x)
+    padded = np.zeros((-(-t // ROW_BLOCK) * ROW_BLOCK, x.shape[1]), np.float32)
+    padded[:t] = x
+    return (padded.reshape(-1, ROW_BLOCK, x.shape[1]) @ data).reshape(-1, data.shape[1])[:t]
+
+
+def _matmul_float32(x: np.ndarray, w: HostWeight, invariant: bool) -> np.ndarray:
+    return product(x, w.data, invariant)
+
+
+def _matmul_fp8(x: np.ndarray, w: HostWeight, invariant: bool) -> np.ndarray:
     # The float32 product of the e4m3 values: per-column scales multiply the product (as an FP8 GEMM's epilogue
     # does), block scales the weight.
     x = quantize_activations(x, w.input_scale, None if w.block is None else w.block[1])
     if w.block is None:
-        return (x @ w.decoded) * w.scale
-    return x @ w.decoded
+        return product(x, w.decoded, invariant) * w.scale
+    return product(x, w.decoded, invariant)
 
 
-# encoding -> x [T, in] @ w -> float32 [T, out]
-MATMULS: dict[str, Callable[[np.ndarray, HostWeight], np.ndarray]] = {"float32": _matmul_float32,
-                                                                       FP8_DTYPE: _matmul_fp8}
+# encoding -> (x [T, in], w, invariant) -> x @ w, float32 [T, out]
+MATMULS: dict[str, Callable[[np.ndarray, HostWeight, bool], np.ndarray]] = {"float32": _matmul_float32,
+                                                                             FP8_DTYPE: _matmul_fp8}
 
 
-def linear(x: np.ndarray, w: HostWeight, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [T, in] times the weight, plus the bias [out] if there is one -> [T, out] float32.
+def linear(x: np.ndarray, w: HostWeight, bias: np.ndarray | None = None, invariant: bool = False) -> np.ndarray:
+    """x [T, in] times the weight, plus the bias [out] if there is one -> [T, out] float32; invariant: each row's
+    result independent of the others (`product`).
     Twins: cuda/linear.py (cuBLAS GEMMs, gemv.cu), and cuda/qkv.cu add_qkv_bias for the bias."""
-    out = MATMULS[w.dtype](x, w)
+    out = MATMULS[w.dtype](x, w, invariant)
     if bias is not None:
         out += bias
     return out

@@ -72,21 +72,30 @@ def group_by_expert(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.n
 
 
 def fused_moe(x: np.ndarray, gate_up: StackedWeight, down: StackedWeight, weights: np.ndarray, ids: np.ndarray,
-              act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+              act: Callable[[np.ndarray], np.ndarray], invariant: bool = False) -> np.ndarray:
     """The experts' weighted sum for each token: x [T, hidden], gate_up stacked [E, hidden, 2 * I] (each expert's
     gate columns, then up), down [E, I, hidden], the routing of `route`; act: [n, 2 * I] -> [n, I] (SiLU-and-mul,
-    numpy_backend.silu_and_mul) -> [T, hidden] float32.  Twin: the fused MoE kernel of the cuda backend."""
+    numpy_backend.silu_and_mul) -> [T, hidden] float32; invariant: each token's result independent of the others
+    (its expert products in fixed row blocks, its k rows summed one after another).
+    Twin: the fused MoE kernel of the cuda backend."""
     num_tokens, k = ids.shape
     order, offsets = group_by_expert(ids, gate_up.num_experts)
     rows = np.empty((num_tokens * k, x.shape[1]), np.float32)  # one per assignment, in grouped order
     gathered = x[order // k]
     for e in np.flatnonzero(np.diff(offsets)):
         run = slice(offsets[e], offsets[e + 1])
-        rows[run] = linear(act(linear(gathered[run], gate_up.expert(e))), down.expert(e))
+        rows[run] = linear(act(linear(gathered[run], gate_up.expert(e), invariant=invariant)), down.expert(e),
+                           invariant=invariant)
     rows *= weights.reshape(-1)[order][:, None]
     out = np.empty_like(rows)
     out[order] = rows  # back to (token, slot) order
-    return out.reshape(num_tokens, k, -1).sum(axis=1)
+    out = out.reshape(num_tokens, k, -1)
+    if not invariant:
+        return out.sum(axis=1)
+    total = out[:, 0].copy()  # numpy's sum over an inner axis may pick its order by the array's shape
+    for slot in range(1, k):
+        total += out[:, slot]
+    return total
 
 
 def align_block_size(ids: np.ndarray, num_experts: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -139,18 +139,22 @@ class AttentionSpec:
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: Batch, block_size: int,
-                    scale: float | AttentionSpec, kv_scales: KVScales | None = None) -> np.ndarray:
+                    scale: float | AttentionSpec, kv_scales: KVScales | None = None,
+                    invariant: bool = False) -> np.ndarray:
     """Causal attention of each sequence's new queries over its context, read from the paged cache.
 
     q [T, heads, head_dim] -> [T, heads, head_dim]. A query at position p sees keys at positions <= p (within a
     sliding window, soft-capped: an AttentionSpec). Grouped-query attention: query head h reads KV head
-    h // (heads / kv_heads). kv_scales: those of an fp8 cache.
+    h // (heads / kv_heads). kv_scales: those of an fp8 cache. invariant: each query on its own (`query_attention`),
+    so that its result is the same whether it comes in a prefill chunk or a decode step, with whatever else.
     Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many); neither has the
     window or the soft cap yet.
     """
     spec = scale if isinstance(scale, AttentionSpec) else AttentionSpec(scale)
     group = q.shape[1] // k_cache.shape[1]
     k_scale, v_scale = kv_scales or (None, None)
+    if invariant:
+        return query_attention(q, k_cache, v_cache, batch, block_size, spec, group, (k_scale, v_scale))
     if batch.max_query_len == 1:
         return _decode_attention(q, k_cache, v_cache, batch, block_size, spec, group, k_scale, v_scale)
     out = np.empty_like(q)
@@ -181,6 +185,29 @@ def _decode_attention(q, k_cache, v_cache, batch: Batch, block_size: int, spec: 
     scores = spec.scores(raw, positions[None, None, None, :], (batch.context_lens - 1)[:, None, None, None])
     out = np.einsum("sgjk,skgd->sgjd", _softmax(scores), v)
     return out.reshape(s, kv_heads * group, d)
+
+
+def query_attention(q, k_cache, v_cache, batch: Batch, block_size: int, spec: AttentionSpec, group: int,
+                    kv_scales: tuple) -> np.ndarray:
+    """Batch-invariant attention: each query token over exactly the keys it sees, read from its sequence's blocks,
+    as one product of its own shape. Its sums then depend on its position alone, not on how many queries came
+    with it (a decode step, a prefill chunk, a recompute after preemption) nor on the longest context in the step,
+    which the batched forms pad to. Twin: cuda/attention_decode.cu with one row per query (ops.py
+    invariant_rows)."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = heads // group
+    seq_of = np.repeat(np.arange(batch.num_seqs), np.diff(batch.query_start_loc))
+    out = np.empty_like(q)
+    for t in range(len(q)):
+        p = int(batch.positions[t])
+        key_pos = np.arange(0 if spec.window is None else max(0, p - spec.window + 1), p + 1)
+        slots = batch.block_tables[seq_of[t]][key_pos // block_size] * block_size + key_pos % block_size
+        k, v = (read_kv_cache(cache, slots, scale) for cache, scale in zip((k_cache, v_cache), kv_scales))
+        qg = np.ascontiguousarray(q[t]).reshape(kv_heads, group, d)
+        raw = qg @ k.transpose(1, 2, 0)  # [kv_heads, group, n]
+        probs = _softmax(spec.scores(raw, key_pos, p))
+        out[t] = (probs @ v.transpose(1, 0, 2)).reshape(heads, d)
+    return out
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -255,6 +282,7 @@ class NumpyBackend(Backend):
         self.config = cfg = model.config
         self.vocab_size = cfg.vocab_size
         self.engine_config = engine_config
+        self.invariant = engine_config.batch_invariant  # every row's result independent of the batch (README)
         check_weights_fit(cfg)  # before packing, which would run the host out of memory
         # FP8 (model/fp8.py): a checkpoint's e4m3 linear weights as stored, or, with quantization="fp8", every float
         # linear weight quantized here; the embedding and the LM head stay float32
@@ -325,7 +353,7 @@ class NumpyBackend(Backend):
         for i, layer in enumerate(self.layers):
             x = self.layer_forward(i, layer, x, batch, *rotations[id(self.ropes[i])])
         h = rms_norm(x[logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return soft_cap(linear(h, self.lm_head), cfg.final_logit_softcapping)
+        return soft_cap(linear(h, self.lm_head, invariant=self.invariant), cfg.final_logit_softcapping)
 
     def layer_forward(self, i: int, layer: LayerWeights, x: np.ndarray, batch: Batch, cos: np.ndarray,
                       sin: np.ndarray) -> np.ndarray:
@@ -334,7 +362,7 @@ class NumpyBackend(Backend):
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_cols, k_cols, v_cols = self.qkv_columns
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        qkv = linear(h, layer.qkv, layer.qkv_bias)  # Qwen2's bias
+        qkv = linear(h, layer.qkv, layer.qkv_bias, self.invariant)  # Qwen2's bias
         q = qkv[:, q_cols].reshape(-1, heads, d)
         k = qkv[:, k_cols].reshape(-1, kv_heads, d)
         v = qkv[:, v_cols].reshape(-1, kv_heads, d)
@@ -343,8 +371,8 @@ class NumpyBackend(Backend):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv_cache(self.k_cache[i], self.v_cache[i], k, v, batch.slot_mapping, self.kv_scales[i])
         attn = paged_attention(q, self.k_cache[i], self.v_cache[i], batch, self.engine_config.block_size,
-                               self.attention[i], self.kv_scales[i])
-        out = linear(attn.reshape(len(x), heads * d), layer.o)
+                               self.attention[i], self.kv_scales[i], self.invariant)
+        out = linear(attn.reshape(len(x), heads * d), layer.o, invariant=self.invariant)
         # Gemma: the attention's (and the MLP's) output normalized before the residual add
         x = x + out if layer.attn_out_norm is None else add_rms_norm(x, out, layer.attn_out_norm, cfg.rms_norm_eps)
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
@@ -353,11 +381,14 @@ class NumpyBackend(Backend):
 
     def mlp(self, layer: LayerWeights[HostWeight], h: np.ndarray) -> np.ndarray:
         """The layer's MLP on its normed input h [T, hidden]: the dense one, or the experts its router picks."""
+        invariant = self.invariant
         if layer.router is None:
-            return linear(self.activation(linear(h, layer.gate_up)), layer.down)
+            return linear(self.activation(linear(h, layer.gate_up, invariant=invariant)), layer.down,
+                          invariant=invariant)
         cfg = self.config
-        weights, ids = route(linear(h, layer.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids, self.activation)
+        weights, ids = route(linear(h, layer.router, invariant=invariant), cfg.num_experts_per_tok,
+                             cfg.norm_topk_prob)
+        return fused_moe(h, layer.experts_gate_up, layer.experts_down, weights, ids, self.activation, invariant)
 
     def execute(self, batch: Batch, bitmask: np.ndarray | None = None) -> SamplerOutput:
         if batch.block_copies is not None:

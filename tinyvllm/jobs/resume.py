@@ -35,7 +35,8 @@ __all__ = ["finished_summary", "input_sha256", "input_stamp", "iso_time", "job_i
 
 def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
     """What must not change between a run and its resumption: the input's content and what shapes the results.
-    (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch.)"""
+    (Scheduling knobs and the backend may change: a job killed for memory can resume with a smaller batch; with
+    batch_invariant on, its rows come out bitwise the same whatever the batch.)"""
     return {"input_size": cfg.input.stat().st_size, "input_sha256": input_sha256(cfg.input),
             "model": str(cfg.model) if is_dummy(cfg.model) else str(Path(cfg.model).resolve()),
             "max_model_len": cfg.engine.max_model_len, "seed": cfg.engine.seed,
@@ -45,7 +46,9 @@ def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
                                      if cfg.chat_template_source is not None else None),
             "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,
             "keep_columns": cfg.kept_columns, "drop_input_columns": cfg.drop_input_columns,
-            **cfg.input_options.identity(), "output_schema": schema_digest()}
+            **cfg.input_options.identity(), "output_schema": schema_digest(),
+            # on, it shapes the results bitwise (and the identity of a job without it stays as it was)
+            **({"batch_invariant": True} if cfg.engine.batch_invariant else {})}
 
 
 def input_sha256(path: Path) -> str | None:
