@@ -10,6 +10,7 @@ shift $(( $# >= 2 ? 2 : 1 ))
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 solo="tests/gpu/test_close.py tests/gpu/test_kernel_start.py"
+timed="tests/gpu/test_cuda_model.py::test_measure_limits_and_describe"  # measures the copy and GEMM rates
 python3 -m tinyvllm build-kernels >"$out/gpu-build.txt" 2>&1 || echo "build-kernels failed: see $out/gpu-build.txt"
 
 files=$(ls -S tests/gpu/test_*.py | grep -v -F -x -f <(tr ' ' '\n' <<<"$solo"))
@@ -24,10 +25,10 @@ done
 
 start=$SECONDS
 for ((s = 0; s < shards; s++)); do
-  python3 -m pytest -q -p no:cacheprovider -rfEs ${lists[s]} "$@" >"$out/gpu-shard-$s.txt" 2>&1 &
+  python3 -m pytest -q -p no:cacheprovider -rfEs ${lists[s]} --deselect "$timed" "$@" >"$out/gpu-shard-$s.txt" 2>&1 &
 done
 wait
-python3 -m pytest -q -p no:cacheprovider -rfEs $solo "$@" >"$out/gpu-solo.txt" 2>&1
+python3 -m pytest -q -p no:cacheprovider -rfEs $solo "$timed" "$@" >"$out/gpu-solo.txt" 2>&1
 for log in "$out"/gpu-shard-*.txt "$out/gpu-solo.txt"; do
   echo "$(basename "$log"): $(tail -n 1 "$log")"
   grep -E "^(FAILED|ERROR) " "$log"
