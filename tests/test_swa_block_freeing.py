@@ -175,3 +175,27 @@ def test_without_chunked_prefill_the_cache_caps_the_length(mistral_dir):
     out = llm.generate(prompts([100]), SamplingParams(max_tokens=27, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 27
     assert_no_leaks(llm)
+
+
+def test_a_fork_after_the_parent_moved_on_computes_its_prompt():
+    """A parent that has freed blocks inside its child's first window shares nothing: the child starts at 0."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.block_manager import BlockManager
+    from tinyvllm.engine.sequence import Sequence
+    from tinyvllm.outputs import RequestMetrics
+
+    bm = BlockManager(EngineConfig(block_size=BLOCK), 32, window=WINDOW)
+    parent, child = (Sequence("r", i, None, list(range(3, 103)), SamplingParams(), 0, 0, RequestMetrics(0.0))
+                     for i in range(2))
+    bm.allocate(parent, 100)
+    parent.num_computed_tokens = 100
+    bm.free_outside_window(parent)
+    assert parent.num_freed_blocks == bm.freeable(99) == (99 - WINDOW + 1) // BLOCK
+    assert bm.fork(parent, child) == [(parent.block_table[6], child.block_table[6])]
+    assert child.num_freed_blocks == parent.num_freed_blocks and child.num_computed_tokens == 99
+    bm.free(child)
+    parent.num_computed_tokens = 140
+    bm.free_outside_window(parent)
+    bm.grow(parent, 141)
+    assert bm.fork(parent, child) == [] and not child.block_table and child.num_computed_tokens == 0
+    bm.check_block_tables([parent])
