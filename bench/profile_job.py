@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--stop", help="a stop string on every row")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--device-us", type=float, help="device time per sequence of a step (default: none)")
+    parser.add_argument("--prepare-workers", type=int, choices=(0, 1), help="the job's prepare_workers "
+                        "(default: the job's default)")
     args = parser.parse_args()
 
     # the one place the model is left out
@@ -165,7 +167,7 @@ def main() -> None:
             source.write_text("".join(json.dumps(r) + "\n" for r in rows))
             cfg = JobConfig(source, Path(tmp) / "out.parquet", Path(model.source), engine=llm.engine_config,
                             sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
-                            quiet=True)
+                            quiet=True, prepare_workers=args.prepare_workers)
             reset_prefix_cache()
             start, cpu = time.perf_counter(), time.thread_time()
             if profiler:

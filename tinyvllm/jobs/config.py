@@ -58,6 +58,10 @@ class JobConfig:
     max_in_flight: int | None = setting(None, "requests in the engine at once [default: 4 x max_num_seqs]",
                                         low=1, high=1 << 24)
     piece_rows: int = setting(PIECE_ROWS, "rows per committed piece", low=1, high=1 << 24)
+    prepare_workers: int | None = setting(None, "processes that read, chat-template and tokenize the rows ahead of "
+                                          "the engine, off its Python thread (0: a thread of the job's process "
+                                          "does it) [default: 1 for a job of 1000 rows or more to do, else 0]",
+                                          low=0, high=1)
     overwrite: bool = setting(False, "start over: drop committed rows, replace a finished output")
     retry_errors: bool = setting(False, "compute the error rows of a finished (or interrupted) output again, "
                                  "keeping its other rows")

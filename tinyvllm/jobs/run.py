@@ -15,8 +15,6 @@ Job files (jobs/*.toml) are read by jobs/file.py.
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import itertools
 import os
 import queue
@@ -47,16 +45,17 @@ from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals, check_not_busy
+from tinyvllm.jobs.prepare import END as _END
+from tinyvllm.jobs.prepare import (PREPARE_AHEAD, PREPARE_BATCH, WORKER_MIN_ROWS, PrepareSpec, PrepareWorker,
+                                   WorkerUnavailable, readable, row_params, row_prompt, tokenizer_spec)
+from tinyvllm.jobs.prepare import row_seed as _row_seed  # noqa: F401 (tests set seeds against it)
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
-__all__ = ["JobInterrupted", "LocalExecutor", "RowPipeline", "complete_rows", "load_llm", "prepare_request",
-           "run_job", "sampling_defaults"]
+__all__ = ["JobInterrupted", "LocalExecutor", "PendingRows", "RowPipeline", "complete_rows", "load_llm",
+           "prepare_request", "run_job", "sampling_defaults"]
 
 _request_ids = itertools.count()
-PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
-PREPARE_BATCH = 64  # rows the producer tokenizes at once
-_END = object()  # the producer's last item: no rows left
 ERROR_MESSAGES = 3  # the most common error messages the final line names
 ROW_LOCATION = re.compile(r"^(line|row) \d+: ")  # how a reader's error message starts
 
@@ -114,15 +113,18 @@ def complete_rows(llm, rows: Iterable[Row], defaults: SamplingParams, cfg: JobCo
 
 
 class RowPipeline:
-    """Rows -> the engine -> output records, in two threads.
+    """Rows -> the engine -> output records, the engine on the calling thread, the rows prepared PREPARE_AHEAD
+    ahead of it by a worker process or a producer thread.
 
-    A producer thread (`_produce`) takes the rows from `rows` (a reader reads and parses the input there), renders
-    and tokenizes them (`_prepare`) PREPARE_AHEAD ahead of the calling thread, which runs the engine (the producer's
-    Python runs while the engine waits for the device). It hands them over through one queue (`_offer`), in row
-    order, error rows included, so emit() and the engine are only ever called from the calling thread; an error the
-    reader raises comes through the queue after the rows before it. The calling thread admits rows as they are ready
-    (`_admit_ready`), so the engine starts on the first rows instead of waiting for max_in_flight, and steps the
-    engine (`_step`), emitting the rows that finish."""
+    A job's rows (PendingRows) are read, rendered and tokenized by a worker process (jobs/prepare.py PrepareWorker:
+    its Python then takes no GIL from the engine's thread) where cfg.prepare_workers asks for one (unset: a job of
+    WORKER_MIN_ROWS rows or more) and one can start; else (or for other rows) by a producer thread (`_produce`),
+    which takes the rows from `rows` (a reader reads and parses the input there) and renders and tokenizes them
+    (`_prepare`) while the engine waits for the device. Either hands them over in row order, error rows included,
+    so emit() and the engine are only ever called from the calling thread; an error the reader raises comes after
+    the rows before it. The calling thread admits rows as they are ready (`_admit_ready`), so the engine starts on
+    the first rows instead of waiting for max_in_flight, and steps the engine (`_step`), emitting the rows that
+    finish."""
 
     def __init__(self, llm, defaults: SamplingParams, cfg: JobConfig, emit: Callable[[dict], None],
                  max_in_flight: int, on_step: Callable[[], None] = lambda: None,
@@ -134,11 +136,17 @@ class RowPipeline:
         self.in_flight: dict[str, tuple[Row, str | list[int], bool, SamplingParams]] = {}
         self.ready: queue.Queue = queue.Queue(PREPARE_AHEAD)  # (row, prepared), in row order; then _END or the error
         self.cancelled = threading.Event()  # the loop has ended: the producer stops
+        self.worker: PrepareWorker | None = None  # where the rows come from instead of the producer's queue
+        self.overridden: dict = {}  # row_params' cache, for the worker's rows
+        self.noted: Callable[[Row], None] = lambda row: None  # PendingRows.noted, for the worker's rows
 
     def run(self, rows: Iterable[Row]) -> None:
         """Complete `rows`: return once each is emitted, or once stopped()."""
-        producer = threading.Thread(target=self._produce, args=(rows,), name="tinyvllm-prepare", daemon=True)
-        producer.start()
+        self.worker = self._start_worker(rows)
+        producer = None
+        if self.worker is None:
+            producer = threading.Thread(target=self._produce, args=(rows,), name="tinyvllm-prepare", daemon=True)
+            producer.start()
         try:
             exhausted = False
             while not self.stopped():
@@ -150,7 +158,24 @@ class RowPipeline:
                     return
         finally:
             self.cancelled.set()
-            producer.join()
+            if producer is not None:
+                producer.join()
+            if self.worker is not None:
+                self.worker.close()
+
+    def _start_worker(self, rows: Iterable[Row]) -> PrepareWorker | None:
+        """A worker preparing a job's rows, if the job asks for one and one starts (else one line says why not)."""
+        workers = self.cfg.prepare_workers
+        if not isinstance(rows, PendingRows) or workers == 0 or (workers is None and rows.count < WORKER_MIN_ROWS):
+            return None
+        try:
+            worker = PrepareWorker.start(rows.spec(self.llm.tokenizer), self.llm.tokenizer, self._from_worker)
+        except WorkerUnavailable as e:
+            tqdm.write(f"warning: preparing the rows in this process: the worker process did not start ({e})",
+                       file=sys.stderr)
+            return None
+        self.noted = rows.noted
+        return worker
 
     # ---- the engine's thread ----
 
@@ -158,9 +183,8 @@ class RowPipeline:
         """Admit every row that is ready, up to max_in_flight; wait for one only when the engine has nothing else to
         do. True once the producer has no rows left; raises the error the producer met."""
         while len(self.in_flight) < self.max_in_flight:
-            try:
-                item = self.ready.get(block=not self.in_flight)
-            except queue.Empty:
+            item = self._next(block=not self.in_flight)
+            if item is None:
                 return False
             if item is _END:
                 return True
@@ -168,6 +192,30 @@ class RowPipeline:
                 raise item
             self._admit(*item)
         return False
+
+    def _next(self, block: bool):
+        """The next item, (row, prepared), _END or an exception; None if none is ready (block: wait for one)."""
+        if self.worker is not None:
+            return self.worker.get(block, self.stopped)
+        try:
+            return self.ready.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _from_worker(self, row: Row, failure: str | None, text: str | None, templated: bool | None,
+                     token_ids: list[int] | None) -> tuple[Row, tuple | str]:
+        """The worker's row as an item: its SamplingParams made here (row_params, as _prepare does; checked first,
+        as there), its error rows in place."""
+        self.noted(row)
+        if row.error is not None:
+            return row, row.error
+        try:
+            params = row_params(row, self.defaults, self.cfg.engine.seed, self.max_model_len, self.overridden)
+        except ValueError as e:
+            return row, str(e)
+        if failure is not None:
+            return row, failure
+        return row, (token_ids if text is None else text, templated, params, token_ids)
 
     def _admit(self, row: Row, prepared: tuple | str) -> None:
         """Add the row's request to the engine, or emit its error record."""
@@ -339,7 +387,7 @@ class _JobRun:
         """The executor's run over the rows not done yet; returns its (engine info, engine stats). What was emitted
         is flushed, whatever happens."""
         try:
-            return executor.run(self.cfg, defaults, self.pending(rows), self.total - len(self.done), self.emit,
+            return executor.run(self.cfg, defaults, PendingRows(self, rows), self.total - len(self.done), self.emit,
                                 self.commit, self.stopped, self.columns)
         finally:
             self.writer.flush()
@@ -362,17 +410,26 @@ class _JobRun:
     def pending(self, rows: Iterator[Row]) -> Iterator[Row]:
         """The rows still to do, those that failed to parse included (the executor emits their error records). It
         may run on the executor's worker thread: it touches only `warned`, `bar` (first) and what does not change."""
-        self.bar = _progress_bar(self.cfg, self.total, len(self.done))
-        for row in _readable(rows, self.cfg.input):
+        self.show_progress()
+        for row in readable(rows, self.cfg.input):
             if self.stopped():
                 return
             if row.index in self.done:
                 continue
-            for name in set(row.ignored_fields) - self.warned:
-                self.warned.add(name)
-                tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
-                           "counts the rows that had it", file=sys.stderr)
+            self.noted(row)
             yield row
+
+    def show_progress(self) -> None:
+        """The progress bar, from when the rows are first read on (the model is loaded then)."""
+        if self.bar.disable and not self.cfg.quiet:
+            self.bar = _progress_bar(self.cfg, self.total, len(self.done))
+
+    def noted(self, row: Row) -> None:
+        """Warn once about each unsupported field a row had (--allow-unknown-fields)."""
+        for name in set(row.ignored_fields) - self.warned:
+            self.warned.add(name)
+            tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
+                       "counts the rows that had it", file=sys.stderr)
 
     def finish(self, metadata: dict, stats: dict) -> dict:
         """Write the output; return its summary with what the final line says beyond the file's: `run_wall_time_s`
@@ -395,6 +452,29 @@ class _JobRun:
                            f"{self.writer.discard()} rows this run computed are dropped (they may come from the "
                            "changed input), those committed before are kept: restore it and run the same command "
                            "again, or pass --overwrite to start over")
+
+
+class PendingRows:
+    """The rows a run of a job still has to do (those that failed to parse included), read in this process as they
+    are iterated (_JobRun.pending), or described for a worker process to read itself (spec())."""
+
+    def __init__(self, job_run: _JobRun, rows: Iterator[Row]) -> None:
+        self.job_run, self.rows = job_run, rows
+        self.count = job_run.total - len(job_run.done)
+
+    def __iter__(self) -> Iterator[Row]:
+        return self.job_run.pending(self.rows)
+
+    def spec(self, tokenizer) -> PrepareSpec:
+        """What a worker needs to read and prepare these rows (and so the progress bar shows)."""
+        job_run, cfg = self.job_run, self.job_run.cfg
+        job_run.show_progress()
+        return PrepareSpec(os.path.abspath(cfg.input), job_run.columns.serialize().to_pybytes(),
+                           cfg.allow_unknown_fields, asdict(cfg.input_options), job_run.done.to_bytes(), cfg.chat,
+                           cfg.chat_template_source, cfg.template_kwargs, tokenizer_spec(tokenizer))
+
+    def noted(self, row: Row) -> None:
+        self.job_run.noted(row)
 
 
 def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
@@ -447,27 +527,8 @@ def sampling_defaults(cfg: JobConfig) -> SamplingParams:
 def prepare_request(row: Row, tokenizer, defaults: SamplingParams, cfg: JobConfig,
                     max_model_len: int) -> tuple[str | list[int], bool, SamplingParams]:
     """What to send for a row: (prompt, already templated?, its SamplingParams). ValueError: the row is bad."""
-    params = defaults.with_overrides(row.overrides) if row.overrides else defaults
-    if params.max_tokens is not None and params.max_tokens > max_model_len:
-        raise ValueError(f"invalid max_tokens={params.max_tokens}: more than max_model_len={max_model_len}")
-    if params.seed is None:
-        params = _with_seed(params, _row_seed(cfg.engine.seed, row.index))
-    messages = row.messages
-    if messages is None and cfg.chat and isinstance(row.prompt, str):
-        messages = [{"role": "user", "content": row.prompt}]
-    if messages is None:
-        if row.chat_options:
-            raise ValueError(f"{next(iter(row.chat_options))} applies to a chat (messages, or --chat), not to a "
-                             "prompt")
-        return row.prompt, False, params
-    options = row.chat_options
-    kwargs = {**cfg.template_kwargs, **options.get("chat_template_kwargs", {})}  # the row's own keys win
-    try:
-        return tokenizer.apply_chat_template(
-            messages, options.get("add_generation_prompt", True), chat_template=cfg.chat_template_source,
-            continue_final_message=options.get("continue_final_message", False), **kwargs), True, params
-    except Exception as e:  # a template may raise anything (jinja's raise_exception): it is this row's problem
-        raise ValueError(f"chat template failed: {e}") from None
+    params = row_params(row, defaults, cfg.engine.seed, max_model_len)
+    return (*row_prompt(row, tokenizer, cfg.chat, cfg.chat_template_source, cfg.template_kwargs), params)
 
 
 def _chat_template_source(cfg: JobConfig) -> str | None:
@@ -496,18 +557,6 @@ def _check_columns(columns: pa.Schema, output: Path) -> None:
     if clash:
         raise JobError(f"the input column {clash[0]!r} has the name of a result column of the output: rename it, "
                        "or leave it out with --keep-columns or --drop-input-columns")
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    """A copy of checked `params` with a seed from _row_seed (in range by construction): replace() would check
-    every field again, which is most of a plain row's preparation."""
-    params = copy.copy(params)
-    params.seed = seed
-    return params
-
-
-def _row_seed(seed: int, index: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()) >> 1
 
 
 def _check_output(output: Path, input_path: Path) -> None:
@@ -558,23 +607,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one does not exist
         return False
-
-
-def _readable(rows: Iterator[Row], path: Path) -> Iterator[Row]:
-    """`rows`, with a failure to read the input past its start (a corrupt Parquet data page) as one JobError."""
-    index = -1
-    while True:
-        try:
-            row = next(rows)
-        except StopIteration:
-            return
-        except JobError:
-            raise
-        except Exception as e:  # pyarrow raises several types for damaged data
-            raise JobError(f"cannot read input {path} after row {index}, it is damaged: "
-                           f"{str(e).splitlines()[0][:200]}; repair it and run again with --overwrite") from None
-        index = row.index
-        yield row
 
 
 def _default_model() -> Path:

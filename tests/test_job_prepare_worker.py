@@ -1,0 +1,187 @@
+"""The row preparation worker (jobs/prepare.py): a job's output is the same with and without it, bad rows still
+become error rows in place, an interrupted job resumes exactly once, and the worker leaves nothing behind."""
+
+import os
+import signal
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import Crash, ok_run, run, write_jsonl
+
+from tinyvllm.io import PartsWriter
+from tinyvllm.io.writer import output_schema, records_table
+from tinyvllm.jobs import prepare
+from tinyvllm.jobs.prepare import PrepareWorker
+
+GREEDY = ("--temperature", "0", "--max-tokens", "3", "--piece-rows", "7", "--max-num-seqs", "4")
+
+
+def rows(n: int = 40) -> list:
+    """Plain and chat rows, per-row overrides, and bad rows of each kind: unparseable, a bad field, a chat option
+    on a plain prompt, more max_tokens than the context."""
+    out = []
+    for i in range(n):
+        if i % 9 == 4:
+            out.append({"prompt": f"p{i}", "max_tokenz": 3})
+        elif i % 9 == 5:
+            out.append({"prompt": f"p{i}", "add_generation_prompt": False})
+        elif i % 9 == 6:
+            out.append({"prompt": f"p{i}", "max_tokens": 1 << 20})
+        elif i % 3 == 0:
+            out.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"chat {i} about words"}],
+                        "temperature": 0.5, "seed": i})
+        else:
+            out.append({"prompt": f"plain prompt {i}", "keep": i})
+    return out
+
+
+def job_input(tmp_path, n: int = 40):
+    src = write_jsonl(tmp_path / "in.jsonl", rows(n))
+    with open(src, "a") as f:
+        f.write("{not json\n")
+    return src
+
+
+def comparable(table: pa.Table) -> pa.Table:
+    return table.drop_columns(["finished_at", "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"]
+                              if "queue_ms" in table.column_names else ["finished_at"])
+
+
+def results(table: pa.Table) -> dict:
+    keep = [n for n in table.column_names if not n.endswith("_ms") and n != "finished_at"]
+    return table.select(keep).to_pydict()
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The PrepareWorkers started, kept to check they ended."""
+    workers = []
+    start = PrepareWorker.start.__func__
+
+    def keep(cls, *args):
+        worker = start(cls, *args)
+        workers.append(worker)
+        return worker
+
+    monkeypatch.setattr(PrepareWorker, "start", classmethod(keep))
+    return workers
+
+
+def test_outputs_are_the_same_with_and_without_the_worker(tiny_model_dir, tmp_path, started):
+    src = job_input(tmp_path)
+    without = ok_run(tiny_model_dir, src, tmp_path / "a.parquet", *GREEDY, "--prepare-workers", "0")
+    assert not started
+    with_worker = ok_run(tiny_model_dir, src, tmp_path / "b.parquet", *GREEDY, "--prepare-workers", "1")
+    assert len(started) == 1 and started[0].proc.returncode == 0  # it ran, and was waited for
+    assert results(with_worker) == results(without)
+    errors = dict(zip(with_worker.column("row").to_pylist(), with_worker.column("error").to_pylist()))
+    assert all(errors[i] is not None for i in range(40) if i % 9 in (4, 5, 6)) and errors[40] is not None
+    assert sum(e is not None for e in errors.values()) == 3 * 4 + 1  # and the line that is not JSON
+
+
+def test_the_worker_by_default_only_for_large_jobs(tiny_model_dir, tmp_path, started, monkeypatch):
+    src = job_input(tmp_path, 10)
+    ok_run(tiny_model_dir, src, tmp_path / "a.parquet", *GREEDY)
+    assert not started
+    monkeypatch.setattr("tinyvllm.jobs.run.WORKER_MIN_ROWS", 5)
+    ok_run(tiny_model_dir, src, tmp_path / "b.parquet", *GREEDY)
+    assert len(started) == 1
+
+
+def test_resume_after_a_crash_is_exactly_once(tiny_model_dir, tmp_path, started, monkeypatch):
+    src = job_input(tmp_path)
+    reference = ok_run(tiny_model_dir, src, tmp_path / "ref.parquet", *GREEDY, "--prepare-workers", "0")
+    out = tmp_path / "out.parquet"
+    add, added = PartsWriter.add, []
+
+    def crash_midway(self, record):
+        added.append(record["row"])
+        if len(added) == 20:
+            raise Crash()
+        add(self, record)
+
+    with monkeypatch.context() as m:
+        m.setattr(PartsWriter, "add", crash_midway)
+        result = run(tiny_model_dir, src, out, *GREEDY, "--prepare-workers", "1")
+    assert isinstance(result.exception, Crash)
+    assert started[0].proc.returncode is not None  # waited for, even on an error
+    final = ok_run(tiny_model_dir, src, out, *GREEDY, "--prepare-workers", "1")
+    assert final.column("row").to_pylist() == list(range(41))
+    assert results(final) == results(reference)
+
+
+def test_a_worker_that_cannot_start_falls_back_in_process(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    src = job_input(tmp_path)
+    reference = ok_run(tiny_model_dir, src, tmp_path / "ref.parquet", *GREEDY, "--prepare-workers", "0")
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    result = run(tiny_model_dir, src, tmp_path / "out.parquet", *GREEDY, "--prepare-workers", "1")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("preparing the rows in this process") == 1
+    assert results(pq.read_table(tmp_path / "out.parquet")) == results(reference)
+
+
+def test_a_worker_whose_tokenizer_differs_is_not_used(tiny_model_dir, tmp_path, monkeypatch):
+    src = job_input(tmp_path)
+    monkeypatch.setattr(prepare, "probe_ids", lambda tokenizer: [[os.getpid()]])  # differs in the worker
+    result = run(tiny_model_dir, src, tmp_path / "out.parquet", *GREEDY, "--prepare-workers", "1")
+    assert result.exit_code == 0 and "does not tokenize as the model's" in result.stderr
+
+
+def test_the_worker_exits_when_its_job_dies(tiny_model_dir, tmp_path):
+    """Its pipes close when the job's process dies, however it dies: the worker exits (it ignores SIGINT and
+    SIGTERM, which the job handles)."""
+    import subprocess
+    import sys
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i} " * 50} for i in range(3000)])
+    code = ("import sys, time; from tinyvllm.cli import main; main(sys.argv[1:])")
+    job = subprocess.Popen([sys.executable, "-c", code, "run", "--model", str(tiny_model_dir), "--input", str(src),
+                            "--output", str(tmp_path / "out.parquet"), "--backend", "numpy", "--quiet",
+                            "--max-tokens", "64", "--prepare-workers", "1"], stderr=subprocess.PIPE)
+    worker = None
+    for _ in range(600):  # its worker: a child of the job
+        children = _children(job.pid)
+        if children:
+            worker = children[0]
+            break
+        time.sleep(0.05)
+    assert worker is not None
+    time.sleep(1.0)
+    os.kill(worker, signal.SIGINT)  # ignored
+    time.sleep(0.2)
+    assert _alive(worker)
+    job.kill()
+    job.wait()
+    for _ in range(100):
+        if not _alive(worker):
+            break
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie waiting to be reaped by whoever inherited it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_records_table_is_from_pylist(tmp_path):
+    schema = output_schema(True, pa.schema([("keep", pa.int64()), ("tags", pa.list_(pa.string()))]))
+    records = [{"row": 0, "id": "a", "completion": "x", "sampling": {"temperature": 0.5, "stop": ["s"]},
+                "completion_token_ids": [1, 2], "logprobs": [-0.5], "top_logprobs": [[{"token_id": 1, "logprob": -1.0}]],
+                "keep": 3, "tags": ["t"]},
+               {"row": 1, "id": "b", "error": "bad", "keep": None}]
+    assert records_table(records, schema).equals(pa.Table.from_pylist(records, schema=schema))
