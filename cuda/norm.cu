@@ -77,7 +77,7 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
 // x[t, :] += rms_norm(part[t, :]) * (offset + part_w), then, where out is not null, out[t, :] = rms_norm(x[t, :]) *
 // (offset + w) of the new x (the next GEMM's input). part: the float32 product of the O or down GEMM.
 // Launch: as rms_norm's, grid (T).
-extern "C" __global__ void rms_norm_residual(bf16* __restrict__ out, float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_residual(bf16* __restrict__ out, float* __restrict__ x,
                                              const float* __restrict__ part, const bf16* __restrict__ part_w,
                                              const bf16* __restrict__ w, int hidden, float eps, float offset) {
     pdl_begin();

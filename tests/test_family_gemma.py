@@ -108,7 +108,7 @@ def test_cuda_has_the_gemma_layer_ops(family):
     the cuda backend: a Gemma config without windows, attention soft cap or RoPE variants is not refused."""
     attention = dict(sliding_window=None, layer_types=None, attn_logit_softcapping=None, query_pre_attn_scalar=None,
                      local_rope_theta=None, rope_scaling=None)
-    config = tiny_config(**{**family, **attention})
+    config = tiny_config(**{**family, **attention, "head_dim": 64})  # a head_dim the attention kernels have
     assert config.sandwich_norms and config.norm_offset == 1 and config.embed_scale == 8
     check_cuda_kernels(config, 128)
 
@@ -136,12 +136,11 @@ def test_gemma_system_row_is_an_error_row_naming_the_reason(tmp_path):
     assert rows[1]["error"] is None and rows[1]["finish_reason"] == "length"
 
 
-def test_cuda_backend_refuses_gemma_before_touching_a_gpu(tmp_path):
-    model = save_hf_model_dir(tmp_path / "model", tiny_config(**GEMMA2), random_weights(tiny_config(**GEMMA2)))
-    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
-    message = one_line_error(run(model, src, tmp_path / "out.parquet", "--backend", "cuda"))
-    assert "the cuda backend has no kernels yet for this Gemma2ForCausalLM model's" in message
-    assert "--backend numpy" in message and "sliding window" not in message  # the attention kernels have windows
+def test_cuda_backend_takes_gemma_and_refuses_head_dim_256_in_one_line():
+    check_cuda_kernels(tiny_config(**dict(GEMMA2, head_dim=64)), 2048)  # windows, soft caps, GeGLU, sandwich norms
+    check_cuda_kernels(tiny_config(**dict(GEMMA3, head_dim=64)), 2048)
+    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*head_dim 256 .*--backend numpy"):
+        check_cuda_kernels(tiny_config(**dict(GEMMA2, head_dim=256)), 2048)
 
 
 def test_new_family_configs_round_trip_through_config_json():

@@ -87,8 +87,8 @@ def test_phi3_hub_config_reads_longrope_and_partial_rotary():
 
 def test_cuda_runs_phi3_and_refuses_odd_rotary_dims_in_one_line():
     config = tiny_config(**PHI, partial_rotary_factor=0.5)
-    check_cuda_kernels(config, 2048)  # 8 of 16 dims rotated by rope_and_cache; fused qkv_proj/gate_up_proj uploaded
-    assert config.ops_beyond_llama(2048) == []
+    assert config.ops_beyond_llama(2048) == []  # 8 of 16 dims rotated by rope_and_cache
+    check_cuda_kernels(tiny_config(**dict(PHI, head_dim=64), partial_rotary_factor=0.5), 2048)  # fused tensors too
     odd = tiny_config(**PHI, partial_rotary_factor=0.25, rope_scaling=longrope(2, 32))
     assert odd.ops_beyond_llama(2048) == ["4 rotary dimensions (not a multiple of 8)"]
     with pytest.raises(ValueError, match="cuda backend has no kernels yet .*4 rotary dimensions.*--backend numpy"):

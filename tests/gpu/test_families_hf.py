@@ -37,6 +37,10 @@ from hf_peers import hf_model  # noqa: E402  (the peers' HF builder: each family
 
 pytestmark = pytest.mark.gpu
 
+# Phi-3.5's LongRoPE factors for 64 rotary pairs (head_dim 128), its last 16 repeated
+PHI_SHORT_HD128 = PHI_3_5_SHORT_FACTOR + PHI_3_5_SHORT_FACTOR[-16:]
+PHI_LONG_HD128 = PHI_3_5_LONG_FACTOR + PHI_3_5_LONG_FACTOR[-16:]
+
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -63,23 +67,24 @@ FAMILIES = {
     "mistral-gqa4": dict(architecture="MistralForCausalLM", hidden_size=1024, intermediate_size=3584,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=64, rope_theta=1e6,
                          sliding_window=4096, max_position_embeddings=4096),
-    # Gemma-2-2B, Gemma-3-1B and Phi-3.5-mini shapes (model/dummy.py's presets), windows the 150- and 333-token
+    # Gemma-2-2B, Gemma-3-1B and Phi-3.5-mini shapes (model/dummy.py's presets) at head_dim 128 (the attention
+    # kernels have 64 and 128; Gemma's 256 and Phi-3.5's 96 are refused), windows the 150- and 333-token
     # prompts cross
     "gemma-2-2b": dict(architecture="Gemma2ForCausalLM", hidden_size=2304, intermediate_size=9216,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, activation="gelu_pytorch_tanh",
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=128, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                        sliding_window=64, layer_types=GEMMA2_LAYERS, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=8192),
     "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, activation="gelu_pytorch_tanh",
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=128, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, sliding_window=64, layer_types=GEMMA3_LAYERS, rope_theta=1e6,
                        local_rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=32768),
     "phi-3.5-mini": dict(architecture="Phi3ForCausalLM", hidden_size=3072, intermediate_size=8192,
-                         num_attention_heads=32, num_key_value_heads=32, head_dim=96, sliding_window=128,
+                         num_attention_heads=24, num_key_value_heads=24, head_dim=128, sliding_window=128,
                          max_position_embeddings=131072,
-                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
-                                       "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
+                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
+                                       "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
 }
 PROMPT_LENGTHS = (9, 64, 150, 333)  # 333 spans three 128-token prefill chunks
 STEPS = 24

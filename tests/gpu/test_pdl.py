@@ -99,7 +99,8 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(devic
 
     kernels = machine_code(device, tmp_path)["gemv"]
     forms = ("", "_pipelined")
-    assert set(kernels) == {f"gemv_{kind}{form}" for kind in ("bf16", "f32", "swiglu_bf16") for form in forms}
+    kinds = ("bf16", "f32", "swiglu_bf16", "geglu_bf16")
+    assert set(kernels) == {f"gemv_{kind}{form}" for kind in kinds for form in forms}
     for name, instructions in kernels.items():
         _, before = global_accesses_before_wait(instructions)
         assert sum(map(is_weight_load, before)) == 2 * GEMV_UNROLL, (name, before)
