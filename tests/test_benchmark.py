@@ -95,8 +95,9 @@ BIG_PRESETS = {"llama-3.1-8b": (8_030_261_248, 2 * 32 * 8 * 128 * 2),
                "qwen2.5-7b": (7_615_616_512, 2 * 28 * 4 * 128 * 2)}
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [name for name, make in PRESETS.items() if not make().num_experts])
 def test_dummy_presets_floors(preset):
+    """The dense presets' floors (a mixture-of-experts step reads only the experts its tokens chose)."""
     config = PRESETS[preset]()
     shapes = weight_shapes(config)
     params = sum(math.prod(shape) for name, shape in shapes.items()

@@ -136,11 +136,9 @@ def test_gemma_system_row_is_an_error_row_naming_the_reason(tmp_path):
     assert rows[1]["error"] is None and rows[1]["finish_reason"] == "length"
 
 
-def test_cuda_backend_takes_gemma_and_refuses_head_dim_256_in_one_line():
+def test_cuda_backend_takes_gemma():
     check_cuda_kernels(tiny_config(**dict(GEMMA2, head_dim=64)), 2048)  # windows, soft caps, GeGLU, sandwich norms
     check_cuda_kernels(tiny_config(**dict(GEMMA3, head_dim=64)), 2048)
-    with pytest.raises(ValueError, match="cuda backend has no kernels yet .*head_dim 256 .*--backend numpy"):
-        check_cuda_kernels(tiny_config(**dict(GEMMA2, head_dim=256)), 2048)
 
 
 def test_new_family_configs_round_trip_through_config_json():
