@@ -161,13 +161,13 @@ def test_image_content_parts_are_refused_in_one_line():
     assert "what?" in tok.apply_chat_template(text)
 
 
-def test_backend_auto_runs_gemma_on_the_cpu_where_cuda_would_run(tmp_path, monkeypatch, caplog):
+def test_backend_auto_runs_on_the_cpu_a_gemma_the_cuda_kernels_lack(tmp_path, monkeypatch, caplog):
     import tinyvllm.backends as backends
     from tinyvllm.backends.numpy_backend import NumpyBackend
 
     monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)  # as on a machine with a usable GPU
     monkeypatch.setattr(backends, "gpu_present", lambda: True)
-    config = tiny_config(**GEMMA2)
+    config = tiny_config(**GEMMA2, partial_rotary_factor=0.25)  # 4 rotary dims: rope_and_cache rotates 8 at a time
     model = save_hf_model_dir(tmp_path / "model", config, random_weights(config))
     with caplog.at_level("WARNING", logger="tinyvllm.backends"):
         from tinyvllm import LLM
