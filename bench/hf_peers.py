@@ -29,12 +29,14 @@ PEERS = ("static", "compiled", "generate_batch")
 
 
 def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sdpa"):
-    """The HF transformers model of the LoadedModel's family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3)
-    holding its weights.
+    """The HF transformers model of the LoadedModel's family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3,
+    Mixtral, Qwen3-MoE, OLMoE) holding its weights.
 
-    Built in `dtype` directly on `device` (HF's own random init runs there, then is overwritten), and each weight is
-    copied in as stored (bf16 bit patterns for a bf16 checkpoint or a dummy model), one tensor at a time: an 8B
-    model costs no float32 copy and no host copy of the whole model."""
+    Built in `dtype` directly on `device` without HF's random init (no_init_weights: its parameters are allocated,
+    not filled, so a 30B MoE is built in seconds), and each weight is copied in as stored (bf16 bit patterns for a
+    bf16 checkpoint or a dummy model), one tensor at a time: no float32 copy and no host copy of the whole
+    model. transformers>=5 holds a layer's experts fused (experts.gate_up_proj [E, 2I, hidden], experts.down_proj),
+    filled expert by expert (_hf_tensors)."""
     hf_dict = loaded.config.to_hf_dict() | {"pad_token_id": 0}  # Phi-3's default (32000) is past a small vocabulary
     config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
     config.eos_token_id = None  # random weights: never stop early
@@ -43,22 +45,66 @@ def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sd
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # as from_pretrained(dtype=...) does: parameters made in dtype, not cast later
     try:
-        with torch.device(device):
+        with torch.device(device), _no_init_weights():
             model = getattr(transformers, loaded.config.architecture)(config)
     finally:
         torch.set_default_dtype(default_dtype)
     params = dict(model.named_parameters())  # a tied head is the embedding: listed once
-    ours = {name for name in loaded.weights if not (name == "lm_head.weight" and loaded.config.tie_word_embeddings)}
-    if set(params) != ours:
+    tensors = _hf_tensors(loaded, params)
+    if set(params) != set(tensors):
         raise ValueError(f"HF {loaded.config.architecture} and tinyvllm disagree on the tensors: "
-                         f"{sorted(set(params) ^ ours)[:5]}")
+                         f"{sorted(set(params) ^ set(tensors))[:5]}")
     stored = getattr(loaded.weights, "stored", loaded.weights.__getitem__)
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(_as_torch(stored(name)))  # to the device, cast to dtype if stored otherwise
+            rows = param.view(-1, param.shape[-1]) if param.dim() > 1 else param.view(1, -1)
+            start = 0
+            for part in tensors[name]:  # to the device, cast to dtype if stored otherwise
+                value = _as_torch(stored(part)).reshape(-1, rows.shape[-1])
+                rows[start:start + len(value)].copy_(value)
+                start += len(value)
+            if start != len(rows):
+                raise ValueError(f"HF's {name} {tuple(param.shape)} is not the tensors it stacks: {tensors[name][:2]}")
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def _no_init_weights():
+    """transformers' context in which a model's constructor allocates its parameters without initializing them."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _hf_tensors(loaded, params: dict) -> dict[str, list[str]]:
+    """HF parameter name -> our tensors it holds, in its row order: one each, but a fused expert parameter of
+    transformers>=5 (every expert's gate then up rows; or every expert's down rows), and Mixtral's
+    block_sparse_moe named mlp there."""
+    from tinyvllm.model.layout import expert_names, layout_of, present
+
+    cfg = loaded.config
+    layout = layout_of(cfg)
+
+    def hf_name(name: str) -> str:
+        return name if name in params else name.replace(".block_sparse_moe.", ".mlp.")
+
+    out: dict[str, list[str]] = {}
+    for i in range(cfg.num_hidden_layers):
+        prefix = layout.hf_layer.format(i=i)
+        for p in layout.layer:
+            if p.experts and present(p, cfg, i):
+                fused = hf_name(f"{prefix}{p.parts[0].hf.partition('.experts.')[0]}.experts."
+                                f"{'gate_up_proj' if len(p.parts) == 2 else 'down_proj'}")
+                if fused in params:
+                    out[fused] = expert_names(p, prefix, cfg)
+    covered = {part for parts in out.values() for part in parts}
+    for name in loaded.weights:
+        if name not in covered and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            out[hf_name(name)] = [name]
+    return out
 
 
 def _as_torch(array: np.ndarray) -> torch.Tensor:

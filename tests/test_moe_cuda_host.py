@@ -1,0 +1,140 @@
+"""The cuda backend's MoE on the host, without a GPU: the padded grouping twin (align_block_size) against
+group_by_expert, the tile bound the kernels' grids are sized by, the launchers' path choice and geometry, the
+forward's launch sequence on a stand-in device, the presets, and FP8 experts refused. The kernels themselves:
+tests/gpu/test_moe_kernels.py."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_M, MOE_GEMV_TILE, SIGNATURES, Ops, moe_block_m,
+                                        moe_max_tiles, moe_uses_gemv)
+from tinyvllm.backends.moe import align_block_size, group_by_expert, route
+from tinyvllm.model.dummy import PRESETS
+from tinyvllm.model.layout import weight_shapes
+
+from test_cuda_ops import (FakeDevice, FakeGraph, Recorder, TypedRecorder, engine_config_for,  # noqa: F401
+                           forward_module, serve_every_feature)
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 128, 8, 8), (5, 8, 2, 64), (300, 16, 8, 64),
+                                                      (3, 5, 4, 8)])
+def test_align_block_size_is_group_by_expert_padded(tokens, experts, k, block_m):
+    rng = np.random.default_rng(tokens)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    logits[:, 1] = -50  # nobody's
+    _, ids = route(logits, k, True)
+    order, offsets = group_by_expert(ids, experts)
+    sorted_ids, expert_ids, total = align_block_size(ids, experts, block_m)
+    assert total % block_m == 0 and len(expert_ids) == total // block_m and 1 not in expert_ids
+    tiles = np.repeat(expert_ids, block_m)
+    real = sorted_ids < ids.size
+    np.testing.assert_array_equal(sorted_ids[real], order)  # the same order, the sentinels between the runs
+    np.testing.assert_array_equal(ids.reshape(-1)[sorted_ids[real]], tiles[real])
+    assert total <= moe_max_tiles(ids.size, experts, block_m) * block_m
+    assert (np.bincount(expert_ids, minlength=experts) == -(-np.diff(offsets) // block_m)).all()
+
+
+@pytest.mark.parametrize("assignments,experts,block_m", [(1, 128, 8), (64, 128, 8), (64, 8, 64), (2400, 128, 64),
+                                                         (7, 3, 4)])
+def test_moe_max_tiles_bounds_every_grouping(assignments, experts, block_m):
+    """The worst grouping: as many experts as possible with one assignment, the rest on one expert."""
+    ones = min(experts, assignments) - 1
+    counts = [1] * ones + [assignments - ones]
+    assert sum(-(-c // block_m) for c in counts) <= moe_max_tiles(assignments, experts, block_m)
+    rng = np.random.default_rng(assignments)
+    for _ in range(20):
+        counts = np.bincount(rng.integers(0, experts, assignments), minlength=experts)
+        assert (-(-counts // block_m)).sum() <= moe_max_tiles(assignments, experts, block_m)
+
+
+def test_moe_launchers_pick_the_path_by_batch():
+    """A few tokens: the GEMV kernels over tiles of 8 assignments; more: the grouped GEMM's tiles of 64."""
+    recorder = Recorder()
+    ops = Ops(recorder, None)
+    assert moe_uses_gemv(8, 8, 128) and moe_uses_gemv(128, 8, 128) and not moe_uses_gemv(129, 8, 128)
+    assert (moe_block_m(4, 8, 128), moe_block_m(256, 8, 128)) == (MOE_GEMV_TILE, MOE_GEMM_BLOCK_M)
+    ops.moe_topk_softmax(1, 2, 3, 4, 128, 8, True)
+    ops.moe_align(1, 2, 3, 4, 32, 128, 8)
+    ops.moe_gate_up(1, 2, 3, 4, 5, 6, 4, 8, 128, 2048, 768)
+    ops.moe_down(1, 2, 3, 4, 5, 6, 7, 4, 8, 128, 2048, 768)
+    ops.moe_gate_up(1, 2, 3, 4, 5, 6, 256, 8, 128, 2048, 768)
+    ops.moe_down(1, 2, 3, 4, 5, 6, 7, 256, 8, 128, 2048, 768)
+    ops.moe_sum(1, 2, 256, 8, 2048)
+    assert recorder.launches == [
+        ("moe_topk_softmax", (4,), (32, 1, 1)), ("moe_align", (128,), (256, 1, 1)),
+        ("moe_gemv_gate_up", (32, 12), (128, 1, 1)), ("moe_gemv_down", (32, 32), (128, 1, 1)),
+        ("moe_gemm_gate_up", (158, 12), (128, 1, 1)), ("moe_gemm_down", (158, 16), (128, 1, 1)),
+        ("moe_sum", (256, 2), (256, 1, 1))]
+
+
+@pytest.mark.parametrize("launch,message", [
+    (lambda ops: ops.moe_topk_softmax(1, 2, 3, 4, 2048, 8, True), "at most 1024"),
+    (lambda ops: ops.moe_topk_softmax(1, 2, 3, 4, 8, 9, True), "top_k 9 of 8"),
+    (lambda ops: ops.moe_gate_up(1, 2, 3, 4, 5, 6, 4, 8, 128, 2048, 764), "inter 764 is not a multiple of 8"),
+    (lambda ops: ops.moe_sum(1, 2, 4, 8, 2050), "hidden 2050")])
+def test_moe_launchers_refuse_what_their_kernels_cannot_run(launch, message):
+    with pytest.raises(ValueError, match=message):
+        launch(Ops(Recorder(), None))
+
+
+@pytest.mark.parametrize("architecture,extra", [
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=(1,), norm_topk_prob=True)),
+    ("OlmoeForCausalLM", dict()), ("MixtralForCausalLM", dict())])
+def test_moe_forward_launches_on_a_stand_in_device(forward_module, make_model_dir, monkeypatch, architecture, extra):
+    """Through the engine on FakeDevice: expert layers launch the MoE sequence (prefill chunks of 32 tokens the
+    grouped GEMM, decode the GEMV kernels), a dense layer the dense MLP, OLMoE its whole-projection q/k norms;
+    the experts stacked [experts, rows, columns] on the device; every argument of its kernel's C type."""
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    FakeGraph.made = []
+    model = load_moe(make_model_dir, architecture, extra)
+    device = FakeDevice(TypedRecorder())
+    backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"), device, True)
+    layers = backend.forward.layers
+    assert layers[0].experts_gate_up.shape == (4, 2 * 32, 64) and layers[0].experts_down.shape == (4, 64, 32)
+    assert layers[0].gate_up is None and (layers[1].router is None) == ("mlp_only_layers" in extra)
+    expected = {"moe_topk_softmax", "moe_align", "moe_gemv_gate_up", "moe_gemv_down", "moe_gemm_gate_up",
+                "moe_gemm_down", "moe_sum"}
+    assert expected <= set(names) <= set(device.prepared)
+    assert ("qk_norm_projection" in names) == (architecture == "OlmoeForCausalLM")
+    assert ("gemv_swiglu_bf16" in names or "silu_and_mul" in names) == ("mlp_only_layers" in extra)
+    backend.close()
+
+
+def load_moe(make_model_dir, architecture, extra):
+    from tinyvllm.model.loader import load_model
+
+    path = make_model_dir(head_dim=64, architecture=architecture, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, **extra)
+    return load_model(path)
+
+
+def test_moe_kernels_are_built_only_for_moe_models():
+    from tinyvllm.backends.cuda.kernels import needed_kernels
+
+    moe = {name for name, s in SIGNATURES.items() if s.file == "moe"}
+    assert not moe & set(needed_kernels(64, 8, 2, False)) and moe <= set(needed_kernels(64, 8, 2, False,
+                                                                                         experts=True))
+
+
+@pytest.mark.parametrize("preset,params,experts,top_k", [("qwen3-30b-a3b", 30.5e9, 128, 8),
+                                                         ("mixtral-8x7b", 46.7e9, 8, 2)])
+def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k):
+    config = PRESETS[preset]()
+    total = sum(int(np.prod(shape)) for shape in weight_shapes(config).values())
+    assert abs(total - params) / params < 0.01
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (experts, top_k, True)
+    assert all(config.moe_layer(i) for i in range(config.num_hidden_layers))
+
+
+def test_fp8_weights_on_a_moe_model_are_refused_on_cuda_too(make_model_dir):
+    """Refused before any backend is built (no GPU needed): the experts have no FP8 path yet."""
+    from tinyvllm import LLM
+    from tinyvllm.config import SettingError
+
+    path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32)
+    with pytest.raises(SettingError, match="^invalid quantization='fp8': a mixture-of-experts model's experts"):
+        LLM(str(path), backend="cuda", quantization="fp8")
