@@ -5,7 +5,7 @@
 // in registers. Query i (0-based among the new tokens) of sequence s sits at position context_lens[s] - q_len + i
 // and sees keys 0 .. that position, so the same kernel serves a prompt, a prompt whose prefix is already cached and
 // a chunk of a long prompt; with a sliding window of W keys it sees the keys position - W + 1 .. position only, and a
-// tile reads no key before the first one its rows see (a block that left the window may be freed and reused).
+// tile loads no key before the first one its rows see (a block that left the window may be freed and reused).
 // Attention-logit soft-capping (Gemma 2) turns each scaled score x into softcap * tanh(x / softcap). Grouped-query
 // attention: the rows of a tile are (query, head) pairs of the `group`
 // query heads of one KV head, token-major, so each K/V tile loaded into shared memory serves all of them.
@@ -77,8 +77,12 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         key_begin[h] = window > 0 ? max(0, pos - window + 1) : 0;
         key_end[h] = pos + 1;
     }
-    // the keys any row of the tile sees: from its first row's window start to its last row's position
-    const int kv_begin = window > 0 ? max(0, past + row0 / group - window + 1) : 0;
+    // The keys any row of the tile sees: from its first row's window start (kv_first) to its last row's position.
+    // The key tiles start at multiples of BLOCK_N whatever the rows, so that a row's softmax and P V add up the
+    // same tiles in the same order in any tile, chunk or decode step that holds it (batch invariance); keys before
+    // kv_first load as zeros (their blocks may be freed), masked like every key outside a row's own range.
+    const int kv_first = window > 0 ? max(0, past + row0 / group - window + 1) : 0;
+    const int kv_begin = kv_first / BLOCK_N * BLOCK_N;
     const int kv_end = past + min(row0 + BLOCK_M - 1, num_rows - 1) / group + 1;
     const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
     // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
@@ -90,12 +94,12 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
     for (int n0 = kv_begin; n0 < kv_end; n0 += BLOCK_N) {
-        // K and V of keys n0 .. n0 + BLOCK_N - 1 through the block table; keys past kv_end are zeros (never NaN
-        // garbage).
+        // K and V of keys n0 .. n0 + BLOCK_N - 1 through the block table; keys outside kv_first .. kv_end - 1 are
+        // zeros (never NaN garbage).
         for (int c = threadIdx.x; c < BLOCK_N * D / 8; c += blockDim.x) {
             const int j = c / (D / 8), part = c % (D / 8), tok = n0 + j;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
-            if (tok < kv_end) {
+            if (tok >= kv_first && tok < kv_end) {
                 const int64_t slot = (int64_t)table[tok / block_size] * block_size + tok % block_size;
                 const int64_t off = slot * kv_stride + kvh * D + part * 8;
                 if constexpr (FP8) {

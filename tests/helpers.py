@@ -48,11 +48,12 @@ def tiny_model(path: Path, *, dtype: str = "float32", shards: int = 1, seed: int
 
 
 def llm_for(model_dir, **kw):
-    """An LLM on the numpy backend for `model_dir` (max_num_seqs 8 unless given)."""
+    """An LLM for `model_dir`, on the numpy backend and with max_num_seqs 8 unless given."""
     from tinyvllm import LLM
 
     kw.setdefault("max_num_seqs", 8)
-    return LLM(model_dir, backend="numpy", **kw)
+    kw.setdefault("backend", "numpy")
+    return LLM(model_dir, **kw)
 
 
 # ---- the CLI ----

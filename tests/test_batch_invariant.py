@@ -40,32 +40,36 @@ def signature(output) -> tuple:
     return prompt, completions
 
 
-def layouts(model_dir, seeded: bool, invariant: bool, n: int = 1) -> dict[str, list[tuple]]:
-    """The probes' signatures in each layout."""
+def layouts(model_dir, seeded: bool, invariant: bool, n: int = 1, **engine) -> dict[str, list[tuple]]:
+    """The probes' signatures in each layout; engine: more LLM(...) settings (backend, kv_cache_dtype) for all, each
+    engine closed before the next starts (a GPU's memory back)."""
     params = probe_params(seeded, n)
     others = SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True)
 
     def llm(**kw):
-        return llm_for(model_dir, batch_invariant=invariant, **kw)
+        return llm_for(model_dir, batch_invariant=invariant, **{**engine, **kw})
 
-    solo = llm(max_num_seqs=1)
-    out = {"alone": [signature(solo.generate(p, sp)[0]) for p, sp in zip(PROBES, params)]}
-    out["batch of 8"] = [signature(o) for o in llm().generate(PROBES, params)]
+    out = {}
+    with llm(max_num_seqs=1) as solo:
+        out["alone"] = [signature(solo.generate(p, sp)[0]) for p, sp in zip(PROBES, params)]
+    with llm() as batched:
+        out["batch of 8"] = [signature(o) for o in batched.generate(PROBES, params)]
     # mixed with 40 others, prompts chunked: a step of 24 tokens splits most prompts over several steps
-    mixed = llm(max_num_seqs=16, max_num_batched_tokens=24)
-    prompts = OTHERS[:20] + PROBES + OTHERS[20:]
-    results = mixed.generate(prompts, [others] * 20 + params + [others] * 20)
+    with llm(max_num_seqs=16, max_num_batched_tokens=24) as mixed:
+        prompts = OTHERS[:20] + PROBES + OTHERS[20:]
+        results = mixed.generate(prompts, [others] * 20 + params + [others] * 20)
     out["mixed, chunked"] = [signature(o) for o in results[20:20 + len(PROBES)]]
-    tight = llm(max_num_seqs=8, num_kv_blocks=24, block_size=4)
-    results = tight.generate(PROBES[::-1] + [f"filler {i}" for i in range(8)], params[::-1] + [others] * 8)
-    assert tight.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    with llm(max_num_seqs=8, num_kv_blocks=24, block_size=4) as tight:
+        results = tight.generate(PROBES[::-1] + [f"filler {i}" for i in range(8)], params[::-1] + [others] * 8)
+        assert tight.llm_engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     out["preempted"] = [signature(o) for o in results[:len(PROBES)][::-1]]
     # prefix-cache hits: the probes again on an engine that has already run them (and others sharing prefixes)
-    cached = llm()
-    cached.generate([p + " and more" for p in PROBES], params)
-    cached.generate(PROBES, params)
-    out["prefix-cache hits"] = [signature(o) for o in cached.generate(PROBES, params)]
-    out["no prefix cache"] = [signature(o) for o in llm(enable_prefix_caching=False).generate(PROBES, params)]
+    with llm() as cached:
+        cached.generate([p + " and more" for p in PROBES], params)
+        cached.generate(PROBES, params)
+        out["prefix-cache hits"] = [signature(o) for o in cached.generate(PROBES, params)]
+    with llm(enable_prefix_caching=False) as uncached:
+        out["no prefix cache"] = [signature(o) for o in uncached.generate(PROBES, params)]
     return out
 
 

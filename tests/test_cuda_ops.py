@@ -280,9 +280,9 @@ def test_device_layer_has_the_host_layers_fields():
 class RecordingBlas:
     """Stands in for Cublas: records each GEMM's (out, x, w, m, accumulate) and checks its types."""
 
-    def __init__(self):
+    def __init__(self, invariant=False):
         self.calls = []
-        self.exact_rows, self.algos = frozenset(), {}
+        self.exact_rows, self.algos, self.invariant = frozenset(), {}, invariant
 
     def gemm(self, out, x, w, m, accumulate=False):
         cublas.gemm_types(out, x, w)
@@ -476,7 +476,7 @@ class FakeDevice:
         return tensor
 
     def upload(self, array, dtype):
-        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64}[dtype])
+        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64, "i32": np.int32}[dtype])
         return self.empty(dtype, array.shape)
 
     def free(self, memory):
@@ -491,8 +491,8 @@ class FakeDevice:
     def mem_get_info(self):
         return 1 << 40, 1 << 40
 
-    def cublas(self, stream, workspace, exact_rows=frozenset(), algos=None):
-        return RecordingBlas()
+    def cublas(self, stream, workspace, exact_rows=frozenset(), algos=None, invariant=False):
+        return RecordingBlas(invariant)
 
     def ops(self, stream):
         return Ops(self.kernels, stream, self.num_sms)

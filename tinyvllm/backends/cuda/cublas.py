@@ -9,6 +9,12 @@ Why cuBLASLt and not cublasGemmEx: GemmEx runs its algorithm heuristics at the f
 so is each decode bucket's at its capture. Here the heuristics run once per (n, k, output type) and class of row
 counts (`m_class`), and every m of the class reuses that algorithm; row counts named exact (the decode buckets, a
 fixed set whose GEMMs are captured once) get their own, since a class's algorithm can be slower for them.
+
+Batch-invariant (EngineConfig.batch_invariant): every m of an (n, k, output type) runs the one algorithm the
+heuristics give at INVARIANT_ROWS rows, pinned to a split-free K walk (SPLITK_NUM 1, no reduction scheme): one CTA
+owns each output element and walks the whole of k in the order its tile fixes, so a row's result is the same
+whatever the other rows and however many. The heuristics would otherwise pick per row count, and on small m they cut
+k into parts summed afterwards, a different order of additions for the same row.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ OUTPUT_DTYPES = {BF16: (BF16, F32), E4M3: (F32,)}
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
-CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
+CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = 1, 3
+CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME = 2, 3
+CUBLASLT_REDUCTION_SCHEME_NONE = 0
 CUBLAS_STATUS_NOT_SUPPORTED = 15
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
                 7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
@@ -38,6 +46,9 @@ STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 
 EXACT_ROWS = 16  # row counts up to this are their own class
 TUNE_CANDIDATES = 8  # tune(): the heuristics' first algorithms it times
 TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
+# batch-invariant: the row count whose split-free algorithm every m runs (bench/batch_invariant.py measures the
+# choice: large tiles suit W1's 512-row steps, small ones batch 1)
+INVARIANT_ROWS = 256
 
 
 def _load_library() -> ctypes.CDLL:
@@ -81,6 +92,7 @@ _SIGNATURES = {
     "cublasLtMatmulAlgoGetHeuristic": [_p, _p, _p, _p, _p, _p, _p, _i, ctypes.POINTER(_HeuristicResult),
                                        ctypes.POINTER(_i)],
     "cublasLtMatmul": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), _p, _size, _p],
+    "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), _i, _p, _size],
 }
 
 
@@ -126,13 +138,26 @@ def m_class(m: int) -> int:
     return -(-m // step) * step
 
 
+def split_free(algo: _Algo) -> _Algo:
+    """The algorithm with its K walk in one piece: SPLITK_NUM 1, no reduction scheme (a copy)."""
+    pinned = _Algo.from_buffer_copy(algo)
+    for attribute, value in ((CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1),
+                             (CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_REDUCTION_SCHEME_NONE)):
+        v = ctypes.c_uint32(value)
+        check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(pinned), attribute, ctypes.byref(v),
+                                                         ctypes.sizeof(v)), "cublasLtMatmulAlgoConfigSetAttribute")
+    return pinned
+
+
 class Cublas:
     """cuBLASLt GEMMs on one stream with a fixed workspace (so that they can be captured in CUDA graphs)."""
 
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int,
-                 exact_rows: frozenset[int] = frozenset(), algos: dict | None = None) -> None:
-        """algos: another Cublas's algorithms (shared, tuned ones included), for a handle on another stream."""
+                 exact_rows: frozenset[int] = frozenset(), algos: dict | None = None, invariant: bool = False) -> None:
+        """algos: another Cublas's algorithms (shared, tuned ones included), for a handle on another stream.
+        invariant: every m of a shape runs one split-free algorithm (the module's docstring)."""
         self.exact_rows = exact_rows
+        self.invariant = invariant
         self.handle = _p()
         check(_lib().cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.stream, self.workspace, self.workspace_bytes = _p(stream_handle), _p(workspace_ptr), workspace_bytes
@@ -150,8 +175,13 @@ class Cublas:
         check(_lib().cublasLtMatmulPreferenceSetAttribute(self.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                         ctypes.byref(limit), ctypes.sizeof(limit)),
               "cublasLtMatmulPreferenceSetAttribute")
+        if invariant:  # only algorithms without a split-K reduction
+            mask = ctypes.c_uint32(CUBLASLT_REDUCTION_SCHEME_NONE)
+            check(_lib().cublasLtMatmulPreferenceSetAttribute(
+                self.preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, ctypes.byref(mask), ctypes.sizeof(mask)),
+                "cublasLtMatmulPreferenceSetAttribute")
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
-        self.algos: dict[tuple[int, int, GemmTypes, int], _Algo] = {} if algos is None else algos
+        self.algos: dict[tuple[int, int, GemmTypes, int | str], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
@@ -189,7 +219,7 @@ class Cublas:
         fastest for m (an exact row count: gemm() then uses it). elapsed(run) runs `run` on the stream and returns
         its time; the GEMMs run now, so not during a capture. Returns the index of the one kept (0: the
         heuristics' own choice)."""
-        assert m in self.exact_rows, m
+        assert m in self.exact_rows and not self.invariant, m
         n, k = matmul_shape(out, x, w, m)
         types = gemm_types(out, x, w)
         a, b, c = self._layouts_for(m, n, k, types)
@@ -207,7 +237,13 @@ class Cublas:
         return best
 
     def algorithm(self, m: int, n: int, k: int, types: GemmTypes = BF16_GEMM) -> _Algo:
-        """The algorithm of m's class (found by the heuristics at the class's row count, once)."""
+        """The algorithm of m's class (found by the heuristics at the class's row count, once); batch-invariant: the
+        split-free one of INVARIANT_ROWS, whatever m."""
+        if self.invariant:
+            key = (n, k, types, "invariant")
+            if key not in self.algos:
+                self.algos[key] = split_free(self._heuristics(INVARIANT_ROWS, n, k, types)[0])
+            return self.algos[key]
         return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, types)
 
     def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
@@ -225,7 +261,8 @@ class Cublas:
         types = gemm_types(out, x, w)
         a, b, c = self._layouts_for(m, n, k, types)
         status = self._matmul(self.algorithm(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
-        if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for this m's own
+        # the class's algorithm cannot do this m: ask for this m's own (batch-invariant: no other algorithm may run)
+        if status == CUBLAS_STATUS_NOT_SUPPORTED and not self.invariant:
             status = self._matmul(self._algorithm_at(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
 

@@ -120,10 +120,12 @@ class Device:
         return stream
 
     def cublas(self, stream: cuda.Stream, workspace: DeviceTensor, exact_rows: frozenset[int] = frozenset(),
-               algos: dict | None = None) -> Cublas:
-        """A cuBLASLt handle on `stream` with a fixed workspace, destroyed at close() (or by release())."""
+               algos: dict | None = None, invariant: bool = False) -> Cublas:
+        """A cuBLASLt handle on `stream` with a fixed workspace, destroyed at close() (or by release());
+        invariant: batch-invariant algorithms (cublas.py)."""
         self.check_open()
-        return self.own(Cublas(stream.handle, workspace.ptr, workspace.nbytes, exact_rows=exact_rows, algos=algos))
+        return self.own(Cublas(stream.handle, workspace.ptr, workspace.nbytes, exact_rows=exact_rows, algos=algos,
+                               invariant=invariant))
 
     def own(self, closable: Closable, worker: bool = False):
         """Close `closable` at close(), before the memory goes (graphs, handles); a worker (a thread that launches

@@ -11,6 +11,12 @@ to the residual and normalizes the result for the next GEMM. Every norm multipli
 embedding by embed_scale rounded to bf16 (Gemma's). The LM head writes float32 logits (soft-capped where the model
 caps them) that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
+Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
+whatever the row count (linear.py, cublas.py), and a decode step's attention is attention_prefill's, one query per
+sequence over key tiles at fixed positions (multiples of its BLOCK_N from key 0), the same additions in the same
+order as that position gets in a prefill, a prefill chunk or a recomputation after preemption. The other kernels
+already treat each row alone. The MoE kernels choose their path by the batch, so an expert model is refused.
+
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
 """
@@ -31,7 +37,7 @@ import pycuda.driver as cuda
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits
+from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits, prefill_tiles
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
@@ -108,6 +114,18 @@ class KVCache:
     pointers: DeviceTensor
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A batch-invariant decode step's attention_prefill inputs (int32 on the device): sequence s's one query is
+    row s, its tiles tiles_per_seq from s * tiles_per_seq; block tables bt_width entries apart."""
+
+    query_start_loc: DeviceTensor  # [max_seqs + 1]: 0, 1, 2, ...
+    tile_seq: DeviceTensor
+    tile_row0: DeviceTensor
+    tiles_per_seq: int
+    bt_width: int
+
+
 class CudaForward:
     """The model on the GPU, for steps of up to max_tokens tokens (prefill chunks) and max_num_seqs sequences."""
 
@@ -121,6 +139,10 @@ class CudaForward:
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
             raise ValueError(f"the cuda backend needs hidden_size and intermediate_size divisible by {VECTOR}")
         check_moe_config(cfg)
+        self.invariant = engine_config.batch_invariant
+        if self.invariant and cfg.num_experts:
+            raise ValueError("batch_invariant on the cuda backend does not cover expert (MoE) models: their kernels "
+                             "choose a path by the batch size; run without it, or on the numpy backend")
         self.device, self.stream = device, stream
         self.device_name = device.name
         self.num_sms = device.num_sms
@@ -148,11 +170,13 @@ class CudaForward:
         self.fp8 = fp8_weights(model, engine_config)
         self._upload_weights(model.weights)
         self._allocate_buffers()
-        self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)))
+        self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),
+                                  invariant=self.invariant)
         self.ops = device.ops(stream)
         if self.fp8:
             self._quantize_weights(model.weights)
-        self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch)  # our GEMV for a few rows, else cuBLAS
+        # our GEMV for a few rows, else cuBLAS
+        self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant)
         self.kv: KVCache | None = None
         self.k_cache: list[int] = []
         self.v_cache: list[int] = []
@@ -282,6 +306,7 @@ class CudaForward:
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
             workspace=empty(U8, (WORKSPACE_BYTES,)))
         self.moe_buf = allocate_moe_buffers(self.device, cfg, t)
+        self.decode_tiles = self._decode_tiles() if self.invariant else None
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, max(hidden, self.q_width, inter))), scales=empty(F32, (t,)),
             acc=empty(F32, (t, max(self.qkv_width, 2 * inter, hidden))))
@@ -291,6 +316,17 @@ class CudaForward:
         tables, layer_table = cos_sin_tables(cfg, self.engine_config.max_model_len)
         self.rope_tables = [self.device.upload(table, F32) for table in tables]
         self.cos_sin = [self.rope_tables[t].ptr for t in layer_table]
+
+    def _decode_tiles(self) -> DecodeTiles:
+        """attention_prefill's inputs for a decode step of up to max_seqs sequences, one query each: the same for
+        every step (sequence s's query is row s)."""
+        s = self.max_seqs
+        tile_seq, tile_row0 = prefill_tiles(np.full(s, self.group))
+        tiles_per_seq = len(tile_seq) // s
+        return DecodeTiles(self.device.upload(np.arange(s + 1, dtype=np.int32), I32),
+                           self.device.upload(tile_seq.astype(np.int32), I32),
+                           self.device.upload(tile_row0.astype(np.int32), I32), tiles_per_seq,
+                           -(-self.engine_config.max_model_len // self.engine_config.block_size))
 
     def kv_bytes_per_block(self) -> int:
         return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * self.kv_entry_bytes
@@ -339,9 +375,9 @@ class CudaForward:
         other = copy.copy(self)
         other.stream = stream
         other.blas = self.device.cublas(stream, self.buf.workspace, exact_rows=self.blas.exact_rows,
-                                        algos=self.blas.algos)
+                                        algos=self.blas.algos, invariant=self.invariant)
         other.ops = self.device.ops(stream)
-        other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch)
+        other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch, invariant=self.invariant)
         return other
 
     def close(self) -> None:
@@ -405,7 +441,10 @@ class CudaForward:
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
         """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more
         (before any graph captures it), on the logits buffer with rows of the LM head's own weights as input.
-        Returns the candidate kept per bucket (0: the heuristics' first)."""
+        Returns the candidate kept per bucket (0: the heuristics' first); batch-invariant: none (one algorithm)."""
+        if self.invariant:
+            return {}
+
         def elapsed(run: Callable[[], None]) -> float:
             start, end = cuda.Event(), cuda.Event()
             start.record(self.stream)
@@ -451,6 +490,9 @@ class CudaForward:
         splits = self.num_splits(n)
 
         def attention(i: int) -> None:
+            if self.decode_tiles is not None:
+                self._decode_attention_invariant(i, n, inp)
+                return
             self.ops.attention_decode(b.attn.ptr, b.partial_o.ptr, b.partial_ml.ptr, b.qkv.ptr, self.k_cache[i],
                                       self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
                                       inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
@@ -463,6 +505,17 @@ class CudaForward:
         self.compute_logits(n, b.h)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
+
+    def _decode_attention_invariant(self, i: int, n: int, inp: Buffers) -> None:
+        """Layer i's attention for a decode step of n sequences through attention_prefill (batch-invariant); the
+        block tables are DecodeTiles.bt_width wide (runner.py stages them so)."""
+        t = self.decode_tiles
+        self.ops.attention_prefill(self.buf.attn.ptr, self.buf.qkv.ptr, self.k_cache[i], self.v_cache[i],
+                                   inp.ptr("block_tables"), t.bt_width, t.query_start_loc.ptr,
+                                   inp.ptr("context_lens"), t.tile_seq.ptr, t.tile_row0.ptr, n * t.tiles_per_seq,
+                                   self.scale, self.heads, self.kv_heads, self.head_dim,
+                                   self.engine_config.block_size, self.qkv_width, self.kv_scales[i], self.windows[i],
+                                   self.softcap)
 
     def prefill(self, n: int, inp: Buffers, out: Buffers, num_tiles: int, bt_width: int) -> None:
         """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""

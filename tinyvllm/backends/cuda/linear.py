@@ -11,6 +11,10 @@ FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8): the inpu
 first (quantize_fp8); then our FP8 GEMV (gemv_fp8) for a few rows, else cuBLASLt's FP8 GEMM into float32 and
 scale_rows_cols applying the token and channel scales (cuda/fp8.cu). The activation is then its kernel on the bf16
 gate/up product.
+
+Batch-invariant (invariant=True): every row count takes cuBLAS with its one split-free algorithm per shape
+(cublas.py), never the GEMV, whose additions for a row come in another order than cuBLAS's: a row's product is then
+the same in a batch of 1 and of 500.
 """
 
 from __future__ import annotations
@@ -46,14 +50,19 @@ class Linear:
     device's, on the stream `blas` runs on)."""
 
     def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS,
-                 fp8: Fp8Scratch | None = None) -> None:
+                 fp8: Fp8Scratch | None = None, invariant: bool = False) -> None:
+        """invariant: batch-invariant, no GEMV (the module's docstring); blas then pins its algorithms too."""
+        if invariant and not getattr(blas, "invariant", False):
+            raise ValueError("a batch-invariant linear layer needs a batch-invariant cuBLAS handle")
         self.blas = blas
+        self.invariant = invariant
         self.ops = ops
         self.max_gemv_weights = max_gemv_weights
         self.fp8 = fp8
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
-        return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % VECTOR == 0
+        return (not self.invariant and 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights
+                and k % VECTOR == 0)
 
     def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
         if w.dtype == E4M3:
@@ -95,7 +104,7 @@ class Linear:
         half the bytes of bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one) or cuBLASLt and the scales."""
         s = self.fp8
         self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
-        if m <= GEMV_MAX_ROWS:
+        if m <= GEMV_MAX_ROWS and not self.invariant:
             self.ops.gemv_fp8(out.ptr, s.codes.ptr, s.scales.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32,
                               accumulate)
             return

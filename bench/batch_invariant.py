@@ -1,0 +1,63 @@
+"""What batch_invariant=True costs on the cuda backend: W1 and W3 with it off and on, in one process, each run on
+an LLM of its own (the GPU to itself), for each --dummy-weights preset; "on" also at other row counts for the
+split-free GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' tile for that many rows serves every m).
+
+    python bench/batch_invariant.py --presets smollm2-135m,llama-3.2-1b --rows 256,64 --json out.json
+
+Prints, per preset, out tok/s (W1) and ms/token (W3) off and on, and on's cost in percent (W1: throughput lost;
+W3: latency added)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tinyvllm.backends.cuda import cublas  # noqa: E402
+from tinyvllm.benchmark import bench_llm, measure_limits, run_benchmark  # noqa: E402
+
+WORKLOADS = ["W1", "W3"]
+
+
+def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tuple[dict, dict]:
+    """(W1 out tok/s and W3 ms/token of one LLM, the limits it measured or was given)."""
+    cublas.INVARIANT_ROWS = rows
+    llm = bench_llm(None, preset, WORKLOADS, 0, backend="cuda", batch_invariant=invariant)
+    try:
+        limits = limits or measure_limits(llm.backend)
+        results = run_benchmark(llm, WORKLOADS, 1.0, 0, limits=limits)["workloads"]
+    finally:
+        llm.close()
+    return {"W1": results["W1"]["output_tok_s"], "W3": results["W3"]["ms_per_token"]}, limits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
+    parser.add_argument("--rows", default=str(cublas.INVARIANT_ROWS),
+                        help="comma-separated INVARIANT_ROWS values to run 'on' with")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    table, limits = {}, None
+    default_rows = cublas.INVARIANT_ROWS
+    for preset in args.presets.split(","):
+        off, limits = measure(preset, False, default_rows, limits)
+        table[preset] = {"off": off}
+        for rows in (int(r) for r in args.rows.split(",")):
+            table[preset][f"on (rows {rows})"] = measure(preset, True, rows, limits)[0]
+    print(f"{'preset':<15}{'mode':<17}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}")
+    for preset, modes in table.items():
+        off = modes["off"]
+        for mode, r in modes.items():
+            w1_cost = 100 * (1 - r["W1"] / off["W1"])
+            w3_cost = 100 * (r["W3"] / off["W3"] - 1)
+            print(f"{preset:<15}{mode:<17}{r['W1']:>14,.0f}{w1_cost:>8.1f}%{r['W3']:>13.3f}{w3_cost:>8.1f}%")
+    if args.json:
+        args.json.write_text(json.dumps({"results": table, "limits": limits}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

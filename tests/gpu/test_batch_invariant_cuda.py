@@ -1,0 +1,112 @@
+"""batch_invariant=True on the cuda backend: a probe request's tokens and logprobs (prompt logprobs too) are bitwise
+the same alone, in a batch, mixed with 40 others under chunked prefill, under preemption, with prefix-cache hits and
+misses, and with n > 1; greedy and seeded; with a sliding window and an fp8 KV cache. Underneath: a split-free
+cuBLASLt GEMM gives a row the same bits whatever the row count, bf16 and e4m3 (the layouts of tests/
+test_batch_invariant.py, which runs the same on the numpy backend)."""
+
+import numpy as np
+import pytest
+from test_batch_invariant import differing, layouts
+
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
+from tinyvllm.model.dtypes import f32_to_bf16
+from helpers import tiny_model
+
+pytestmark = pytest.mark.gpu
+
+WORKSPACE_BYTES = 32 << 20
+ENGINE = {"backend": "cuda", "max_model_len": 512}
+# (n, k): Llama-3.2-1B's QKV, O, gate/up and down, the 135M's gate/up, and an odd tile count
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 576), (1000, 4096)]
+ROW_COUNTS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 255, 512]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small model the cuda kernels run (head_dim 64), stored bf16."""
+    return tiny_model(tmp_path_factory.mktemp("invariant"), dtype="bfloat16", hidden_size=256,
+                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def window_model_dir(tmp_path_factory):
+    """The same with Mistral's sliding window of 24 keys: most probes' contexts cross it."""
+    return tiny_model(tmp_path_factory.mktemp("invariant_window"), dtype="bfloat16", hidden_size=256,
+                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=3, architecture="MistralForCausalLM", sliding_window=24)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_probes_bitwise_equal_in_every_layout(cuda, model_dir, seeded):
+    assert differing(layouts(model_dir, seeded, invariant=True, **ENGINE)) == []
+
+
+def test_probes_with_n_2_bitwise_equal(cuda, model_dir):
+    assert differing(layouts(model_dir, seeded=True, invariant=True, n=2, **ENGINE)) == []
+
+
+def test_sliding_window_and_fp8_kv_cache_bitwise_equal(cuda, window_model_dir):
+    assert differing(layouts(window_model_dir, seeded=False, invariant=True, **ENGINE)) == []
+    assert differing(layouts(window_model_dir, seeded=True, invariant=True, kv_cache_dtype="fp8", **ENGINE)) == []
+
+
+def test_without_it_some_layout_differs(cuda, model_dir):
+    """What the setting is for, and that the layouts can tell: off, the GEMV, cuBLAS's per-size algorithms and the
+    decode kernel's split contexts change some probe's logprobs."""
+    assert differing(layouts(model_dir, seeded=False, invariant=False, **ENGINE)) != []
+
+
+@pytest.fixture(scope="module")
+def invariant_blas(cuda):
+    from tinyvllm.backends.cuda.cublas import Cublas
+
+    stream = cuda.Stream()
+    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES, invariant=True)
+    yield blas, stream
+    blas.close()
+    workspace.free()
+
+
+def gemm_rows(cuda, blas, stream, x_bits: np.ndarray, w_ptr: int, n: int, k: int, dtype: str) -> dict[int, np.ndarray]:
+    """out[:m] for each m of ROW_COUNTS (float32 outputs), from the same first rows of x."""
+    rows = x_bits.shape[0]
+    x = cuda.to_device(x_bits)
+    out = cuda.mem_alloc(rows * n * 4)
+    results = {}
+    for m in ROW_COUNTS:
+        cuda.memset_d32(out, 0x7FC00000, rows * n)  # NaN: an unwritten row shows
+        blas.gemm(DeviceTensor(int(out), F32, (rows, n)), DeviceTensor(int(x), dtype, (rows, k)),
+                  DeviceTensor(w_ptr, dtype, (n, k)), m)
+        stream.synchronize()
+        results[m] = cuda.from_device(out, (rows, n), np.float32)[:m]
+    out.free()
+    x.free()
+    return results
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [BF16, E4M3])
+def test_split_free_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas, n, k, dtype):
+    """Row i of x . w^T has the same bits at every row count, for a fresh random x and w; and it is the product."""
+    blas, stream = invariant_blas
+    rng = np.random.default_rng(n + k)
+    rows = max(ROW_COUNTS)
+    if dtype == BF16:
+        x_bits, w_bits = (f32_to_bf16(rng.standard_normal(shape, dtype=np.float32)) for shape in ((rows, k), (n, k)))
+    else:  # e4m3 codes of values in [-2, 2): any byte but the NaNs and the large exponents
+        x_bits, w_bits = (rng.integers(0, 0x40, shape, dtype=np.uint8) | rng.integers(0, 2, shape, np.uint8) << 7
+                          for shape in ((rows, k), (n, k)))
+    w = cuda.to_device(w_bits)
+    results = gemm_rows(cuda, blas, stream, x_bits, int(w), n, k, dtype)
+    w.free()
+    full = results[rows]
+    assert np.isfinite(full).all()
+    for m, got in results.items():
+        assert np.array_equal(got.view(np.uint32), full[:m].view(np.uint32)), f"rows 0..{m - 1} differ at m = {m}"
+    if dtype == BF16:
+        from tinyvllm.model.dtypes import bf16_to_f32
+
+        ref = bf16_to_f32(x_bits[:8]) @ bf16_to_f32(w_bits).T
+        assert np.linalg.norm(full[:8] - ref) / np.linalg.norm(ref) < 1e-5
