@@ -96,7 +96,7 @@ def main() -> None:
         width_qkv = (HEADS + 2 * KV_HEADS) * D
         q = cuda.to_device(rng.integers(0, 1 << 16, (seqs, width_qkv), dtype=np.uint16) & 0x3FFF)
         out = cuda.mem_alloc(seqs * HEADS * D * 2)
-        splits = args.splits or decode_splits(seqs, KV_HEADS, HEADS // KV_HEADS, num_sms)
+        splits = args.splits or decode_splits(seqs, KV_HEADS, HEADS // KV_HEADS, num_sms, D)
         partial_o = cuda.mem_alloc(seqs * HEADS * splits * D * 4)
         partial_ml = cuda.mem_alloc(seqs * HEADS * splits * 8)
         tables_dev, stride, ctx_dev = cuda.to_device(tables), cuda.to_device(np.array([width], np.int32)), \

@@ -45,6 +45,8 @@ constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-
 
 // attention_decode's warps per block for head dim D (ops.decode_warps)
 __host__ __device__ constexpr int decode_warps(int D) { return D > 128 ? NWARPS_WIDE : NWARPS; }
+template <int D>
+constexpr int decode_threads = decode_warps(D) * 32;  // its block
 
 // A sliding window of `window` keys (0: none) shows the query at position ctx - 1 the keys from
 // window_start(ctx, window) on; the keys attention_decode reads from the cache are those, in tiles from
@@ -338,7 +340,7 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
 #endif
 
 #define DECODE_KERNEL(D, ROWS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(decode_warps(D) * 32) attention_decode_d##D##_r##ROWS(               \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_d##D##_r##ROWS(                   \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap) {            \
@@ -347,7 +349,7 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
                                         num_splits, window, softcap, nullptr, nullptr);                           \
     }
 #define DECODE_KERNEL_FP8(D, ROWS)                                                                                \
-    extern "C" __global__ void __launch_bounds__(decode_warps(D) * 32) attention_decode_fp8_d##D##_r##ROWS(           \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_fp8_d##D##_r##ROWS(               \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap,               \

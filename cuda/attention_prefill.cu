@@ -22,10 +22,11 @@
 // (D 256: 2 x 32 x 264 x 2 bytes = 33 KB) and the scores of a step fit in the registers beside Q and O.
 __host__ __device__ constexpr int block_n(int D) { return D > 128 ? 32 : 64; }
 
-// Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps (head dims 64, 96, 128, 256). Tile b covers rows tile_row0[b] ..
-// tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs,
-// row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8] (padding keeps
-// ldmatrix conflict-free); the Q tile [BLOCK_M][D + 8] is staged in them first (its rows past BLOCK_N in V's).
+// Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps; head dims 64, 96, 128 and 256. Tile b covers
+// rows tile_row0[b] .. tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i,
+// head g) pairs, row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8]
+// (padding keeps ldmatrix conflict-free); the Q tile [BLOCK_M][D + 8] is staged in them first (its rows past BLOCK_N
+// in V's).
 // qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D]. fp8: k_scales,
 // v_scales are this layer's [num_kv_heads] (unused for bf16). window (0: none) and softcap (0: none) are the layer's,
 // uniform branches: a layer without them does no per-key work for them.
