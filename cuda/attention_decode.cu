@@ -24,8 +24,9 @@
 // folds into the softmax scale, the V scale into the output (both are powers of two: exact).
 //
 // Head dims: 64 and 128 (lanes split a key's row evenly), 96 (a key's 12 16-byte pieces do not divide the 32 lanes:
-// piece c of a tile goes to lane c % 32) and 256 (its 2-stage K/V tiles take 33 KB per warp: one warp per block, so
-// that the static shared memory stays under 48 KB).
+// piece c of a tile goes to lane c % 32) and 256 (its 2-stage K/V tiles take 33 KB per warp and its Q 8 KB: one
+// warp per block, so that the static shared memory stays under 48 KB; Q stays in shared memory, read at each tile,
+// for the registers the output accumulator needs).
 //
 // Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128) and -DMIN_SPLIT_TILES from
 // backends/cuda/ops.py, which also launches the kernels.
@@ -93,8 +94,12 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     constexpr int LD = D + 8;                      // padded smem row: ldmatrix without bank conflicts
     constexpr int PIECES = TILE * D / VEC / 32;    // 16-byte pieces of a K (or V) tile per lane
     constexpr int HALVES = ROWS / 8;               // row halves of the mma tile in use
-    // 36 KB (D 64), 39 KB (D 96) or 34 KB (D 128) for 2 warps; 33 KB (D 256) for 1
+    // 36 KB (D 64), 39 KB (D 96) or 34 KB (D 128) for 2 warps; 33 KB (D 256) for 1, and its 8 KB of Q below
     __shared__ __align__(16) bf16 kv_s[W][STAGES][2][TILE * LD];
+    // D > 128: Q stays in shared memory (8 KB a warp at D 256) and is read per 16 dims at each tile, instead of
+    // being held as D / 4 registers beside the D / 2 of the output accumulator (which spilled)
+    constexpr bool Q_SHARED = D > 128;
+    __shared__ __align__(16) bf16 q_keep[Q_SHARED ? W : 1][Q_SHARED ? 16 * LD : 8];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = num_heads / num_kv_heads, head_chunks = (group + ROWS - 1) / ROWS;
@@ -211,7 +216,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
     // Q (rows past num_g are zero), staged in the last stage (its first copy is issued in the loop), then held as
     // mma A fragments.
-    bf16* q_s = kv_s[warp][STAGES - 1][0];
+    bf16* q_s = Q_SHARED ? q_keep[warp] : kv_s[warp][STAGES - 1][0];
     for (int c = lane; c < 16 * D / 8; c += 32) {
         const int r = c / (D / 8), p = c % (D / 8);
         uint4 v = make_uint4(0, 0, 0, 0);
@@ -219,10 +224,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         *reinterpret_cast<uint4*>(&q_s[r * LD + p * 8]) = v;
     }
     __syncwarp();
-    uint32_t qf[D / 16][4];
+    uint32_t qf[Q_SHARED ? 1 : D / 16][4];
+    if constexpr (!Q_SHARED) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
-    __syncwarp();  // every lane has its fragments before the stage is refilled
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+        __syncwarp();  // every lane has its fragments before the stage is refilled
+    }
 
     const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
     // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
@@ -254,7 +262,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         // holds a key the rows see, key max(lo, start) < end); O += P V (rows 8-15 of P are zero when only 8 are in
         // use).
         float sacc[TILE / 8][4];
-        mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
+        if constexpr (Q_SHARED) mma_qk_shared_q<D, TILE, LD>(sacc, q_s, k_s, lane);
+        else mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
         if (softcap > 0.f) soft_cap_scores<TILE, HALVES>(sacc, cap_scale);
         online_softmax<TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_begin, key_end);
         const uint32_t p[4] = {pack_bf16(sacc[0][0], sacc[0][1]), HALVES == 2 ? pack_bf16(sacc[0][2], sacc[0][3]) : 0u,

@@ -20,7 +20,7 @@ VECTOR = 8  # bf16 per 16-byte load: the kernels' widths (hidden, intermediate, 
 # Tile constants, passed to the compiler as -D defines.
 PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per warp
 DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence), head_dim <= 128
-# attention_decode at head_dim > 128: its warp's K/V stages (33 KB at 256) leave room for one under the 48 KB of
+# attention_decode at head_dim > 128: a warp's K/V stages and Q (41 KB at 256) leave room for one under the 48 KB of
 # static shared memory a block may have
 DECODE_WIDE_WARPS = 1
 # attention_decode: fewest 16-key tiles in each part of a context cut into parts (a shorter context gets fewer
