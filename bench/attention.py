@@ -1,9 +1,10 @@
 """Decode attention alone, at W1's shapes: time per launch and the K/V bytes it streams per second.
 
-    python bench/attention.py [--seqs 256,512] [--context 256,512] [--fp8] [--splits Z]
+    python bench/attention.py [--seqs 256,512] [--context 256,512] [--fp8] [--splits Z] [--shape H,KV,D]
                               [--compare OTHER.cu ...]
 
-Random bf16 (or, with --fp8, e4m3) caches of Llama-3.2-1B's attention shape (32 heads, 8 KV heads, head_dim 64),
+Random bf16 (or, with --fp8, e4m3) caches of Llama-3.2-1B's attention shape (32 heads, 8 KV heads, head_dim 64; --shape
+4,1,256 is Gemma-3-1B's, 32,32,96 Phi-3.5-mini's),
 contexts uniform in the given range, shuffled block tables of 16-token blocks; CUDA-event median of 20 launches
 after a warm-up, launched by ops.Ops.attention_decode (its grid and block) with the parts the engine would cut the
 contexts into at that batch (ops.decode_splits; --splits overrides). With --compare, other versions of
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES, Ops, decode_splits
+from tinyvllm.backends.cuda.ops import DEFINES, HEAD_DIMS, SIGNATURES, Ops, decode_splits
 
-HEADS, KV_HEADS, D, BLOCK = 32, 8, 64, 16
+BLOCK = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,13 +30,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", default="256,512", help="contexts uniform in [lo, hi]")
     parser.add_argument("--fp8", action="store_true", help="e4m3 caches (scales 1) instead of bf16")
     parser.add_argument("--splits", type=int, help="most parts of a context (default: the engine's at that batch)")
+    parser.add_argument("--shape", default="32,8,64", help="heads, KV heads, head_dim (one of ops.HEAD_DIMS)")
     parser.add_argument("--compare", type=Path, nargs="*", default=[])
     args = parser.parse_args(argv)
     try:
         args.seqs = [int(n) for n in args.seqs.split(",")]
         args.context = tuple(int(n) for n in args.context.split(","))
+        args.shape = tuple(int(n) for n in args.shape.split(","))
     except ValueError:
-        parser.error("--seqs and --context take integers separated by commas")
+        parser.error("--seqs, --context and --shape take integers separated by commas")
+    if len(args.shape) != 3 or args.shape[2] not in HEAD_DIMS or min(args.shape) < 1 or args.shape[0] % args.shape[1]:
+        parser.error(f"--shape {args.shape}: give heads,kv_heads,head_dim with kv_heads dividing heads and head_dim "
+                     f"one of {HEAD_DIMS}")
     if min(args.seqs) < 1:
         parser.error(f"--seqs {args.seqs}: every batch needs a sequence")
     if len(args.context) != 2 or not 1 <= args.context[0] <= args.context[1]:
@@ -69,6 +75,7 @@ def main() -> None:
     device = Device(0)  # its context current from here on
     num_sms = device.num_sms
     lo, hi = args.context
+    heads, kv_heads, d = args.shape
     versions = {"cuda/attention_decode.cu": launchers(cuda_dir() / "attention_decode.cu", device.arch)}
     for other in args.compare:
         versions[str(other)] = launchers(other, device.arch)
@@ -84,28 +91,28 @@ def main() -> None:
             tables[i, : blocks[i]] = order[offsets[i]: offsets[i + 1]]
         slots = int(blocks.sum()) * BLOCK
         if args.fp8:  # finite e4m3 codes of both signs
-            k, v = (cuda.to_device(rng.integers(0, 0x78, (slots, KV_HEADS, D), dtype=np.uint8)
-                                   | (rng.integers(0, 2, (slots, KV_HEADS, D), dtype=np.uint8) << 7))
+            k, v = (cuda.to_device(rng.integers(0, 0x78, (slots, kv_heads, d), dtype=np.uint8)
+                                   | (rng.integers(0, 2, (slots, kv_heads, d), dtype=np.uint8) << 7))
                     for _ in range(2))
-            scales = [cuda.to_device(np.ones(KV_HEADS, np.float32)) for _ in range(2)]
+            scales = [cuda.to_device(np.ones(kv_heads, np.float32)) for _ in range(2)]
             kv_scales = tuple(map(int, scales))
         else:
-            k, v = (cuda.to_device(rng.integers(0, 1 << 16, (slots, KV_HEADS, D), dtype=np.uint16) & 0x3FFF)
+            k, v = (cuda.to_device(rng.integers(0, 1 << 16, (slots, kv_heads, d), dtype=np.uint16) & 0x3FFF)
                     for _ in range(2))  # finite bf16 bit patterns
             kv_scales = None
-        width_qkv = (HEADS + 2 * KV_HEADS) * D
+        width_qkv = (heads + 2 * kv_heads) * d
         q = cuda.to_device(rng.integers(0, 1 << 16, (seqs, width_qkv), dtype=np.uint16) & 0x3FFF)
-        out = cuda.mem_alloc(seqs * HEADS * D * 2)
-        splits = args.splits or decode_splits(seqs, KV_HEADS, HEADS // KV_HEADS, num_sms)
-        partial_o = cuda.mem_alloc(seqs * HEADS * splits * D * 4)
-        partial_ml = cuda.mem_alloc(seqs * HEADS * splits * 8)
+        out = cuda.mem_alloc(seqs * heads * d * 2)
+        splits = args.splits or decode_splits(seqs, kv_heads, heads // kv_heads, num_sms, d)
+        partial_o = cuda.mem_alloc(seqs * heads * splits * d * 4)
+        partial_ml = cuda.mem_alloc(seqs * heads * splits * 8)
         tables_dev, stride, ctx_dev = cuda.to_device(tables), cuda.to_device(np.array([width], np.int32)), \
             cuda.to_device(ctx)
-        kv_bytes = int(ctx.sum()) * KV_HEADS * D * 2 * (1 if args.fp8 else 2)
+        kv_bytes = int(ctx.sum()) * kv_heads * d * 2 * (1 if args.fp8 else 2)
         for name, ops in versions.items():
             def launch():
                 ops.attention_decode(*map(int, (out, partial_o, partial_ml, q, k, v, tables_dev, stride, ctx_dev)),
-                                     seqs, 0.125, HEADS, KV_HEADS, D, BLOCK, width_qkv, splits, kv_scales)
+                                     seqs, 0.125, heads, kv_heads, d, BLOCK, width_qkv, splits, kv_scales)
             launch()
             times = []
             for _ in range(20):

@@ -23,8 +23,13 @@
 // warp's bf16 tile, are widened to bf16 in place (exact), and the rest runs as for bf16. The K scale of the KV head
 // folds into the softmax scale, the V scale into the output (both are powers of two: exact).
 //
-// Compiled with -DNWARPS (warps per block) and -DMIN_SPLIT_TILES from backends/cuda/ops.py, which also launches the
-// kernels.
+// Head dims: 64 and 128 (lanes split a key's row evenly), 96 (a key's 12 16-byte pieces do not divide the 32 lanes:
+// piece c of a tile goes to lane c % 32) and 256 (its 2-stage K/V tiles take 33 KB per warp and its Q 8 KB: one
+// warp per block, so that the static shared memory stays under 48 KB; Q stays in shared memory, read at each tile,
+// for the registers the output accumulator needs).
+//
+// Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128) and -DMIN_SPLIT_TILES from
+// backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -38,6 +43,11 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-step of P V
+
+// attention_decode's warps per block for head dim D (ops.decode_warps)
+__host__ __device__ constexpr int decode_warps(int D) { return D > 128 ? NWARPS_WIDE : NWARPS; }
+template <int D>
+constexpr int decode_threads = decode_warps(D) * 32;  // its block
 
 // A sliding window of `window` keys (0: none) shows the query at position ctx - 1 the keys from
 // window_start(ctx, window) on; the keys attention_decode reads from the cache are those, in tiles from
@@ -53,9 +63,9 @@ __device__ __forceinline__ int splits_used(int ctx, int window, int num_splits) 
     return min(num_splits, max(1, (keys + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
 }
 
-// Launch: grid (ceil(num_kv_heads * head_chunks / NWARPS), S, num_splits), block NWARPS * 32, where head_chunks =
-// ceil(group / ROWS): warp w of block x serves item x * NWARPS + w (items past the last one return at once), the
-// item's chunk c of KV head kvh the query heads kvh * group + c * ROWS ... (at most ROWS of them).
+// Launch: grid (ceil(num_kv_heads * head_chunks / W), S, num_splits), block W * 32 with W = decode_warps(D), where
+// head_chunks = ceil(group / ROWS): warp w of block x serves item x * W + w (items past the last one return at once),
+// the item's chunk c of KV head kvh the query heads kvh * group + c * ROWS ... (at most ROWS of them).
 // ROWS is 8 or 16: with 8, the tile's upper 8 rows are known empty and their softmax is skipped.
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
@@ -78,15 +88,22 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     // Decisions: "attention_decode's launch point").
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int VEC = 16 / sizeof(Cache);        // cache entries per 16-byte copy
-    constexpr int STAGES = D == 64 ? 4 : 2;        // 12 KB (D 64) or 8 KB (D 128) of K/V ahead of the tile in use
+    constexpr int W = decode_warps(D);             // warps per block
+    // K/V ahead of the tile in use: 12 KB (D 64, D 96), 8 KB (D 128) or 16 KB (D 256)
+    constexpr int STAGES = D == 64 ? 4 : D == 96 ? 3 : 2;
     constexpr int LD = D + 8;                      // padded smem row: ldmatrix without bank conflicts
     constexpr int PIECES = TILE * D / VEC / 32;    // 16-byte pieces of a K (or V) tile per lane
     constexpr int HALVES = ROWS / 8;               // row halves of the mma tile in use
-    __shared__ __align__(16) bf16 kv_s[NWARPS][STAGES][2][TILE * LD];  // 36 KB (D 64) or 34 KB (D 128) for 2 warps
+    // 36 KB (D 64), 39 KB (D 96) or 34 KB (D 128) for 2 warps; 33 KB (D 256) for 1, and its 8 KB of Q below
+    __shared__ __align__(16) bf16 kv_s[W][STAGES][2][TILE * LD];
+    // D > 128: Q stays in shared memory (8 KB a warp at D 256) and is read per 16 dims at each tile, instead of
+    // being held as D / 4 registers beside the D / 2 of the output accumulator (which spilled)
+    constexpr bool Q_SHARED = D > 128;
+    __shared__ __align__(16) bf16 q_keep[Q_SHARED ? W : 1][Q_SHARED ? 16 * LD : 8];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = num_heads / num_kv_heads, head_chunks = (group + ROWS - 1) / ROWS;
-    const int item = blockIdx.x * NWARPS + warp;
+    const int item = blockIdx.x * W + warp;
     const int s = blockIdx.y, split = blockIdx.z;
     const int ctx = context_lens[s], used = splits_used(ctx, window, num_splits);
     // No block barrier below: a warp may leave.
@@ -105,11 +122,19 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     const int* table = block_tables + (int64_t)s * bt_stride[0];
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
 
-    // This lane always moves the same VEC entries (`part`) of keys row0 + i * ROW_STEP of a tile; slots[i] holds
-    // their cache slots (-1 outside lo .. end - 1: zero-filled, never read).
-    constexpr int ROW_STEP = 32 / (D / VEC);
-    const int part = lane % (D / VEC), row0 = lane / (D / VEC);
-    const int64_t dim0 = (int64_t)kvh * D + part * VEC;
+    // Piece i of this lane is the 16-byte piece c = lane + 32 i of a tile: entries piece_part(i) * VEC .. of key
+    // piece_row(i).
+    // Where the lanes split a row evenly (D 64, 128, 256) that is always the same part, of keys row0 + i * ROW_STEP;
+    // with D 96 a lane's pieces lie in different parts. slots[i] holds their cache slots (-1 outside lo .. end - 1:
+    // zero-filled, never read).
+    constexpr int ROW_PIECES = D / VEC;  // 16-byte pieces of a key's row
+    constexpr bool EVEN = 32 % ROW_PIECES == 0;
+    constexpr int ROW_STEP = EVEN ? 32 / ROW_PIECES : 0;
+    const int row0 = lane / ROW_PIECES;
+    auto piece_row = [&](int i) { return EVEN ? row0 + i * ROW_STEP : (lane + 32 * i) / ROW_PIECES; };
+    auto piece_part = [&](int i) { return EVEN ? lane % ROW_PIECES : (lane + 32 * i) % ROW_PIECES; };
+    const int64_t dim0 = (int64_t)kvh * D + piece_part(0) * VEC;  // piece 0's first entry in a cache row
+    auto piece_dim = [&](int i) { return EVEN ? dim0 : (int64_t)kvh * D + piece_part(i) * VEC; };
     // With block_size % TILE == 0, lane j holds the slot of the first key of tile 32 c + j for the chunk c of 32
     // tiles in use (first_slot) and the next chunk (next_first_slot, loaded a chunk ahead): a tile's first key may
     // be before lo, but it lies in lo's block then.
@@ -133,14 +158,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             }
             const int first_key_slot = __shfl_sync(0xffffffffu, first_slot, t % 32);
 #pragma unroll
-            for (int i = 0; i < PIECES; ++i) {
-                const int row = row0 + i * ROW_STEP;
-                slots[i] = (unsigned)(tile0 + row - lo) < (unsigned)(end - lo) ? first_key_slot + row : -1;
-            }
+            for (int i = 0; i < PIECES; ++i)
+                slots[i] = (unsigned)(tile0 + piece_row(i) - lo) < (unsigned)(end - lo) ? first_key_slot + piece_row(i)
+                                                                                         : -1;
         } else {
 #pragma unroll
             for (int i = 0; i < PIECES; ++i) {
-                const int tok = tile0 + row0 + i * ROW_STEP;
+                const int tok = tile0 + piece_row(i);
                 slots[i] = (unsigned)(tok - lo) < (unsigned)(end - lo)
                                ? table[tok / block_size] * block_size + tok % block_size : -1;
             }
@@ -149,9 +173,9 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     // fp8 codes land as dense rows [TILE][D] in the tail of the bf16 tile, which widen() then fills from the head.
     constexpr int CODES_OFFSET = TILE * LD * 2 - TILE * D;  // bytes
     auto piece = [&](bf16* tile, int i) -> void* {
-        const int row = row0 + i * ROW_STEP;
-        if constexpr (FP8) return reinterpret_cast<uint8_t*>(tile) + CODES_OFFSET + row * D + part * VEC;
-        return &tile[row * LD + part * VEC];
+        if constexpr (FP8)
+            return reinterpret_cast<uint8_t*>(tile) + CODES_OFFSET + piece_row(i) * D + piece_part(i) * VEC;
+        return &tile[piece_row(i) * LD + piece_part(i) * VEC];
     };
     auto fetch = [&](int t) {  // tile t's K and V into stage t % STAGES
 #pragma unroll
@@ -159,8 +183,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             const Cache* cache = kv == 0 ? k_cache : v_cache;
 #pragma unroll
             for (int i = 0; i < PIECES; ++i)
-                cp_async16(piece(kv_s[warp][t % STAGES][kv], i), cache + max(slots[i], 0) * kv_stride + dim0,
-                           slots[i] >= 0);
+                cp_async16(piece(kv_s[warp][t % STAGES][kv], i),
+                           cache + max(slots[i], 0) * kv_stride + piece_dim(i), slots[i] >= 0);
         }
     };
     // fp8: this lane's landed pieces (its own copies: visible to it after the wait) -> bf16 rows of the tile.
@@ -172,7 +196,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             __syncwarp();  // every lane has read its codes before any overwrites them
 #pragma unroll
             for (int i = 0; i < PIECES; ++i) {
-                uint4* dst = reinterpret_cast<uint4*>(&tile[(row0 + i * ROW_STEP) * LD + part * VEC]);
+                uint4* dst = reinterpret_cast<uint4*>(&tile[piece_row(i) * LD + piece_part(i) * VEC]);
                 dst[0] = e4m3x8_to_bf16x8(make_uint2(codes[i].x, codes[i].y));
                 dst[1] = e4m3x8_to_bf16x8(make_uint2(codes[i].z, codes[i].w));
             }
@@ -192,7 +216,7 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
     // Q (rows past num_g are zero), staged in the last stage (its first copy is issued in the loop), then held as
     // mma A fragments.
-    bf16* q_s = kv_s[warp][STAGES - 1][0];
+    bf16* q_s = Q_SHARED ? q_keep[warp] : kv_s[warp][STAGES - 1][0];
     for (int c = lane; c < 16 * D / 8; c += 32) {
         const int r = c / (D / 8), p = c % (D / 8);
         uint4 v = make_uint4(0, 0, 0, 0);
@@ -200,10 +224,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         *reinterpret_cast<uint4*>(&q_s[r * LD + p * 8]) = v;
     }
     __syncwarp();
-    uint32_t qf[D / 16][4];
+    uint32_t qf[Q_SHARED ? 1 : D / 16][4];
+    if constexpr (!Q_SHARED) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
-    __syncwarp();  // every lane has its fragments before the stage is refilled
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+        __syncwarp();  // every lane has its fragments before the stage is refilled
+    }
 
     const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
     // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
@@ -235,7 +262,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
         // holds a key the rows see, key max(lo, start) < end); O += P V (rows 8-15 of P are zero when only 8 are in
         // use).
         float sacc[TILE / 8][4];
-        mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
+        if constexpr (Q_SHARED) mma_qk_shared_q<D, TILE, LD>(sacc, q_s, k_s, lane);
+        else mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
         if (softcap > 0.f) soft_cap_scores<TILE, HALVES>(sacc, cap_scale);
         online_softmax<TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_begin, key_end);
         const uint32_t p[4] = {pack_bf16(sacc[0][0], sacc[0][1]), HALVES == 2 ? pack_bf16(sacc[0][2], sacc[0][3]) : 0u,
@@ -321,7 +349,7 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
 #endif
 
 #define DECODE_KERNEL(D, ROWS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_d##D##_r##ROWS(                    \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_d##D##_r##ROWS(                   \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap) {            \
@@ -330,7 +358,7 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
                                         num_splits, window, softcap, nullptr, nullptr);                           \
     }
 #define DECODE_KERNEL_FP8(D, ROWS)                                                                                \
-    extern "C" __global__ void __launch_bounds__(NWARPS * 32) attention_decode_fp8_d##D##_r##ROWS(                \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_fp8_d##D##_r##ROWS(               \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap,               \
@@ -362,4 +390,28 @@ DECODE_KERNEL_FP8(128, 8)
 #endif
 #if KEEPS(attention_decode_fp8_d128_r16)
 DECODE_KERNEL_FP8(128, 16)
+#endif
+#if KEEPS(attention_decode_d96_r8)
+DECODE_KERNEL(96, 8)
+#endif
+#if KEEPS(attention_decode_d96_r16)
+DECODE_KERNEL(96, 16)
+#endif
+#if KEEPS(attention_decode_d256_r8)
+DECODE_KERNEL(256, 8)
+#endif
+#if KEEPS(attention_decode_d256_r16)
+DECODE_KERNEL(256, 16)
+#endif
+#if KEEPS(attention_decode_fp8_d96_r8)
+DECODE_KERNEL_FP8(96, 8)
+#endif
+#if KEEPS(attention_decode_fp8_d96_r16)
+DECODE_KERNEL_FP8(96, 16)
+#endif
+#if KEEPS(attention_decode_fp8_d256_r8)
+DECODE_KERNEL_FP8(256, 8)
+#endif
+#if KEEPS(attention_decode_fp8_d256_r16)
+DECODE_KERNEL_FP8(256, 16)
 #endif

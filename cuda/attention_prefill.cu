@@ -18,12 +18,15 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-#define BLOCK_N 64  // keys per step
+// Keys per step: 64, or 32 for D > 128, so that the K and V tiles stay under the 48 KB of static shared memory
+// (D 256: 2 x 32 x 264 x 2 bytes = 33 KB) and the scores of a step fit in the registers beside Q and O.
+__host__ __device__ constexpr int block_n(int D) { return D > 128 ? 32 : 64; }
 
-// Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps. Tile b covers rows tile_row0[b] ..
-// tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i, head g) pairs,
-// row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8] (padding keeps
-// ldmatrix conflict-free).
+// Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps; head dims 64, 96, 128 and 256. Tile b covers
+// rows tile_row0[b] .. tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i,
+// head g) pairs, row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8]
+// (padding keeps ldmatrix conflict-free); the Q tile [BLOCK_M][D + 8] is staged in them first (its rows past BLOCK_N
+// in V's).
 // qkv rows are row_stride elements apart; caches [slots, kv_heads, D]; out [T, num_heads * D]. fp8: k_scales,
 // v_scales are this layer's [num_kv_heads] (unused for bf16). window (0: none) and softcap (0: none) are the layer's,
 // uniform branches: a layer without them does no per-key work for them.
@@ -40,9 +43,14 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
                                   const float* __restrict__ v_scales) {
     pdl_begin();
     constexpr bool FP8 = sizeof(Cache) == 1;
-    constexpr int LD = D + 8;
+    constexpr int LD = D + 8, BLOCK_N = block_n(D);
+    static_assert(BLOCK_M <= 2 * BLOCK_N && BLOCK_N % 16 == 0, "the Q tile is staged in the K and V tiles");
     __shared__ __align__(16) bf16 k_s[BLOCK_N * LD];
     __shared__ __align__(16) bf16 v_s[BLOCK_N * LD];
+    auto q_s = [&](int r) -> bf16* {  // Q row r while staged (a warp's 16 rows lie in one of the tiles)
+        if constexpr (BLOCK_M <= BLOCK_N) return &k_s[r * LD];
+        else return r < BLOCK_N ? &k_s[r * LD] : &v_s[(r - BLOCK_N) * LD];
+    };
 
     const int seq = tile_seq[blockIdx.x], row0 = tile_row0[blockIdx.x], kvh = blockIdx.y;
     const int group = num_heads / num_kv_heads;
@@ -53,19 +61,20 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    // Stage the Q tile in k_s (rows past the sequence's end repeat its last row and are never stored), then take
+    // Stage the Q tile in q_s (rows past the sequence's end repeat its last row and are never stored), then take
     // each warp's 16 rows as mma A fragments, one per 16 dims.
     for (int c = threadIdx.x; c < BLOCK_M * D / 8; c += blockDim.x) {
         const int r = c / (D / 8), part = c % (D / 8);
         const int row = min(row0 + r, num_rows - 1), i = row / group, g = row % group;
-        *reinterpret_cast<uint4*>(&k_s[r * LD + part * 8]) = *reinterpret_cast<const uint4*>(
-            qkv + (int64_t)(q_start + i) * row_stride + (kvh * group + g) * D + part * 8);
+        uint4* dst = reinterpret_cast<uint4*>(q_s(r) + part * 8);
+        *dst = *reinterpret_cast<const uint4*>(qkv + (int64_t)(q_start + i) * row_stride + (kvh * group + g) * D
+                                               + part * 8);
     }
     __syncthreads();
     uint32_t qf[D / 16][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qf[kk], &k_s[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+        ldmatrix_x4(qf[kk], q_s(warp * 16 + lane % 16) + kk * 16 + (lane / 16) * 8);
     __syncthreads();
 
     // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16), their query positions and the keys they
@@ -184,4 +193,16 @@ PREFILL_KERNEL_FP8(64)
 #endif
 #if KEEPS(attention_prefill_fp8_d128)
 PREFILL_KERNEL_FP8(128)
+#endif
+#if KEEPS(attention_prefill_d96)
+PREFILL_KERNEL(96)
+#endif
+#if KEEPS(attention_prefill_d256)
+PREFILL_KERNEL(256)
+#endif
+#if KEEPS(attention_prefill_fp8_d96)
+PREFILL_KERNEL_FP8(96)
+#endif
+#if KEEPS(attention_prefill_fp8_d256)
+PREFILL_KERNEL_FP8(256)
 #endif

@@ -59,6 +59,27 @@ __device__ __forceinline__ void mma_qk(float (&s)[N / 8][4], const uint32_t (&qf
     }
 }
 
+// The same with Q as rows [16][LD] of shared memory, its A fragments loaded per 16 dims as they are used (4 registers
+// live instead of D / 4).
+template <int D, int N, int LD>
+__device__ __forceinline__ void mma_qk_shared_q(float (&s)[N / 8][4], const bf16* q_s, const bf16* k_s, int lane) {
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+    const int mi = lane / 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+#pragma unroll
+        for (int nb = 0; nb < N / 8; nb += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, &k_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+            mma_bf16(s[nb], a, b[0], b[1]);
+            mma_bf16(s[nb + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 // O += P V over 16 keys: p is P as an A fragment (mma_qk's accumulator layout packed to bf16 is exactly that), v_s the
 // 16 value rows [16][LD] in shared memory, read transposed by ldmatrix.
 template <int D, int LD>

@@ -144,12 +144,16 @@ def test_rms_norm_geometry(recorder, hidden, threads):
     (32, 2, 128, 3, "attention_decode_d128_r16", (1, 5, 3)),  # group 16
     (32, 1, 64, 2, "attention_decode_d64_r16", (1, 5, 2)),  # group 32: two warps per KV head
     (27, 9, 64, 1, "attention_decode_d64_r8", (5, 5, 1)),  # 9 KV heads: the last block's second warp idle
+    (32, 32, 96, 1, "attention_decode_d96_r8", (16, 5, 1)),  # Phi-3.5-mini: group 1
+    (4, 1, 256, 2, "attention_decode_d256_r8", (1, 5, 2)),  # Gemma-3-1B: one warp a block at head_dim 256
+    (8, 4, 256, 1, "attention_decode_d256_r8", (4, 5, 1)),  # Gemma-2-2B
 ])
 def test_attention_decode_geometry(recorder, heads, kv_heads, d, splits, kernel, grid):
     context_lens = 9
     Ops(recorder, None).attention_decode(*range(1, context_lens + 1), 5, 0.125, heads, kv_heads, d, 16, 4096, splits)
     combine = [("attention_combine", (heads, 5), (d, 1, 1))] if splits > 1 else []
-    assert recorder.launches == [(kernel, grid, (ops.DECODE_WARPS * 32, 1, 1)), *combine]
+    warps = ops.DECODE_WIDE_WARPS if d > 128 else ops.DECODE_WARPS
+    assert recorder.launches == [(kernel, grid, (warps * 32, 1, 1)), *combine]
     if combine:  # the combine reads the contexts, to know how many parts each has
         assert recorder.args[-1] == (1, 2, 3, context_lens, splits, 0)
 
@@ -160,6 +164,10 @@ def test_decode_splits():
     assert ops.decode_splits(4, 8, 4, num_sms=132) == 17  # 16 blocks x 17 >= 264
     assert ops.decode_splits(40, 8, 4, num_sms=132) == ops.SMALL_BATCH_SPLITS  # 160 blocks: x2 would do
     assert ops.decode_splits(66, 8, 4, num_sms=132) == 1  # 264 blocks
+    # head_dim 256: blocks of one warp, ~4 per SM (as many warps): Gemma-2-2B's 4 blocks per sequence
+    assert ops.decode_splits(4, 4, 2, num_sms=132, head_dim=256) == ops.MAX_SPLITS  # 16 blocks x 33 >= 528
+    assert ops.decode_splits(66, 4, 2, num_sms=132, head_dim=256) == ops.SMALL_BATCH_SPLITS  # 264 blocks: x2
+    assert ops.decode_splits(132, 4, 2, num_sms=132, head_dim=256) == 1  # 528 blocks
 
 
 def test_prefill_tiles(recorder):
@@ -237,7 +245,8 @@ def test_window_and_softcap_reach_the_attention_kernels(recorder):
     (lambda o: o.gemv(1, 2, 3, 1, 64, 1001, False, False), "k 1001"),
     (lambda o: o.gemv_swiglu(1, 2, 3, 9, 64, 64), "gemv_swiglu_bf16: m = 9 rows"),
     (lambda o: o.gemv_swiglu(1, 2, 3, 1, 1000, 64), "n = 1000 rows are not whole groups"),
-    (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 96, 16, 4096, 1), "head_dim 96"),
+    (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 80, 16, 4096, 1), "head_dim 80"),
+    (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 32, 8, 80, 16, 4096), "head_dim 80"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 0), "num_splits 0 < 1"),
     (lambda o: o.attention_prefill(*range(1, 11), 7, 0.1, 30, 8, 64, 16, 4096), "30 query heads"),
     (lambda o: o.attention_decode(*range(1, 10), 5, 0.1, 32, 8, 64, 16, 4096, 1, window=-1), "window -1"),

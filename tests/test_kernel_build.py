@@ -60,7 +60,9 @@ def test_cache_keys_are_deterministic_and_a_whole_file_is_keyed_by_its_inputs_on
     (128, 28, 4, True, {"attention_decode_fp8_d128_r8", "attention_prefill_fp8_d128"}),
     (64, 9, 3, False, {"attention_decode_d64_r8", "attention_prefill_d64"}),  # SmolLM2-135M
     (128, 16, 1, False, {"attention_decode_d128_r16", "attention_prefill_d128"}),
-    (96, 32, 8, False, set())])  # refused by the forward: no attention kernel to build
+    (96, 32, 32, False, {"attention_decode_d96_r8", "attention_prefill_d96"}),  # Phi-3.5-mini
+    (256, 4, 1, True, {"attention_decode_fp8_d256_r8", "attention_prefill_fp8_d256"}),  # Gemma-3-1B
+    (80, 32, 8, False, set())])  # refused by the forward: no attention kernel to build
 def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, heads, kv_heads, fp8, attention):
     needed = kernels.needed_kernels(head_dim, heads, kv_heads, fp8)
     assert {name for name in needed if ATTENTION_INSTANCE.match(name)} == attention

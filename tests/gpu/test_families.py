@@ -33,30 +33,37 @@ FAMILIES = {
                        tie_word_embeddings=True, rms_norm_eps=1e-6),
     "qwen2-untied": dict(architecture="Qwen2ForCausalLM", hidden_size=512, intermediate_size=1024,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
-    # Gemma 2 and 3, Phi-3.5-mini (model/dummy.py's presets' shapes, head_dim 128: the attention kernels have 64 and
-    # 128; Gemma's 256 and Phi-3.5's 96 are refused) with windows the 100-token prompt crosses
+    # Gemma 2 and 3, Phi-3.5-mini (model/dummy.py's presets' shapes: head_dim 256 and 96) with windows the 100-token
+    # prompt crosses
     "gemma-2-2b": dict(architecture="Gemma2ForCausalLM", hidden_size=2304, intermediate_size=9216,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=128, activation="gelu_pytorch_tanh",
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                        sliding_window=32, layer_types=("sliding_attention", "full_attention"),
                        tie_word_embeddings=True, rms_norm_eps=1e-6),
     "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=128, activation="gelu_pytorch_tanh",
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, sliding_window=32,
                        layer_types=("sliding_attention", "full_attention"), rope_theta=1e6, local_rope_theta=10000.0,
                        tie_word_embeddings=True, rms_norm_eps=1e-6),
     # the language model of a Gemma 3 multimodal checkpoint (its tensors under language_model.), text only
     "gemma-3-multimodal": dict(architecture="Gemma3ForConditionalGeneration", hidden_size=1152,
-                               intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                               intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                                activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=32,
                                layer_types=("sliding_attention", "full_attention"), rope_theta=1e6,
                                local_rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
     "phi-3.5-mini": dict(architecture="Phi3ForCausalLM", hidden_size=3072, intermediate_size=8192,
-                         num_attention_heads=24, num_key_value_heads=24, head_dim=128, sliding_window=64,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=96, sliding_window=64,
                          max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
+                                       "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
+}
+# The same layers at head_dim 128 (Phi-3.5 with 24 heads, to keep its hidden size), on the other attention kernels
+FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
+    "gemma-2-2b": dict(head_dim=128), "gemma-3-1b": dict(head_dim=128),
+    "phi-3.5-mini": dict(num_attention_heads=24, num_key_value_heads=24, head_dim=128,
                          rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
                                        "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
-}
+}.items()}
 
 # 64-token prefill chunks: the 100-token prompt is computed in two
 LIMITS = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=64)

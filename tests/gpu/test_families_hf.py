@@ -1,7 +1,7 @@
 """The CUDA backend against HF transformers on each model family (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3,
 Phi-3), through LLM(...).
 
-Random bf16 weights (dummy.RandomBf16Weights) of small but real-ish configs: GQA, head_dim 64 and 128, tied and
+Random bf16 weights (dummy.RandomBf16Weights) of small but real-ish configs: GQA, head_dim 64, 96, 128 and 256, tied and
 untied heads, Qwen2's Q/K/V biases, Qwen3's q/k norms with head_dim decoupled from hidden / heads, llama3 RoPE
 scaling. HF fp32 on the GPU is the reference, computed with the same (bf16-exact) weights; HF bf16 is the yardstick:
 tinyvllm's logprobs must be within 2x HF bf16's own mean distance from fp32, plus 0.01 nats.
@@ -67,25 +67,31 @@ FAMILIES = {
     "mistral-gqa4": dict(architecture="MistralForCausalLM", hidden_size=1024, intermediate_size=3584,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=64, rope_theta=1e6,
                          sliding_window=4096, max_position_embeddings=4096),
-    # Gemma-2-2B, Gemma-3-1B and Phi-3.5-mini shapes (model/dummy.py's presets) at head_dim 128 (the attention
-    # kernels have 64 and 128; Gemma's 256 and Phi-3.5's 96 are refused), windows the 150- and 333-token
-    # prompts cross
+    # Gemma-2-2B, Gemma-3-1B and Phi-3.5-mini shapes (model/dummy.py's presets: head_dim 256 and 96), windows the
+    # 150- and 333-token prompts cross
     "gemma-2-2b": dict(architecture="Gemma2ForCausalLM", hidden_size=2304, intermediate_size=9216,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=128, activation="gelu_pytorch_tanh",
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                        sliding_window=64, layer_types=GEMMA2_LAYERS, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=8192),
     "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=128, activation="gelu_pytorch_tanh",
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, activation="gelu_pytorch_tanh",
                        query_pre_attn_scalar=256, sliding_window=64, layer_types=GEMMA3_LAYERS, rope_theta=1e6,
                        local_rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        max_position_embeddings=32768),
     "phi-3.5-mini": dict(architecture="Phi3ForCausalLM", hidden_size=3072, intermediate_size=8192,
-                         num_attention_heads=24, num_key_value_heads=24, head_dim=128, sliding_window=128,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=96, sliding_window=128,
                          max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
+                                       "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
+}
+# The same layers at head_dim 128 (Phi-3.5 with 24 heads, to keep its hidden size), on the other attention kernels
+FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
+    "gemma-2-2b": dict(head_dim=128), "gemma-3-1b": dict(head_dim=128),
+    "phi-3.5-mini": dict(num_attention_heads=24, num_key_value_heads=24, head_dim=128,
                          rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
                                        "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
-}
+}.items()}
 PROMPT_LENGTHS = (9, 64, 150, 333)  # 333 spans three 128-token prefill chunks
 STEPS = 24
 

@@ -14,8 +14,8 @@ from tinyvllm.backends.base import Batch, SamplingBatch
 from tinyvllm.backends.cuda.ops import prefill_tiles
 from tinyvllm.backends.cuda.tensors import BF16, F32
 from tinyvllm.backends.cuda.tensors import DeviceTensor as T
-from tinyvllm.backends.numpy_backend import (apply_rope, interleave_gate_up, paged_attention, qk_norm, rms_norm,
-                                             silu_and_mul)
+from tinyvllm.backends.numpy_backend import (AttentionSpec, apply_rope, interleave_gate_up, paged_attention, qk_norm,
+                                             rms_norm, silu_and_mul)
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -109,7 +109,8 @@ def test_silu_and_mul(cuda, ops, tokens, inter):
     assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
 
 
-ROPE_CACHE_SHAPES = [(1, 64, 32, 8), (257, 128, 8, 2), (40, 64, 9, 3)]  # (tokens, head_dim, heads, kv_heads)
+# (tokens, head_dim, heads, kv_heads); 96: Phi-3.5-mini's heads, 256: Gemma-3-1B's
+ROPE_CACHE_SHAPES = [(1, 64, 32, 8), (257, 128, 8, 2), (40, 64, 9, 3), (33, 96, 32, 32), (65, 256, 4, 1)]
 
 
 def rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads, scale=None):
@@ -171,18 +172,27 @@ def cache_setup(rng, context_lens, kv_heads, head_dim, block_size):
     return k, v, tables
 
 
+# (head_dim, heads, kv_heads); d96: Phi-3.5-mini's heads, d256: Gemma-3-1B's (gqa4) and Gemma-2-2B's (gqa2)
 ATTN_SHAPES = {"d64-gqa1": (64, 8, 8), "d128-gqa4": (128, 32, 8), "d64-gqa8": (64, 16, 2),
-               "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2), "d64-gqa32": (64, 32, 1)}
+               "d64-gqa3": (64, 9, 3), "d128-gqa16": (128, 32, 2), "d64-gqa32": (64, 32, 1),
+               "d96-gqa1": (96, 32, 32), "d96-gqa16": (96, 32, 2), "d256-gqa4": (256, 4, 1),
+               "d256-gqa2": (256, 8, 4), "d256-gqa16": (256, 16, 1)}
 
 
 def bf16_caches(rng, context_lens, kv_heads, head_dim, block_size):
     return *cache_setup(rng, context_lens, kv_heads, head_dim, block_size), None
 
 
-def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, caches=bf16_caches, max_context=200):
+def attention_spec(scale, window, softcap):
+    """paged_attention's spec of a layer with this window and soft cap (0: none), as the kernels take them."""
+    return AttentionSpec(scale, window or None, softcap or None)
+
+
+def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, caches=bf16_caches, max_context=200,
+                           window=0, softcap=0.0):
     """attention_decode (with attention_combine when splits > 1) against paged_attention on random caches made by
     `caches` (k, v, tables, kv_scales: bf16 values and None, or fp8 codes and their scales): one context of 4999
-    keys, or num_seqs of 1 to max_context - 1."""
+    keys, or num_seqs of 1 to max_context - 1; window and softcap: the layer's (0: none)."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits + block_size)
     context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, max_context, num_seqs)).astype(np.int32)
@@ -197,12 +207,13 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
     ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables),
                          gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
                          kv_heads, head_dim, block_size, width, splits,
-                         None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
+                         None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales), window, softcap)
     got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
     batch = Batch(1, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
                   np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)
     q = qkv[:, : heads * head_dim].reshape(num_seqs, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(num_seqs, -1)
+    ref = paged_attention(q, k, v, batch, block_size, attention_spec(scale, window, softcap), kv_scales)
+    ref = ref.reshape(num_seqs, -1)
     assert rel_err(got, ref) < BF16_TOL
 
 
@@ -212,14 +223,14 @@ def test_attention_decode(cuda, ops, shape, num_seqs, splits):
     check_attention_decode(cuda, ops, shape, num_seqs, splits)
 
 
-@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa16"])
+@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa16", "d96-gqa1", "d256-gqa4"])
 @pytest.mark.parametrize("block_size", [5, 32])  # tiles of 16 keys across blocks, and two tiles per block
 @pytest.mark.parametrize("num_seqs,splits", [(1, 13), (257, 1), (1, 1)])
 def test_attention_decode_block_sizes(cuda, ops, shape, block_size, num_seqs, splits):
     check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size)
 
 
-@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa32"])
+@pytest.mark.parametrize("shape", ["d64-gqa1", "d128-gqa4", "d64-gqa32", "d96-gqa16", "d256-gqa2"])
 def test_attention_decode_parts_of_short_contexts(cuda, ops, shape):
     """Contexts of 1-999 keys with up to 32 parts: each cut into parts of at least DECODE_MIN_SPLIT_TILES whole tiles
     (the last one ending short), those of 16 * DECODE_MIN_SPLIT_TILES keys or fewer in one part, written without
@@ -227,9 +238,9 @@ def test_attention_decode_parts_of_short_contexts(cuda, ops, shape):
     check_attention_decode(cuda, ops, shape, 9, 32, max_context=1000)
 
 
-def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches):
+def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches, window=0, softcap=0.0):
     """attention_prefill against paged_attention on random caches made by `caches` (as check_attention_decode's):
-    "mixed" sequences, or 257 short ones."""
+    "mixed" sequences, or 257 short ones; window and softcap: the layer's (0: none)."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
     block_size = 16
@@ -251,12 +262,14 @@ def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches):
     ops.attention_prefill(out, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables), tables.shape[1],
                           gpu.put(qsl), gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
                           gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
-                          block_size, width, None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales))
+                          block_size, width, None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales),
+                          window, softcap)
     got = gpu.get_bf16(out, (tokens, heads * head_dim))
     batch = Batch(int(np.diff(qsl).max()), np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
                   None)
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
-    ref = paged_attention(q, k, v, batch, block_size, scale, kv_scales).reshape(tokens, -1)
+    ref = paged_attention(q, k, v, batch, block_size, attention_spec(scale, window, softcap), kv_scales)
+    ref = ref.reshape(tokens, -1)
     assert rel_err(got, ref) < BF16_TOL
 
 

@@ -147,8 +147,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bat
     sliding window, soft-capped: an AttentionSpec). Grouped-query attention: query head h reads KV head
     h // (heads / kv_heads). kv_scales: those of an fp8 cache. invariant: each query on its own (`query_attention`),
     so that its result is the same whether it comes in a prefill chunk or a decode step, with whatever else.
-    Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many); neither has the
-    window or the soft cap yet.
+    Twins: cuda/attention_decode.cu (one query per sequence), cuda/attention_prefill.cu (many).
     """
     spec = scale if isinstance(scale, AttentionSpec) else AttentionSpec(scale)
     group = q.shape[1] // k_cache.shape[1]

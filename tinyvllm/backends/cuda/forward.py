@@ -290,7 +290,7 @@ class CudaForward:
         log.info("cuda weights: linear layers quantized to fp8 (e4m3, a scale per output channel)")
 
     def num_splits(self, num_seqs: int) -> int:
-        return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms)
+        return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
 
     def _allocate_buffers(self) -> None:
         cfg, t, s = self.config, self.max_tokens, self.max_seqs

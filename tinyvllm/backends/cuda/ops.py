@@ -14,12 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HEAD_DIMS = (64, 128)  # head dims the attention kernels are instantiated for
+HEAD_DIMS = (64, 96, 128, 256)  # head dims the attention kernels are instantiated for
 VECTOR = 8  # bf16 per 16-byte load: the kernels' widths (hidden, intermediate, KV) are multiples of it
 
 # Tile constants, passed to the compiler as -D defines.
 PREFILL_BLOCK_M = 64  # attention_prefill: (query, head) rows per block, 16 per warp
-DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence)
+DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head of one sequence), head_dim <= 128
+# attention_decode at head_dim > 128: a warp's K/V stages and Q (41 KB at 256) leave room for one under the 48 KB of
+# static shared memory a block may have
+DECODE_WIDE_WARPS = 1
 # attention_decode: fewest 16-key tiles in each part of a context cut into parts (a shorter context gets fewer
 # parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
 # per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md)
@@ -40,7 +43,8 @@ MOE_GEMM_BLOCK_M = 64  # moe_gemm_*: padded rows (assignments of one expert) per
 MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per shared-memory step
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
-    "attention_decode": {"NWARPS": DECODE_WARPS, "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
+    "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
+                         "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
@@ -118,16 +122,23 @@ def decode_rows(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
-def decode_blocks(num_kv_heads: int, group: int) -> int:
+def decode_warps(head_dim: int) -> int:
+    """attention_decode's warps per block (cuda/attention_decode.cu decode_warps)."""
+    return DECODE_WIDE_WARPS if head_dim > 128 else DECODE_WARPS
+
+
+def decode_blocks(num_kv_heads: int, group: int, head_dim: int = 128) -> int:
     """attention_decode's blocks per sequence and part: a warp per (KV head, chunk of decode_rows query heads)."""
-    return -(-num_kv_heads * -(-group // decode_rows(group)) // DECODE_WARPS)
+    return -(-num_kv_heads * -(-group // decode_rows(group)) // decode_warps(head_dim))
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, group: int, num_sms: int) -> int:
+def decode_splits(num_seqs: int, num_kv_heads: int, group: int, num_sms: int, head_dim: int = 128) -> int:
     """attention_decode cuts each context into at most this many parts (of whole 16-key tiles): none at a batch of
-    enough blocks for ~2 per SM; below that as many as that needs, at least SMALL_BATCH_SPLITS (a few warps left
-    streaming long contexts alone would set the kernel's time)."""
-    fill = -(-2 * num_sms // (num_seqs * decode_blocks(num_kv_heads, group)))
+    enough blocks for ~2 per SM (of DECODE_WARPS warps: more blocks of fewer warps at head_dim > 128); below that
+    as many as that needs, at least SMALL_BATCH_SPLITS (a few warps left streaming long contexts alone would set
+    the kernel's time)."""
+    per_sm = 2 * DECODE_WARPS // decode_warps(head_dim)
+    fill = -(-per_sm * num_sms // (num_seqs * decode_blocks(num_kv_heads, group, head_dim)))
     return 1 if fill == 1 else min(MAX_SPLITS, max(fill, SMALL_BATCH_SPLITS))
 
 
@@ -342,9 +353,9 @@ class Ops:
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
         fp8 = "" if kv_scales is None else "fp8_"
-        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}", (decode_blocks(num_kv_heads, group), num_seqs,
-                                                                   num_splits),
-                    DECODE_WARPS * 32, out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
+        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}",
+                    (decode_blocks(num_kv_heads, group, head_dim), num_seqs, num_splits), decode_warps(head_dim) * 32,
+                    out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
                     context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits, window,
                     float(softcap), *(kv_scales or ()))
         if num_splits > 1:
