@@ -7,7 +7,7 @@ Every run generates exactly the planned tokens (EOS disabled), greedy.
 bench/run.py runs this file as its own process before tinyvllm loads, so each side has the GPU to itself:
 
     python bench/hf_peers.py --peers static,compiled,generate_batch [--dummy-weights NAME | --model PATH]
-                             [--scale 1.0] [--seed 0] [--batch-sizes 256,512] --json peers.json
+                             [--scale 1.0] [--seed 0] [--batch-sizes 256,512] [--workloads W1,W3] --json peers.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sd
     Built in `dtype` directly on `device` without HF's random init (no_init_weights: its parameters are allocated,
     not filled, so a 30B MoE is built in seconds), and each weight is copied in as stored (bf16 bit patterns for a
     bf16 checkpoint), one tensor at a time: no float32 copy and no host copy of the whole model; dummy weights in
-    bf16 are made on `device` (random_bf16: the bits RandomBf16Weights.stored makes, as the cuda backend makes them). transformers>=5 holds a layer's experts fused (experts.gate_up_proj [E, 2I, hidden], experts.down_proj),
+    bf16 are made on `device` (random_bf16: the bits RandomBf16Weights.stored makes, as the cuda backend makes
+    them). transformers>=5 holds a layer's experts fused (experts.gate_up_proj [E, 2I, hidden], experts.down_proj),
     filled expert by expert (_hf_tensors)."""
     hf_dict = loaded.config.to_hf_dict() | {"pad_token_id": 0}  # Phi-3's default (32000) is past a small vocabulary
     config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
@@ -192,13 +193,17 @@ def generate_batch_paged(model, requests: list[Request], device: str = "cuda") -
     return {"output_tokens": out_tokens, "wall_s": wall, "output_tok_s": out_tokens / wall}
 
 
-def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: list[int]) -> dict:
-    """W1 and W3, exactly as tinyvllm's benchmark makes them, through each HF peer. W1's static batches run at each
-    of batch_sizes and the fastest is reported (with the batch size it used)."""
+def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: list[int],
+              workloads: tuple[str, ...] = ("W1", "W3"), json_path: Path | None = None) -> dict:
+    """W1 and W3 (or those of `workloads`), exactly as tinyvllm's benchmark makes them, through each HF peer. W1's
+    static batches run at each of batch_sizes and the fastest is reported (with the batch size it used). The
+    results so far are written to json_path after each peer (a run cut short keeps them)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
     hf = hf_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    print(f"HF {model.config.architecture} built on {device} in {time.perf_counter() - start:.1f} s", flush=True)
     results = {}
-    for workload in ("W1", "W3"):
+    for workload in workloads:
         requests = make_workload(workload, model.config.vocab_size, scale, seed)
         for name in names:
             key = f"{workload}/{name}"
@@ -221,6 +226,8 @@ def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: lis
                 if device == "cuda":
                     torch.cuda.empty_cache()
             print(f"peer {key}: {results[key]}", flush=True)
+            if json_path is not None:
+                json_path.write_text(json.dumps(results, indent=2))
     return results
 
 
@@ -232,11 +239,13 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-sizes", default="256,512", help="W1 static batch sizes to try")
+    parser.add_argument("--workloads", default="W1,W3", help="W1, W3 or both")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed)
     results = run_peers(model, [p for p in args.peers.split(",") if p], args.scale, args.seed,
-                        [int(b) for b in args.batch_sizes.split(",")])
+                        [int(b) for b in args.batch_sizes.split(",")], tuple(args.workloads.split(",")),
+                        Path(args.json))
     Path(args.json).write_text(json.dumps(results, indent=2))
 
 

@@ -75,3 +75,18 @@ def test_hf_peer_logits_are_the_numpy_backends(name):
     with torch.no_grad():
         theirs = model(torch.from_numpy(prompt[None])).logits[0].numpy()
     assert np.linalg.norm(theirs - ours) / np.linalg.norm(ours) < 1e-4
+
+
+def test_run_peers_on_a_moe_model(tmp_path):
+    """bench/hf_peers.py's W1 and W3 through HF's static batches on a tiny Qwen3-MoE (on the CPU, float32): every
+    planned token generated, the results written as they come."""
+    from hf_peers import run_peers
+
+    from tinyvllm.benchmark import make_workload
+
+    loaded, path = dummy("qwen3-moe"), tmp_path / "peers.json"
+    results = run_peers(loaded, ["static"], 0.02, 0, [4], ("W3", "W1"), path)
+    for workload in ("W1", "W3"):
+        planned = sum(r.max_tokens for r in make_workload(workload, loaded.config.vocab_size, 0.02, 0))
+        assert results[f"{workload}/static"]["output_tokens"] == planned, results
+    assert "ms_per_token" in results["W3/static"] and path.exists()
