@@ -16,6 +16,7 @@ backend takes those experts, weighted by its own router's probabilities. What is
   one's logits.
 REPORT lines carry the measured numbers (pytest -s)."""
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -59,12 +60,12 @@ class RoutingRecorder:
     def __init__(self, cuda, monkeypatch):
         from tinyvllm.backends.cuda import forward as cuda_forward  # pycuda: on a machine with a GPU
 
-        self.cuda, self.on, self.layers = cuda, False, {}
+        self.cuda, self.on, self.layers = cuda, None, {}
         original = cuda_forward.fused_moe
 
         def recorded(ops, linear, buf, layer, x, h, n, cfg):
             original(ops, linear, buf, layer, x, h, n, cfg)
-            if self.on:
+            if self.on == threading.get_ident():  # not another backend's capture thread
                 self.cuda.Context.synchronize()
                 ids = np.empty((n, cfg.num_experts_per_tok), np.int32)
                 logits = np.empty((n, cfg.num_experts), np.float32)
@@ -76,11 +77,11 @@ class RoutingRecorder:
 
     def run(self, backend, batch):
         """backend.execute(batch), recorded: [(ids, logits) per expert layer], the rows of every chunk."""
-        self.on, self.layers = True, {}
+        self.on, self.layers = threading.get_ident(), {}
         try:
             backend.execute(batch)
         finally:
-            self.on = False
+            self.on = None
         return [tuple(np.concatenate(part) for part in zip(*calls)) for calls in self.layers.values()]
 
 
@@ -127,7 +128,8 @@ def compare(cuda, cuda_backend, monkeypatch, config, limits, name):
     relative errors, the swapped expert choices and the graph replay's distance from eager, reported and checked."""
     model = bf16_model(config, seed=3)
     recorder, forced = RoutingRecorder(cuda, monkeypatch), ForcedRoute(monkeypatch)
-    eager, graphs = cuda_backend(model, limits, use_graphs=False), cuda_backend(model, limits)
+    eager = cuda_backend(model, limits, use_graphs=False)
+    graphs = cuda_backend(model, replace(limits, cuda_graph_capture="eager"))  # every graph captured at start-up
     ref = NumpyBackend(model, limits)
     for backend in (eager, graphs, ref):
         backend.init_kv_cache()
