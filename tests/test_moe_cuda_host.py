@@ -119,13 +119,14 @@ def test_moe_kernels_are_built_only_for_moe_models():
                                                                                          experts=True))
 
 
-@pytest.mark.parametrize("preset,params,experts,top_k", [("qwen3-30b-a3b", 30.5e9, 128, 8),
-                                                         ("mixtral-8x7b", 46.7e9, 8, 2)])
-def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k):
+@pytest.mark.parametrize("preset,params,experts,top_k,renormalize", [("qwen3-30b-a3b", 30.5e9, 128, 8, True),
+                                                                     ("mixtral-8x7b", 46.7e9, 8, 2, True),
+                                                                     ("olmoe-1b-7b", 6.92e9, 64, 8, False)])
+def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k, renormalize):
     config = PRESETS[preset]()
     total = sum(int(np.prod(shape)) for shape in weight_shapes(config).values())
     assert abs(total - params) / params < 0.01
-    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (experts, top_k, True)
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (experts, top_k, renormalize)
     assert all(config.moe_layer(i) for i in range(config.num_hidden_layers))
 
 
@@ -140,7 +141,8 @@ def test_fp8_weights_on_a_moe_model_are_refused_on_cuda_too(make_model_dir):
         LLM(str(path), backend="cuda", quantization="fp8")
 
 
-@pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.07, 61.06), ("mixtral-8x7b", 25.5, 93.4)])
+@pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),
+                                                        ("olmoe-1b-7b", 2.36, 13.84)])
 def test_moe_presets_floors(preset, active_gb, total_gb):
     """A decode step reads the shared weights and the experts its tokens chose: one token's top_k (the active
     weights: Qwen3-30B-A3B ~3 B parameters, Mixtral-8x7B ~12.9 B), a large batch's nearly every expert (the whole

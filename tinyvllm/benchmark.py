@@ -156,8 +156,9 @@ def weight_bytes(config: ModelConfig, tokens: int = 1, bytes_per_param: int = 2)
     per_layer = (4 if config.sandwich_norms else 2) * h  # the RMSNorm gains
     if config.attention_bias:
         per_layer += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
-    if config.qk_norm:
-        per_layer += 2 * d
+    if config.qk_norm:  # per head, or over the whole Q and K projections (OLMoE)
+        per_layer += 2 * d if config.qk_norm_per_head else (config.num_attention_heads +
+                                                                    config.num_key_value_heads) * d
     moe = sum(map(config.moe_layer, range(layers)))
     experts = moe * (experts_read(config, tokens) - config.num_experts_per_tok) * expert_params(config)
     return round((matmul_params(config) + experts + layers * per_layer + h) * bytes_per_param)

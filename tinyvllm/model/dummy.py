@@ -151,11 +151,23 @@ def mixtral_8x7b_config() -> ModelConfig:
     )
 
 
+def olmoe_1b_7b_config() -> ModelConfig:
+    """allenai/OLMoE-1B-7B-0924's config.json: 16 layers of 64 experts (intermediate 1024), 8 per token, not
+    renormalized; q/k norms over each token's whole Q and K."""
+    return ModelConfig(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_ids=[50279], torch_dtype="bfloat16",
+        architecture="OlmoeForCausalLM", num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        moe_intermediate_size=1024,
+    )
+
+
 # --dummy-weights names -> the config of that model's shapes
 PRESETS = {"llama-3.1-8b": llama_3_1_8b_config, "qwen2.5-7b": qwen2_5_7b_config, "llama-3.2-1b": llama_3_2_1b_config,
            "smollm2-135m": smollm2_135m_config, "gemma-2-2b": gemma_2_2b_config, "gemma-3-1b": gemma_3_1b_config,
            "phi-3.5-mini": phi_3_5_mini_config, "qwen3-30b-a3b": qwen3_30b_a3b_config,
-           "mixtral-8x7b": mixtral_8x7b_config, "tiny": tiny_config}
+           "mixtral-8x7b": mixtral_8x7b_config, "olmoe-1b-7b": olmoe_1b_7b_config, "tiny": tiny_config}
 
 
 def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
