@@ -7,14 +7,15 @@
 #
 # HF's W3 is the full workload; its W1 runs at HF_W1_SCALE (default 0.5: 256 prompts x 128 in / 128 out, one static
 # batch of 256), and tinyvllm runs that same W1 again for the ratio. Each HF run is cut at HF_TIMEOUT seconds
-# (default 150; what it finished is kept). The kernels build (nvcc, on the CPU) while HF runs. About 6-7 minutes on
-# an H200. Needs pycuda, torch and transformers importable by $PYTHON (default python3).
+# (default 180; what it finished is kept). The kernels build (nvcc, on the CPU) while HF runs. At most ~7.5 minutes
+# on an H200 (HF's two runs capped, tinyvllm's ~1.5). Needs pycuda, torch and transformers importable by $PYTHON
+# (default python3).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${1:?usage: bench/moe_device.sh OUT}
 PRESET=${PRESET:-qwen3-30b-a3b}
 HF_W1_SCALE=${HF_W1_SCALE:-0.5}
-HF_TIMEOUT=${HF_TIMEOUT:-150}
+HF_TIMEOUT=${HF_TIMEOUT:-180}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -24,9 +25,9 @@ start=$SECONDS
 build=$!
 
 echo "== HF compiled static cache: W3, then W1 at scale $HF_W1_SCALE (each at most $HF_TIMEOUT s)"
-timeout "$HF_TIMEOUT" "$PYTHON" bench/hf_peers.py --peers compiled --dummy-weights "$PRESET" --workloads W3 \
+timeout -k 10 "$HF_TIMEOUT" "$PYTHON" bench/hf_peers.py --peers compiled --dummy-weights "$PRESET" --workloads W3 \
   --json "$OUT/hf-w3.json" >"$OUT/hf-w3.txt" 2>&1 || echo "HF W3 exited with $? (see $OUT/hf-w3.txt)"
-timeout "$HF_TIMEOUT" "$PYTHON" bench/hf_peers.py --peers compiled --dummy-weights "$PRESET" --workloads W1 \
+timeout -k 10 "$HF_TIMEOUT" "$PYTHON" bench/hf_peers.py --peers compiled --dummy-weights "$PRESET" --workloads W1 \
   --scale "$HF_W1_SCALE" --batch-sizes 256 --json "$OUT/hf-w1.json" >"$OUT/hf-w1.txt" 2>&1 \
   || echo "HF W1 exited with $? (see $OUT/hf-w1.txt)"
 grep -h "^HF \|^peer " "$OUT"/hf-w3.txt "$OUT"/hf-w1.txt
