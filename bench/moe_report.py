@@ -2,7 +2,7 @@
 (W3 <= 2.2 ms/token, W1 >= 50% of its floor) and against HF transformers' compiled static-cache peer on the same
 requests (>= 5x).
 
-    python bench/moe_report.py OUT    (reads OUT/ours.json, OUT/ours-hf-scale.json, OUT/hf-w1.json, OUT/hf-w3.json)
+    python bench/moe_report.py OUT [PEER]    (PEER default compiled; reads OUT/ours.json, OUT/ours-hf-scale.json, OUT/hf-w1.json, OUT/hf-w3.json)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def report(out: Path) -> list[str]:
+def report(out: Path, peer_name: str = "compiled") -> list[str]:
     """The table's lines from the run's JSON files (a missing or failed part says so)."""
     ours = _read(out / "ours.json").get("workloads", {})
     same = {"W1": _read(out / "ours-hf-scale.json").get("workloads", {}).get("W1") or ours.get("W1"),
@@ -42,18 +42,18 @@ def report(out: Path) -> list[str]:
     else:
         lines.append("tinyvllm: no results (see ours.txt)")
     for workload in ("W1", "W3"):
-        peer = hf.get(f"{workload}/compiled", {})
+        peer = hf.get(f"{workload}/{peer_name}", {})
         mine = same[workload]
         if "output_tok_s" not in peer or not mine:
-            lines.append(f"HF compiled {workload}: {peer.get('error', 'no result (see hf-*.txt)')}")
+            lines.append(f"HF {peer_name} {workload}: {peer.get('error', 'no result (see hf-*.txt)')}")
             continue
         ratio = mine["output_tok_s"] / peer["output_tok_s"]
         batch = f", batch {peer['batch_size']}" if "batch_size" in peer else ""
-        lines.append(f"HF compiled {workload}: {peer['output_tok_s']:.1f} tok/s ({peer['output_tokens']} tokens"
+        lines.append(f"HF {peer_name} {workload}: {peer['output_tok_s']:.1f} tok/s ({peer['output_tokens']} tokens"
                      f"{batch}); tinyvllm on the same requests {mine['output_tok_s']:.1f} tok/s = {ratio:.1f}x "
                      f"{_mark(ratio >= HF_RATIO_TARGET)}")
     return lines
 
 
 if __name__ == "__main__":
-    print("\n".join(report(Path(sys.argv[1]))))
+    print("\n".join(report(Path(sys.argv[1]), *sys.argv[2:3])))
