@@ -7,7 +7,7 @@ Every run generates exactly the planned tokens (EOS disabled), greedy.
 bench/run.py runs this file as its own process before tinyvllm loads, so each side has the GPU to itself:
 
     python bench/hf_peers.py --peers static,compiled,generate_batch [--dummy-weights NAME | --model PATH]
-                             [--scale 1.0] [--seed 0] [--batch-sizes 256,512] --json peers.json
+                             [--scale 1.0] [--seed 0] [--batch-sizes 256,512] [--workloads W1,W3] --json peers.json
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from tinyvllm.benchmark import Request, dummy_model, make_workload
+from tinyvllm.model.dummy import RandomBf16Weights, RandomRecipe
 from tinyvllm.model.loader import load_model
 
 PEERS = ("static", "compiled", "generate_batch")
@@ -34,8 +35,9 @@ def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sd
 
     Built in `dtype` directly on `device` without HF's random init (no_init_weights: its parameters are allocated,
     not filled, so a 30B MoE is built in seconds), and each weight is copied in as stored (bf16 bit patterns for a
-    bf16 checkpoint or a dummy model), one tensor at a time: no float32 copy and no host copy of the whole
-    model. transformers>=5 holds a layer's experts fused (experts.gate_up_proj [E, 2I, hidden], experts.down_proj),
+    bf16 checkpoint), one tensor at a time: no float32 copy and no host copy of the whole model; dummy weights in
+    bf16 are made on `device` (random_bf16: the bits RandomBf16Weights.stored makes, as the cuda backend makes
+    them). transformers>=5 holds a layer's experts fused (experts.gate_up_proj [E, 2I, hidden], experts.down_proj),
     filled expert by expert (_hf_tensors)."""
     hf_dict = loaded.config.to_hf_dict() | {"pad_token_id": 0}  # Phi-3's default (32000) is past a small vocabulary
     config = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
@@ -54,13 +56,13 @@ def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sd
     if set(params) != set(tensors):
         raise ValueError(f"HF {loaded.config.architecture} and tinyvllm disagree on the tensors: "
                          f"{sorted(set(params) ^ set(tensors))[:5]}")
-    stored = getattr(loaded.weights, "stored", loaded.weights.__getitem__)
+    read = _reader(loaded.weights, device, dtype)
     with torch.no_grad():
         for name, param in params.items():
             rows = param.view(-1, param.shape[-1]) if param.dim() > 1 else param.view(1, -1)
             start = 0
             for part in tensors[name]:  # to the device, cast to dtype if stored otherwise
-                value = _as_torch(stored(part)).reshape(-1, rows.shape[-1])
+                value = read(part).reshape(-1, rows.shape[-1])
                 rows[start:start + len(value)].copy_(value)
                 start += len(value)
             if start != len(rows):
@@ -104,6 +106,35 @@ def _hf_tensors(loaded, params: dict) -> dict[str, list[str]]:
     for name in loaded.weights:
         if name not in covered and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
             out[hf_name(name)] = [name]
+    return out
+
+
+def _reader(weights, device: str, dtype):
+    """name -> the tensor as stored (bf16 bit patterns as torch.bfloat16); dummy weights in bf16 made on `device`."""
+    if isinstance(weights, RandomBf16Weights) and dtype == torch.bfloat16:
+        return lambda name: random_bf16(weights.recipe(name), device)
+    stored = getattr(weights, "stored", weights.__getitem__)
+    return lambda name: _as_torch(stored(name))
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """dummy.lowbias32 on int64 tensors holding uint32 values (products wrap; their low 32 bits are kept)."""
+    mask = 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & mask
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & mask
+    return x ^ (x >> 16)
+
+
+def random_bf16(recipe: RandomRecipe, device: str, chunk: int = 1 << 26) -> torch.Tensor:
+    """A RandomBf16Weights tensor (its recipe) made on `device` by torch: bf16 [size], the bits stored() makes."""
+    table = _as_torch(recipe.table).to(device)
+    out = torch.empty(recipe.size, dtype=torch.bfloat16, device=device)
+    for start in range(0, recipe.size, chunk):
+        x = torch.arange(start, min(start + chunk, recipe.size), dtype=torch.int64, device=device)
+        x = _lowbias32(_lowbias32((x + recipe.k1) & 0xFFFFFFFF) ^ recipe.k2)
+        out[start:start + len(x)] = table[x >> 16]
     return out
 
 
@@ -162,13 +193,17 @@ def generate_batch_paged(model, requests: list[Request], device: str = "cuda") -
     return {"output_tokens": out_tokens, "wall_s": wall, "output_tok_s": out_tokens / wall}
 
 
-def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: list[int]) -> dict:
-    """W1 and W3, exactly as tinyvllm's benchmark makes them, through each HF peer. W1's static batches run at each
-    of batch_sizes and the fastest is reported (with the batch size it used)."""
+def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: list[int],
+              workloads: tuple[str, ...] = ("W1", "W3"), json_path: Path | None = None) -> dict:
+    """W1 and W3 (or those of `workloads`), exactly as tinyvllm's benchmark makes them, through each HF peer. W1's
+    static batches run at each of batch_sizes and the fastest is reported (with the batch size it used). The
+    results so far are written to json_path after each peer (a run cut short keeps them)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
     hf = hf_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    print(f"HF {model.config.architecture} built on {device} in {time.perf_counter() - start:.1f} s", flush=True)
     results = {}
-    for workload in ("W1", "W3"):
+    for workload in workloads:
         requests = make_workload(workload, model.config.vocab_size, scale, seed)
         for name in names:
             key = f"{workload}/{name}"
@@ -191,6 +226,8 @@ def run_peers(model, names: list[str], scale: float, seed: int, batch_sizes: lis
                 if device == "cuda":
                     torch.cuda.empty_cache()
             print(f"peer {key}: {results[key]}", flush=True)
+            if json_path is not None:
+                json_path.write_text(json.dumps(results, indent=2))
     return results
 
 
@@ -202,11 +239,13 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-sizes", default="256,512", help="W1 static batch sizes to try")
+    parser.add_argument("--workloads", default="W1,W3", help="W1, W3 or both")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     model = load_model(args.model) if args.model else dummy_model(args.dummy_weights, args.seed)
     results = run_peers(model, [p for p in args.peers.split(",") if p], args.scale, args.seed,
-                        [int(b) for b in args.batch_sizes.split(",")])
+                        [int(b) for b in args.batch_sizes.split(",")], tuple(args.workloads.split(",")),
+                        Path(args.json))
     Path(args.json).write_text(json.dumps(results, indent=2))
 
 

@@ -119,13 +119,14 @@ def test_moe_kernels_are_built_only_for_moe_models():
                                                                                          experts=True))
 
 
-@pytest.mark.parametrize("preset,params,experts,top_k", [("qwen3-30b-a3b", 30.5e9, 128, 8),
-                                                         ("mixtral-8x7b", 46.7e9, 8, 2)])
-def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k):
+@pytest.mark.parametrize("preset,params,experts,top_k,renormalize", [("qwen3-30b-a3b", 30.5e9, 128, 8, True),
+                                                                     ("mixtral-8x7b", 46.7e9, 8, 2, True),
+                                                                     ("olmoe-1b-7b", 6.92e9, 64, 8, False)])
+def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k, renormalize):
     config = PRESETS[preset]()
     total = sum(int(np.prod(shape)) for shape in weight_shapes(config).values())
     assert abs(total - params) / params < 0.01
-    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (experts, top_k, True)
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (experts, top_k, renormalize)
     assert all(config.moe_layer(i) for i in range(config.num_hidden_layers))
 
 
@@ -138,3 +139,32 @@ def test_fp8_weights_on_a_moe_model_are_refused_on_cuda_too(make_model_dir):
                           moe_intermediate_size=32)
     with pytest.raises(SettingError, match="^invalid quantization='fp8': a mixture-of-experts model's experts"):
         LLM(str(path), backend="cuda", quantization="fp8")
+
+
+@pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),
+                                                        ("olmoe-1b-7b", 2.36, 13.84)])
+def test_moe_presets_floors(preset, active_gb, total_gb):
+    """A decode step reads the shared weights and the experts its tokens chose: one token's top_k (the active
+    weights: Qwen3-30B-A3B ~3 B parameters, Mixtral-8x7B ~12.9 B), a large batch's nearly every expert (the whole
+    model but the embedding table it gathers rows of). The FLOPs per token are the active parameters'."""
+    from tinyvllm.benchmark import experts_read, expert_params, make_workload, matmul_params, weight_bytes, \
+        workload_floor
+
+    config = PRESETS[preset]()
+    shapes = weight_shapes(config)
+    params = sum(int(np.prod(shape)) for shape in shapes.values())
+    embed = config.vocab_size * config.hidden_size
+    e, k, layers = config.num_experts, config.num_experts_per_tok, config.num_hidden_layers
+    experts = sum(int(np.prod(shape)) for name, shape in shapes.items() if ".experts." in name)
+    assert experts == layers * e * expert_params(config)
+    assert weight_bytes(config, 10_000) == 2 * (params - embed)  # every expert
+    assert weight_bytes(config) == 2 * (params - embed - layers * (e - k) * expert_params(config))
+    assert abs(weight_bytes(config) / 1e9 - active_gb) < 0.05 and abs(2 * params / 1e9 - total_gb) < 0.1
+    assert experts_read(config, 1) == k and experts_read(config, 2) == pytest.approx(e - e * (1 - k / e) ** 2)
+    linear = sum(int(np.prod(shape)) for name, shape in shapes.items()
+                 if len(shape) == 2 and "embed" not in name and ".experts." not in name)
+    assert matmul_params(config) == linear + layers * k * expert_params(config)
+    # batch-1 decode at 4.27 TB/s: the active weights per token, not the whole model's
+    w3 = workload_floor(config, make_workload("W3", config.vocab_size), 4.27e12, 7.4e14, 512)
+    assert w3.decode_weights_s / 255 == pytest.approx(weight_bytes(config) / 4.27e12)
+    assert weight_bytes(config, 4) < weight_bytes(config, 64) <= weight_bytes(config, 10_000)

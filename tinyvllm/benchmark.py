@@ -123,22 +123,45 @@ def _pct(values: list[float], q: float) -> float | None:
 # ---- the physical floor ------------------------------------------------------------------------------------------
 
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters used in GEMMs per token (every linear layer and the LM head; not the embedding gather)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    """Parameters used in GEMMs per token (every linear layer and the LM head; not the embedding gather). Of an
+    expert layer: the router and the top_k experts a token runs through (the active parameters)."""
+    h, d = config.hidden_size, config.head_dim
     attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
-    return config.num_hidden_layers * (attn + 3 * h * i) + config.vocab_size * h
+    moe = sum(map(config.moe_layer, range(config.num_hidden_layers)))
+    dense = config.num_hidden_layers - moe
+    active_moe = h * config.num_experts + config.num_experts_per_tok * expert_params(config)
+    return config.num_hidden_layers * attn + dense * 3 * h * config.intermediate_size + moe * active_moe + \
+        config.vocab_size * h
 
 
-def weight_bytes(config: ModelConfig, bytes_per_param: int = 2) -> int:
-    """Bytes of weights a decode step reads: every GEMM's (the LM head included), the norm gains and the biases.
-    Not an untied embedding table, of which a step gathers only its tokens' rows."""
+def expert_params(config: ModelConfig) -> int:
+    """One expert's parameters (gate, up and down of moe_intermediate_size); 0 for a dense model."""
+    return 3 * config.hidden_size * config.moe_intermediate_size if config.num_experts else 0
+
+
+def experts_read(config: ModelConfig, tokens: int) -> float:
+    """The experts of one expert layer a decode step of `tokens` tokens reads, expected under uniform routing
+    (each token's top_k distinct experts at random): num_experts * (1 - (1 - top_k / num_experts) ** tokens), top_k
+    for one token, nearly all of them for a large batch."""
+    e, k = config.num_experts, config.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens) if e else 0.0
+
+
+def weight_bytes(config: ModelConfig, tokens: int = 1, bytes_per_param: int = 2) -> int:
+    """Bytes of weights a decode step of `tokens` tokens reads: every GEMM's (the LM head included), the norm gains
+    and the biases; of an expert layer the router and the experts the step's tokens chose (experts_read: a dense
+    model's bytes are the same for any batch). Not an untied embedding table, of which a step gathers only its
+    tokens' rows."""
     h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
     per_layer = (4 if config.sandwich_norms else 2) * h  # the RMSNorm gains
     if config.attention_bias:
         per_layer += (config.num_attention_heads + 2 * config.num_key_value_heads) * d
-    if config.qk_norm:
-        per_layer += 2 * d
-    return (matmul_params(config) + layers * per_layer + h) * bytes_per_param
+    if config.qk_norm:  # per head, or over the whole Q and K projections (OLMoE)
+        per_layer += 2 * d if config.qk_norm_per_head else (config.num_attention_heads +
+                                                                    config.num_key_value_heads) * d
+    moe = sum(map(config.moe_layer, range(layers)))
+    experts = moe * (experts_read(config, tokens) - config.num_experts_per_tok) * expert_params(config)
+    return round((matmul_params(config) + experts + layers * per_layer + h) * bytes_per_param)
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
@@ -172,7 +195,6 @@ def workload_floor(config: ModelConfig, requests: list[Request], bandwidth: floa
     for i, r in enumerate(requests):
         length, cached = len(r.prompt_token_ids), min(cached_prefix, len(r.prompt_token_ids)) if i else 0
         prefill += per_token_flops * (length - cached) + attn_flops * (length ** 2 - cached ** 2) / 2
-    weights = weight_bytes(config) / bandwidth  # seconds per decode step
     kv_per_token = kv_bytes_per_token(config) / bandwidth
     weights_s = kv_s = compute_s = 0.0
     for wave_start in range(0, len(requests), max_num_seqs):
@@ -181,6 +203,7 @@ def workload_floor(config: ModelConfig, requests: list[Request], bandwidth: floa
             live = [r for r in wave if r.max_tokens > step]
             context = sum(len(r.prompt_token_ids) + step for r in live)
             kv = context * kv_per_token
+            weights = weight_bytes(config, len(live)) / bandwidth  # an expert layer's experts: the batch's
             step_flops = (per_token_flops * len(live) + attn_flops * context) / flops
             if step_flops > weights + kv:
                 compute_s += step_flops

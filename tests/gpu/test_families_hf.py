@@ -1,8 +1,8 @@
 """The CUDA backend against HF transformers on each model family (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3,
-Phi-3), through LLM(...).
+Phi-3, Mixtral, Qwen3-MoE, OLMoE), through LLM(...).
 
-Random bf16 weights (dummy.RandomBf16Weights) of small but real-ish configs: GQA, head_dim 64, 96, 128 and 256, tied and
-untied heads, Qwen2's Q/K/V biases, Qwen3's q/k norms with head_dim decoupled from hidden / heads, llama3 RoPE
+Random bf16 weights (dummy.RandomBf16Weights) of small but real-ish configs: GQA, head_dim 64, 96, 128 and 256, tied
+and untied heads, Qwen2's Q/K/V biases, Qwen3's q/k norms with head_dim decoupled from hidden / heads, llama3 RoPE
 scaling. HF fp32 on the GPU is the reference, computed with the same (bf16-exact) weights; HF bf16 is the yardstick:
 tinyvllm's logprobs must be within 2x HF bf16's own mean distance from fp32, plus 0.01 nats.
 
@@ -92,6 +92,21 @@ FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
                          rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
                                        "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
 }.items()}
+# the mixture-of-experts families at test_moe_models.py's widths: HF bf16's own routing flips near-ties as ours
+# does, so its distance from fp32 is the yardstick for those too
+FAMILIES |= {
+    "mixtral-8e-top2": dict(architecture="MixtralForCausalLM", hidden_size=1024, intermediate_size=3584,
+                            moe_intermediate_size=3584, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                            rope_theta=1e6, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen3-moe-32e-top8": dict(architecture="Qwen3MoeForCausalLM", hidden_size=1024, intermediate_size=1536,
+                               moe_intermediate_size=256, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                               rope_theta=1e6, rms_norm_eps=1e-6, num_experts=32, num_experts_per_tok=8,
+                               norm_topk_prob=True, mlp_only_layers=(1,)),
+    "olmoe-32e-top8": dict(architecture="OlmoeForCausalLM", hidden_size=1024, intermediate_size=512,
+                           moe_intermediate_size=512, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
+                           rope_theta=1e6, rms_norm_eps=1e-6, num_experts=32, num_experts_per_tok=8,
+                           norm_topk_prob=False),
+}
 PROMPT_LENGTHS = (9, 64, 150, 333)  # 333 spans three 128-token prefill chunks
 STEPS = 24
 

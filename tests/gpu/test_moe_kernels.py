@@ -84,12 +84,14 @@ def expert_weights(rng, experts, hidden, inter):
     return gate_up, down
 
 
-# (tokens, experts, top_k, hidden, inter): the GEMV path at 1-8 tokens, the grouped GEMM's at 200+; Qwen3-30B-A3B's
-# 128 experts and widths (with fewer experts: their float32 reference copies stay small), and widths that are not
-# whole tiles (hidden 264: 33 chunks of 8, 4.1 GEMM k-steps; inter 200).
+# (tokens, experts, top_k, hidden, inter): the GEMV path at 1-8 tokens and at 16 and 128 (an expert's run of more
+# than one tile of 8), the grouped GEMM's at 200+; Qwen3-30B-A3B's 128 experts and widths (with fewer experts: their
+# float32 reference copies stay small), and widths that are not whole tiles (hidden 264: 33 chunks of 8, 4.1 GEMM
+# k-steps; inter 200).
 SHAPES = [(1, 128, 8, 512, 384), (4, 16, 8, 2048, 768), (8, 16, 8, 264, 200), (3, 8, 2, 512, 256),
-          (1, 8, 2, 264, 200), (200, 16, 8, 264, 200), (256, 16, 8, 2048, 768), (300, 128, 8, 512, 384),
-          (333, 8, 2, 512, 256), (260, 8, 2, 1024, 1792)]
+          (1, 8, 2, 264, 200), (16, 16, 8, 264, 200), (128, 128, 8, 512, 384), (200, 16, 8, 264, 200),
+          (256, 16, 8, 2048, 768), (300, 128, 8, 512, 384), (333, 8, 2, 512, 256), (260, 8, 2, 1024, 1792)]
+GEMV_MULTI_TILE = (16, 128)  # token counts of SHAPES on the GEMV path with more than 8 tokens
 
 
 @pytest.mark.parametrize("tokens,experts,k,hidden,inter", SHAPES)
@@ -97,7 +99,7 @@ def test_moe_experts(cuda, ops, tokens, experts, k, hidden, inter):
     """topk_softmax -> align -> gate/up (SwiGLU) -> down (weighted) -> sum into the residual stream, against
     fused_moe on the same bf16 inputs: each padded row's activation, each assignment's weighted row (all of them
     written), and the residual stream after the add."""
-    assert moe_uses_gemv(tokens, k, experts) == (tokens <= 8)
+    assert moe_uses_gemv(tokens, k, experts) == (tokens <= 8 or tokens in GEMV_MULTI_TILE)
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens + hidden + experts)
     h = bf16_round(rng.standard_normal((tokens, hidden), dtype=np.float32))
     x = rng.standard_normal((tokens, hidden), dtype=np.float32)

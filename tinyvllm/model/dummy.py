@@ -9,7 +9,7 @@ import struct
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -151,11 +151,23 @@ def mixtral_8x7b_config() -> ModelConfig:
     )
 
 
+def olmoe_1b_7b_config() -> ModelConfig:
+    """allenai/OLMoE-1B-7B-0924's config.json: 16 layers of 64 experts (intermediate 1024), 8 per token, not
+    renormalized; q/k norms over each token's whole Q and K."""
+    return ModelConfig(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_ids=[50279], torch_dtype="bfloat16",
+        architecture="OlmoeForCausalLM", num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        moe_intermediate_size=1024,
+    )
+
+
 # --dummy-weights names -> the config of that model's shapes
 PRESETS = {"llama-3.1-8b": llama_3_1_8b_config, "qwen2.5-7b": qwen2_5_7b_config, "llama-3.2-1b": llama_3_2_1b_config,
            "smollm2-135m": smollm2_135m_config, "gemma-2-2b": gemma_2_2b_config, "gemma-3-1b": gemma_3_1b_config,
            "phi-3.5-mini": phi_3_5_mini_config, "qwen3-30b-a3b": qwen3_30b_a3b_config,
-           "mixtral-8x7b": mixtral_8x7b_config, "tiny": tiny_config}
+           "mixtral-8x7b": mixtral_8x7b_config, "olmoe-1b-7b": olmoe_1b_7b_config, "tiny": tiny_config}
 
 
 def _init_scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -184,47 +196,92 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
+def lowbias32(x: np.ndarray) -> np.ndarray:
+    """Chris Wellons' lowbias32 integer hash of uint32 values, in place (and returned). Twin: cuda/random.cu."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _hash32(value: int) -> int:
+    return int(lowbias32(np.array([value & 0xFFFFFFFF], np.uint32))[0])
+
+
+@dataclass(frozen=True)
+class RandomRecipe:
+    """How one tensor of RandomBf16Weights is made, value i of its flattened `size`: table[bits(i) >> 16] with
+    bits(i) = lowbias32(lowbias32(i + k1) ^ k2) (uint32 arithmetic), table 2^16 bf16 bit patterns. A counter-based
+    hash: any range of a tensor is made alone, the same on the host, by the GPU (cuda/random.cu) and by torch
+    (bench/hf_peers.py)."""
+
+    table: np.ndarray
+    k1: int
+    k2: int
+    size: int
+
+
 class RandomBf16Weights(LazyWeights):
     """Random bf16 weights of a config's shapes, each tensor made when asked for (`stored`: bit patterns, what the
     CUDA backend uploads as they are; `[name]`: float32), so that an 8B model costs no float32 copy and no host copy
-    of the whole model. A tensor is the same on every call and in every process (its generators are seeded from
-    `seed` and its name): bench/hf_peers.py rebuilds the model tinyvllm runs.
+    of the whole model. A tensor is the same on every call and in every process (its hash keys come from `seed` and
+    its name): bench/hf_peers.py rebuilds the model tinyvllm runs.
 
-    Each value is a random pick among 2^16 normal samples scaled as random_weights scales them (_init_scale), which
-    is random bits and one table lookup per value: fast enough to make 16 GB in seconds, in parallel chunks."""
+    Each value is a pick among 2^16 normal samples scaled as random_weights scales them (_init_scale), by a hash of
+    its index (recipe): a table lookup per value, on the host in parallel chunks, or on the GPU where a 61 GB model
+    takes a fraction of a second (the cuda backend and bench/hf_peers.py make these weights there)."""
 
-    CHUNK = 1 << 22  # values per generator; a tensor is the same whatever the number of threads
+    CHUNK = 1 << 20  # values per host task; a tensor is the same whatever the chunking
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         self.config = config
         self.seed = seed
         self.shapes = weight_shapes(config)
         self.tied = tied_copies(config)
+        self._tables: dict[tuple[float, float], np.ndarray] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
-    def stored(self, name: str) -> np.ndarray:
+    def table(self, mean: float, std: float) -> np.ndarray:
+        """The 2^16 bf16 bit patterns of the tensors scaled (mean, std): the seed's normal samples, scaled."""
+        key = (mean, std)
+        if key not in self._tables:
+            normal = np.random.default_rng([self.seed, 1 << 16]).standard_normal(1 << 16, dtype=np.float32)
+            self._tables[key] = f32_to_bf16(np.float32(mean) + np.float32(std) * normal)
+        return self._tables[key]
+
+    def recipe(self, name: str) -> RandomRecipe:
         name = self.tied.get(name, name)
         shape = self.shapes[name]
-        key = [self.seed, zlib.crc32(name.encode())]
-        mean, std = _init_scale(name, shape)
-        table = f32_to_bf16(np.float32(mean) + np.float32(std) * np.random.default_rng(key).standard_normal(
-            1 << 16, dtype=np.float32))
-        out = np.empty(math.prod(shape), np.uint16)
+        size = math.prod(shape)
+        if size >= 1 << 32:
+            raise ValueError(f"{name}: {size} values, more than a uint32 index of the hash reaches")
+        k1 = _hash32(zlib.crc32(name.encode()) ^ _hash32(self.seed + 0x9E3779B9))
+        return RandomRecipe(self.table(*_init_scale(name, shape)), k1, _hash32(k1 ^ 0x85EBCA6B), size)
+
+    def stored(self, name: str) -> np.ndarray:
+        recipe = self.recipe(name)
+        out = np.empty(recipe.size, np.uint16)
 
         def fill(chunk: int) -> None:
-            part = out[chunk * self.CHUNK:(chunk + 1) * self.CHUNK]
-            bits = np.random.Generator(np.random.SFC64([*key, chunk])).bit_generator.random_raw(-(-part.size // 4))
-            part[:] = table[bits.view(np.uint16)[:part.size]]
+            start = chunk * self.CHUNK
+            part = out[start:start + self.CHUNK]
+            x = np.arange(start, start + part.size, dtype=np.uint32)
+            x += np.uint32(recipe.k1)
+            lowbias32(x)
+            x ^= np.uint32(recipe.k2)
+            part[:] = recipe.table[lowbias32(x) >> np.uint32(16)]
 
         chunks = range(-(-out.size // self.CHUNK))
         if len(chunks) == 1:
             fill(0)
-        else:  # numpy's generators and fancy indexing release the GIL
+        else:  # numpy's arithmetic and fancy indexing release the GIL
             with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1, 16)) as pool:
                 list(pool.map(fill, chunks))
-        return out.reshape(shape)
+        return out.reshape(self.shapes[self.tied.get(name, name)])
 
     def __getitem__(self, name: str) -> np.ndarray:
         return bf16_to_f32(self.stored(name))

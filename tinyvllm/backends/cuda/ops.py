@@ -224,6 +224,14 @@ class Ops:
         _require_vectors("embedding", hidden=hidden)
         self.launch("embedding", (num_tokens,), ELEMENTWISE_THREADS, out, table, ids, hidden, float(scale))
 
+    @kernel("random", "bf16* out, const bf16* table, int n, int k1, int k2")
+    def random_bf16(self, out: int, table: int, n: int, k1: int, k2: int) -> None:
+        """bf16 out [n] = a RandomBf16Weights tensor (dummy.RandomRecipe: table [2^16] on the device, uint32 keys)."""
+        _require(0 < n < 1 << 31, f"random_bf16: {n} values (at most 2^31 - 1)")
+        signed = [k - (1 << 32) if k >= 1 << 31 else k for k in (k1, k2)]
+        self.launch("random_bf16", (min(-(-n // ELEMENTWISE_THREADS), 1 << 16),), ELEMENTWISE_THREADS, out, table, n,
+                    *signed)
+
     @kernel("embedding", "int* ids, const int* src, const int* sampled, int n")
     def resolve_tokens(self, ids: int, src: int, sampled: int, n: int) -> None:
         self.launch("resolve_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, ids, src, sampled, n)
