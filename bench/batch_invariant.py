@@ -1,6 +1,7 @@
 """What batch_invariant=True costs on the cuda backend: W1 and W3 with it off and on, in one process, each run on
 an LLM of its own (the GPU to itself), for each --dummy-weights preset; "on" also at other row counts for the
-split-free GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' tile for that many rows serves every m).
+pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' tile for that many rows serves every m;
+cublas.INVARIANT_SPLITS: K cut into that many parts, summed in place in part order).
 
     python bench/batch_invariant.py --presets smollm2-135m,llama-3.2-1b --rows 256,64 --json out.json
 
@@ -22,9 +23,9 @@ from tinyvllm.benchmark import bench_llm, measure_limits, run_benchmark  # noqa:
 WORKLOADS = ["W1", "W3"]
 
 
-def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tuple[dict, dict]:
+def measure(preset: str, invariant: bool, rows: int, limits: dict | None, splits: int = 1) -> tuple[dict, dict]:
     """(W1 out tok/s and W3 ms/token of one LLM, the limits it measured or was given)."""
-    cublas.INVARIANT_ROWS = rows
+    cublas.INVARIANT_ROWS, cublas.INVARIANT_SPLITS = rows, splits
     llm = bench_llm(None, preset, WORKLOADS, 0, backend="cuda", batch_invariant=invariant)
     try:
         limits = limits or measure_limits(llm.backend)
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
     parser.add_argument("--rows", default=str(cublas.INVARIANT_ROWS),
                         help="comma-separated INVARIANT_ROWS values to run 'on' with")
+    parser.add_argument("--splits", default=str(cublas.INVARIANT_SPLITS),
+                        help="comma-separated INVARIANT_SPLITS values to run 'on' with (each with every --rows)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     table, limits = {}, None
@@ -47,14 +50,19 @@ def main() -> None:
         off, limits = measure(preset, False, default_rows, limits)
         table[preset] = {"off": off}
         for rows in (int(r) for r in args.rows.split(",")):
-            table[preset][f"on (rows {rows})"] = measure(preset, True, rows, limits)[0]
-    print(f"{'preset':<15}{'mode':<17}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}")
+            for splits in (int(s) for s in args.splits.split(",")):
+                mode = f"on (rows {rows}, splits {splits})"
+                try:
+                    table[preset][mode] = measure(preset, True, rows, limits, splits)[0]
+                except RuntimeError as e:  # an algorithm cuBLASLt refuses at some m: reported, the others still run
+                    print(f"{preset} {mode}: {e}")
+    print(f"{'preset':<15}{'mode':<28}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}")
     for preset, modes in table.items():
         off = modes["off"]
         for mode, r in modes.items():
             w1_cost = 100 * (1 - r["W1"] / off["W1"])
             w3_cost = 100 * (r["W3"] / off["W3"] - 1)
-            print(f"{preset:<15}{mode:<17}{r['W1']:>14,.0f}{w1_cost:>8.1f}%{r['W3']:>13.3f}{w3_cost:>8.1f}%")
+            print(f"{preset:<15}{mode:<28}{r['W1']:>14,.0f}{w1_cost:>8.1f}%{r['W3']:>13.3f}{w3_cost:>8.1f}%")
     if args.json:
         args.json.write_text(json.dumps({"results": table, "limits": limits}, indent=2, default=str))
 

@@ -51,6 +51,8 @@ def hf_model(loaded, device: str = "cuda", dtype=torch.bfloat16, attn: str = "sd
             model = getattr(transformers, loaded.config.architecture)(config)
     finally:
         torch.set_default_dtype(default_dtype)
+    if loaded.config.tie_word_embeddings:  # transformers 5.17 ties at from_pretrained only, 5.24 also here
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     params = dict(model.named_parameters())  # a tied head is the embedding: listed once
     tensors = _hf_tensors(loaded, params)
     if set(params) != set(tensors):

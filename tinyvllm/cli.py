@@ -21,6 +21,7 @@ from tinyvllm.io.writer import (LATENCIES, SUMMARY_COLUMNS, output_schema, sibli
 from tinyvllm.jobs.config import JobConfig, RayConfig, job_config
 from tinyvllm.jobs.file import load_job_file
 from tinyvllm.jobs.run import JobInterrupted, run_job
+from tinyvllm.model.dummy import PRESETS
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
 
@@ -286,8 +287,7 @@ def bench_options(workloads: str, json_path: str | None):
         click.option("--model", type=click.Path(exists=True, path_type=Path),
                      help="a real model instead of dummy weights"),
         click.option("--dummy-weights", default="llama-3.2-1b", show_default=True,
-                     help="random weights of a known shape: llama-3.1-8b, qwen2.5-7b, llama-3.2-1b, smollm2-135m or "
-                          "tiny"),
+                     help=f"random weights of a known shape: {', '.join(PRESETS)}"),
         click.option("--workloads", default=workloads, show_default=True, help="comma-separated subset"),
         click.option("--scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
                      help="shrink the workloads' counts and lengths (e.g. 0.05 on a CPU)"),

@@ -57,14 +57,17 @@ def test_without_it_some_layout_differs(cuda, model_dir):
     assert differing(layouts(model_dir, seeded=False, invariant=False, **ENGINE)) != []
 
 
-@pytest.fixture(scope="module")
-def invariant_blas(cuda):
-    from tinyvllm.backends.cuda.cublas import Cublas
+@pytest.fixture(scope="module", params=[1, 4], ids=["split-free", "splits-4"])
+def invariant_blas(cuda, request):
+    """A batch-invariant handle whose algorithms cut K into request.param parts (cublas.INVARIANT_SPLITS)."""
+    from tinyvllm.backends.cuda import cublas
 
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
-    blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES, invariant=True)
+    blas = cublas.Cublas(stream.handle, int(workspace), WORKSPACE_BYTES, invariant=True)
+    default, cublas.INVARIANT_SPLITS = cublas.INVARIANT_SPLITS, request.param
     yield blas, stream
+    cublas.INVARIANT_SPLITS = default
     blas.close()
     workspace.free()
 
@@ -88,7 +91,7 @@ def gemm_rows(cuda, blas, stream, x_bits: np.ndarray, w_ptr: int, n: int, k: int
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [BF16, E4M3])
-def test_split_free_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas, n, k, dtype):
+def test_invariant_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas, n, k, dtype):
     """Row i of x . w^T has the same bits at every row count, for a fresh random x and w; and it is the product."""
     blas, stream = invariant_blas
     rng = np.random.default_rng(n + k)

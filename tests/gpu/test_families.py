@@ -65,6 +65,11 @@ FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
                                        "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
 }.items()}
 
+# Max logits error vs the numpy twin (float32): bf16 weights and activations. Gemma at head_dim 256 (sqrt(hidden)-scaled
+# embeddings, 256-term q.k sums) measures 2.0-2.2e-2; test_families_hf bounds the same shapes by HF's own bf16 distance
+# from fp32 (ours is 0.7-0.8x of it there).
+TOLERANCE, GEMMA_HD256_TOLERANCE = 2e-2, 3e-2
+
 # 64-token prefill chunks: the 100-token prompt is computed in two
 LIMITS = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_kv_blocks=64)
 
@@ -91,5 +96,6 @@ def test_family_logits_match_numpy(cuda, cuda_backend, name):
         agree.append(np.mean(got.last_token_ids == tokens))
     print(f"REPORT family {name}: logits rel err prefill {errors[0]:.2e}, decode max {max(errors[1:]):.2e}; "
           f"greedy agree {np.mean(agree):.3f}")
-    assert max(errors) < 2e-2
+    gemma_hd256 = config.architecture.startswith("Gemma") and config.head_dim == 256
+    assert max(errors) < (GEMMA_HD256_TOLERANCE if gemma_hd256 else TOLERANCE)
     ours.close()

@@ -37,7 +37,7 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = 1, 3
 CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME = 2, 3
-CUBLASLT_REDUCTION_SCHEME_NONE = 0
+CUBLASLT_REDUCTION_SCHEME_NONE, CUBLASLT_REDUCTION_SCHEME_INPLACE = 0, 1
 CUBLAS_STATUS_NOT_SUPPORTED = 15
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
                 7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
@@ -49,6 +49,12 @@ TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
 # batch-invariant: the row count whose split-free algorithm every m runs (bench/batch_invariant.py measures the
 # choice: large tiles suit W1's 512-row steps, small ones batch 1)
 INVARIANT_ROWS = 256
+# batch-invariant: K cut into this many parts for every m (1: split-free, the engine's). Parts > 1 are summed in the
+# output buffer in part order (cuBLASLt's in-place reduction, serialized by counters in the workspace): the same
+# additions for a row at every m (the GPU test checks 4 parts at up to 256 rows), and more CTAs for few rows. Used
+# where cublasLtMatmulAlgoCheck accepts it at INVARIANT_ROWS; bench-only, since cuBLASLt refuses larger m with it
+# (CUBLAS_STATUS_INVALID_VALUE at m = 512 and 8192): the engine would have to cut such GEMMs into row pieces.
+INVARIANT_SPLITS = 1
 
 
 def _load_library() -> ctypes.CDLL:
@@ -93,6 +99,7 @@ _SIGNATURES = {
                                        ctypes.POINTER(_i)],
     "cublasLtMatmul": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), _p, _size, _p],
     "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), _i, _p, _size],
+    "cublasLtMatmulAlgoCheck": [_p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), ctypes.POINTER(_HeuristicResult)],
 }
 
 
@@ -138,11 +145,13 @@ def m_class(m: int) -> int:
     return -(-m // step) * step
 
 
-def split_free(algo: _Algo) -> _Algo:
-    """The algorithm with its K walk in one piece: SPLITK_NUM 1, no reduction scheme (a copy)."""
+def pinned_split(algo: _Algo, splits: int = 1) -> _Algo:
+    """The algorithm with its K walk cut into `splits` parts (1: one piece, no reduction scheme; more: summed in
+    place, in part order), a copy."""
     pinned = _Algo.from_buffer_copy(algo)
-    for attribute, value in ((CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1),
-                             (CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_REDUCTION_SCHEME_NONE)):
+    scheme = CUBLASLT_REDUCTION_SCHEME_NONE if splits == 1 else CUBLASLT_REDUCTION_SCHEME_INPLACE
+    for attribute, value in ((CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits),
+                             (CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, scheme)):
         v = ctypes.c_uint32(value)
         check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(pinned), attribute, ctypes.byref(v),
                                                          ctypes.sizeof(v)), "cublasLtMatmulAlgoConfigSetAttribute")
@@ -242,9 +251,23 @@ class Cublas:
         if self.invariant:
             key = (n, k, types, "invariant")
             if key not in self.algos:
-                self.algos[key] = split_free(self._heuristics(INVARIANT_ROWS, n, k, types)[0])
+                self.algos[key] = self._invariant_algorithm(n, k, types)
             return self.algos[key]
         return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, types)
+
+    def _invariant_algorithm(self, n: int, k: int, types: GemmTypes) -> _Algo:
+        """The heuristics' algorithm at INVARIANT_ROWS with K in INVARIANT_SPLITS parts where cuBLASLt accepts that
+        for this shape (checked at INVARIANT_ROWS, so the choice depends on (n, k, types) alone), else split-free."""
+        algo = self._heuristics(INVARIANT_ROWS, n, k, types)[0]
+        if INVARIANT_SPLITS > 1:
+            split = pinned_split(algo, INVARIANT_SPLITS)
+            a, b, c = self._layouts_for(INVARIANT_ROWS, n, k, types)
+            result = _HeuristicResult()
+            status = _lib().cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, c, c, ctypes.byref(split),
+                                                    ctypes.byref(result))
+            if status == 0 and result.workspace_size <= self.workspace_bytes:
+                return split
+        return pinned_split(algo)
 
     def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""
