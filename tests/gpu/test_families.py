@@ -15,13 +15,10 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.model.dummy import PHI_3_5_LONG_FACTOR, PHI_3_5_SHORT_FACTOR, tiny_config
 
+from head_dims import hd128_variants
 from test_cuda_model import bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
 
 pytestmark = pytest.mark.gpu
-
-# Phi-3.5's LongRoPE factors for 64 rotary pairs (head_dim 128), its last 16 repeated
-PHI_SHORT_HD128 = PHI_3_5_SHORT_FACTOR + PHI_3_5_SHORT_FACTOR[-16:]
-PHI_LONG_HD128 = PHI_3_5_LONG_FACTOR + PHI_3_5_LONG_FACTOR[-16:]
 
 # Two layers of Qwen2.5-0.5B and of Qwen3-0.6B (a smaller vocabulary keeps the numpy reference quick).
 FAMILIES = {
@@ -57,13 +54,7 @@ FAMILIES = {
                          rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
                                        "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
 }
-# The same layers at head_dim 128 (Phi-3.5 with 24 heads, to keep its hidden size), on the other attention kernels
-FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
-    "gemma-2-2b": dict(head_dim=128), "gemma-3-1b": dict(head_dim=128),
-    "phi-3.5-mini": dict(num_attention_heads=24, num_key_value_heads=24, head_dim=128,
-                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
-                                       "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
-}.items()}
+FAMILIES |= hd128_variants(FAMILIES)  # the same layers on the head_dim-128 attention kernels
 
 # Max logits error vs the numpy twin (float32): bf16 weights and activations. Gemma at head_dim 256 (sqrt(hidden)-scaled
 # embeddings, 256-term q.k sums) measures 2.0-2.2e-2; test_families_hf bounds the same shapes by HF's own bf16 distance

@@ -34,12 +34,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from hf_peers import hf_model  # noqa: E402  (the peers' HF builder: each family, bf16 weights copied as stored)
+from head_dims import hd128_variants  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-# Phi-3.5's LongRoPE factors for 64 rotary pairs (head_dim 128), its last 16 repeated
-PHI_SHORT_HD128 = PHI_3_5_SHORT_FACTOR + PHI_3_5_SHORT_FACTOR[-16:]
-PHI_LONG_HD128 = PHI_3_5_LONG_FACTOR + PHI_3_5_LONG_FACTOR[-16:]
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}
@@ -85,13 +82,7 @@ FAMILIES = {
                          rope_scaling={"rope_type": "longrope", "short_factor": PHI_3_5_SHORT_FACTOR,
                                        "long_factor": PHI_3_5_LONG_FACTOR, "original_max_position_embeddings": 4096}),
 }
-# The same layers at head_dim 128 (Phi-3.5 with 24 heads, to keep its hidden size), on the other attention kernels
-FAMILIES |= {f"{name}-hd128": {**FAMILIES[name], **change} for name, change in {
-    "gemma-2-2b": dict(head_dim=128), "gemma-3-1b": dict(head_dim=128),
-    "phi-3.5-mini": dict(num_attention_heads=24, num_key_value_heads=24, head_dim=128,
-                         rope_scaling={"rope_type": "longrope", "short_factor": PHI_SHORT_HD128,
-                                       "long_factor": PHI_LONG_HD128, "original_max_position_embeddings": 4096}),
-}.items()}
+FAMILIES |= hd128_variants(FAMILIES)  # the same layers on the head_dim-128 attention kernels
 # the mixture-of-experts families at test_moe_models.py's widths: HF bf16's own routing flips near-ties as ours
 # does, so its distance from fp32 is the yardstick for those too
 FAMILIES |= {
