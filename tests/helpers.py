@@ -6,6 +6,7 @@ Fixtures built on them are in conftest.py (tiny_model_dir, make_model_dir, refer
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,14 @@ def require(module: str) -> ModuleType:
         if os.environ.get("CI"):
             pytest.fail(f"{module} is required when CI is set: {e}", pytrace=False)
         pytest.skip(f"{module} is not installed: {e}", allow_module_level=True)
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script (bench/*.py, a file outside the package) imported as module `name`, run now."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- models ----

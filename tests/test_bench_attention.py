@@ -1,19 +1,17 @@
 """bench/attention.py's arguments: bad values get one clear line (argparse's usage error), before any GPU is needed."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench_attention():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports no pycuda: that waits for main()
-    return module
+    return load_script(SCRIPT, "bench_attention")  # imports no pycuda: that waits for main()
 
 
 def test_arguments_parsed(bench_attention):

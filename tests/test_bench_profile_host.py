@@ -2,22 +2,20 @@
 timeline on a made-up clock) and a run of it on the numpy backend: the script imports no pycuda until it runs on
 the cuda backend."""
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "profile_host.py"
 
 
 @pytest.fixture(scope="module")
 def profile_host():
-    spec = importlib.util.spec_from_file_location("profile_host", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "profile_host")
 
 
 def test_device_times_gaps_run_from_one_steps_end_to_the_next_steps_start(profile_host):

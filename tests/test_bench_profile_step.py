@@ -1,21 +1,19 @@
 """bench/profile_step.py's chain arithmetic (--chain), on made-up kernel times: the script imports no pycuda until
 it runs on a GPU."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "profile_step.py"
 
 
 @pytest.fixture(scope="module")
 def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "profile_step")
 
 
 def test_chain_times_count_what_each_kernel_adds_to_the_chain(profile_step):

@@ -1,11 +1,12 @@
 """bench/profile_host.py on the GPU at a tiny scale: every phase is found on the cuda backend, each decode step
 gets its GPU time, graph replay and idle gap, and the profiled steps give the tokens unprofiled ones do."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import load_script
 
 pytestmark = pytest.mark.gpu
 
@@ -15,10 +16,7 @@ SMALL = ["--dummy-weights", "smollm2-135m", "--num-kv-blocks", "512", "--prompt-
 
 @pytest.fixture(scope="module")
 def profile_host():
-    spec = importlib.util.spec_from_file_location("profile_host_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "profile_host_gpu")
 
 
 def test_steady_decode_and_workloads(device, profile_host, tmp_path):
