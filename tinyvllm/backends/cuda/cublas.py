@@ -51,9 +51,9 @@ TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
 INVARIANT_ROWS = 256
 # batch-invariant: K cut into this many parts for every m (1: split-free, the engine's). Parts > 1 are summed in the
 # output buffer in part order (cuBLASLt's in-place reduction, serialized by counters in the workspace): the same
-# additions for a row at every m (the GPU test checks 4 parts at up to 256 rows), and more CTAs for few rows. Used
-# where cublasLtMatmulAlgoCheck accepts it at INVARIANT_ROWS; bench-only, since cuBLASLt refuses larger m with it
-# (CUBLAS_STATUS_INVALID_VALUE at m = 512 and 8192): the engine would have to cut such GEMMs into row pieces.
+# additions for a row at every m, and more CTAs for few rows. Used where cublasLtMatmulAlgoCheck accepts it at
+# INVARIANT_ROWS; bench-only: in the engine cuBLASLt refused some larger m with it (CUBLAS_STATUS_INVALID_VALUE at
+# m = 512 and 8192), so such GEMMs would have to be cut into row pieces.
 INVARIANT_SPLITS = 1
 
 
@@ -99,6 +99,7 @@ _SIGNATURES = {
                                        ctypes.POINTER(_i)],
     "cublasLtMatmul": [_p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), _p, _size, _p],
     "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(_Algo), _i, _p, _size],
+    "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), _i, _p, _size, ctypes.POINTER(_size)],
     "cublasLtMatmulAlgoCheck": [_p, _p, _p, _p, _p, _p, ctypes.POINTER(_Algo), ctypes.POINTER(_HeuristicResult)],
 }
 
@@ -156,6 +157,15 @@ def pinned_split(algo: _Algo, splits: int = 1) -> _Algo:
         check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(pinned), attribute, ctypes.byref(v),
                                                          ctypes.sizeof(v)), "cublasLtMatmulAlgoConfigSetAttribute")
     return pinned
+
+
+def split_count(algo: _Algo) -> int:
+    """The parts an algorithm cuts K into (its SPLITK_NUM)."""
+    value, written = ctypes.c_uint32(), _size()
+    check(_lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                     ctypes.byref(value), ctypes.sizeof(value), ctypes.byref(written)),
+          "cublasLtMatmulAlgoConfigGetAttribute")
+    return value.value
 
 
 class Cublas:
