@@ -1,6 +1,7 @@
 """The CUDA launchers (backends/cuda/ops.py) without a GPU: their argument types against the kernels' C declarations,
 their geometry, and the preconditions they refuse. The kernels themselves are tested in tests/gpu."""
 
+import ctypes
 import re
 import types
 from pathlib import Path
@@ -1077,4 +1078,49 @@ def test_cublas_gemm_and_tune_take_device_tensors(monkeypatch):
     assert (32, 64, cublas.BF16_GEMM_F32_OUT, 4) in blas.algos
     with pytest.raises(ValueError, match="do not fit"):
         blas.gemm(out, x, w, 9)
+    blas.close()
+
+
+class SplitAwareCublasLt(FakeCublasLt):
+    """FakeCublasLt whose algorithms keep their config attributes (in the opaque words), and whose check of an
+    algorithm in parts answers `check_status`."""
+
+    def __init__(self, check_status=0):
+        super().__init__()
+        self.check_status = check_status
+
+    def __getattr__(self, name):
+        if name == "cublasLtMatmulAlgoConfigSetAttribute":
+            def set_attribute(algo, attribute, value, size):
+                algo._obj.data[attribute] = ctypes.cast(value, ctypes.POINTER(ctypes.c_uint32)).contents.value
+                return 0
+            return set_attribute
+        if name == "cublasLtMatmulAlgoConfigGetAttribute":
+            def get_attribute(algo, attribute, value, size, written):
+                ctypes.cast(value, ctypes.POINTER(ctypes.c_uint32)).contents.value = algo._obj.data[attribute]
+                return 0
+            return get_attribute
+        if name == "cublasLtMatmulAlgoCheck":
+            return lambda *args: self.check_status
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("splits,check_status,calls", [
+    (4, 0, [(0, 4), (4, 4), (8, 2)]),  # K in parts: 10 rows as pieces of INVARIANT_ROWS
+    (4, 15, [(0, 10)]),  # cuBLASLt's check refuses the parts: split-free, whole
+    (1, 0, [(0, 10)]),  # split-free (the engine's default): whole
+])
+def test_invariant_gemm_in_parts_runs_large_m_in_pieces(monkeypatch, splits, check_status, calls):
+    lib = SplitAwareCublasLt(check_status)
+    monkeypatch.setattr(cublas, "_lib", lambda: lib)
+    monkeypatch.setattr(cublas, "INVARIANT_ROWS", 4)
+    monkeypatch.setattr(cublas, "INVARIANT_SPLITS", splits)
+    blas = cublas.Cublas(0, 4096, 1 << 20, invariant=True)
+    x, w, out = DeviceTensor(1000, BF16, (16, 64)), DeviceTensor(200, BF16, (32, 64)), DeviceTensor(9000, F32, (16, 32))
+    blas.gemm(out, x, w, 10)
+    assert lib.matmuls == [(200, x.row(r0), out.row(r0)) for r0, _ in calls]
+    blas.gemm(out, x, w, 3)  # at most INVARIANT_ROWS: one call
+    assert lib.matmuls[-1] == (200, x.ptr, out.ptr) and len(lib.matmuls) == len(calls) + 1
+    parts = cublas.split_count(blas.algorithm(10, 32, 64, cublas.BF16_GEMM_F32_OUT))
+    assert parts == (splits if check_status == 0 else 1)
     blas.close()

@@ -52,8 +52,9 @@ INVARIANT_ROWS = 256
 # batch-invariant: K cut into this many parts for every m (1: split-free, the engine's). Parts > 1 are summed in the
 # output buffer in part order (cuBLASLt's in-place reduction, serialized by counters in the workspace): the same
 # additions for a row at every m, and more CTAs for few rows. Used where cublasLtMatmulAlgoCheck accepts it at
-# INVARIANT_ROWS; bench-only: in the engine cuBLASLt refused some larger m with it (CUBLAS_STATUS_INVALID_VALUE at
-# m = 512 and 8192), so such GEMMs would have to be cut into row pieces.
+# INVARIANT_ROWS, with larger m run as pieces of INVARIANT_ROWS rows (cuBLASLt refused m = 512 and 8192 whole, with
+# CUBLAS_STATUS_INVALID_VALUE); a row's result does not depend on its piece. bench/batch_invariant.py --splits
+# measures it; not yet the engine's (no GPU run of the pieces).
 INVARIANT_SPLITS = 1
 
 
@@ -202,6 +203,8 @@ class Cublas:
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
         self.algos: dict[tuple[int, int, GemmTypes, int | str], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
+        # batch-invariant: (n, k, types) -> the most rows one GEMM call takes (0: any; K in parts: INVARIANT_ROWS)
+        self.piece_rows: dict[tuple[int, int, GemmTypes], int] = {}
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
 
@@ -292,8 +295,20 @@ class Cublas:
         (gemm_types): bf16 inputs, float32 compute, output bf16 or float32."""
         n, k = matmul_shape(out, x, w, m)
         types = gemm_types(out, x, w)
+        algo = self.algorithm(m, n, k, types)
+        if self.invariant and (n, k, types) not in self.piece_rows:  # read from the algorithm: it may be shared
+            in_parts = INVARIANT_SPLITS > 1 and split_count(algo) > 1
+            self.piece_rows[(n, k, types)] = INVARIANT_ROWS if in_parts else 0
+        piece = self.piece_rows.get((n, k, types)) or m
+        if piece < m:  # batch-invariant, K in parts: pieces of at most the rows cuBLASLt's check accepted
+            for r0 in range(0, m, piece):
+                rows = min(piece, m - r0)
+                a, b, c = self._layouts_for(rows, n, k, types)
+                check(self._matmul(algo, out.row(r0), x.row(r0), w.ptr, a, b, c, accumulate),
+                      f"cublasLtMatmul(m={rows} of {m}, n={n}, k={k})")
+            return
         a, b, c = self._layouts_for(m, n, k, types)
-        status = self._matmul(self.algorithm(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
+        status = self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         # the class's algorithm cannot do this m: ask for this m's own (batch-invariant: no other algorithm may run)
         if status == CUBLAS_STATUS_NOT_SUPPORTED and not self.invariant:
             status = self._matmul(self._algorithm_at(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
