@@ -1,7 +1,7 @@
-"""bench/hf_peers.py's HF models of the mixture-of-experts families built from tinyvllm's dummy weights on the CPU
-(tiny configs): every parameter holds the bits RandomBf16Weights makes (bf16: made by torch from the recipe, as on
-the GPU; float32: the host's), and HF's float32 logits are the numpy backend's. Skipped without torch and
-transformers."""
+"""bench/hf_peers.py's HF models built from tinyvllm's dummy weights on the CPU (tiny configs of the
+mixture-of-experts families, and dense ones with a tied head): every parameter holds the bits RandomBf16Weights
+makes (bf16: made by torch from the recipe, as on the GPU; float32: the host's), and HF's float32 logits are the
+numpy backend's. Skipped without torch and transformers."""
 
 import sys
 from pathlib import Path
@@ -33,6 +33,12 @@ FAMILIES = {
                       norm_topk_prob=True, mlp_only_layers=(1,)),
     "olmoe": dict(MOE, architecture="OlmoeForCausalLM", intermediate_size=32, num_experts=8, num_experts_per_tok=4,
                   norm_topk_prob=False),
+    # a tied head is the embedding in HF too (one parameter), whichever transformers ties at construction
+    "llama-tied": dict(MOE, tie_word_embeddings=True),
+    "gemma3-tied": dict(MOE, architecture="Gemma3ForCausalLM", activation="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=16, sliding_window=8, layer_types=("sliding_attention",
+                                                                                 "full_attention"),
+                        rope_theta=1e6, local_rope_theta=10000.0, tie_word_embeddings=True),
 }
 
 
@@ -53,6 +59,7 @@ def test_hf_peer_model_holds_our_weights(name):
     loaded = dummy(name)
     model = hf_model(loaded, "cpu", torch.bfloat16)
     params = dict(model.named_parameters())
+    assert ("lm_head.weight" in params) != loaded.config.tie_word_embeddings
     for hf_name, parts in _hf_tensors(loaded, params).items():
         ours = np.concatenate([loaded.weights.stored(p).reshape(-1) for p in parts])
         np.testing.assert_array_equal(params[hf_name].detach().view(torch.int16).numpy().reshape(-1).view(np.uint16),
