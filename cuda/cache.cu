@@ -4,8 +4,8 @@
 #include "common.cuh"
 
 // Cache entries from bf16 values: the values themselves, or in an fp8 cache the e4m3 codes of value / scale, with
-// the scale of the layer and KV head (powers of two, so that multiplying by 1 / scale is exact: the numpy twin
-// divides), rounded to nearest even and saturated to +-448.
+// the scale of the layer and KV head, computed as value times the float32 1 / scale (as the numpy twin does; exact
+// for the cache's own power-of-two scales), rounded to nearest even and saturated to +-448.
 __device__ __forceinline__ void store_entries8(bf16* p, const bf16* v, float) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
 }

@@ -66,9 +66,13 @@ SCHEMES = {
 }
 
 
-def write_fp8_checkpoint(path, scheme: str, seed: int = 6, **config):
-    """A tiny FP8 checkpoint of `scheme` (its ignored layer left float32, KV cache scales that must be ignored beside
-    it) -> (its dir, its config, the dequantized weights, the static input scale or None, the activation group)."""
+UNIT_KV_SCALES = {"self_attn.k_proj.k_scale": 1.0, "self_attn.v_proj.v_scale": 1.0}  # ModelOpt's names
+
+
+def write_fp8_checkpoint(path, scheme: str, seed: int = 6, kv_scales=UNIT_KV_SCALES, **config):
+    """A tiny FP8 checkpoint of `scheme` (its ignored layer left float32; `kv_scales`: KV cache scales beside it,
+    layer-prefix suffix -> a value for every layer, or a list of one per layer (each a number or one per KV head))
+    -> (its dir, its config, the dequantized weights, the static input scale or None, the activation group)."""
     quant, scale_shape, scale_name, input_scale, group = SCHEMES[scheme]
     cfg = tiny_config(**{**(BLOCK_CONFIG if scale_shape == "block" else {}), **config})
     weights = random_weights(cfg, seed)
@@ -85,9 +89,11 @@ def write_fp8_checkpoint(path, scheme: str, seed: int = 6, **config):
         if input_scale is not None:
             tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([input_scale])
         reference[name] = dequantized(codes, scale).numpy()
-    for i in range(cfg.num_hidden_layers):
-        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
-        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(1.0)
+    for suffix, values in kv_scales.items():
+        for i in range(cfg.num_hidden_layers):
+            value = values[i] if isinstance(values, list) else values
+            if value is not None:
+                tensors[f"model.layers.{i}.{suffix}"] = torch.tensor(value, dtype=torch.float32)
     safetensors_torch.save_file(tensors, str(path / "model.safetensors"))
     config_json = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config_json, "quantization_config": quant}))
@@ -214,3 +220,62 @@ def test_the_config_keeps_its_quantization_config(tmp_path):
     assert config.quantization.block == (128, 128) and not config.quantization.static_input
     assert config.to_hf_dict()["quantization_config"] == SCHEMES["fp8-block"][0]
     assert replace(config, quantization=None).to_hf_dict().get("quantization_config") is None
+
+
+
+# ---- the checkpoint's KV cache scales ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),  # compressed-tensors
+                                   ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),  # ModelOpt
+                                   ("self_attn.kv_scale",)])  # deprecated: one for K and V
+def test_the_checkpoints_kv_cache_scales_are_the_fp8_caches(names, tmp_path):
+    k, v = [0.037, 0.052], [0.011, 0.0625]
+    values = dict(zip(names, (k, v))) if len(names) == 2 else {names[0]: k}
+    path, cfg, *_ = write_fp8_checkpoint(tmp_path, "ct-channel", kv_scales=values)
+    model = load_model(path)
+    want_v = v if len(names) == 2 else k
+    np.testing.assert_array_equal(model.kv_cache_scales[0], np.float32(k)[:, None].repeat(cfg.num_key_value_heads, 1))
+    np.testing.assert_array_equal(model.kv_cache_scales[1], np.float32(want_v)[:, None].repeat(cfg.num_key_value_heads,
+                                                                                              1))
+    backend = LLM(model, backend="numpy", kv_cache_dtype="fp8", max_model_len=64).llm_engine.backend
+    for i in range(cfg.num_hidden_layers):
+        assert [float(s[0]) for s in backend.kv_scales[i]] == [np.float32(k[i]), np.float32(want_v[i])]
+    assert not any("k_scale" in name or "kv_scale" in name for name in model.weights)
+
+
+def test_checkpoint_scales_equal_to_the_caches_own_give_its_exact_outputs(tmp_path):
+    """Per-KV-head scales equal to the ones the cache derives from the weights: the same codes, bitwise the same
+    logprobs; a hundredth of them saturates the cache (its codes reach 448) and moves them."""
+    from tinyvllm.model.kv_scales import kv_cache_scales
+
+    base, cfg, *_ = write_fp8_checkpoint(tmp_path / "base", "ct-channel", kv_scales={})
+    assert load_model(base).kv_cache_scales is None
+    k, v = kv_cache_scales(load_model(base).weights, cfg)
+    prompts = [np.random.default_rng(i).integers(3, cfg.vocab_size, 32).tolist() for i in range(2)]
+    results = []
+    for name, (ks, vs) in {"base": (None, None), "same": (k, v), "tiny": (k / 100, v / 100)}.items():
+        path = base if ks is None else write_fp8_checkpoint(tmp_path / name, "ct-channel", kv_scales={
+            "self_attn.k_scale": [row.tolist() for row in ks], "self_attn.v_scale": [row.tolist() for row in vs]})[0]
+        llm = LLM(path, backend="numpy", kv_cache_dtype="fp8", max_model_len=64)
+        results.append(our_logprobs(llm, prompts))
+        codes = llm.llm_engine.backend.k_cache[0]
+    np.testing.assert_array_equal(results[0], results[1])
+    assert np.abs(results[2] - results[0]).mean() > 0.05
+    assert (codes & 0x7F == 0x7E).any()  # the tiny scales' last cache: saturated entries (e4m3 448)
+
+
+@pytest.mark.parametrize("kv_scales,message", [
+    ({"self_attn.k_scale": [0.05, None], "self_attn.v_scale": 0.05}, "for some layers only: no K scale for layer 1"),
+    ({"self_attn.k_scale": 0.0, "self_attn.v_scale": 0.05}, "model.layers.0.self_attn.k_scale is not a positive "
+                                                            "finite scale"),
+    ({"self_attn.k_scale": [[0.1, 0.2, 0.3]] * 2, "self_attn.v_scale": 0.05}, "has 3 values: a KV cache scale has 1 "
+                                                                              "or 2"),
+    ({"self_attn.k_scale": 0.05, "self_attn.kv_scale": 0.06}, "layer 0's K cache scale is given twice, with two "
+                                                              "values"),
+    ({"self_attn.attn.k_scale": 0.05}, "unexpected tensor model.layers.0.self_attn.attn.k_scale"),
+])
+def test_broken_kv_cache_scales_are_refused_in_one_line(kv_scales, message, tmp_path):
+    path, *_ = write_fp8_checkpoint(tmp_path, "ct-channel", kv_scales=kv_scales)
+    with pytest.raises(ValueError, match=message) as error:
+        load_model(path)
+    assert "\n" not in str(error.value)

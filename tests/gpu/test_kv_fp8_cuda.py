@@ -19,7 +19,10 @@ from test_kernels import (ROPE_CACHE_SHAPES, Gpu, cache_setup, check_attention_d
 pytestmark = pytest.mark.gpu
 
 
-def random_scales(rng, kv_heads):
+def random_scales(rng, kv_heads, arbitrary: bool = False):
+    """Powers of two (the cache's own scales), or any floats of that range (an FP8 checkpoint's)."""
+    if arbitrary:
+        return rng.uniform(2.0**-8, 2.0**-4, kv_heads).astype(np.float32)
     return np.exp2(rng.integers(-8, -4, kv_heads)).astype(np.float32)
 
 
@@ -29,8 +32,9 @@ def random_codes(rng, shape):
     return np.where((codes & 0x7F) == E4M3_NAN, codes - 1, codes).astype(np.uint8)
 
 
+@pytest.mark.parametrize("arbitrary", [False, True], ids=["own-scales", "checkpoint-scales"])
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", ROPE_CACHE_SHAPES)
-def test_rope_and_cache_fp8_is_bit_exact(cuda, ops, tokens, head_dim, heads, kv_heads):
+def test_rope_and_cache_fp8_is_bit_exact(cuda, ops, tokens, head_dim, heads, kv_heads, arbitrary):
     """The cache holds write_kv_cache's codes of the rotated keys (as the kernel left them in qkv) and of V."""
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens)
     num_slots, q_width, kv_width = 1000, heads * head_dim, kv_heads * head_dim
@@ -38,7 +42,7 @@ def test_rope_and_cache_fp8_is_bit_exact(cuda, ops, tokens, head_dim, heads, kv_
     width = q_width + 2 * kv_width
     magnitudes = np.exp2(rng.uniform(-12, 8, (tokens, width))).astype(np.float32)
     qkv, positions, cos_sin, slots = rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads, magnitudes)
-    k_scales, v_scales = random_scales(rng, kv_heads), random_scales(rng, kv_heads)
+    k_scales, v_scales = random_scales(rng, kv_heads, arbitrary), random_scales(rng, kv_heads, arbitrary)
     poison = np.full((num_slots, kv_width), 0x7F, np.uint8)
     k_cache, v_cache, buf = gpu.put(poison), gpu.put(poison), gpu.bf16(qkv)
     ops.rope_and_cache(buf, k_cache, v_cache, gpu.put(positions), gpu.put(slots), gpu.put(cos_sin), tokens, heads,

@@ -101,10 +101,11 @@ KVScales = tuple[np.ndarray, np.ndarray]  # an fp8 cache's K and V scales of one
 def write_kv_cache(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                    slot_mapping: np.ndarray, scales: KVScales | None = None) -> None:
     """Store each token's K/V [T, kv_heads, head_dim] at its slot of the cache [slots, kv_heads, head_dim]; an fp8
-    cache (uint8, with `scales`) holds the e4m3 codes of value / scale (model/kv_scales.py).
+    cache (uint8, with `scales`) holds the e4m3 codes of value / scale (model/kv_scales.py), as the twin computes
+    it: value times the float32 1 / scale (exact for the power-of-two scales the cache derives itself).
     Twin: cuda/cache.cu rope_and_cache (after its rotation)."""
     if scales is not None:
-        k, v = (f32_to_e4m3(x / scale[:, None]) for x, scale in zip((k, v), scales))
+        k, v = (f32_to_e4m3(x * (np.float32(1) / scale)[:, None]) for x, scale in zip((k, v), scales))
     k_cache[slot_mapping] = k
     v_cache[slot_mapping] = v
 
@@ -302,7 +303,7 @@ class NumpyBackend(Backend):
         self.token_counts = sampler.TokenCounts(engine_config.max_num_seqs, cfg.vocab_size)
         self.kv_scales: list[KVScales | None] = [None] * cfg.num_hidden_layers  # per layer, for an fp8 cache
         if engine_config.fp8_kv_cache:
-            self.kv_scales = list(zip(*kv_cache_scales(model.weights, cfg)))
+            self.kv_scales = list(zip(*kv_cache_scales(model.weights, cfg, model.kv_cache_scales)))
         self.kv_dtype = np.uint8 if engine_config.fp8_kv_cache else np.float32
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []

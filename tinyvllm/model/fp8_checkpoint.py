@@ -3,7 +3,7 @@ vLLM reads them: each quantized linear weight is F8_E4M3 in the file, with its `
 per row as [out, 1], or, with block scales, [ceil(out / rows), ceil(in / columns)]; fp8's block scales are named
 `weight_scale_inv`, and multiply like the others) and, for static activations, its per-tensor `input_scale`. A
 layer the checkpoint left unquantized (its ignore list) is stored in a float dtype and runs as one. The checkpoint's
-KV cache scales (k_scale, v_scale) are not read: the fp8 KV cache sets its own (model/kv_scales.py).
+KV cache scales (k_scale, v_scale) are read by the loader for the fp8 KV cache (model/kv_scales.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The fp8 KV cache's scales: one power of two per layer and KV head for K, and one for V, from the weights alone.
+"""The fp8 KV cache's scales: those an FP8 checkpoint stores (stored_kv_cache_scales), else one power of two per layer
+and KV head for K, and one for V, from the weights alone (kv_cache_scales).
 
 A K (or V) entry is stored as e4m3(value / scale) and read back as code * scale. The scale is the smallest power of
 two with |value| / scale <= 448 for *every* input, by a bound rather than a sample: the layer's input is RMS-normed,
@@ -20,14 +21,20 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dtypes import E4M3_MAX
-from tinyvllm.model.layout import fused_parts, layer_parts, row_slices
+from tinyvllm.model.layout import fused_parts, layer_parts, layout_of, row_slices
+
+KVCacheScales = tuple[np.ndarray, np.ndarray]  # K's and V's, float32 [num_layers, num_kv_heads] each
 
 
-def kv_cache_scales(weights: Mapping[str, np.ndarray], config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """K and V scales, float32 [num_layers, num_kv_heads] each (powers of two), for the weights (HF names)."""
+def kv_cache_scales(weights: Mapping[str, np.ndarray], config: ModelConfig,
+                    stored: KVCacheScales | None = None) -> KVCacheScales:
+    """K and V scales, float32 [num_layers, num_kv_heads] each: those an FP8 checkpoint stores (`stored`, from
+    stored_kv_cache_scales), else powers of two bounded from the weights (HF names)."""
     if fused_parts(config) or config.norm_offset:
         raise ValueError(f"kv_cache_dtype fp8 is not available for this {config.architecture} model: its K/V scales are "
                          "bounded from separate K and V projections and Llama's RMSNorm gains")
+    if stored is not None:
+        return stored
     kv_heads, d = config.num_key_value_heads, config.head_dim
     _, k_rows, v_rows = row_slices(config, "qkv")
     radius = np.sqrt(np.float32(config.hidden_size))
@@ -59,3 +66,45 @@ def power_of_two_scale(bound: np.ndarray) -> np.ndarray:
     """The smallest power of two s with bound / s <= 448 (1 for a zero bound), within float32's normal range."""
     exponent = np.ceil(np.log2(np.maximum(bound, 1e-30) / E4M3_MAX))
     return np.exp2(np.clip(exponent, -100, 100)).astype(np.float32)
+
+
+def kv_scale_names(config: ModelConfig) -> dict[str, tuple[int, str]]:
+    """Checkpoint name -> (layer, "k", "v" or "kv": both) of every KV cache scale an FP8 checkpoint may store."""
+    layout = layout_of(config)
+    names = {}
+    for i in range(config.num_hidden_layers):
+        prefix = layout.hf_layer.format(i=i)
+        for which, suffixes in (("k", layout.hf_k_scale), ("v", layout.hf_v_scale), ("kv", (layout.hf_kv_scale,))):
+            names |= {prefix + suffix: (i, which) for suffix in suffixes}
+    return names
+
+
+def stored_kv_cache_scales(tensors: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> KVCacheScales | None:
+    """The KV cache scales an FP8 checkpoint stores (`tensors`: those named by kv_scale_names), as vLLM reads them:
+    an entry is stored as e4m3(value / scale); one scale per layer, or one per layer and KV head. None when it
+    stores none; ValueError (one line) for a scale that is not positive and finite, of another shape, given twice
+    with two values, or missing for some layer."""
+    if not tensors:
+        return None
+    layers, kv_heads, names = config.num_hidden_layers, config.num_key_value_heads, kv_scale_names(config)
+    scales = {"k": np.full((layers, kv_heads), np.nan, np.float32), "v": np.full((layers, kv_heads), np.nan, np.float32)}
+    for name, tensor in sorted(tensors.items()):
+        layer, which = names[name]
+        value = np.asarray(tensor, np.float32).reshape(-1)
+        if value.size not in (1, kv_heads):
+            raise ValueError(f"{source}: {name} has {value.size} values: a KV cache scale has 1 or {kv_heads} (one per "
+                             "KV head)")
+        if not (np.isfinite(value).all() and (value > 0).all()):
+            raise ValueError(f"{source}: {name} is not a positive finite scale")
+        for target in ("k", "v") if which == "kv" else (which,):
+            row = scales[target][layer]
+            if not np.isnan(row).all() and not np.array_equal(row, np.broadcast_to(value, row.shape)):
+                raise ValueError(f"{source}: layer {layer}'s {target.upper()} cache scale is given twice, with two "
+                                 f"values ({name})")
+            row[:] = value
+    for which, table in scales.items():
+        missing = np.isnan(table).any(axis=1)
+        if missing.any():
+            raise ValueError(f"{source}: the checkpoint stores KV cache scales for some layers only: no "
+                             f"{which.upper()} scale for layer {int(np.argmax(missing))}")
+    return scales["k"], scales["v"]

@@ -61,10 +61,15 @@ class Layout:
     gguf_rope_freqs: str = "rope_freqs.weight"  # Llama 3 RoPE scaling as a tensor, folded into ModelConfig
     # An FP8 checkpoint's scales (vLLM's names), named after a linear layer's weight with its last word replaced:
     # the weight's own (per tensor, row or block; fp8's block scales are weight_scale_inv) and the static activation
-    # scale; and the names that end an FP8 KV cache's scales, which are ignored (model/kv_scales.py sets the cache's)
+    # scale; its KV cache scales, after a layer's prefix: K's, V's (compressed-tensors' and ModelOpt's names) and the
+    # deprecated one for both (model/kv_scales.py); and the names that end the scales of FP8 attention, which the
+    # engine does not run (ignored)
     hf_weight_scales: tuple[str, ...] = ("weight_scale", "weight_scale_inv")
     hf_input_scale: str = "input_scale"
-    hf_kv_scales: tuple[str, ...] = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale", ".output_scale")
+    hf_k_scale: tuple[str, ...] = ("self_attn.k_scale", "self_attn.k_proj.k_scale")
+    hf_v_scale: tuple[str, ...] = ("self_attn.v_scale", "self_attn.v_proj.v_scale")
+    hf_kv_scale: str = "self_attn.kv_scale"
+    hf_attention_scales: tuple[str, ...] = (".q_scale", ".prob_scale", ".output_scale")
     # LongRoPE's long and short factors as tensors (Phi-3), folded into ModelConfig too
     gguf_rope_factors: tuple[str, str] = ("rope_factors_long.weight", "rope_factors_short.weight")
 

@@ -24,6 +24,7 @@ import numpy as np
 from tinyvllm.model.config import ModelConfig, read_json_object
 from tinyvllm.model.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights, scale_names
+from tinyvllm.model.kv_scales import KVCacheScales, kv_scale_names, stored_kv_cache_scales
 from tinyvllm.model.layout import layout_of, tied_copies, weight_shapes
 from tinyvllm.model.weights import LazyWeights
 from tinyvllm.tokenizer import Tokenizer
@@ -158,6 +159,7 @@ class LoadedModel:
     weights: Mapping[str, np.ndarray]
     tokenizer: Tokenizer
     source: str
+    kv_cache_scales: KVCacheScales | None = None  # an FP8 checkpoint's, for the fp8 KV cache (model/kv_scales.py)
 
 
 def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
@@ -170,10 +172,11 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
 
         config, weights, tokenizer = load_gguf(path)
         tokenizer = separate or tokenizer
+        kv_scales = None
     elif path.is_dir():
         config = ModelConfig.from_dir(path)
         tokenizer = separate or Tokenizer.from_dir(path)  # the model dir may have no tokenizer of its own
-        weights = _load_hf_weights(path, config)
+        weights, kv_scales = _load_hf_weights(path, config)
     else:
         raise FileNotFoundError(f"{path} is neither a model directory nor a .gguf file")
     check_weights(weights, config, str(path))
@@ -183,7 +186,7 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
     # One stop list for everyone: the model's eos ids and the tokenizer's agree.
     eos = config.eos_token_ids + [i for i in tokenizer.eos_token_ids if i not in config.eos_token_ids]
     config.eos_token_ids, tokenizer.eos_token_ids = eos, list(eos)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), kv_cache_scales=kv_scales)
 
 
 def _separate_tokenizer(path: Path) -> Tokenizer:
@@ -211,7 +214,8 @@ def check_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source
         raise ValueError(f"{source}: unexpected tensors {extra[:5]} (unsupported model variant?)")
 
 
-def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
+def _load_hf_weights(path: Path, config: ModelConfig) -> tuple[LazyWeights, KVCacheScales | None]:
+    """The checkpoint's weights, read lazily, and the KV cache scales an FP8 checkpoint stores (or None)."""
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = read_json_object(index_file).get("weight_map")
@@ -226,10 +230,13 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     wanted, ignored, skipped = set(weight_shapes(config)), layout_of(config).hf_ignored, layout_of(config).hf_skipped
+    kv_names: dict[str, tuple[int, str]] = {}
     if config.quantization is not None:
         wanted |= scale_names(config)
-        ignored += layout_of(config).hf_kv_scales
+        ignored += layout_of(config).hf_attention_scales
+        kv_names = kv_scale_names(config)
     entries: dict[str, TensorEntry] = {}
+    kv_entries: dict[str, TensorEntry] = {}
     for file in files:
         found = safetensors_entries(path / file)
         float8 = [name for name, entry in found.items() if entry.code == "F8_E4M3"]
@@ -237,6 +244,9 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
             raise ValueError(f"{path / file}: tensor {float8[0]} is float8 but config.json has no "
                              "quantization_config for its scales")
         for name, entry in found.items():
+            if name in kv_names:
+                kv_entries[name] = entry
+                continue
             if name.endswith(ignored) or name.startswith(skipped):
                 continue
             if name not in wanted:
@@ -246,9 +256,11 @@ def _load_hf_weights(path: Path, config: ModelConfig) -> LazyWeights:
         # Tied: the output projection IS the embedding (some checkpoints also store a copy; HF ignores it too).
         if source in entries:
             entries[name] = entries[source]
+    kv_tensors = SafetensorsWeights(kv_entries)
+    kv_scales = stored_kv_cache_scales({name: kv_tensors[name] for name in kv_tensors}, config, str(path))
     if config.quantization is not None:
-        return Fp8CheckpointWeights(SafetensorsWeights(entries), config, str(path))
-    return SafetensorsWeights(entries)
+        return Fp8CheckpointWeights(SafetensorsWeights(entries), config, str(path)), kv_scales
+    return SafetensorsWeights(entries), kv_scales
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
