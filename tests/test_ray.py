@@ -110,6 +110,27 @@ def test_ray_job_equals_single_process(ray_local, tiny_model_dir, job_input, loc
     assert run_ray_job(config(tiny_model_dir, job_input, out), RayConfig(num_replicas=1))["already_complete"]
 
 
+@needs_ray
+def test_batch_invariant_ray_job_equals_single_process_bitwise(ray_local, tiny_model_dir, tmp_path):
+    """batch_invariant=True: replicas of 3-row batches give the single process's tokens and logprobs (prompt ones
+    too) bit for bit, sampled rows included."""
+    rows = [{"id": f"r{i}", "prompt": f"Row {i} says", "max_tokens": 5, "logprobs": 2, "prompt_logprobs": 1,
+             **({"temperature": 0.8, "seed": i} if i % 2 else {"temperature": 0})} for i in range(10)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = ["row", "id", "completion", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"]
+
+    def job(out, **kw):
+        cfg = config(tiny_model_dir, src, out, **kw)
+        cfg.engine = EngineConfig(backend="numpy", max_model_len=128, batch_invariant=True)
+        return cfg
+
+    run_job(job(tmp_path / "local.parquet"))
+    run_ray_job(job(tmp_path / "ray.parquet"), RayConfig(num_replicas=2, batch_size=3))
+    got, want = (pq.read_table(tmp_path / name).select(results).to_pylist() for name in ("ray.parquet", "local.parquet"))
+    assert got == want and all(r["logprobs"] for r in got)
+
+
 def use_replica(monkeypatch, replica: type) -> None:
     """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
     real_map = ray_executor.map_replicas
