@@ -35,12 +35,20 @@ def measure(preset: str, invariant: bool, rows: int, limits: dict | None, splits
     return {"W1": results["W1"]["output_tok_s"], "W3": results["W3"]["ms_per_token"]}, limits
 
 
+def positive_ints(text: str) -> list[int]:
+    """'256,64' -> [256, 64]; argparse reports a ValueError as a usage error."""
+    values = [int(part) for part in text.split(",")]
+    if min(values) < 1:
+        raise ValueError(text)
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
-    parser.add_argument("--rows", default=str(cublas.INVARIANT_ROWS),
+    parser.add_argument("--rows", type=positive_ints, default=[cublas.INVARIANT_ROWS],
                         help="comma-separated INVARIANT_ROWS values to run 'on' with")
-    parser.add_argument("--splits", default=str(cublas.INVARIANT_SPLITS),
+    parser.add_argument("--splits", type=positive_ints, default=[cublas.INVARIANT_SPLITS],
                         help="comma-separated INVARIANT_SPLITS values to run 'on' with (each with every --rows)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -49,8 +57,8 @@ def main() -> None:
     for preset in args.presets.split(","):
         off, limits = measure(preset, False, default_rows, limits)
         table[preset] = {"off": off}
-        for rows in (int(r) for r in args.rows.split(",")):
-            for splits in (int(s) for s in args.splits.split(",")):
+        for rows in args.rows:
+            for splits in args.splits:
                 mode = f"on (rows {rows}, splits {splits})"
                 try:
                     table[preset][mode] = measure(preset, True, rows, limits, splits)[0]

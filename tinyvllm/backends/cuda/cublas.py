@@ -203,8 +203,8 @@ class Cublas:
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
         self.algos: dict[tuple[int, int, GemmTypes, int | str], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
-        # batch-invariant: (n, k, types) -> the most rows one GEMM call takes (0: any; K in parts: INVARIANT_ROWS)
-        self.piece_rows: dict[tuple[int, int, GemmTypes], int] = {}
+        # batch-invariant: (n, k, types) -> whether its algorithm cuts K into parts (then m runs in pieces)
+        self.in_parts: dict[tuple[int, int, GemmTypes], bool] = {}
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
 
@@ -282,6 +282,13 @@ class Cublas:
                 return split
         return pinned_split(algo)
 
+    def _in_parts(self, n: int, k: int, types: GemmTypes, algo: _Algo) -> bool:
+        """Whether a batch-invariant algorithm cuts K into parts (read from it once: it may be another handle's)."""
+        key = (n, k, types)
+        if key not in self.in_parts:
+            self.in_parts[key] = INVARIANT_SPLITS > 1 and split_count(algo) > 1
+        return self.in_parts[key]
+
     def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""
         key = (n, k, types, rows)
@@ -296,13 +303,10 @@ class Cublas:
         n, k = matmul_shape(out, x, w, m)
         types = gemm_types(out, x, w)
         algo = self.algorithm(m, n, k, types)
-        if self.invariant and (n, k, types) not in self.piece_rows:  # read from the algorithm: it may be shared
-            in_parts = INVARIANT_SPLITS > 1 and split_count(algo) > 1
-            self.piece_rows[(n, k, types)] = INVARIANT_ROWS if in_parts else 0
-        piece = self.piece_rows.get((n, k, types)) or m
-        if piece < m:  # batch-invariant, K in parts: pieces of at most the rows cuBLASLt's check accepted
-            for r0 in range(0, m, piece):
-                rows = min(piece, m - r0)
+        if self.invariant and m > INVARIANT_ROWS and self._in_parts(n, k, types, algo):
+            # K in parts: pieces of at most the rows cuBLASLt's check accepted
+            for r0 in range(0, m, INVARIANT_ROWS):
+                rows = min(INVARIANT_ROWS, m - r0)
                 a, b, c = self._layouts_for(rows, n, k, types)
                 check(self._matmul(algo, out.row(r0), x.row(r0), w.ptr, a, b, c, accumulate),
                       f"cublasLtMatmul(m={rows} of {m}, n={n}, k={k})")

@@ -167,7 +167,7 @@ class CudaForward:
         self.kv_scales: list[tuple[int, int] | None] = [None] * cfg.num_hidden_layers
         if engine_config.fp8_kv_cache:
             scales = kv_cache_scales(model.weights, cfg, model.kv_cache_scales)
-            k_scales, v_scales = (device.upload(np.ascontiguousarray(s, np.float32), F32) for s in scales)
+            k_scales, v_scales = (device.upload(s, F32) for s in scales)
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
         self.fp8 = fp8_weights(model, engine_config)
         self._upload_weights(model.weights)

@@ -559,8 +559,9 @@ class CudaBackend(Backend):
         n = batch.num_seqs
         inp = self.decode_in
         given = batch.block_tables.shape[1]
-        # batch-invariant decode attention takes the tables' width as a kernel argument (captured): the widest
-        width = self.max_blocks if self.forward.decode_tiles is not None else given
+        # batch-invariant decode attention takes the tables' width as a kernel argument (captured): DecodeTiles'
+        tiles = self.forward.decode_tiles
+        width = given if tiles is None else tiles.bt_width
         inp.wait()
         # Padded rows: token 0 at position 0 with a one-token context, writing nowhere (slot -1), greedy.
         sources = batch.token_sources if batch.token_sources is not None else -1
