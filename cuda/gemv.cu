@@ -35,56 +35,12 @@
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
 #include <type_traits>
 
-#include "mma.cuh"
+#include "gemv_tile.cuh"
 
 // Asking for 2 blocks per SM (so 128 registers) is what makes ptxas keep all 3 * GEMV_UNROLL loads of an iteration
 // in flight: left to itself it picks ~50 registers and issues each load just before its mma, one memory latency
 // per load.
 #define GEMV_MIN_BLOCKS 2
-
-__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// x is written by the kernel before (PDL): a plain load, because ptxas moves a non-coherent (__ldg) load of it
-// above the grid_dependency_wait when w's loads come first (tests/gpu/test_pdl.py checks the order in the SASS).
-__device__ __forceinline__ uint4 load_coherent(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// A warp's iteration, first half: GEMV_UNROLL 16-byte loads of each of its lane's two rows (g and g + 8) ...
-__device__ __forceinline__ void load_rows(uint4 (&lo)[GEMV_UNROLL], uint4 (&hi)[GEMV_UNROLL], const bf16* w_lo,
-                                          const bf16* w_hi, int base, int t, int chunks) {
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-        const int chunk = base + u * 4 + t;  // the 4 lanes of a row read 64 contiguous bytes per u
-        const bool in = chunk < chunks;
-        lo[u] = in ? load_streaming(w_lo + chunk * 8) : make_uint4(0, 0, 0, 0);
-        hi[u] = in ? load_streaming(w_hi + chunk * 8) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// ... second half: as many of x row g, then the mmas (A: a0, a2 from row g (lo), a1, a3 from row g + 8 (hi); B: x).
-__device__ __forceinline__ void multiply(float (&c)[2][4], const uint4 (&lo)[GEMV_UNROLL],
-                                         const uint4 (&hi)[GEMV_UNROLL], const bf16* x_row, int base, int t,
-                                         int chunks) {
-    uint4 xv[GEMV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-        const int chunk = base + u * 4 + t;
-        xv[u] = chunk < chunks ? load_coherent(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-        mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
-        mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
-    }
-}
 
 // Act(gate, up) (common.cuh: Silu, GeluTanh) from float32 sums, each first rounded to bf16 as the GEMM's bf16 output
 // is before activation.cu's kernels read it, so that both paths give the same activation.
@@ -126,22 +82,22 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const bf16
     const int stride = split * GEMV_UNROLL * 4;
     int base = (warp % split) * GEMV_UNROLL * 4;
     allow_dependents_launch();  // at the start (docs/PERFORMANCE.md, Decisions: "gemv's launch point")
-    if (base < chunks) load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
+    if (base < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
     if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
         uint4 lo2[GEMV_UNROLL], hi2[GEMV_UNROLL];
         for (; base < chunks; base += 2 * stride) {
-            if (base + stride < chunks) load_rows(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
-            multiply(c, lo, hi, x_row, base, t, chunks);
+            if (base + stride < chunks) load_rows<GEMV_UNROLL>(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
+            multiply<GEMV_UNROLL>(c, lo, hi, x_row, true, base, t, chunks);
             if (base + stride >= chunks) break;
-            if (base + 2 * stride < chunks) load_rows(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
-            multiply(c, lo2, hi2, x_row, base + stride, t, chunks);
+            if (base + 2 * stride < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
+            multiply<GEMV_UNROLL>(c, lo2, hi2, x_row, true, base + stride, t, chunks);
         }
     } else {
-        if (base < chunks) multiply(c, lo, hi, x_row, base, t, chunks);
+        if (base < chunks) multiply<GEMV_UNROLL>(c, lo, hi, x_row, true, base, t, chunks);
         for (base += stride; base < chunks; base += stride) {
-            load_rows(lo, hi, w_lo, w_hi, base, t, chunks);
-            multiply(c, lo, hi, x_row, base, t, chunks);
+            load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+            multiply<GEMV_UNROLL>(c, lo, hi, x_row, true, base, t, chunks);
         }
     }
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =

@@ -26,7 +26,7 @@
 #include <limits.h>
 
 #include "common.cuh"
-#include "mma.cuh"
+#include "gemv_tile.cuh"
 
 // ---- 1. routing ----------------------------------------------------------------------------------------------
 
@@ -320,20 +320,6 @@ extern "C" __global__ void __launch_bounds__(MOE_ALIGN_THREADS) moe_align(int* s
 
 // ---- 3. the expert products -----------------------------------------------------------------------------------
 
-// The weights are read once (L1 bypassed); activations with plain loads, as the previous kernel wrote them.
-__device__ __forceinline__ uint4 load_weights(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 load_activations(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // SiLU(gate) * up, each rounded to bf16 first (gemv.cu's swiglu).
 __device__ __forceinline__ float moe_swiglu(float gate, float up) {
     gate = __bfloat162float(__float2bfloat16(gate));
@@ -341,74 +327,79 @@ __device__ __forceinline__ float moe_swiglu(float gate, float up) {
     return gate / (1.f + expf(-gate)) * up;
 }
 
-// One warp's 16 weight rows (lo: rows g, hi: rows g + 8 of its tile, each `k` long) times the 8 rows of x (x_row:
-// row g's, null for a padding row: zeros) into c: GEMV_UNROLL-style batches of 16-byte loads, then the mmas (gemv.cu
-// explains the fragment layout: a lane's 8 consecutive k feed two mmas).
-__device__ __forceinline__ void gemv_rows(float (&c)[4], const bf16* lo, const bf16* hi, const bf16* x_row, int k,
-                                          int t) {
-    const int chunks = k / 8;
-    for (int base = 0; base < chunks; base += MOE_GEMV_UNROLL * 4) {
-        uint4 wl[MOE_GEMV_UNROLL], wh[MOE_GEMV_UNROLL], xv[MOE_GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
-            const int chunk = base + u * 4 + t;
-            const bool in = chunk < chunks;
-            wl[u] = in ? load_weights(lo + chunk * 8) : make_uint4(0, 0, 0, 0);
-            wh[u] = in ? load_weights(hi + chunk * 8) : make_uint4(0, 0, 0, 0);
-            xv[u] = in && x_row ? load_activations(x_row + chunk * 8) : make_uint4(0, 0, 0, 0);
+// The GEMV path, for a tile of 8 assignments of one expert (moe_align with block_m 8): each 16-row weight tile times
+// the tile's 8 A rows (the mma's 8 columns), as gemv.cu's gemv: `split` warps share a weight tile, each taking a part
+// of k (gemv_tile.cuh's iterations), their partial tiles summed through shared memory in warp order; a block holds
+// MOE_GEMV_WARPS / split weight tiles. Enough 16-byte loads are in flight only so: a decode step's 8 experts at
+// Qwen3-30B-A3B's widths are 96 gate/up and 128 down weight tiles each, too few for a warp apiece to keep HBM busy.
+// GATE_UP: a weight tile is 8 units' gate rows (the A operand's rows g) and the same units' up rows (rows g + 8), so
+// that a lane's sums pair gate and up; A rows are x rows of the assignments' tokens (zeros for a padding row);
+// act [p, inter] bf16 = SwiGLU of each unit, for every padded row p (a padding row's is 0).
+// Else (down): a weight tile is 16 output columns' rows; A rows are act rows; out [a, hidden] float32 =
+// topk_weights[a] * the product, for the tile's real assignments a.
+// Grid (max tiles, ceil(weight tiles / (MOE_GEMV_WARPS / split))), block MOE_GEMV_WARPS * 32; split in {1, 2, 4, 8}
+// divides MOE_GEMV_WARPS.
+template <bool GATE_UP>
+__device__ void moe_gemv(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
+                         const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
+                         int num_assignments, int hidden, int inter, int split) {
+    pdl_begin();  // the indices (moe_align) and A rows come from the kernels before
+    __shared__ __align__(16) float partial[MOE_GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
+    const int tile = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    if (tile * 8 >= *num_post_padded) return;
+    const int tiles = MOE_GEMV_WARPS / split, tile0 = blockIdx.y * tiles;  // this block's weight tiles
+    const int k = GATE_UP ? hidden : inter, rows = GATE_UP ? inter : hidden;  // rows: units or output columns
+    const int r0 = (tile0 + warp / split) * (GATE_UP ? 8 : 16);  // the warp's first unit or output column
+    const int chunks = r0 < rows ? k / 8 : 0;  // a weight tile wholly past the rows loads nothing
+    const bf16* w_e = w + (int64_t)expert_ids[tile] * (GATE_UP ? 2 * inter : hidden) * k;
+    const bf16* w_lo = w_e + (int64_t)min(r0 + g, rows - 1) * k;
+    const bf16* w_hi = GATE_UP ? w_lo + (int64_t)inter * k : w_e + (int64_t)min(r0 + g + 8, rows - 1) * k;
+    const int a = sorted_ids[tile * 8 + g];  // column g's assignment (num_assignments: a padding row)
+    const bool x_ok = !GATE_UP || a < num_assignments;
+    const bf16* x_row = a_rows + (GATE_UP ? (int64_t)(x_ok ? a / top_k : 0) * hidden : (int64_t)(tile * 8 + g) * inter);
+    float c[2][4] = {};
+    uint4 lo[MOE_GEMV_UNROLL], hi[MOE_GEMV_UNROLL];
+    for (int base = (warp % split) * MOE_GEMV_UNROLL * 4; base < chunks; base += split * MOE_GEMV_UNROLL * 4) {
+        load_rows<MOE_GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+        multiply<MOE_GEMV_UNROLL>(c, lo, hi, x_row, x_ok, base, t, chunks);
+    }
+    *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
+        make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
+    __syncthreads();
+    // Element f = 4 * lane + j of a weight tile's fragment, summed over its split warps: row g + 8 * (j / 2),
+    // column 2t + j % 2 (the mma's c layout); gate/up: j = 0, 1 a unit's gate, j + 2 its up.
+    for (int i = threadIdx.x; i < tiles * (GATE_UP ? 64 : 128); i += blockDim.x) {
+        const int wt = GATE_UP ? i >> 6 : i >> 7, f = GATE_UP ? (i & 63) * 2 - (i & 1) : i & 127;
+        const int l = f >> 2, j = f & 3, col = (l & 3) * 2 + (j & 1);
+        float sum = 0.f, up = 0.f;
+        for (int s = 0; s < split; ++s) {
+            sum += partial[wt * split + s][f];
+            if (GATE_UP) up += partial[wt * split + s][f + 2];
         }
-#pragma unroll
-        for (int u = 0; u < MOE_GEMV_UNROLL; ++u) {
-            mma_bf16(c, wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv[u].x, xv[u].y);
-            mma_bf16(c, wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv[u].z, xv[u].w);
+        if (GATE_UP) {
+            const int unit = (tile0 + wt) * 8 + (l >> 2);
+            if (unit < inter) act[(int64_t)(tile * 8 + col) * inter + unit] = __float2bfloat16(moe_swiglu(sum, up));
+        } else {
+            const int row = (tile0 + wt) * 16 + (l >> 2) + (j >> 1) * 8, asg = sorted_ids[tile * 8 + col];
+            if (row < hidden && asg < num_assignments) out[(int64_t)asg * hidden + row] = topk_weights[asg] * sum;
         }
     }
 }
 
-// act [tiles * 8, inter] bf16: row p = SwiGLU of (x row of assignment sorted_ids[p]) . expert's gate/up rows, for a
-// tile of 8 assignments of one expert (moe_align with block_m 8). x [T, hidden] bf16, a = token * top_k + slot.
-// Grid (max tiles, ceil(inter / (16 * MOE_GEMV_WARPS))), block MOE_GEMV_WARPS * 32: a warp per 16 units.
-extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32) moe_gemv_gate_up(
+// act [tiles * 8, inter]; x [T, hidden] bf16, a = token * top_k + slot; w experts_gate_up.
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_gate_up(
     bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids, const int* num_post_padded,
-    int top_k, int num_assignments, int hidden, int inter) {
-    pdl_begin();
-    const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int u0 = (blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5)) * 16;
-    if (tile * 8 >= *num_post_padded || u0 >= inter) return;
-    const int a = sorted_ids[tile * 8 + g];
-    const bf16* x_row = a < num_assignments ? x + (int64_t)(a / top_k) * hidden : nullptr;
-    const bf16* gate = w + (int64_t)expert_ids[tile] * 2 * inter * hidden;
-    const bf16* up = gate + (int64_t)inter * hidden;
-    const int64_t lo = (int64_t)min(u0 + g, inter - 1) * hidden, hi = (int64_t)min(u0 + g + 8, inter - 1) * hidden;
-    float cg[4] = {}, cu[4] = {};
-    gemv_rows(cg, gate + lo, gate + hi, x_row, hidden, t);
-    gemv_rows(cu, up + lo, up + hi, x_row, hidden, t);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // c element j: unit row g (+ 8), column (assignment of the tile) 2t (+ 1)
-        const int unit = u0 + g + 8 * (j >> 1), col = 2 * t + (j & 1);
-        if (unit < inter) act[(int64_t)(tile * 8 + col) * inter + unit] = __float2bfloat16(moe_swiglu(cg[j], cu[j]));
-    }
+    int top_k, int num_assignments, int hidden, int inter, int split) {
+    moe_gemv<true>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k, num_assignments,
+                   hidden, inter, split);
 }
 
-// out [num_assignments, hidden] float32: row a = topk_weights[a] * act row p . expert's down rows, for a = sorted_ids[p]
-// of a tile of 8 (padding rows not stored). Grid (max tiles, ceil(hidden / (16 * MOE_GEMV_WARPS))), block
-// MOE_GEMV_WARPS * 32.
-extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32) moe_gemv_down(
+// out [num_assignments, hidden] float32; act as moe_gemv_gate_up wrote it; w experts_down.
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_down(
     float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,
-    const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {
-    pdl_begin();
-    const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = (blockIdx.y * MOE_GEMV_WARPS + (threadIdx.x >> 5)) * 16;
-    if (tile * 8 >= *num_post_padded || n0 >= hidden) return;
-    const bf16* down = w + (int64_t)expert_ids[tile] * hidden * inter;
-    float c[4] = {};
-    gemv_rows(c, down + (int64_t)min(n0 + g, hidden - 1) * inter, down + (int64_t)min(n0 + g + 8, hidden - 1) * inter,
-              act + (int64_t)(tile * 8 + g) * inter, inter, t);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int row = n0 + g + 8 * (j >> 1), a = sorted_ids[tile * 8 + 2 * t + (j & 1)];
-        if (row < hidden && a < num_assignments) out[(int64_t)a * hidden + row] = topk_weights[a] * c[j];
-    }
+    const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter, int split) {
+    moe_gemv<false>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1, num_assignments,
+                    hidden, inter, split);
 }
 
 #define GEMM_BLOCK_N 128  // B rows (output columns) per tile: gate/up 64 units' gate and up rows, down 128 columns
@@ -444,7 +435,7 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
     for (int k0 = 0; k0 < k; k0 += BK) {
         for (int c = threadIdx.x; c < BM * BK / 8; c += blockDim.x) {
             const int r = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
-            const uint4 v = rows_s[r] >= 0 && kc < k ? load_activations(a_rows + (int64_t)rows_s[r] * k + kc)
+            const uint4 v = rows_s[r] >= 0 && kc < k ? load_coherent(a_rows + (int64_t)rows_s[r] * k + kc)
                                                      : make_uint4(0, 0, 0, 0);
             *reinterpret_cast<uint4*>(&a_s[r * LD + part * 8]) = v;
         }
@@ -452,7 +443,7 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
             const int j = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
             const int unit = min(col0 + j % (BN / 2), n - 1);  // gate/up: rows j < 64 gate, the rest up
             const int row = GATE_UP ? (j < BN / 2 ? unit : n + unit) : min(col0 + j, n - 1);
-            const uint4 v = kc < k ? load_weights(w_e + (int64_t)row * k + kc) : make_uint4(0, 0, 0, 0);
+            const uint4 v = kc < k ? load_streaming(w_e + (int64_t)row * k + kc) : make_uint4(0, 0, 0, 0);
             *reinterpret_cast<uint4*>(&b_s[j * LD + part * 8]) = v;
         }
         __syncthreads();

@@ -37,8 +37,8 @@ FP8_GEMV_WARPS = 4  # gemv_fp8: warps per block
 FP8_GEMV_ROWS = 2  # gemv_fp8: weight rows per warp (at most 4: lane i * rows + r writes output (i, r))
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
-MOE_GEMV_WARPS = 4  # moe_gemv_*: warps per block, each 16 output rows of one tile
-MOE_GEMV_UNROLL = 4  # moe_gemv_*: 16-byte loads per weight row that a lane has in flight
+MOE_GEMV_WARPS = 8  # moe_gemv_*: warps per block (split of them share a weight tile of 16 rows)
+MOE_GEMV_UNROLL = 8  # moe_gemv_*: 16-byte loads per weight row (two rows) and of x that a lane has in flight
 MOE_GEMM_BLOCK_M = 64  # moe_gemm_*: padded rows (assignments of one expert) per tile, 16 per warp
 MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per shared-memory step
 DEFINES: dict[str, dict[str, int]] = {
@@ -57,6 +57,7 @@ DEFINES: dict[str, dict[str, int]] = {
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
+MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, the activations, soft_cap, logits processors: per block
@@ -204,6 +205,19 @@ def moe_max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
 
 
 MOE_INDEX_ARGS = "const int* sorted_ids, const int* expert_ids, const int* num_post_padded"
+MOE_GATE_UP_ARGS = "bf16* act, const bf16* x, const bf16* w, " + MOE_INDEX_ARGS + ", int top_k, int num_assignments, " \
+                   "int hidden, int inter"
+MOE_DOWN_ARGS = "float* out, const bf16* act, const bf16* w, " + MOE_INDEX_ARGS + ", const float* topk_weights, " \
+                "int num_assignments, int hidden, int inter"
+
+
+def moe_gemv_split(k: int) -> int:
+    """Warps sharing one moe_gemv weight tile, each taking a part of k: as many as k gives a full iteration each, so
+    that a decode step's few weight tiles still keep enough loads in flight (Qwen3-30B-A3B: gate/up 8, down 2)."""
+    split = 1
+    while split < MOE_GEMV_WARPS and 2 * split * MOE_GEMV_K_PER_ITERATION <= k:
+        split *= 2
+    return split
 
 
 class Ops:
@@ -551,43 +565,43 @@ class Ops:
         self.launch("moe_align", (num_experts,), MOE_ALIGN_THREADS, sorted_ids, expert_ids, num_post_padded,
                     topk_ids, num_assignments, num_experts, block_m)
 
-    def _moe_grid(self, name: str, num_tokens: int, top_k: int, num_experts: int, block_m: int, rows_per_block: int,
-                  n: int, **widths: int) -> tuple[int, int]:
-        _require_vectors(name, **widths)
-        return moe_max_tiles(num_tokens * top_k, num_experts, block_m), -(-n // rows_per_block)
+    def _moe_expert_launch(self, gemv: bool, names: tuple[str, str], gemm_columns: int, rows: int, k: int,
+                           num_tokens: int, top_k: int, num_experts: int, *args) -> None:
+        """Launch moe_gemv_* (tiles of MOE_GEMV_TILE assignments; its weight tiles: gate/up 8 units, down 16 output
+        columns; `split` warps each, moe_gemv_split) or moe_gemm_* (tiles of MOE_GEMM_BLOCK_M, gemm_columns output
+        columns per block) over `rows` units or output columns and k, grids sized for the batch's most tiles."""
+        if gemv:
+            split, per_tile = moe_gemv_split(k), 8 if names[0].endswith("gate_up") else 16
+            grid = (moe_max_tiles(num_tokens * top_k, num_experts, MOE_GEMV_TILE),
+                    -(-(-(-rows // per_tile)) // (MOE_GEMV_WARPS // split)))
+            self.launch(names[0], grid, MOE_GEMV_WARPS * 32, *args, split)
+        else:
+            grid = (moe_max_tiles(num_tokens * top_k, num_experts, MOE_GEMM_BLOCK_M), -(-rows // gemm_columns))
+            self.launch(names[1], grid, MOE_GEMM_BLOCK_M // 16 * 32, *args)
 
-    @kernel("moe", "bf16* act, const bf16* x, const bf16* w, " + MOE_INDEX_ARGS + ", int top_k, int num_assignments, "
-                   "int hidden, int inter", "moe_gemv_gate_up", "moe_gemm_gate_up")
+    @kernel("moe", MOE_GATE_UP_ARGS + ", int split", "moe_gemv_gate_up")
+    @kernel("moe", MOE_GATE_UP_ARGS, "moe_gemm_gate_up")
     def moe_gate_up(self, act: int, x: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
                     num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
         """act [padded rows, inter] bf16 = SwiGLU(x row of each padded row's token . its expert's gate/up rows), w
         experts_gate_up [num_experts, 2 * inter, hidden] (gate rows, then up): the GEMV kernel or the grouped GEMM,
         as moe_block_m chose for moe_align."""
-        if moe_uses_gemv(num_tokens, top_k, num_experts):
-            name, block_m, per_block, threads = "moe_gemv_gate_up", MOE_GEMV_TILE, 16 * MOE_GEMV_WARPS, MOE_GEMV_WARPS
-        else:
-            name, block_m, per_block, threads = "moe_gemm_gate_up", MOE_GEMM_BLOCK_M, MOE_GEMM_TILE_N // 2, \
-                MOE_GEMM_BLOCK_M // 16
-        grid = self._moe_grid(name, num_tokens, top_k, num_experts, block_m, per_block, inter, hidden=hidden,
-                              inter=inter)
-        self.launch(name, grid, threads * 32, act, x, w, sorted_ids, expert_ids, num_post_padded, top_k,
-                    num_tokens * top_k, hidden, inter)
+        _require_vectors("moe_gate_up", hidden=hidden, inter=inter)
+        self._moe_expert_launch(moe_uses_gemv(num_tokens, top_k, num_experts), ("moe_gemv_gate_up", "moe_gemm_gate_up"),
+                                MOE_GEMM_TILE_N // 2, inter, hidden, num_tokens, top_k, num_experts, act, x, w,
+                                sorted_ids, expert_ids, num_post_padded, top_k, num_tokens * top_k, hidden, inter)
 
-    @kernel("moe", "float* out, const bf16* act, const bf16* w, " + MOE_INDEX_ARGS + ", const float* topk_weights, "
-                   "int num_assignments, int hidden, int inter", "moe_gemv_down", "moe_gemm_down")
+    @kernel("moe", MOE_DOWN_ARGS + ", int split", "moe_gemv_down")
+    @kernel("moe", MOE_DOWN_ARGS, "moe_gemm_down")
     def moe_down(self, out: int, act: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
                  topk_weights: int, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
         """out [num_tokens * top_k, hidden] float32: each assignment's act row . its expert's down rows (w
         experts_down [num_experts, hidden, inter]) times its routing weight (float32 [num_tokens * top_k])."""
-        if moe_uses_gemv(num_tokens, top_k, num_experts):
-            name, block_m, per_block, threads = "moe_gemv_down", MOE_GEMV_TILE, 16 * MOE_GEMV_WARPS, MOE_GEMV_WARPS
-        else:
-            name, block_m, per_block, threads = "moe_gemm_down", MOE_GEMM_BLOCK_M, MOE_GEMM_TILE_N, \
-                MOE_GEMM_BLOCK_M // 16
-        grid = self._moe_grid(name, num_tokens, top_k, num_experts, block_m, per_block, hidden, hidden=hidden,
-                              inter=inter)
-        self.launch(name, grid, threads * 32, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights,
-                    num_tokens * top_k, hidden, inter)
+        _require_vectors("moe_down", hidden=hidden, inter=inter)
+        self._moe_expert_launch(moe_uses_gemv(num_tokens, top_k, num_experts), ("moe_gemv_down", "moe_gemm_down"),
+                                MOE_GEMM_TILE_N, hidden, inter, num_tokens, top_k, num_experts, out, act, w,
+                                sorted_ids, expert_ids, num_post_padded, topk_weights, num_tokens * top_k, hidden,
+                                inter)
 
     @kernel("moe", "float* x, const float* rows, int top_k, int hidden")
     def moe_sum(self, x: int, rows: int, num_tokens: int, top_k: int, hidden: int) -> None:
