@@ -72,14 +72,13 @@ def emulate(h, gate_up, down, weights, ids):
         e = expert_ids[tile]
         a_of = sorted_ids[tile * 8 + lane_g]  # each lane's column (assignment) g
         x_rows = np.where((a_of < assignments)[:, None], h[np.minimum(a_of, assignments - 1) // k], 0)
-        for u0 in range(0, inter, 16):  # warps of all blocks of the tile
-            lo, hi = warp_lanes(u0, inter)
-            cg = gemv_rows(gate_up[e][lo], gate_up[e][hi], x_rows, hidden)
-            cu = gemv_rows(gate_up[e][inter + lo], gate_up[e][inter + hi], x_rows, hidden)
-            for j in range(4):
-                unit, col = u0 + lane_g + 8 * (j >> 1), 2 * lane_t + (j & 1)
+        for u0 in range(0, inter, 8):  # weight tiles: 8 units' gate rows (A rows g), their up rows (g + 8)
+            lo = np.minimum(u0 + lane_g, inter - 1)
+            c = gemv_rows(gate_up[e][lo], gate_up[e][inter + lo], x_rows, hidden)
+            for j in range(2):  # c elements j: the unit's gate at column 2t + j, j + 2: its up
+                unit, col = u0 + lane_g, 2 * lane_t + j
                 ok = unit < inter
-                gate, up = bf16(cg[ok, j]), bf16(cu[ok, j])
+                gate, up = bf16(c[ok, j]), bf16(c[ok, j + 2])
                 act[tile * 8 + col[ok], unit[ok]] = bf16(gate / (1 + np.exp(-gate)) * up)
         for n0 in range(0, hidden, 16):
             lo, hi = warp_lanes(n0, hidden)
