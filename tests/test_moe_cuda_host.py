@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_M, MOE_GEMV_TILE, SIGNATURES, Ops, moe_block_m,
-                                        moe_max_tiles, moe_uses_gemv)
+                                        moe_max_tiles, moe_gemv_split, moe_uses_gemv)
 from tinyvllm.backends.moe import align_block_size, group_by_expert, route
 from tinyvllm.model.dummy import PRESETS
 from tinyvllm.model.layout import weight_shapes
@@ -55,6 +55,8 @@ def test_moe_launchers_pick_the_path_by_batch():
     ops = Ops(recorder, None)
     assert moe_uses_gemv(8, 8, 128) and moe_uses_gemv(128, 8, 128) and not moe_uses_gemv(129, 8, 128)
     assert (moe_block_m(4, 8, 128), moe_block_m(256, 8, 128)) == (MOE_GEMV_TILE, MOE_GEMM_BLOCK_M)
+    # GEMV weight tiles: gate/up 96 of 8 units, 8 warps each over k 2048; down 128 of 16 columns, 2 warps over 768
+    assert (moe_gemv_split(2048), moe_gemv_split(768)) == (8, 2)
     ops.moe_topk_softmax(1, 2, 3, 4, 128, 8, True)
     ops.moe_align(1, 2, 3, 4, 32, 128, 8)
     ops.moe_gate_up(1, 2, 3, 4, 5, 6, 4, 8, 128, 2048, 768)
@@ -64,7 +66,7 @@ def test_moe_launchers_pick_the_path_by_batch():
     ops.moe_sum(1, 2, 256, 8, 2048)
     assert recorder.launches == [
         ("moe_topk_softmax", (4,), (32, 1, 1)), ("moe_align", (128,), (256, 1, 1)),
-        ("moe_gemv_gate_up", (32, 12), (128, 1, 1)), ("moe_gemv_down", (32, 32), (128, 1, 1)),
+        ("moe_gemv_gate_up", (32, 96), (256, 1, 1)), ("moe_gemv_down", (32, 32), (256, 1, 1)),
         ("moe_gemm_gate_up", (158, 12), (128, 1, 1)), ("moe_gemm_down", (158, 16), (128, 1, 1)),
         ("moe_sum", (256, 2), (256, 1, 1))]
 
