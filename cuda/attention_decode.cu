@@ -33,15 +33,6 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    // 16 bytes global -> shared without passing through registers; zero-filled where !valid
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-step of P V
 
 // attention_decode's warps per block for head dim D (ops.decode_warps)

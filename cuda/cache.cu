@@ -30,6 +30,36 @@ __device__ __forceinline__ void store_entries4(e4m3* p, const __nv_bfloat162 v[2
     *reinterpret_cast<uint32_t*>(p) = (uint32_t)lo | (uint32_t)hi << 16;
 }
 
+// A head's per-head RMSNorm (Qwen3's and Gemma 3's q_norm and k_norm) fused ahead of its rotation: lane group
+// `quads` (a power of two <= 32, consecutive lanes) holds the whole head, 4 pairs (j .. j + 3 and j + R/2 ..) a
+// lane, so the sum of squares is a shuffle within the group. x <- bf16(x / sqrt(mean(x^2) + eps) * (offset + w))
+// as qkv.cu's qk_norm rounds it; w: q_weight for a Q head, k_weight for a K head. Every lane of the warp calls it.
+__device__ __forceinline__ void norm_head(uint2& lo, uint2& hi, bool rotating, bool is_q, int j, int half, int quads,
+                                          const bf16* __restrict__ q_weight, const bf16* __restrict__ k_weight,
+                                          float eps, float offset) {
+    __nv_bfloat162* a = reinterpret_cast<__nv_bfloat162*>(&lo);
+    __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&hi);
+    float2 v[4] = {__bfloat1622float2(a[0]), __bfloat1622float2(a[1]), __bfloat1622float2(b[0]),
+                   __bfloat1622float2(b[1])};
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum_sq += v[i].x * v[i].x + v[i].y * v[i].y;
+    for (int o = quads / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
+    if (!rotating) return;
+    const float inv_rms = rsqrtf(sum_sq / (8 * quads) + eps);
+    const bf16* w = is_q ? q_weight : k_weight;
+    const uint2 w_lo = *reinterpret_cast<const uint2*>(w + j), w_hi = *reinterpret_cast<const uint2*>(w + j + half);
+    const __nv_bfloat162* wa = reinterpret_cast<const __nv_bfloat162*>(&w_lo);
+    const __nv_bfloat162* wb = reinterpret_cast<const __nv_bfloat162*>(&w_hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 g = __bfloat1622float2(i < 2 ? wa[i] : wb[i - 2]);
+        const __nv_bfloat162 r =
+            __floats2bfloat162_rn(v[i].x * inv_rms * (offset + g.x), v[i].y * inv_rms * (offset + g.y));
+        if (i < 2) a[i] = r; else b[i - 2] = r;
+    }
+}
+
 // For token t (a qkv row [q heads | k heads | v heads]) at position positions[t]: the first R = rotary_dim dims of
 // the q and k heads are rotated in place (rotate-half layout within them: for j < R/2, (x[j], x[j + R/2]) <-
 // (x[j] c - x[j + R/2] s, x[j + R/2] c + x[j] s), (c, s) = cos_sin[pos, j]); dims R .. D - 1 pass unrotated
@@ -40,6 +70,8 @@ __device__ __forceinline__ void store_entries4(e4m3* p, const __nv_bfloat162 v[2
 // positions keep their precision; a layer with a RoPE of its own (Gemma 3's sliding layers) gets its own table.
 // Caches are [num_slots, kv_heads, D] (slot = block * block_size + offset); k_scales, v_scales: an fp8 cache's scales
 // of this layer ([kv_heads] each), null for bf16.
+// q_weight, k_weight: the heads' RMSNorm gains (norm_head, before the rotation; rotary_dim == head_dim, head_dim / 8
+// a power of two <= 32), or null for none.
 // Launch: grid (T, ceil(items / blockDim.x)), block 128, with items = (num_heads + num_kv_heads) * R / 8 rotations
 // of 4 pairs (j .. j + 3 of one head), then num_kv_heads * (D - R) / 8 copies of 8 unrotated K entries, then
 // num_kv_heads * D / 8 copies of 8 V entries: one item per thread, so that a thread's loads are all in flight at
@@ -49,18 +81,22 @@ template <typename C>
 __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, C* __restrict__ v_cache,
                                const int* __restrict__ positions, const int* __restrict__ slot_mapping,
                                const float2* __restrict__ cos_sin, int num_heads, int num_kv_heads, int head_dim,
-                               int rotary_dim, int row_stride, const float* __restrict__ k_scales,
-                               const float* __restrict__ v_scales) {
+                               int rotary_dim, int row_stride, const bf16* __restrict__ q_weight,
+                               const bf16* __restrict__ k_weight, float eps, float offset,
+                               const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
     pdl_begin();
     const int half = rotary_dim / 2, quads = half / 4, kv_width = num_kv_heads * head_dim;
     const int tail = head_dim - rotary_dim, k_tails = num_kv_heads * tail;  // the unrotated K entries
     const int rotations = (num_heads + num_kv_heads) * quads, item = blockIdx.y * blockDim.x + threadIdx.x;
     const int64_t slot = slot_mapping[blockIdx.x];
     bf16* row = qkv + (int64_t)blockIdx.x * row_stride;
-    if (item < rotations) {
-        const int head = item / quads, j = item % quads * 4;
-        bf16* x = row + head * head_dim;
-        const uint2 lo = *reinterpret_cast<const uint2*>(x + j), hi = *reinterpret_cast<const uint2*>(x + j + half);
+    const bool rotating = item < rotations;
+    const int head = item / quads, j = item % quads * 4;
+    bf16* x = row + head * head_dim;
+    uint2 lo = make_uint2(0, 0), hi = make_uint2(0, 0);
+    if (rotating) lo = *reinterpret_cast<const uint2*>(x + j), hi = *reinterpret_cast<const uint2*>(x + j + half);
+    if (q_weight) norm_head(lo, hi, rotating, head < num_heads, j, half, quads, q_weight, k_weight, eps, offset);
+    if (rotating) {
         // cos_sin[pos, j .. j + 3] as (cos, sin) pairs: 32 bytes, 32-byte aligned since half % 4 == 0
         const float4* cs = reinterpret_cast<const float4*>(cos_sin + (int64_t)positions[blockIdx.x] * half + j);
         const float4 cs01 = cs[0], cs23 = cs[1];
@@ -101,15 +137,17 @@ __device__ void rope_and_cache(bf16* __restrict__ qkv, C* __restrict__ k_cache, 
 
 extern "C" __global__ void rope_and_cache_bf16(bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions,
                                                const int* slot_mapping, const float2* cos_sin, int num_heads,
-                                               int num_kv_heads, int head_dim, int rotary_dim, int row_stride) {
+                                               int num_kv_heads, int head_dim, int rotary_dim, int row_stride,
+                                               const bf16* q_weight, const bf16* k_weight, float eps, float offset) {
     rope_and_cache(qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                   rotary_dim, row_stride, nullptr, nullptr);
+                   rotary_dim, row_stride, q_weight, k_weight, eps, offset, nullptr, nullptr);
 }
 
 extern "C" __global__ void rope_and_cache_fp8(bf16* qkv, e4m3* k_cache, e4m3* v_cache, const int* positions,
                                               const int* slot_mapping, const float2* cos_sin, int num_heads,
                                               int num_kv_heads, int head_dim, int rotary_dim, int row_stride,
+                                              const bf16* q_weight, const bf16* k_weight, float eps, float offset,
                                               const float* k_scales, const float* v_scales) {
     rope_and_cache(qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                   rotary_dim, row_stride, k_scales, v_scales);
+                   rotary_dim, row_stride, q_weight, k_weight, eps, offset, k_scales, v_scales);
 }

@@ -1,5 +1,6 @@
-// Tensor-core helpers shared by the attention kernels and the GEMV: mma.sync m16n8k16 (bf16 in, float32 accumulate),
-// ldmatrix loads of its operands from shared memory, and the online softmax of the attention kernels.
+// Tensor-core helpers shared by the attention kernels, the GEMVs and MoE's grouped GEMM: mma.sync m16n8k16 (bf16 in,
+// float32 accumulate), ldmatrix loads of its operands from shared memory, cp.async copies into it, and the online
+// softmax of the attention kernels.
 #pragma once
 #include "common.cuh"
 
@@ -31,6 +32,24 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const bf16* p) 
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// 16 bytes global -> shared without passing through registers (cp.async, L2 only); zero-filled where !valid, so
+// that gmem must still be a valid address. A stage of copies is a commit group; wait<N> leaves N groups in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The dynamic shared memory this launch was given (a kernel whose extern __shared__ array the launcher sizes checks
+// it against what it uses).
+__device__ __forceinline__ uint32_t dynamic_shared_bytes() {
+    uint32_t bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {

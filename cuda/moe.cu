@@ -3,15 +3,16 @@
 //
 // 1. moe_topk_softmax: a token's router logits (float32, cuBLAS's) -> softmax -> its top_k experts and weights
 //    (renormalized over the chosen ones where asked), ties broken as torch.topk on the CPU breaks them
-//    (backends/topk.py: the k + 1 largest are found by a warp; a row with a tie among them replays libstdc++'s
-//    selection on one lane).
+//    (backends/topk.py: the k + 1 largest are placed by a thread per expert counting those before it; a row with a
+//    tie among them replays libstdc++'s selection on one thread).
 // 2. moe_align: the T * top_k assignments (a = token * top_k + slot) grouped by expert, stably (token order within an
 //    expert), each expert's run padded to a whole tile of block_m rows with the sentinel num_assignments: vLLM's
 //    moe_align_block_size (sorted_token_ids, expert_ids per tile, num_tokens_post_padded). A block per expert; each
 //    counts every expert (shared-memory histogram), so that the run offsets need no second kernel.
 // 3. The expert products over those tiles, a tile's rows all of one expert, so each expert's weights are read once
 //    per tile: for a few tokens (decode) GEMV-style kernels whose tile is 8 assignments (the n = 8 side of
-//    mma.m16n8k16, the weights its 16-row A side, as gemv.cu), for more a tiled GEMM of MOE_GEMM_BLOCK_M rows.
+//    mma.m16n8k16, the weights its 16-row A side, as gemv.cu), for more a grouped GEMM over tiles of 32 or 64 rows
+//    (ops.moe_block_m: 32 while an expert averages at most 16 assignments), its k-steps pipelined through cp.async.
 //    The gate/up product ends in SiLU(gate) * up (gate and up rounded to bf16 first, as the dense path's are),
 //    written bf16 per padded row; the down product writes each assignment's row times its routing weight (float32).
 // 4. moe_sum: each token's top_k rows summed in slot order, added into the residual stream.
@@ -21,10 +22,8 @@
 // Weights: experts_gate_up [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), experts_down
 // [E, hidden, inter], row-major bf16.
 //
-// Compiled with -DMOE_MAX_EXPERTS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL, -DMOE_GEMM_BLOCK_M and
-// -DMOE_GEMM_BLOCK_K from backends/cuda/ops.py, which launches the kernels.
-#include <limits.h>
-
+// Compiled with -DMOE_MAX_EXPERTS, -DMOE_TOPK_THREADS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL, -DMOE_GEMM_BLOCK_K and
+// -DMOE_GEMM_STAGES from backends/cuda/ops.py, which launches the kernels.
 #include "common.cuh"
 #include "gemv_tile.cuh"
 
@@ -200,75 +199,75 @@ __device__ void libstdcxx_topk(Pick* q, int n, int k) {
     }
 }
 
-// The warp's largest of the not yet chosen (q[e].v, -inf once chosen), the lowest index among equals: the order of
-// a stable sort of the probabilities, descending.
-__device__ __forceinline__ int warp_argmax(const Pick* q, int num_experts, int lane) {
-    float best = -INFINITY;
-    int best_i = INT_MAX;
-    for (int e = lane; e < num_experts; e += 32)
-        if (q[e].v > best || (q[e].v == best && e < best_i)) best = q[e].v, best_i = e;
+// How many of probs[0 .. n) go before expert e (higher, or equal with a lower index), or some count >= picks once it
+// is plain that e is not among the first picks: float4 broadcasts from shared memory, 32 experts between checks, so
+// that the loads of a stretch are independent (a check per expert made each load wait for the one before).
+__device__ __forceinline__ int place_of(const float* probs, int e, int n, int picks) {
+    const float v = probs[e];
+    int place = 0, f = 0;
+    for (; f + 32 <= n && place < picks; f += 32) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffffu, best, o);
-        const int i = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+        for (int i = 0; i < 32; i += 4) {
+            const float4 p = *reinterpret_cast<const float4*>(probs + f + i);
+            place += (p.x > v || (p.x == v && f + i < e)) + (p.y > v || (p.y == v && f + i + 1 < e)) +
+                     (p.z > v || (p.z == v && f + i + 2 < e)) + (p.w > v || (p.w == v && f + i + 3 < e));
+        }
     }
-    return best_i;
+    for (; f < n; ++f) place += probs[f] > v || (probs[f] == v && f < e);
+    return place;
 }
 
 // topk_weights, topk_ids [T, top_k]: each token's experts, highest probability first, and their weights.
-// A warp per token; logits [T, num_experts] float32, num_experts <= MOE_MAX_EXPERTS.
-extern "C" __global__ void __launch_bounds__(32) moe_topk_softmax(float* topk_weights, int* topk_ids,
-                                                                  const float* logits, int num_experts, int top_k,
-                                                                  int renormalize) {
+// A block of MOE_TOPK_THREADS per token, a thread per expert (more where num_experts is larger); logits
+// [T, num_experts] float32, num_experts <= MOE_MAX_EXPERTS. An expert's place is how many go before it (a higher
+// probability, or an equal one and a lower index: a stable sort's order, descending), counted by its thread over all
+// of them at once; one more place than k is kept, so that a tie at the k-th place shows.
+extern "C" __global__ void __launch_bounds__(MOE_TOPK_THREADS) moe_topk_softmax(float* topk_weights, int* topk_ids,
+                                                                                const float* logits, int num_experts,
+                                                                                int top_k, int renormalize) {
     pdl_begin();
-    __shared__ float probs[MOE_MAX_EXPERTS];
+    __shared__ __align__(16) float probs[MOE_MAX_EXPERTS];
     __shared__ Pick q[MOE_MAX_EXPERTS];
     __shared__ int chosen[MOE_MAX_EXPERTS];
-    const int lane = threadIdx.x;
+    __shared__ float scratch[32];
+    __shared__ int tie;
+    const int tid = threadIdx.x;
     const float* row = logits + (int64_t)blockIdx.x * num_experts;
     float row_max = -INFINITY;
-    for (int e = lane; e < num_experts; e += 32) {
+    for (int e = tid; e < num_experts; e += blockDim.x) {
         probs[e] = row[e];
         row_max = fmaxf(row_max, probs[e]);
     }
-    row_max = warp_reduce<Max>(row_max);
+    row_max = block_reduce<Max>(row_max, scratch);
     float sum = 0.f;
-    for (int e = lane; e < num_experts; e += 32) {
+    for (int e = tid; e < num_experts; e += blockDim.x) {
         probs[e] = expf(probs[e] - row_max);
         sum += probs[e];
     }
-    sum = warp_reduce<Sum>(sum);
-    for (int e = lane; e < num_experts; e += 32) {
-        probs[e] /= sum;
-        q[e] = Pick{probs[e], e};
+    sum = block_reduce<Sum>(sum, scratch);
+    for (int e = tid; e < num_experts; e += blockDim.x) probs[e] /= sum;
+    if (tid == 0) tie = 0;
+    __syncthreads();
+    const int picks = min(top_k + 1, num_experts);
+    for (int e = tid; e < num_experts; e += blockDim.x) {
+        const int place = place_of(probs, e, num_experts, picks);
+        if (place < picks) chosen[place] = e;
     }
-    __syncwarp();
-    const int picks = min(top_k + 1, num_experts);  // one more than k: a tie at the k-th place shows
-    for (int j = 0; j < picks; ++j) {
-        const int best = warp_argmax(q, num_experts, lane);
-        __syncwarp();
-        if (lane == 0) {
-            chosen[j] = best;
-            q[best].v = -INFINITY;
-        }
-        __syncwarp();
-    }
-    bool tie = false;
-    for (int j = lane + 1; j < picks; j += 32) tie |= probs[chosen[j]] == probs[chosen[j - 1]];
-    if (__any_sync(0xffffffffu, tie) && lane == 0) {  // torch.topk's order, by libstdc++'s algorithms
+    __syncthreads();
+    for (int j = tid + 1; j < picks; j += blockDim.x)
+        if (probs[chosen[j]] == probs[chosen[j - 1]]) tie = 1;
+    __syncthreads();
+    if (tie && tid == 0) {  // torch.topk's order, by libstdc++'s algorithms
         for (int e = 0; e < num_experts; ++e) q[e] = Pick{probs[e], e};
         libstdcxx_topk(q, num_experts, top_k);
         for (int j = 0; j < top_k; ++j) chosen[j] = q[j].i;
     }
-    __syncwarp();
-    if (lane == 0) {
-        float total = 0.f;
-        for (int j = 0; j < top_k; ++j) total += probs[chosen[j]];
-        for (int j = 0; j < top_k; ++j) {
-            topk_ids[(int64_t)blockIdx.x * top_k + j] = chosen[j];
-            topk_weights[(int64_t)blockIdx.x * top_k + j] = renormalize ? probs[chosen[j]] / total : probs[chosen[j]];
-        }
+    __syncthreads();
+    float total = 0.f;
+    for (int j = 0; j < top_k && renormalize; ++j) total += probs[chosen[j]];
+    for (int j = tid; j < top_k; j += blockDim.x) {
+        topk_ids[(int64_t)blockIdx.x * top_k + j] = chosen[j];
+        topk_weights[(int64_t)blockIdx.x * top_k + j] = renormalize ? probs[chosen[j]] / total : probs[chosen[j]];
     }
 }
 
@@ -403,80 +402,122 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_do
 }
 
 #define GEMM_BLOCK_N 128  // B rows (output columns) per tile: gate/up 64 units' gate and up rows, down 128 columns
+#define GEMM_WARPS 4  // warps per block: BM / 16 row groups of 16 times GEMM_WARPS / (BM / 16) column groups
 #define GEMM_LD (MOE_GEMM_BLOCK_K + 8)  // shared rows padded so that ldmatrix is conflict-free
 
-// The grouped GEMM over tiles of MOE_GEMM_BLOCK_M padded rows of one expert (moe_align with that block_m), 16 rows per
-// warp, each warp all GEMM_BLOCK_N columns: A rows (x rows of the tile's tokens for gate/up, act rows for down)
-// times B rows (the expert's weight rows) through shared memory, k in steps of MOE_GEMM_BLOCK_K.
-// GATE_UP: act [p, inter] bf16 = SwiGLU of units col0 .. col0 + 63 (k = hidden); else out [a, n] float32 =
-// topk_weights[a] * act row p . down rows col0 .. col0 + 127 (k = inter). Grid (max tiles, ceil(units / 64) or
-// ceil(n / 128)), block MOE_GEMM_BLOCK_M / 16 warps.
-template <bool GATE_UP>
+// One k-step's A and B tiles in shared memory (a stage of the pipeline); MOE_GEMM_STAGES of them are the kernel's
+// dynamic shared memory (ops.moe_gemm_shared_bytes, past the static 48 KB).
+template <int BM>
+struct GemmStage {
+    bf16 a[BM * GEMM_LD];
+    bf16 b[GEMM_BLOCK_N * GEMM_LD];
+};
+
+// The weight row behind shared B row j of a tile whose first unit (gate/up) or output column (down) is col0: for
+// gate/up a column group of WN rows holds WN / 2 units' gate rows, then the same units' up rows, so that a warp's
+// accumulators pair a unit's gate and up; rows past the weight repeat its last (their products are never written).
+template <bool GATE_UP, int WN>
+__device__ __forceinline__ int gemm_weight_row(int j, int col0, int n) {
+    if (!GATE_UP) return min(col0 + j, n - 1);
+    const int within = j % WN, unit = min(col0 + j / WN * (WN / 2) + within % (WN / 2), n - 1);
+    return within < WN / 2 ? unit : n + unit;
+}
+
+// Issue the copies of k-step k0 into a stage: A rows rows_s (a_rows' rows; -1: zeros), B rows the expert's weight
+// rows; chunks past k are zeros.
+template <bool GATE_UP, int BM, int WN>
+__device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, const int* rows_s, const bf16* a_rows,
+                                                const bf16* w_e, int k0, int col0, int n, int k) {
+    constexpr int BK = MOE_GEMM_BLOCK_K, PARTS = BK / 8;
+    for (int c = threadIdx.x; c < BM * PARTS; c += GEMM_WARPS * 32) {
+        const int r = c / PARTS, kc = k0 + c % PARTS * 8, row = rows_s[r];
+        const bool ok = row >= 0 && kc < k;
+        cp_async16(&st.a[r * GEMM_LD + c % PARTS * 8], ok ? a_rows + (int64_t)row * k + kc : a_rows, ok);
+    }
+    for (int c = threadIdx.x; c < GEMM_BLOCK_N * PARTS; c += GEMM_WARPS * 32) {
+        const int j = c / PARTS, kc = k0 + c % PARTS * 8;
+        const bf16* src = w_e + (int64_t)gemm_weight_row<GATE_UP, WN>(j, col0, n) * k + kc;
+        cp_async16(&st.b[j * GEMM_LD + c % PARTS * 8], kc < k ? src : w_e, kc < k);
+    }
+}
+
+// The grouped GEMM over tiles of BM padded rows of one expert (moe_align with that block_m): A rows (x rows of the
+// tile's tokens for gate/up, act rows for down) times B rows (the expert's weight rows), k in steps of
+// MOE_GEMM_BLOCK_K through a MOE_GEMM_STAGES-deep cp.async pipeline; warp w multiplies rows 16 (w % (BM / 16)) .. + 15
+// by its column group's WN B rows. GATE_UP: act [p, inter] bf16 = SwiGLU of units col0 .. col0 + 63 (k = hidden);
+// else out [a, n] float32 = topk_weights[a] * act row p . down rows col0 .. col0 + 127 (k = inter).
+// Grid (max tiles, ceil(units / 64) or ceil(n / 128)), block GEMM_WARPS * 32.
+template <bool GATE_UP, int BM>
 __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
                          const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
                          int num_assignments, int n, int k) {
     pdl_begin();
-    constexpr int BM = MOE_GEMM_BLOCK_M, BK = MOE_GEMM_BLOCK_K, BN = GEMM_BLOCK_N, LD = GEMM_LD;
-    __shared__ __align__(16) bf16 a_s[BM * LD];
-    __shared__ __align__(16) bf16 b_s[BN * LD];
+    constexpr int BK = MOE_GEMM_BLOCK_K, ROW_GROUPS = BM / 16, WN = GEMM_BLOCK_N / (GEMM_WARPS / ROW_GROUPS);
+    static_assert(GEMM_WARPS % ROW_GROUPS == 0 && BK % 16 == 0, "a warp's 16 rows and WN columns, whole k-steps");
+    extern __shared__ __align__(16) unsigned char gemm_shared[];
+    GemmStage<BM>* stages = reinterpret_cast<GemmStage<BM>*>(gemm_shared);
     __shared__ int rows_s[BM];  // the A row of each tile row; -1: zeros (a padding row of gate/up)
     const int tile = blockIdx.x, p0 = tile * BM, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0 && dynamic_shared_bytes() < MOE_GEMM_STAGES * sizeof(GemmStage<BM>)) __trap();
     if (p0 >= *num_post_padded) return;
-    const int col0 = blockIdx.y * (GATE_UP ? BN / 2 : BN);  // first unit (gate/up) or output column (down)
+    const int col0 = blockIdx.y * (GATE_UP ? GEMM_BLOCK_N / 2 : GEMM_BLOCK_N);  // first unit or output column
+    const int row0 = warp % ROW_GROUPS * 16, group = warp / ROW_GROUPS;  // the warp's rows and column group
     const bf16* w_e = w + (int64_t)expert_ids[tile] * (GATE_UP ? 2 * n : n) * k;
     for (int r = threadIdx.x; r < BM; r += blockDim.x) {
         const int a = sorted_ids[p0 + r];
         rows_s[r] = !GATE_UP ? p0 + r : a < num_assignments ? a / top_k : -1;
     }
     __syncthreads();
-    float acc[BN / 8][4];
+    const int steps = (k + BK - 1) / BK;
 #pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
-    for (int k0 = 0; k0 < k; k0 += BK) {
-        for (int c = threadIdx.x; c < BM * BK / 8; c += blockDim.x) {
-            const int r = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
-            const uint4 v = rows_s[r] >= 0 && kc < k ? load_coherent(a_rows + (int64_t)rows_s[r] * k + kc)
-                                                     : make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(&a_s[r * LD + part * 8]) = v;
-        }
-        for (int c = threadIdx.x; c < BN * BK / 8; c += blockDim.x) {
-            const int j = c / (BK / 8), part = c % (BK / 8), kc = k0 + part * 8;
-            const int unit = min(col0 + j % (BN / 2), n - 1);  // gate/up: rows j < 64 gate, the rest up
-            const int row = GATE_UP ? (j < BN / 2 ? unit : n + unit) : min(col0 + j, n - 1);
-            const uint4 v = kc < k ? load_streaming(w_e + (int64_t)row * k + kc) : make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(&b_s[j * LD + part * 8]) = v;
-        }
-        __syncthreads();
-        const int mi = lane / 8;
+    for (int s = 0; s < MOE_GEMM_STAGES - 1; ++s) {  // the pipeline's first stages; a group per stage, empty or not
+        if (s < steps) gemm_load_stage<GATE_UP, BM, WN>(stages[s], rows_s, a_rows, w_e, s * BK, col0, n, k);
+        cp_async_commit();
+    }
+    float acc[WN / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < WN / 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+    const int mi = lane / 8;
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<MOE_GEMM_STAGES - 2>();  // this step's stage has landed (for this thread's copies) ...
+        __syncthreads();  // ... and everyone's; every warp is past the step before, whose stage is refilled next
+        const int next = step + MOE_GEMM_STAGES - 1;
+        if (next < steps)
+            gemm_load_stage<GATE_UP, BM, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK, col0, n,
+                                             k);
+        cp_async_commit();
+        const GemmStage<BM>& st = stages[step % MOE_GEMM_STAGES];
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             uint32_t af[4];
-            ldmatrix_x4(af, &a_s[(warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
+            ldmatrix_x4(af, &st.a[(row0 + lane % 16) * GEMM_LD + kk * 16 + (lane / 16) * 8]);
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; nb += 2) {
+            for (int nb = 0; nb < WN / 8; nb += 2) {
                 uint32_t b[4];
-                ldmatrix_x4(b, &b_s[(nb * 8 + (mi / 2) * 8 + lane % 8) * LD + kk * 16 + (mi % 2) * 8]);
+                ldmatrix_x4(b, &st.b[(group * WN + nb * 8 + (mi / 2) * 8 + lane % 8) * GEMM_LD + kk * 16 +
+                                     (mi % 2) * 8]);
                 mma_bf16(acc[nb], af, b[0], b[1]);
                 mma_bf16(acc[nb + 1], af, b[2], b[3]);
             }
         }
-        __syncthreads();  // the next step overwrites a_s and b_s
     }
-    // c element e of n-block nb: row warp * 16 + lane / 4 (+ 8 for e >= 2), column nb * 8 + 2 * (lane % 4) + e % 2
+    cp_async_wait<0>();  // no copy outlives the block (the last groups are empty)
+    // c element e of n-block nb: row row0 + lane / 4 (+ 8 for e >= 2), column nb * 8 + 2 * (lane % 4) + e % 2 of the
+    // warp's group; gate/up: n-blocks nb < WN / 16 are gate, nb + WN / 16 the same units' up
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + lane / 4 + 8 * h, p = p0 + r;
-        const int a = sorted_ids[p];
+        const int p = p0 + row0 + lane / 4 + 8 * h, a = sorted_ids[p];
         if (!GATE_UP && a >= num_assignments) continue;
         const float scale = GATE_UP ? 1.f : topk_weights[a];
 #pragma unroll
-        for (int nb = 0; nb < (GATE_UP ? BN / 16 : BN / 8); ++nb) {
-            const int col = col0 + nb * 8 + 2 * (lane % 4);  // even; n % 8 == 0, so col + 1 < n where col < n
+        for (int nb = 0; nb < (GATE_UP ? WN / 16 : WN / 8); ++nb) {
+            // even; n % 8 == 0, so col + 1 < n where col < n
+            const int col = col0 + group * (GATE_UP ? WN / 2 : WN) + nb * 8 + 2 * (lane % 4);
             if (col >= n) continue;
             if (GATE_UP) {
                 *reinterpret_cast<__nv_bfloat162*>(act + (int64_t)p * n + col) = __floats2bfloat162_rn(
-                    moe_swiglu(acc[nb][2 * h], acc[nb + BN / 16][2 * h]),
-                    moe_swiglu(acc[nb][2 * h + 1], acc[nb + BN / 16][2 * h + 1]));
+                    moe_swiglu(acc[nb][2 * h], acc[nb + WN / 16][2 * h]),
+                    moe_swiglu(acc[nb][2 * h + 1], acc[nb + WN / 16][2 * h + 1]));
             } else {
                 *reinterpret_cast<float2*>(out + (int64_t)a * n + col) =
                     make_float2(scale * acc[nb][2 * h], scale * acc[nb][2 * h + 1]);
@@ -485,21 +526,24 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
     }
 }
 
-// act [max padded rows, inter]; x [T, hidden]; w experts_gate_up.
-extern "C" __global__ void __launch_bounds__(MOE_GEMM_BLOCK_M / 16 * 32) moe_gemm_gate_up(
-    bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids, const int* num_post_padded,
-    int top_k, int num_assignments, int hidden, int inter) {
-    moe_gemm<true>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k, num_assignments,
-                   inter, hidden);
-}
+// act [max padded rows, inter]; x [T, hidden]; w experts_gate_up. One kernel per tile height (ops.moe_block_m).
+#define MOE_GEMM_KERNELS(BM)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32) moe_gemm_gate_up_##BM(                             \
+        bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids,                       \
+        const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter) {                         \
+        moe_gemm<true, BM>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k,              \
+                           num_assignments, inter, hidden);                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32) moe_gemm_down_##BM(                                \
+        float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,                    \
+        const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {         \
+        moe_gemm<false, BM>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1,          \
+                            num_assignments, hidden, inter);                                                         \
+    }
 
-// out [num_assignments, hidden] float32; act as moe_gemm_gate_up wrote it; w experts_down.
-extern "C" __global__ void __launch_bounds__(MOE_GEMM_BLOCK_M / 16 * 32) moe_gemm_down(
-    float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,
-    const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {
-    moe_gemm<false>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1, num_assignments,
-                    hidden, inter);
-}
+// out [num_assignments, hidden] float32 (down); act as gate/up wrote it; w experts_down.
+MOE_GEMM_KERNELS(32)
+MOE_GEMM_KERNELS(64)
 
 // ---- 4. the weighted sum --------------------------------------------------------------------------------------
 

@@ -217,6 +217,16 @@ def test_rope_and_cache_geometry(recorder):
                                  ("rope_and_cache_fp8", (1, 3), (128, 1, 1))]
 
 
+def test_rope_fuses_qk_norm_only_where_a_head_is_a_lane_group():
+    """A fused q/k norm needs the whole head rotated and head_dim / 8 lanes a power of two up to a warp."""
+    from tinyvllm.backends.cuda.ops import QkNorm, rope_fuses_qk_norm
+
+    assert [rope_fuses_qk_norm(d, d) for d in (64, 96, 128, 256, 512)] == [True, False, True, True, False]
+    assert not rope_fuses_qk_norm(128, 96)
+    with pytest.raises(ValueError, match="cannot fuse the q/k norms of heads of 96"):
+        Ops(Recorder(), None).rope_and_cache(*range(1, 7), 2, 32, 32, 96, 9216, qk_norm=QkNorm(7, 8, 1e-6))
+
+
 def test_rope_and_cache_partial_rotary_geometry(recorder):
     # Phi-4-mini's heads: 96 of 128 dims rotated; (24 + 8) heads x 12 rotations + 8 x 4 copies of 8 unrotated K
     # entries + 8 x 16 copies of 8 V entries = 544 threads
@@ -600,12 +610,16 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     forward.copy_blocks(buffers.ptr("pairs"), 2)
     forward.init_token_slots(1, 2, 3, 4, 5)
     fp8 = "fp8_" if kv_cache_dtype == "fp8" else ""
-    per_layer = ["rms_norm", "gemv_bf16", *(["add_qkv_bias"] if architecture == "Qwen2ForCausalLM" else []),
-                 *(["qk_norm"] if architecture == "Qwen3ForCausalLM" else []), f"rope_and_cache_{fp8 or 'bf16_'}"[:-1],
+    rope = f"rope_and_cache_{fp8 or 'bf16_'}"[:-1]  # Qwen3's q/k norms fused in (heads of 64: 8 lanes each)
+    per_layer = ["rms_norm", "gemv_bf16", *(["add_qkv_bias"] if architecture == "Qwen2ForCausalLM" else []), rope,
                  f"attention_decode_{fp8}d64_r8", "attention_combine", "gemv_f32", "rms_norm", "gemv_swiglu_bf16",
                  "gemv_f32"]
     assert decode == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32",
                       "apply_logits_processors", "sample", "count_tokens"]
+    rope_args = next(a for (name, _, _), a in zip(recorder.launches, recorder.args) if name == rope)
+    layer = forward.layers[0]
+    norms = (layer.q_norm.ptr, layer.k_norm.ptr, config.rms_norm_eps) if layer.q_norm is not None else (0, 0, 0.0)
+    assert rope_args[11:14] == pytest.approx(norms)
     blas = forward.linear.blas.calls  # the prefill's 10 rows: cuBLAS, each with a weight of the layer
     assert [w.shape for _, _, w, m, _ in blas[:4]] == [(512, 64), (64, 256), (256, 64), (64, 128)]
     assert all(m == 10 for _, _, _, m, _ in blas[:8])
@@ -649,9 +663,8 @@ def test_forward_runs_the_gemma_and_phi3_layer_ops(forward_module, architecture)
     buffers = FakeBuffers()
     forward.decode(4, buffers, buffers, buffers)
     names = [name for name, _, _ in recorder.launches]
-    qk_norm = ["qk_norm"] * architecture.startswith("Gemma3")
-    if gemma:
-        per_layer = ["rms_norm", "gemv_bf16", *qk_norm, "rope_and_cache_bf16", "attention_decode_d64_r8",
+    if gemma:  # Gemma 3's q/k norms: fused into rope_and_cache
+        per_layer = ["rms_norm", "gemv_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
                      "attention_combine", "gemv_f32", "rms_norm_residual", "gemv_geglu_bf16", "gemv_f32",
                      "rms_norm_residual"]
     else:

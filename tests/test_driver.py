@@ -85,6 +85,22 @@ def test_programmatic_launch_sets_its_attribute_in_every_thread(driver):
     assert module.Launcher(1234, "", programmatic=False)._config().num_attrs == 0
 
 
+def test_dynamic_shared_memory_is_allowed_once_and_given_to_every_launch(driver):
+    """A kernel with dynamic shared memory (the MoE grouped GEMM's pipeline stages, past 48 KB) has its maximum
+    raised when it is loaded, and every thread's launch configuration carries the size; others ask for none."""
+    module, lib = driver
+    calls = []
+    lib.cuFuncSetAttribute = lambda function, attribute, value: calls.append((function.value, attribute, value)) or 0
+    launcher = module.Launcher(1234, "", programmatic=True, shared_bytes=69120)
+    assert calls == [(1234, module.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 69120)]
+    configs = [launcher._config()]
+    worker = threading.Thread(target=lambda: configs.append(launcher._config()))
+    worker.start()
+    worker.join()
+    assert [config.shared_mem_bytes for config in configs] == [69120, 69120]
+    assert module.Launcher(1234, "", programmatic=True)._config().shared_mem_bytes == 0 and len(calls) == 1
+
+
 def test_importing_the_driver_loads_no_library(monkeypatch):
     """libcuda is opened at the first driver call, not at import: the backend's modules import on a machine without
     one, and no device is touched before a Device asks."""

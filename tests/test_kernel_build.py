@@ -138,12 +138,12 @@ def test_kernel_table_loads_a_jobs_module_once_and_the_rest_at_first_lookup(fake
     loaded = []
     monkeypatch.setattr(kernels.driver, "load_module", lambda cubin: loaded.append(cubin) or len(loaded))
     monkeypatch.setattr(kernels.driver, "get_function", lambda module, name: 1000 * module)
-    monkeypatch.setattr(kernels.driver, "Launcher", lambda function, arg_format, programmatic: (function,
-                                                                                                 programmatic))
+    monkeypatch.setattr(kernels.driver, "Launcher",
+                        lambda function, arg_format, programmatic, shared: (function, programmatic, shared))
     table = kernels.KernelTable("sm_90", programmatic=True)
     table.load(["rms_norm", "attention_decode_d64_r8"])
     assert sorted(table) == ["attention_decode_d64_r8", "rms_norm", "rms_norm_residual"] and len(loaded) == 2
-    assert table["rms_norm"].launcher == (1000, True)
+    assert table["rms_norm"].launcher == (1000, True, 0)
     table.load(["rms_norm"])  # loaded already
     assert len(loaded) == 2
     threads = [threading.Thread(target=lambda: table["resolve_tokens"]) for _ in range(4)]

@@ -8,7 +8,7 @@ import importlib
 import numpy as np
 import pytest
 
-from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_M, MOE_GEMV_TILE, SIGNATURES, Ops, moe_block_m,
+from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, SIGNATURES, Ops, moe_block_m,
                                         moe_max_tiles, moe_gemv_split, moe_uses_gemv)
 from tinyvllm.backends.moe import align_block_size, group_by_expert, route
 from tinyvllm.model.dummy import PRESETS
@@ -50,11 +50,13 @@ def test_moe_max_tiles_bounds_every_grouping(assignments, experts, block_m):
 
 
 def test_moe_launchers_pick_the_path_by_batch():
-    """A few tokens: the GEMV kernels over tiles of 8 assignments; more: the grouped GEMM's tiles of 64."""
+    """A few tokens: the GEMV kernels over tiles of 8 assignments; more: the grouped GEMM's, tiles of 32 while an
+    expert averages at most 16 assignments, else 64."""
     recorder = Recorder()
     ops = Ops(recorder, None)
     assert moe_uses_gemv(8, 8, 128) and moe_uses_gemv(128, 8, 128) and not moe_uses_gemv(129, 8, 128)
-    assert (moe_block_m(4, 8, 128), moe_block_m(256, 8, 128)) == (MOE_GEMV_TILE, MOE_GEMM_BLOCK_M)
+    assert MOE_GEMM_BLOCK_MS == (32, 64)
+    assert [moe_block_m(t, 8, 128) for t in (4, 128, 129, 256, 257, 4096)] == [MOE_GEMV_TILE] * 2 + [32] * 2 + [64] * 2
     # GEMV weight tiles: gate/up 96 of 8 units, 8 warps each over k 2048; down 128 of 16 columns, 2 warps over 768
     assert (moe_gemv_split(2048), moe_gemv_split(768)) == (8, 2)
     ops.moe_topk_softmax(1, 2, 3, 4, 128, 8, True)
@@ -63,12 +65,28 @@ def test_moe_launchers_pick_the_path_by_batch():
     ops.moe_down(1, 2, 3, 4, 5, 6, 7, 4, 8, 128, 2048, 768)
     ops.moe_gate_up(1, 2, 3, 4, 5, 6, 256, 8, 128, 2048, 768)
     ops.moe_down(1, 2, 3, 4, 5, 6, 7, 256, 8, 128, 2048, 768)
+    ops.moe_gate_up(1, 2, 3, 4, 5, 6, 512, 8, 128, 2048, 768)
+    ops.moe_down(1, 2, 3, 4, 5, 6, 7, 512, 8, 128, 2048, 768)
     ops.moe_sum(1, 2, 256, 8, 2048)
     assert recorder.launches == [
-        ("moe_topk_softmax", (4,), (32, 1, 1)), ("moe_align", (128,), (256, 1, 1)),
+        ("moe_topk_softmax", (4,), (128, 1, 1)), ("moe_align", (128,), (256, 1, 1)),
         ("moe_gemv_gate_up", (32, 96), (256, 1, 1)), ("moe_gemv_down", (32, 32), (256, 1, 1)),
-        ("moe_gemm_gate_up", (158, 12), (128, 1, 1)), ("moe_gemm_down", (158, 16), (128, 1, 1)),
+        # 2048 assignments in tiles of 32: at most 2048 / 32 + 128 * 31 / 32 = 188; 4096 in tiles of 64: 190
+        ("moe_gemm_gate_up_32", (188, 12), (128, 1, 1)), ("moe_gemm_down_32", (188, 16), (128, 1, 1)),
+        ("moe_gemm_gate_up_64", (190, 12), (128, 1, 1)), ("moe_gemm_down_64", (190, 16), (128, 1, 1)),
         ("moe_sum", (256, 2), (256, 1, 1))]
+
+
+def test_moe_gemm_declares_its_pipeline_stages_as_dynamic_shared_memory():
+    """Each grouped GEMM instance asks for MOE_GEMM_STAGES stages of its A (block_m rows) and B (128 rows) tiles of
+    MOE_GEMM_BLOCK_K + 8 bf16: what cuda/moe.cu's GemmStage array is (the kernel traps on less); the rest none."""
+    from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_K, MOE_GEMM_STAGES
+
+    shared = {name: sig.shared_bytes for name, sig in SIGNATURES.items() if sig.shared_bytes}
+    row = (MOE_GEMM_BLOCK_K + 8) * 2
+    assert shared == {f"moe_gemm_{which}_{m}": MOE_GEMM_STAGES * (m + 128) * row
+                      for which in ("gate_up", "down") for m in MOE_GEMM_BLOCK_MS}
+    assert max(shared.values()) <= 227 * 1024  # an H100/H200 block's most
 
 
 @pytest.mark.parametrize("launch,message", [
@@ -97,9 +115,10 @@ def test_moe_forward_launches_on_a_stand_in_device(forward_module, make_model_di
     layers = backend.forward.layers
     assert layers[0].experts_gate_up.shape == (4, 2 * 32, 64) and layers[0].experts_down.shape == (4, 64, 32)
     assert layers[0].gate_up is None and (layers[1].router is None) == ("mlp_only_layers" in extra)
-    expected = {"moe_topk_softmax", "moe_align", "moe_gemv_gate_up", "moe_gemv_down", "moe_gemm_gate_up",
-                "moe_gemm_down", "moe_sum"}
+    expected = {"moe_topk_softmax", "moe_align", "moe_gemv_gate_up", "moe_gemv_down", "moe_sum"}
     assert expected <= set(names) <= set(device.prepared)
+    gemm = [{f"moe_gemm_gate_up_{m}", f"moe_gemm_down_{m}"} for m in MOE_GEMM_BLOCK_MS]
+    assert any(pair <= set(names) for pair in gemm)
     assert ("qk_norm_projection" in names) == (architecture == "OlmoeForCausalLM")
     assert ("gemv_swiglu_bf16" in names or "silu_and_mul" in names) == ("mlp_only_layers" in extra)
     backend.close()

@@ -11,7 +11,7 @@ import pytest
 
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
-from tinyvllm.backends.cuda.ops import prefill_tiles
+from tinyvllm.backends.cuda.ops import QkNorm, prefill_tiles
 from tinyvllm.backends.cuda.tensors import BF16, F32
 from tinyvllm.backends.cuda.tensors import DeviceTensor as T
 from tinyvllm.backends.numpy_backend import (AttentionSpec, apply_rope, interleave_gate_up, paged_attention, qk_norm,
@@ -153,6 +153,35 @@ def test_rope_and_cache(cuda, ops, tokens, head_dim, heads, kv_heads):
     untouched = np.setdiff1d(np.arange(num_slots), slots[real])
     assert np.isnan(k[untouched]).all() and np.isnan(v[untouched]).all()
 
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads,offset", [(1, 128, 32, 4, 0.0), (257, 64, 8, 2, 0.0),
+                                                                   (65, 256, 4, 1, 1.0), (3, 128, 9, 3, 0.0)])
+def test_rope_and_cache_with_qk_norm(cuda, ops, tokens, head_dim, heads, kv_heads, offset):
+    """The per-head q/k norms fused into rope_and_cache (Qwen3's heads of 128, Gemma 3's of 256 with its gain
+    offset 1): each q and k head normalized (qk_norm's twin, rounded to bf16 as the qk_norm kernel rounds it),
+    then rotated; the cache gets the normalized, rotated keys and the untouched values."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + head_dim + heads)
+    qkv, positions, cos_sin, slots = rope_and_cache_inputs(rng, tokens, head_dim, heads, kv_heads,
+                                                           scale=rng.uniform(0.1, 10, (tokens, 1)))
+    q_w, k_w = (bf16_round(0.3 * rng.standard_normal(head_dim, dtype=np.float32) + (1 - offset)) for _ in range(2))
+    num_slots, q_width, kv_width = 1000, heads * head_dim, kv_heads * head_dim
+    k_cache, v_cache = gpu.poisoned((num_slots, kv_width), np.uint16), gpu.poisoned((num_slots, kv_width), np.uint16)
+    buf = gpu.bf16(qkv)
+    norm = QkNorm(gpu.bf16(q_w), gpu.bf16(k_w), 1e-6, offset)
+    ops.rope_and_cache(buf, k_cache, v_cache, gpu.put(positions), gpu.put(slots), gpu.put(cos_sin), tokens, heads,
+                       kv_heads, head_dim, qkv.shape[1], qk_norm=norm)
+    got = gpu.get_bf16(buf, qkv.shape)
+    q, k = qk_norm(qkv[:, :q_width].reshape(tokens, heads, head_dim),
+                   qkv[:, q_width:q_width + kv_width].reshape(tokens, kv_heads, head_dim), q_w + offset, k_w + offset,
+                   1e-6)
+    normed = np.concatenate([bf16_round(q).reshape(tokens, -1), bf16_round(k).reshape(tokens, -1),
+                             qkv[:, q_width + kv_width:]], axis=1)
+    check_rotated(got, normed, positions, cos_sin, heads, kv_heads, head_dim)
+    k_got, v_got = gpu.get_bf16(k_cache, (num_slots, kv_width)), gpu.get_bf16(v_cache, (num_slots, kv_width))
+    real = slots >= 0
+    np.testing.assert_array_equal(k_got[slots[real]], got[real, q_width: q_width + kv_width])
+    np.testing.assert_array_equal(v_got[slots[real]], qkv[real, q_width + kv_width:])
 
 
 def cache_setup(rng, context_lens, kv_heads, head_dim, block_size):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.moe import max_padded_rows
-from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_M, MOE_GEMV_TILE, moe_block_m, moe_uses_gemv
+from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, moe_block_m, moe_uses_gemv
 from tinyvllm.backends.moe import StackedWeight, align_block_size, fused_moe, route
 from tinyvllm.backends.numpy_backend import silu_and_mul
 
@@ -62,7 +62,7 @@ def run_align(gpu, ops, ids, experts, block_m):
 
 @pytest.mark.parametrize("tokens,experts,k", [(1, 128, 8), (5, 8, 2), (8, 64, 8), (300, 128, 8), (1000, 8, 2),
                                               (257, 16, 8)])
-@pytest.mark.parametrize("block_m", [MOE_GEMV_TILE, MOE_GEMM_BLOCK_M])
+@pytest.mark.parametrize("block_m", [MOE_GEMV_TILE, *MOE_GEMM_BLOCK_MS])
 def test_moe_align(cuda, ops, tokens, experts, k, block_m):
     """Each expert's assignments in token order, its run padded to block_m with the sentinel, its tiles named; an
     expert no token chose has no run."""
@@ -85,13 +85,18 @@ def expert_weights(rng, experts, hidden, inter):
 
 
 # (tokens, experts, top_k, hidden, inter): the GEMV path at 1-8 tokens and at 16 and 128 (an expert's run of more
-# than one tile of 8), the grouped GEMM's at 200+; Qwen3-30B-A3B's 128 experts and widths (with fewer experts: their
-# float32 reference copies stay small), and widths that are not whole tiles (hidden 264: 33 chunks of 8, 4.1 GEMM
-# k-steps; inter 200).
+# than one tile of 8), the grouped GEMM's at 160+ (tiles of 32 at 160 and 256 tokens of 128 experts, else 64);
+# Qwen3-30B-A3B's 128 experts and widths (with fewer experts: their float32 reference copies stay small), and widths
+# that are not whole tiles (hidden 264: 33 chunks of 8, 8.25 GEMM k-steps; inter 200).
 SHAPES = [(1, 128, 8, 512, 384), (4, 16, 8, 2048, 768), (8, 16, 8, 264, 200), (3, 8, 2, 512, 256),
-          (1, 8, 2, 264, 200), (16, 16, 8, 264, 200), (128, 128, 8, 512, 384), (200, 16, 8, 264, 200),
-          (256, 16, 8, 2048, 768), (300, 128, 8, 512, 384), (333, 8, 2, 512, 256), (260, 8, 2, 1024, 1792)]
+          (1, 8, 2, 264, 200), (16, 16, 8, 264, 200), (128, 128, 8, 512, 384), (160, 128, 8, 264, 200),
+          (256, 128, 8, 512, 384), (200, 16, 8, 264, 200), (256, 16, 8, 2048, 768), (300, 128, 8, 512, 384),
+          (333, 8, 2, 512, 256), (260, 8, 2, 1024, 1792)]
 GEMV_MULTI_TILE = (16, 128)  # token counts of SHAPES on the GEMV path with more than 8 tokens
+
+
+def test_shapes_take_every_tile():
+    assert {moe_block_m(t, k, e) for t, e, k, _, _ in SHAPES} == {MOE_GEMV_TILE, *MOE_GEMM_BLOCK_MS}
 
 
 @pytest.mark.parametrize("tokens,experts,k,hidden,inter", SHAPES)

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
     "cuModuleUnload": [_p],
     "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), _p, ctypes.POINTER(_p), ctypes.POINTER(_p)],
+    "cuFuncSetAttribute": [_p, ctypes.c_int, ctypes.c_int],
     "cuStreamBeginCapture_v2": [_p, ctypes.c_int],
     "cuStreamEndCapture": [_p, ctypes.POINTER(_p)],
     "cuGraphInstantiateWithFlags": [ctypes.POINTER(_p), _p, ctypes.c_ulonglong],
@@ -60,6 +61,7 @@ def _lib() -> ctypes.CDLL:
 # Thread-local: a capture restricts only its own thread's calls, so one thread may capture while another runs steps.
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # How each PyCUDA-style argument format letter (ops.Signature.arg_format) reaches the kernel.
 _ARGUMENT_TYPES: dict[str, Callable[[object], ctypes._SimpleCData]] = {
     "P": lambda value: _p(int(value)),  # a device pointer: an int or a PyCUDA DeviceAllocation
@@ -98,11 +100,15 @@ def get_function(module: int, name: str) -> int:
 
 class Launcher:
     """Launches one kernel: its argument types from a format string ("P", "i", "f" per argument), optionally with
-    programmatic dependent launch. Safe to call from several threads (lazy graph capture launches the kernels the
-    engine's thread launches too)."""
+    programmatic dependent launch, with shared_bytes of dynamic shared memory (allowed past the default 48 KB).
+    Safe to call from several threads (lazy graph capture launches the kernels the engine's thread launches too)."""
 
-    def __init__(self, function: int, arg_format: str, programmatic: bool) -> None:
+    def __init__(self, function: int, arg_format: str, programmatic: bool, shared_bytes: int = 0) -> None:
         self.function = _p(function)
+        self.shared_bytes = shared_bytes
+        if shared_bytes:
+            check(_lib().cuFuncSetAttribute(self.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         self._launch = _lib().cuLaunchKernelEx
         self.convert = tuple(_ARGUMENT_TYPES[letter] for letter in arg_format)
         self.attribute = None
@@ -118,6 +124,7 @@ class Launcher:
         config = getattr(self._local, "config", None)
         if config is None:
             config = self._local.config = _LaunchConfig()
+            config.shared_mem_bytes = self.shared_bytes
             if self.attribute is not None:
                 config.attrs = ctypes.pointer(self.attribute)
                 config.num_attrs = 1

@@ -37,7 +37,7 @@ import pycuda.driver as cuda
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, decode_splits, prefill_tiles
+from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, QkNorm, decode_splits, prefill_tiles, rope_fuses_qk_norm
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
@@ -419,11 +419,12 @@ class CudaForward:
             linear.gemm(b.qkv, b.h, layer.qkv, n)
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
-            if layer.q_norm is not None:
+            fused_norm = self._rope_qk_norm(layer)
+            if layer.q_norm is not None and fused_norm is None:
                 self._qk_norm(layer, n)
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
                                inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
-                               self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim)
+                               self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim, fused_norm)
             attention(i)
             self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
@@ -447,6 +448,13 @@ class CudaForward:
         self.linear.gemm(b.part, x, w, n)
         ops.rms_norm_residual(0 if next_norm is None else b.h.ptr, b.x.ptr, b.part.ptr, out_norm.ptr,
                               0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset)
+
+    def _rope_qk_norm(self, layer: DeviceLayer) -> QkNorm | None:
+        """The layer's per-head q/k norms for rope_and_cache to apply (None: none, or not fusable: _qk_norm runs)."""
+        cfg = self.config
+        if layer.q_norm is None or not cfg.qk_norm_per_head or not rope_fuses_qk_norm(self.head_dim, cfg.rotary_dim):
+            return None
+        return QkNorm(layer.q_norm.ptr, layer.k_norm.ptr, cfg.rms_norm_eps, self.norm_offset)
 
     def _qk_norm(self, layer: DeviceLayer, n: int) -> None:
         """RMSNorm of each Q and K head (Qwen3, Gemma 3), or of each token's whole Q and whole K (OLMoE), in place."""

@@ -44,9 +44,9 @@ MOE_FILE = "moe"  # the fused mixture-of-experts kernels: needed only by a model
 class Kernel:
     """A loaded kernel, called as launcher(grid, block, stream, *args); launch errors name it."""
 
-    def __init__(self, name: str, function: int, arg_format: str, programmatic: bool) -> None:
+    def __init__(self, name: str, function: int, arg_format: str, programmatic: bool, shared_bytes: int = 0) -> None:
         self.name = name
-        self.launcher = driver.Launcher(function, arg_format, programmatic)
+        self.launcher = driver.Launcher(function, arg_format, programmatic, shared_bytes)
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream, *args) -> None:
         """stream: a pycuda Stream, or None for the default stream."""
@@ -139,7 +139,7 @@ class KernelTable(dict):
                 for kernel in job_kernels(name):
                     signature = SIGNATURES[kernel]
                     self[kernel] = Kernel(kernel, driver.get_function(module, kernel), signature.arg_format,
-                                          self.programmatic)
+                                          self.programmatic, signature.shared_bytes)
 
 
 def compile_source(source: str, defines: Mapping[str, int], arch: str):

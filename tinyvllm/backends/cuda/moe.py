@@ -3,8 +3,8 @@
 router GEMM (float32 logits) -> moe_topk_softmax -> moe_align (assignments grouped by expert, each run padded to the
 tile of the path this batch takes) -> moe_gate_up (SwiGLU fused) -> moe_down (times the routing weight) -> moe_sum
 (each token's rows in slot order, into the residual stream). A decode batch takes the GEMV kernels (tiles of 8
-assignments: only the chosen experts' weights are read, each once per tile), a larger one the grouped GEMM
-(ops.moe_uses_gemv). Every kernel's grid is sized for the batch's most tiles and reads the counts on the device, so
+assignments: only the chosen experts' weights are read, each once per tile), a larger one the grouped GEMM over
+tiles of 32 or 64 (ops.moe_block_m). Every kernel's grid is sized for the batch's most tiles and reads the counts on the device, so
 a decode step stays capturable in a CUDA graph.
 
 The experts are stacked [num_experts, rows, columns] bf16 (experts_gate_up: each expert's gate rows, then its up
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_M, MOE_GEMV_TILE, MOE_MAX_EXPERTS, VECTOR, Ops, moe_block_m,
+from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, MOE_MAX_EXPERTS, VECTOR, Ops, moe_block_m,
                                         moe_max_tiles)
 from tinyvllm.backends.cuda.tensors import BF16, F32, I32, DeviceLayer, DeviceTensor
 
@@ -48,7 +48,7 @@ def check_moe_config(cfg) -> None:
 def max_padded_rows(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int]:
     """(padded rows, tiles) that moe_align can make of up to num_tokens tokens, whichever tile their batch takes."""
     assignments = num_tokens * top_k
-    tiles = {m: moe_max_tiles(assignments, num_experts, m) for m in (MOE_GEMV_TILE, MOE_GEMM_BLOCK_M)}
+    tiles = {m: moe_max_tiles(assignments, num_experts, m) for m in (MOE_GEMV_TILE, *MOE_GEMM_BLOCK_MS)}
     return max(m * n for m, n in tiles.items()), max(tiles.values())
 
 

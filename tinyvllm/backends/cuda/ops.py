@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,11 +37,13 @@ GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane h
 FP8_GEMV_WARPS = 4  # gemv_fp8: warps per block
 FP8_GEMV_ROWS = 2  # gemv_fp8: weight rows per warp (at most 4: lane i * rows + r writes output (i, r))
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
+MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
 MOE_GEMV_WARPS = 8  # moe_gemv_*: warps per block (split of them share a weight tile of 16 rows)
 MOE_GEMV_UNROLL = 8  # moe_gemv_*: 16-byte loads per weight row (two rows) and of x that a lane has in flight
-MOE_GEMM_BLOCK_M = 64  # moe_gemm_*: padded rows (assignments of one expert) per tile, 16 per warp
-MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per shared-memory step
+MOE_GEMM_BLOCK_MS = (32, 64)  # moe_gemm_*_<m>: padded rows (assignments of one expert) per tile (moe_block_m)
+MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per pipeline stage (128 contiguous bytes of each weight row)
+MOE_GEMM_STAGES = 3  # moe_gemm_*: cp.async pipeline depth (two k-steps in flight while one is multiplied)
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
@@ -49,9 +52,10 @@ DEFINES: dict[str, dict[str, int]] = {
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"FP8_GEMV_WARPS": FP8_GEMV_WARPS, "FP8_GEMV_ROWS": FP8_GEMV_ROWS},
-    "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
-            "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_M": MOE_GEMM_BLOCK_M,
-            "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K},
+    "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
+            "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
+            "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
+            "MOE_GEMM_STAGES": MOE_GEMM_STAGES},
 }
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
@@ -67,6 +71,7 @@ QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
 MOE_GEMV_TILE = 8  # moe_gemv_*: assignments per tile (the n = 8 side of their mma)
 MOE_GEMM_TILE_N = 128  # moe_gemm_*: output columns per tile (gate/up: 64 units' gate and up columns)
+MOE_GEMM_WARPS = 4  # moe_gemm_*: warps per block (cuda/moe.cu GEMM_WARPS)
 MOE_SUM_THREADS = 256  # moe_sum: threads per block, 4 columns each
 
 
@@ -76,6 +81,7 @@ class Signature:
 
     file: str
     params: str
+    shared_bytes: int = 0  # the dynamic shared memory of each launch (the kernel's extern __shared__ array)
 
     @property
     def arg_format(self) -> str:
@@ -87,11 +93,12 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {}  # kernel name -> its signature, declared by each launcher
 
 
-def kernel(file: str, params: str, *names: str) -> Callable:
-    """Declare the kernel a launcher launches (named as the launcher unless `names` lists template instances)."""
+def kernel(file: str, params: str, *names: str, shared: Callable[[str], int] | None = None) -> Callable:
+    """Declare the kernel a launcher launches (named as the launcher unless `names` lists template instances);
+    shared: each instance's dynamic shared memory in bytes, by name."""
     def declare(launcher: Callable) -> Callable:
         for name in names or (launcher.__name__,):
-            SIGNATURES[name] = Signature(file, params)
+            SIGNATURES[name] = Signature(file, params, shared(name) if shared else 0)
         return launcher
     return declare
 
@@ -185,17 +192,47 @@ def _norm_threads(kernel_name: str, hidden: int) -> int:
 
 
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
+ROPE_QK_NORM = ", const bf16* q_weight, const bf16* k_weight, float eps, float offset"  # rope_and_cache's qk norm
+
+
+class QkNorm(NamedTuple):
+    """The per-head q/k RMSNorm rope_and_cache applies before rotating (rope_fuses_qk_norm): device bf16 gains
+    [head_dim] each, epsilon, and the gain offset (ModelConfig.norm_offset)."""
+
+    q_weight: int
+    k_weight: int
+    eps: float
+    offset: float = 0.0
+
+
+def rope_fuses_qk_norm(head_dim: int, rotary_dim: int) -> bool:
+    """Whether rope_and_cache can normalize the q and k heads itself: the whole head rotated, so that the lanes of a
+    head (head_dim / 8 of them, a power of two up to a warp) hold all of it."""
+    lanes = head_dim // 8
+    return rotary_dim == head_dim and lanes <= 32 and lanes & (lanes - 1) == 0
 
 
 def moe_uses_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether a batch's experts run as GEMVs over tiles of MOE_GEMV_TILE assignments (decode: an expert's weights
-    read once while it has at most that many on average) rather than the grouped GEMM's tiles of MOE_GEMM_BLOCK_M."""
+    read once while it has at most that many on average) rather than the grouped GEMM's."""
     return num_tokens * top_k <= MOE_GEMV_TILE * num_experts
 
 
 def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """The tile moe_align pads each expert's run to for this batch (the kernels' rows per tile)."""
-    return MOE_GEMV_TILE if moe_uses_gemv(num_tokens, top_k, num_experts) else MOE_GEMM_BLOCK_M
+    """The tile moe_align pads each expert's run to for this batch (the kernels' rows per tile): the GEMV's 8, else
+    the grouped GEMM's 32 while experts average at most 16 assignments (nearly every run one tile, half of its rows
+    real; Qwen3-30B-A3B at 129-256 tokens), else 64 (fewer padded rows multiplied, B tiles shared by more)."""
+    if moe_uses_gemv(num_tokens, top_k, num_experts):
+        return MOE_GEMV_TILE
+    small = MOE_GEMM_BLOCK_MS[0]
+    return small if 2 * num_tokens * top_k <= small * num_experts else MOE_GEMM_BLOCK_MS[-1]
+
+
+def moe_gemm_shared_bytes(kernel_name: str) -> int:
+    """moe_gemm_*_<m>'s dynamic shared memory: MOE_GEMM_STAGES stages of its A (m rows) and B (MOE_GEMM_TILE_N rows)
+    tiles, rows of MOE_GEMM_BLOCK_K + 8 bf16 (cuda/moe.cu GemmStage)."""
+    block_m = int(kernel_name.rsplit("_", 1)[1])
+    return MOE_GEMM_STAGES * (block_m + MOE_GEMM_TILE_N) * (MOE_GEMM_BLOCK_K + 8) * 2
 
 
 def moe_max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -320,25 +357,31 @@ class Ops:
 
     @kernel("cache", "bf16* qkv, bf16* k_cache, bf16* v_cache, const int* positions, const int* slot_mapping, "
                      "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, "
-                     "int row_stride", "rope_and_cache_bf16")
+                     "int row_stride" + ROPE_QK_NORM, "rope_and_cache_bf16")
     @kernel("cache", "bf16* qkv, e4m3* k_cache, e4m3* v_cache, const int* positions, const int* slot_mapping, "
                      "const float2* cos_sin, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, "
-                     "int row_stride" + FP8_SCALES, "rope_and_cache_fp8")
+                     "int row_stride" + ROPE_QK_NORM + FP8_SCALES, "rope_and_cache_fp8")
     def rope_and_cache(self, qkv: int, k_cache: int, v_cache: int, positions: int, slot_mapping: int, cos_sin: int,
                        num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, row_stride: int,
-                       kv_scales: tuple[int, int] | None = None, rotary_dim: int | None = None) -> None:
+                       kv_scales: tuple[int, int] | None = None, rotary_dim: int | None = None,
+                       qk_norm: QkNorm | None = None) -> None:
         """RoPE on the first rotary_dim dims (None: all) of the q and k heads of the qkv rows, in place, with
         cos_sin (float2 [positions, rotary_dim / 2]: model/rope.py's cos and sin), and their rotated K and V into
         the cache slots slot_mapping (negative: none). kv_scales: an fp8 cache's K and V scales of this layer
-        (device float32 [kv_heads] each); None: a bf16 cache."""
+        (device float32 [kv_heads] each); None: a bf16 cache. qk_norm: each q and k head's RMSNorm first (the qk_norm
+        kernel's, fused where rope_fuses_qk_norm)."""
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        _require(qk_norm is None or rope_fuses_qk_norm(head_dim, rotary_dim),
+                 f"rope_and_cache: cannot fuse the q/k norms of heads of {head_dim} with rotary_dim {rotary_dim}")
         _require_vectors("rope_and_cache", head_dim=head_dim, row_stride=row_stride, rotary_dim=rotary_dim)
         _require(0 < rotary_dim <= head_dim, f"rope_and_cache: rotary_dim {rotary_dim} not in 1..{head_dim}")
         _require((num_heads + 2 * num_kv_heads) * head_dim <= row_stride,
                  f"rope_and_cache: {num_heads} + 2 * {num_kv_heads} heads of {head_dim} do not fit in a row of "
                  f"{row_stride}")
+        norm = (0, 0, 0.0, 0.0) if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, float(qk_norm.eps),
+                                                         float(qk_norm.offset))
         args = (qkv, k_cache, v_cache, positions, slot_mapping, cos_sin, num_heads, num_kv_heads, head_dim,
-                rotary_dim, row_stride)
+                rotary_dim, row_stride, *norm)
         # a thread per 4 rotated pairs of a q or k head, then per 8 unrotated K entries, then per 8 V entries
         items = ((num_heads + num_kv_heads) * rotary_dim + num_kv_heads * (head_dim - rotary_dim)
                  + num_kv_heads * head_dim) // VECTOR
@@ -550,8 +593,8 @@ class Ops:
         float32 router logits [num_tokens, num_experts]; renormalize: the weights over the chosen sum to 1."""
         _require(1 <= top_k <= num_experts <= MOE_MAX_EXPERTS,
                  f"moe_topk_softmax: top_k {top_k} of {num_experts} experts (at most {MOE_MAX_EXPERTS})")
-        self.launch("moe_topk_softmax", (num_tokens,), 32, topk_weights, topk_ids, logits, num_experts, top_k,
-                    int(renormalize))
+        self.launch("moe_topk_softmax", (num_tokens,), MOE_TOPK_THREADS, topk_weights, topk_ids, logits, num_experts,
+                    top_k, int(renormalize))
 
     @kernel("moe", "int* sorted_ids, int* expert_ids, int* num_post_padded, const int* topk_ids, int num_assignments, "
                    "int num_experts, int block_m")
@@ -565,43 +608,43 @@ class Ops:
         self.launch("moe_align", (num_experts,), MOE_ALIGN_THREADS, sorted_ids, expert_ids, num_post_padded,
                     topk_ids, num_assignments, num_experts, block_m)
 
-    def _moe_expert_launch(self, gemv: bool, names: tuple[str, str], gemm_columns: int, rows: int, k: int,
-                           num_tokens: int, top_k: int, num_experts: int, *args) -> None:
-        """Launch moe_gemv_* (tiles of MOE_GEMV_TILE assignments; its weight tiles: gate/up 8 units, down 16 output
-        columns; `split` warps each, moe_gemv_split) or moe_gemm_* (tiles of MOE_GEMM_BLOCK_M, gemm_columns output
-        columns per block) over `rows` units or output columns and k, grids sized for the batch's most tiles."""
-        if gemv:
-            split, per_tile = moe_gemv_split(k), 8 if names[0].endswith("gate_up") else 16
-            grid = (moe_max_tiles(num_tokens * top_k, num_experts, MOE_GEMV_TILE),
-                    -(-(-(-rows // per_tile)) // (MOE_GEMV_WARPS // split)))
-            self.launch(names[0], grid, MOE_GEMV_WARPS * 32, *args, split)
+    def _moe_expert_launch(self, gate_up: bool, rows: int, k: int, num_tokens: int, top_k: int, num_experts: int,
+                           *args) -> None:
+        """Launch the gate/up or down kernel moe_block_m chose, over `rows` units (gate/up) or output columns (down)
+        and k, its grid sized for the batch's most tiles: moe_gemv_* (weight tiles of 8 units or 16 columns, `split`
+        warps each, MOE_GEMV_WARPS a block) or moe_gemm_*_<block_m> (MOE_GEMM_TILE_N B rows a block)."""
+        block_m = moe_block_m(num_tokens, top_k, num_experts)
+        tiles, which = moe_max_tiles(num_tokens * top_k, num_experts, block_m), "gate_up" if gate_up else "down"
+        if block_m == MOE_GEMV_TILE:
+            split = moe_gemv_split(k)
+            weight_tiles = -(-rows // (8 if gate_up else 16))
+            self.launch(f"moe_gemv_{which}", (tiles, -(-weight_tiles // (MOE_GEMV_WARPS // split))),
+                        MOE_GEMV_WARPS * 32, *args, split)
         else:
-            grid = (moe_max_tiles(num_tokens * top_k, num_experts, MOE_GEMM_BLOCK_M), -(-rows // gemm_columns))
-            self.launch(names[1], grid, MOE_GEMM_BLOCK_M // 16 * 32, *args)
+            columns = MOE_GEMM_TILE_N // 2 if gate_up else MOE_GEMM_TILE_N
+            self.launch(f"moe_gemm_{which}_{block_m}", (tiles, -(-rows // columns)), MOE_GEMM_WARPS * 32, *args)
 
     @kernel("moe", MOE_GATE_UP_ARGS + ", int split", "moe_gemv_gate_up")
-    @kernel("moe", MOE_GATE_UP_ARGS, "moe_gemm_gate_up")
+    @kernel("moe", MOE_GATE_UP_ARGS, *(f"moe_gemm_gate_up_{m}" for m in MOE_GEMM_BLOCK_MS),
+            shared=moe_gemm_shared_bytes)
     def moe_gate_up(self, act: int, x: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
                     num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
         """act [padded rows, inter] bf16 = SwiGLU(x row of each padded row's token . its expert's gate/up rows), w
         experts_gate_up [num_experts, 2 * inter, hidden] (gate rows, then up): the GEMV kernel or the grouped GEMM,
         as moe_block_m chose for moe_align."""
         _require_vectors("moe_gate_up", hidden=hidden, inter=inter)
-        self._moe_expert_launch(moe_uses_gemv(num_tokens, top_k, num_experts), ("moe_gemv_gate_up", "moe_gemm_gate_up"),
-                                MOE_GEMM_TILE_N // 2, inter, hidden, num_tokens, top_k, num_experts, act, x, w,
-                                sorted_ids, expert_ids, num_post_padded, top_k, num_tokens * top_k, hidden, inter)
+        self._moe_expert_launch(True, inter, hidden, num_tokens, top_k, num_experts, act, x, w, sorted_ids,
+                                expert_ids, num_post_padded, top_k, num_tokens * top_k, hidden, inter)
 
     @kernel("moe", MOE_DOWN_ARGS + ", int split", "moe_gemv_down")
-    @kernel("moe", MOE_DOWN_ARGS, "moe_gemm_down")
+    @kernel("moe", MOE_DOWN_ARGS, *(f"moe_gemm_down_{m}" for m in MOE_GEMM_BLOCK_MS), shared=moe_gemm_shared_bytes)
     def moe_down(self, out: int, act: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
                  topk_weights: int, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
         """out [num_tokens * top_k, hidden] float32: each assignment's act row . its expert's down rows (w
         experts_down [num_experts, hidden, inter]) times its routing weight (float32 [num_tokens * top_k])."""
         _require_vectors("moe_down", hidden=hidden, inter=inter)
-        self._moe_expert_launch(moe_uses_gemv(num_tokens, top_k, num_experts), ("moe_gemv_down", "moe_gemm_down"),
-                                MOE_GEMM_TILE_N, hidden, inter, num_tokens, top_k, num_experts, out, act, w,
-                                sorted_ids, expert_ids, num_post_padded, topk_weights, num_tokens * top_k, hidden,
-                                inter)
+        self._moe_expert_launch(False, hidden, inter, num_tokens, top_k, num_experts, out, act, w, sorted_ids,
+                                expert_ids, num_post_padded, topk_weights, num_tokens * top_k, hidden, inter)
 
     @kernel("moe", "float* x, const float* rows, int top_k, int hidden")
     def moe_sum(self, x: int, rows: int, num_tokens: int, top_k: int, hidden: int) -> None:
