@@ -22,8 +22,9 @@
 // Weights: experts_gate_up [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), experts_down
 // [E, hidden, inter], row-major bf16.
 //
-// Compiled with -DMOE_MAX_EXPERTS, -DMOE_TOPK_THREADS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL, -DMOE_GEMM_BLOCK_K and
-// -DMOE_GEMM_STAGES from backends/cuda/ops.py, which launches the kernels.
+// Compiled with -DMOE_MAX_EXPERTS, -DMOE_TOPK_THREADS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL,
+// -DMOE_GEMM_BLOCK_K, -DMOE_GEMM_STAGES and -DMOE_GEMM_WARPS_<m> from backends/cuda/ops.py, which launches the
+// kernels.
 #include "common.cuh"
 #include "gemv_tile.cuh"
 
@@ -402,7 +403,6 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_do
 }
 
 #define GEMM_BLOCK_N 128  // B rows (output columns) per tile: gate/up 64 units' gate and up rows, down 128 columns
-#define GEMM_WARPS 4  // warps per block: BM / 16 row groups of 16 times GEMM_WARPS / (BM / 16) column groups
 #define GEMM_LD (MOE_GEMM_BLOCK_K + 8)  // shared rows padded so that ldmatrix is conflict-free
 
 // One k-step's A and B tiles in shared memory (a stage of the pipeline); MOE_GEMM_STAGES of them are the kernel's
@@ -425,16 +425,16 @@ __device__ __forceinline__ int gemm_weight_row(int j, int col0, int n) {
 
 // Issue the copies of k-step k0 into a stage: A rows rows_s (a_rows' rows; -1: zeros), B rows the expert's weight
 // rows; chunks past k are zeros.
-template <bool GATE_UP, int BM, int WN>
+template <bool GATE_UP, int BM, int WARPS, int WN>
 __device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, const int* rows_s, const bf16* a_rows,
                                                 const bf16* w_e, int k0, int col0, int n, int k) {
     constexpr int BK = MOE_GEMM_BLOCK_K, PARTS = BK / 8;
-    for (int c = threadIdx.x; c < BM * PARTS; c += GEMM_WARPS * 32) {
+    for (int c = threadIdx.x; c < BM * PARTS; c += WARPS * 32) {
         const int r = c / PARTS, kc = k0 + c % PARTS * 8, row = rows_s[r];
         const bool ok = row >= 0 && kc < k;
         cp_async16(&st.a[r * GEMM_LD + c % PARTS * 8], ok ? a_rows + (int64_t)row * k + kc : a_rows, ok);
     }
-    for (int c = threadIdx.x; c < GEMM_BLOCK_N * PARTS; c += GEMM_WARPS * 32) {
+    for (int c = threadIdx.x; c < GEMM_BLOCK_N * PARTS; c += WARPS * 32) {
         const int j = c / PARTS, kc = k0 + c % PARTS * 8;
         const bf16* src = w_e + (int64_t)gemm_weight_row<GATE_UP, WN>(j, col0, n) * k + kc;
         cp_async16(&st.b[j * GEMM_LD + c % PARTS * 8], kc < k ? src : w_e, kc < k);
@@ -446,14 +446,16 @@ __device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, const int* ro
 // MOE_GEMM_BLOCK_K through a MOE_GEMM_STAGES-deep cp.async pipeline; warp w multiplies rows 16 (w % (BM / 16)) .. + 15
 // by its column group's WN B rows. GATE_UP: act [p, inter] bf16 = SwiGLU of units col0 .. col0 + 63 (k = hidden);
 // else out [a, n] float32 = topk_weights[a] * act row p . down rows col0 .. col0 + 127 (k = inter).
-// Grid (max tiles, ceil(units / 64) or ceil(n / 128)), block GEMM_WARPS * 32.
-template <bool GATE_UP, int BM>
+// WARPS: BM / 16 row groups of 16 times WARPS / (BM / 16) column groups of WN = 128 / that B rows.
+// Grid (max tiles, ceil(units / 64) or ceil(n / 128)), block WARPS * 32.
+template <bool GATE_UP, int BM, int WARPS>
 __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
                          const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
                          int num_assignments, int n, int k) {
     pdl_begin();
-    constexpr int BK = MOE_GEMM_BLOCK_K, ROW_GROUPS = BM / 16, WN = GEMM_BLOCK_N / (GEMM_WARPS / ROW_GROUPS);
-    static_assert(GEMM_WARPS % ROW_GROUPS == 0 && BK % 16 == 0, "a warp's 16 rows and WN columns, whole k-steps");
+    constexpr int BK = MOE_GEMM_BLOCK_K, ROW_GROUPS = BM / 16, WN = GEMM_BLOCK_N / (WARPS / ROW_GROUPS);
+    static_assert(WARPS % ROW_GROUPS == 0 && WN % 32 == 0 && BK % 16 == 0,
+                  "a warp's 16 rows and WN columns (gate/up: pairs of 8 units), whole k-steps");
     extern __shared__ __align__(16) unsigned char gemm_shared[];
     GemmStage<BM>* stages = reinterpret_cast<GemmStage<BM>*>(gemm_shared);
     __shared__ int rows_s[BM];  // the A row of each tile row; -1: zeros (a padding row of gate/up)
@@ -471,7 +473,7 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
     const int steps = (k + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < MOE_GEMM_STAGES - 1; ++s) {  // the pipeline's first stages; a group per stage, empty or not
-        if (s < steps) gemm_load_stage<GATE_UP, BM, WN>(stages[s], rows_s, a_rows, w_e, s * BK, col0, n, k);
+        if (s < steps) gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[s], rows_s, a_rows, w_e, s * BK, col0, n, k);
         cp_async_commit();
     }
     float acc[WN / 8][4];
@@ -483,7 +485,7 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
         __syncthreads();  // ... and everyone's; every warp is past the step before, whose stage is refilled next
         const int next = step + MOE_GEMM_STAGES - 1;
         if (next < steps)
-            gemm_load_stage<GATE_UP, BM, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK, col0, n,
+            gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK, col0, n,
                                              k);
         cp_async_commit();
         const GemmStage<BM>& st = stages[step % MOE_GEMM_STAGES];
@@ -526,24 +528,25 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
     }
 }
 
-// act [max padded rows, inter]; x [T, hidden]; w experts_gate_up. One kernel per tile height (ops.moe_block_m).
-#define MOE_GEMM_KERNELS(BM)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32) moe_gemm_gate_up_##BM(                             \
-        bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids,                       \
-        const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter) {                         \
-        moe_gemm<true, BM>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k,              \
-                           num_assignments, inter, hidden);                                                          \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32) moe_gemm_down_##BM(                                \
-        float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,                    \
-        const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {         \
-        moe_gemm<false, BM>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1,          \
-                            num_assignments, hidden, inter);                                                         \
+// act [max padded rows, inter]; x [T, hidden]; w experts_gate_up. One kernel per tile height (ops.moe_block_m) and
+// its warps per block.
+#define MOE_GEMM_KERNELS(BM, WARPS)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_gate_up_##BM(                                    \
+        bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids,                         \
+        const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter) {                           \
+        moe_gemm<true, BM, WARPS>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k,         \
+                                  num_assignments, inter, hidden);                                                     \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_down_##BM(                                       \
+        float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,                      \
+        const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {           \
+        moe_gemm<false, BM, WARPS>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1,     \
+                                   num_assignments, hidden, inter);                                                    \
     }
 
 // out [num_assignments, hidden] float32 (down); act as gate/up wrote it; w experts_down.
-MOE_GEMM_KERNELS(32)
-MOE_GEMM_KERNELS(64)
+MOE_GEMM_KERNELS(32, MOE_GEMM_WARPS_32)
+MOE_GEMM_KERNELS(64, MOE_GEMM_WARPS_64)
 
 // ---- 4. the weighted sum --------------------------------------------------------------------------------------
 

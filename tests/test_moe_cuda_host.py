@@ -57,8 +57,8 @@ def test_moe_launchers_pick_the_path_by_batch():
     assert moe_uses_gemv(8, 8, 128) and moe_uses_gemv(128, 8, 128) and not moe_uses_gemv(129, 8, 128)
     assert MOE_GEMM_BLOCK_MS == (32, 64)
     assert [moe_block_m(t, 8, 128) for t in (4, 128, 129, 256, 257, 4096)] == [MOE_GEMV_TILE] * 2 + [32] * 2 + [64] * 2
-    # GEMV weight tiles: gate/up 96 of 8 units, 8 warps each over k 2048; down 128 of 16 columns, 2 warps over 768
-    assert (moe_gemv_split(2048), moe_gemv_split(768)) == (8, 2)
+    # GEMV weight tiles: gate/up 96 of 8 units, 8 warps each over k 2048; down 128 of 16 columns, 4 warps over 768
+    assert [moe_gemv_split(k) for k in (2048, 768, 512, 256, 264, 4096)] == [8, 4, 2, 1, 2, 8]
     ops.moe_topk_softmax(1, 2, 3, 4, 128, 8, True)
     ops.moe_align(1, 2, 3, 4, 32, 128, 8)
     ops.moe_gate_up(1, 2, 3, 4, 5, 6, 4, 8, 128, 2048, 768)
@@ -70,10 +70,10 @@ def test_moe_launchers_pick_the_path_by_batch():
     ops.moe_sum(1, 2, 256, 8, 2048)
     assert recorder.launches == [
         ("moe_topk_softmax", (4,), (128, 1, 1)), ("moe_align", (128,), (256, 1, 1)),
-        ("moe_gemv_gate_up", (32, 96), (256, 1, 1)), ("moe_gemv_down", (32, 32), (256, 1, 1)),
+        ("moe_gemv_gate_up", (32, 96), (256, 1, 1)), ("moe_gemv_down", (32, 64), (256, 1, 1)),
         # 2048 assignments in tiles of 32: at most 2048 / 32 + 128 * 31 / 32 = 188; 4096 in tiles of 64: 190
         ("moe_gemm_gate_up_32", (188, 12), (128, 1, 1)), ("moe_gemm_down_32", (188, 16), (128, 1, 1)),
-        ("moe_gemm_gate_up_64", (190, 12), (128, 1, 1)), ("moe_gemm_down_64", (190, 16), (128, 1, 1)),
+        ("moe_gemm_gate_up_64", (190, 12), (256, 1, 1)), ("moe_gemm_down_64", (190, 16), (256, 1, 1)),
         ("moe_sum", (256, 2), (256, 1, 1))]
 
 

@@ -44,6 +44,7 @@ MOE_GEMV_UNROLL = 8  # moe_gemv_*: 16-byte loads per weight row (two rows) and o
 MOE_GEMM_BLOCK_MS = (32, 64)  # moe_gemm_*_<m>: padded rows (assignments of one expert) per tile (moe_block_m)
 MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per pipeline stage (128 contiguous bytes of each weight row)
 MOE_GEMM_STAGES = 3  # moe_gemm_*: cp.async pipeline depth (two k-steps in flight while one is multiplied)
+MOE_GEMM_WARPS = {32: 4, 64: 8}  # moe_gemm_*_<m>: warps per block (64: two per 16 rows, each 64 of the 128 columns)
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
@@ -55,7 +56,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
             "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
-            "MOE_GEMM_STAGES": MOE_GEMM_STAGES},
+            "MOE_GEMM_STAGES": MOE_GEMM_STAGES, **{f"MOE_GEMM_WARPS_{m}": w for m, w in MOE_GEMM_WARPS.items()}},
 }
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
@@ -71,7 +72,6 @@ QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
 MOE_GEMV_TILE = 8  # moe_gemv_*: assignments per tile (the n = 8 side of their mma)
 MOE_GEMM_TILE_N = 128  # moe_gemm_*: output columns per tile (gate/up: 64 units' gate and up columns)
-MOE_GEMM_WARPS = 4  # moe_gemm_*: warps per block (cuda/moe.cu GEMM_WARPS)
 MOE_SUM_THREADS = 256  # moe_sum: threads per block, 4 columns each
 
 
@@ -249,10 +249,11 @@ MOE_DOWN_ARGS = "float* out, const bf16* act, const bf16* w, " + MOE_INDEX_ARGS 
 
 
 def moe_gemv_split(k: int) -> int:
-    """Warps sharing one moe_gemv weight tile, each taking a part of k: as many as k gives a full iteration each, so
-    that a decode step's few weight tiles still keep enough loads in flight (Qwen3-30B-A3B: gate/up 8, down 2)."""
+    """Warps sharing one moe_gemv weight tile, each taking a part of k: enough that each has at most one iteration
+    (the fewest that do, up to MOE_GEMV_WARPS), so that a decode step's few weight tiles still keep enough loads in
+    flight and no warp waits on a second round trip (Qwen3-30B-A3B: gate/up 8, down 4 of 3 iterations)."""
     split = 1
-    while split < MOE_GEMV_WARPS and 2 * split * MOE_GEMV_K_PER_ITERATION <= k:
+    while split < MOE_GEMV_WARPS and split * MOE_GEMV_K_PER_ITERATION < k:
         split *= 2
     return split
 
@@ -622,7 +623,8 @@ class Ops:
                         MOE_GEMV_WARPS * 32, *args, split)
         else:
             columns = MOE_GEMM_TILE_N // 2 if gate_up else MOE_GEMM_TILE_N
-            self.launch(f"moe_gemm_{which}_{block_m}", (tiles, -(-rows // columns)), MOE_GEMM_WARPS * 32, *args)
+            self.launch(f"moe_gemm_{which}_{block_m}", (tiles, -(-rows // columns)), MOE_GEMM_WARPS[block_m] * 32,
+                        *args)
 
     @kernel("moe", MOE_GATE_UP_ARGS + ", int split", "moe_gemv_gate_up")
     @kernel("moe", MOE_GATE_UP_ARGS, *(f"moe_gemm_gate_up_{m}" for m in MOE_GEMM_BLOCK_MS),
