@@ -19,7 +19,8 @@ extern "C" __global__ void add_qkv_bias(bf16* __restrict__ qkv, const bf16* __re
 
 // Each Q head x <- x / sqrt(mean(x^2) + eps) * (offset + q_weight), each K head likewise with k_weight (one gain
 // vector of head_dim for all heads; offset as norm.cu's: Gemma 3's 1, in float32); V is untouched.
-// Launch: grid (T), block 128: one warp per head at a time; a lane reads and writes the same elements.
+// Launch: grid (T), block 128: one warp per head at a time; a lane reads and writes the same elements. The forward
+// runs it only where cache.cu's rope_and_cache cannot apply the norms itself (ops.rope_fuses_qk_norm).
 // Twin: numpy_backend.qk_norm.
 extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restrict__ q_weight,
                                    const bf16* __restrict__ k_weight, int num_heads, int num_kv_heads, int head_dim,

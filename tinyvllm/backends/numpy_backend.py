@@ -46,7 +46,7 @@ def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.nda
             eps: float, per_head: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """RMSNorm of each head of q [T, heads, d] and k [T, kv_heads, d] on its own (Qwen3, before RoPE); per_head
     False: of each token's whole Q and whole K, weights [heads * d] and [kv_heads * d] (OLMoE).
-    Twin: cuda/qkv.cu qk_norm."""
+    Twins: cuda/qkv.cu qk_norm, and cache.cu rope_and_cache's norm_head (the per-head norms fused before RoPE)."""
     if per_head:
         return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     return (rms_norm(q.reshape(len(q), -1), q_weight, eps).reshape(q.shape),

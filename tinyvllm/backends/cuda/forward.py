@@ -1,10 +1,11 @@
 """The decoder forward (Llama and the families of model/config.py) in bf16 on one NVIDIA GPU: weights, activations
 and the paged KV cache in device memory, and the launch sequence of a step.
 
-Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) (-> qk_norm: Qwen3, Gemma 3) -> rope_and_cache (RoPE, and
-K and V into the paged cache) -> attention -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul (or
-gelu_tanh_and_mul: Gemma) -> down GEMM (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to
-8 rows (linear.py), bf16 in and float32 compute; the GEMV of the gate/up projection applies the activation itself
+Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) -> rope_and_cache (Qwen3's and Gemma 3's per-head q/k
+norms, or qk_norm before it where a head does not fit its lanes; RoPE; K and V into the paged cache) -> attention
+-> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul (or gelu_tanh_and_mul: Gemma) -> down GEMM
+(+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32
+compute; the GEMV of the gate/up projection applies the activation itself
 (on weight rows interleaved for it). The residual stream stays float32 and the O and down GEMMs add into it (beta =
 1); with sandwich norms (Gemma 2 and 3) they write a float32 scratch instead, and rms_norm_residual adds its norm
 to the residual and normalizes the result for the next GEMM. Every norm multiplies by (norm_offset + gain), the
