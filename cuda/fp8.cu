@@ -43,7 +43,8 @@ extern "C" __global__ void quantize_fp8(e4m3* __restrict__ out, float* __restric
     }
 }
 
-// out[r, c] (+)= acc[r, c] * row_scale[r] * col_scale[c]: the epilogue of the cuBLASLt FP8 GEMM (float32 acc).
+// out[r, c] (+)= acc[r, c] * row_scale[r] * col_scale[c]: the epilogue of the cuBLASLt FP8 GEMM (float32 acc). out may
+// be acc itself (a float32 product that adds to nothing: the LM head's logits): a thread reads its entries first.
 // Launch: grid (rows, ceil(n / 2048)), block 256, 8 columns per thread. n % 8 == 0.
 template <class T>
 __device__ void scale_rows_cols(T* out, const float* acc, const float* row_scale, const float* col_scale, int n,

@@ -731,6 +731,44 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     assert forward.on_stream(FakeStream()).linear.fp8 is forward.linear.fp8
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_forward_quantizes_the_lm_head_to_fp8(forward_module, tied):
+    """quantize_lm_head on a stand-in device: the LM head becomes e4m3 with a scale per vocabulary row (a tied one
+    gets codes of its own, the bf16 embedding kept for the lookup; an untied one's bf16 rows freed), is not tuned
+    (cuBLASLt's FP8 path), and runs as gemv_fp8 at decode and as cuBLASLt's FP8 GEMM written into the float32
+    logits themselves beyond 8 rows, scaled there (the scratch accumulator is not sized for the vocabulary)."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    config = tiny_config(head_dim=64, tie_word_embeddings=tied)
+    engine = EngineConfig(block_size=16, max_num_seqs=16, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8, quantization="fp8", quantize_lm_head=True)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    forward = forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine, device,
+                                         FakeStream(), 16)
+    head = forward.lm_head
+    assert head.dtype == E4M3 and head.shape == (config.vocab_size, config.hidden_size)
+    assert head.scale.shape == (config.vocab_size,) and head.ptr in device.live and head.scale.ptr in device.live
+    assert forward.embed.dtype == BF16 and forward.embed.ptr in device.live
+    bf16_heads = [t for t in device.live.values() if t.dtype == BF16 and t.shape == head.shape]
+    assert bf16_heads == [forward.embed]  # tied: the embedding itself; untied: the bf16 LM head freed
+    assert forward.tune_lm_head([1, 8, 16]) == {}
+    forward.allocate_kv_cache(8)
+    recorder.launches.clear()
+    forward.compute_logits(4, forward.buf.sample_hidden)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_f32"]
+    recorder.launches.clear()
+    calls = len(forward.linear.blas.calls)
+    forward.compute_logits(16, forward.buf.sample_hidden)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "scale_rows_cols_f32"]
+    out, x, w, m, _ = forward.linear.blas.calls[calls]
+    assert out.ptr == forward.buf.logits.ptr and x.dtype == E4M3 and w is head and m == 16
+    scale_args = recorder.args[-1]
+    assert scale_args[0] == scale_args[1] == forward.buf.logits.ptr and scale_args[-1] == 0  # in place, no add
+
+
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block", "ct-channel"])
 def test_an_fp8_checkpoint_is_requantized_per_channel(forward_module, tmp_path, scheme):
     """An FP8 checkpoint on a stand-in device: its weights stream dequantized, as bf16, and are quantized per output

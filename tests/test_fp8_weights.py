@@ -186,6 +186,47 @@ def test_numpy_w8a8_equals_a_torch_fake_quant_model(family, tmp_path):
     assert quantization > 1e-3
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # an untied LM head, and a tied one
+def test_quantize_lm_head_equals_a_torch_fake_quant_model(family, tmp_path):
+    """quantize_lm_head: the LM head through e4m3 too (a scale per vocabulary row, its input per token), the
+    embedding not (a tied one's lookup reads the unquantized rows): the reference is the fake-quant model above
+    with its LM head a FakeQuantLinear as well; without the head's quantization the error is larger."""
+    config = tiny_config(**FAMILIES[family])
+    weights = random_weights(config, seed=6)
+    path = save_hf_model_dir(tmp_path, config, weights)
+    prompts = [np.random.default_rng(20 + i).integers(3, config.vocab_size, 40).tolist() for i in range(3)]
+    llm = LLM(path, backend="numpy", quantization="fp8", quantize_lm_head=True, max_model_len=128)
+    backend = llm.llm_engine.backend
+    assert backend.lm_head.dtype == "float8_e4m3fn" and backend.embed.dtype == np.float32
+    assert backend.lm_head.scale.shape == (config.vocab_size,)
+    ours = our_logprobs(llm, prompts)
+    model = fake_quantize(hf_model(config, weights))
+    layers_only = hf_logprobs(model, prompts)
+    model.lm_head = FakeQuantLinear(fq_rows(model.lm_head.weight.data), None)
+    reference = hf_logprobs(model, prompts)
+    error, head_effect = np.abs(ours - reference).mean(), np.abs(layers_only - reference).mean()
+    assert error < head_effect / 5, (error, head_effect)
+    assert head_effect > 1e-4
+
+
+def test_quantize_lm_head_needs_fp8_weights_and_comes_from_the_cli_and_job_files(tiny_model_dir, tmp_path):
+    assert EngineConfig().quantize_lm_head is False
+    with pytest.raises(SettingError, match="^invalid quantize_lm_head=True: the LM head is quantized only with FP8 "
+                                           "weights"):
+        LLM(tiny_model_dir, backend="numpy", quantize_lm_head=True)
+    prompts = EXAMPLES / "prompts.jsonl"
+    ok_run(tiny_model_dir, prompts, tmp_path / "o.parquet", "--max-tokens", 2, "--quantization", "fp8",
+           "--quantize-lm-head")
+    assert engine_of(tmp_path / "o.parquet")["quantize_lm_head"] is True
+    bad = run(tiny_model_dir, prompts, tmp_path / "b.parquet", "--max-tokens", 2, "--quantize-lm-head")
+    assert bad.exit_code != 0 and "invalid quantize_lm_head=True" in bad.stderr and "Traceback" not in bad.stderr
+    job = tmp_path / "job.toml"
+    job.write_text(f'input = "{prompts}"\noutput = "{tmp_path / "j.parquet"}"\nmodel = "{tiny_model_dir}"\n'
+                   'backend = "numpy"\nquantization = "fp8"\nquantize_lm_head = true\n[sampling]\nmax_tokens = 2\n')
+    assert CliRunner().invoke(main, ["job", str(job), "--quiet"]).exit_code == 0
+    assert engine_of(tmp_path / "j.parquet")["quantize_lm_head"] is True
+
+
 def test_quantization_keeps_the_embedding_and_lm_head_float32(tiny_model_dir):
     backend = LLM(tiny_model_dir, backend="numpy", quantization="fp8", max_model_len=64).llm_engine.backend
     layer = backend.layers[0]

@@ -223,6 +223,9 @@ class EngineConfig:
     quantization: str | None = setting(None, "fp8: linear layers' weights in e4m3 with a scale per output channel, "
                                        "activations per token; an FP8 checkpoint "
                                        "runs as stored [default: the checkpoint's]", choices=QUANTIZATIONS)
+    quantize_lm_head: bool = setting(False, "with FP8 weights (quantization fp8, or an FP8 checkpoint): the LM head "
+                                     "in e4m3 as well, a scale per vocabulary row, activations per token (the "
+                                     "embedding lookup stays as stored)")
     enforce_eager: bool = setting(False, "cuda: run every step eagerly, without CUDA graphs")
     max_logprobs: int | None = setting(None, "most logprobs (or prompt logprobs) a request may ask per token; a "
                                        "request asking more fails (vLLM's; -1: no limit) [default: the backend's "

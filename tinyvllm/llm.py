@@ -51,8 +51,8 @@ class LLM:
     .gguf file) to use instead of the model's. The keyword arguments are EngineConfig's fields (tinyvllm/config.py):
     backend ("auto" | "numpy" | "cuda"), batching ("continuous" | "static"), max_num_seqs, max_num_batched_tokens,
     block_size, max_model_len, num_kv_blocks, gpu_memory_utilization, cpu_kv_cache_gib, seed, enable_prefix_caching,
-    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), quantization (None | "fp8"), enforce_eager,
-    max_logprobs, cuda_graph_capture, batch_invariant; None stands for the default, as in vLLM. vLLM's other
+    enable_chunked_prefill, dtype, kv_cache_dtype ("auto" | "fp8"), quantization (None | "fp8"), quantize_lm_head,
+    enforce_eager, max_logprobs, cuda_graph_capture, batch_invariant; None stands for the default, as in vLLM. vLLM's other
     arguments in UNSUPPORTED_ARGS are accepted at their default only. Outputs hold logprobs as vLLM's
     {token_id: Logprob} (the engine's own outputs hold floats).
 

@@ -129,3 +129,36 @@ def test_fp8_through_the_engine_with_cuda_graphs(model_dir):
     print(f"REPORT fp8 engine: greedy tokens before the first divergence, cuda fp8 vs numpy fp8 "
           f"{sum(map(common_prefix, graphs, numpy))}/{total}, cuda fp8 vs cuda bf16 "
           f"{sum(map(common_prefix, graphs, bf16))}/{total}")
+
+
+def test_fp8_lm_head_through_the_engine(model_dir):
+    """quantize_lm_head on cuda (a tied LM head: codes of its own, the bf16 embedding kept for the lookup): prompt
+    logprobs (92 prompt rows through the LM head at once: cuBLASLt's FP8 GEMM written into the logits and scaled
+    there) and decode logprobs (gemv_fp8) follow the numpy twin with the same setting as closely as the layers
+    alone do, and move away from quantization="fp8" alone about as far as the twin moves."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+
+    def run(backend, **settings):
+        with LLM(model_dir, backend=backend, quantization="fp8", **SETTINGS, **settings) as llm:
+            if settings and backend == "cuda":
+                forward = llm.llm_engine.backend.forward
+                assert forward.lm_head.dtype == E4M3 and forward.embed.dtype != E4M3
+            outs = llm.generate(PROMPTS, params)
+        prompt = [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, PROMPTS)]
+        decode = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+        return np.concatenate(prompt), [o.outputs[0].token_ids for o in outs], np.concatenate(decode)
+
+    cuda_head, cuda_tokens, cuda_decode = run("cuda", quantize_lm_head=True)
+    numpy_head, numpy_tokens, numpy_decode = run("numpy", quantize_lm_head=True)
+    cuda_layers, _, _ = run("cuda")
+    numpy_layers, _, _ = run("numpy")
+    gap, layers_gap = np.abs(cuda_head - numpy_head).mean(), np.abs(cuda_layers - numpy_layers).mean()
+    cuda_effect, numpy_effect = np.abs(cuda_head - cuda_layers).mean(), np.abs(numpy_head - numpy_layers).mean()
+    same = [a == b for a, b in zip(cuda_tokens, numpy_tokens)]
+    decode_gap = np.mean([np.abs(np.subtract(c, n)).mean() for c, n, s in zip(
+        np.split(cuda_decode, 4), np.split(numpy_decode, 4), same) if s] or [0.0])
+    print(f"REPORT fp8 LM head: prompt logprob |cuda - numpy| {gap:.3e} (layers alone {layers_gap:.3e}); the LM "
+          f"head's own effect cuda {cuda_effect:.3e}, numpy {numpy_effect:.3e}; decode logprob gap {decode_gap:.3e} "
+          f"over {sum(same)} of 4 identical completions")
+    assert gap < 2 * layers_gap + 0.02
+    assert 0.5 * numpy_effect < cuda_effect < 2 * numpy_effect + 0.05 and numpy_effect > 1e-4

@@ -56,6 +56,9 @@ def create_backend(model, config: EngineConfig) -> Backend:
     if config.quantization == "fp8" and model.config.num_experts:
         raise SettingError("invalid quantization='fp8': a mixture-of-experts model's experts have no FP8 path yet "
                            "(its other layers would be quantized and its experts not); leave quantization unset")
+    if config.quantize_lm_head and config.quantization != "fp8" and model.config.quantization is None:
+        raise SettingError("invalid quantize_lm_head=True: the LM head is quantized only with FP8 weights "
+                           "(quantization='fp8', or an FP8 checkpoint)")
     refusal = cuda_refusal(model.config, config.max_model_len)
     if name == "cuda":
         _refuse_fp8_weights(model)

@@ -285,13 +285,14 @@ class NumpyBackend(Backend):
         self.invariant = engine_config.batch_invariant  # every row's result independent of the batch (README)
         check_weights_fit(cfg)  # before packing, which would run the host out of memory
         # FP8 (model/fp8.py): a checkpoint's e4m3 linear weights as stored, or, with quantization="fp8", every float
-        # linear weight quantized here; the embedding and the LM head stay float32
+        # linear weight quantized here; the embedding stays float32, the LM head too unless quantize_lm_head
         checkpoint = isinstance(model.weights, Fp8CheckpointWeights)
         packed = (pack_weights(model.weights, cfg, model.weights.fp8_or_float, stack_rows) if checkpoint
                   else pack_weights(model.weights, cfg))
         self.embed = np.ascontiguousarray(packed.embed, dtype=np.float32)
         self.embed_scale = np.float32(cfg.embed_scale)  # in the compute dtype, as HF scales in the embedding's
-        self.lm_head = HostWeight.from_rows(packed.lm_head)  # [hidden, vocab]
+        self.lm_head = (HostWeight.from_fp8(quantize_rows(packed.lm_head)) if engine_config.quantize_lm_head
+                        else HostWeight.from_rows(packed.lm_head))  # [hidden, vocab]
         self.final_norm = np.asarray(packed.final_norm, dtype=np.float32) + np.float32(cfg.norm_offset)
         quantize = engine_config.quantization == "fp8" and not checkpoint
         self.layers = [host_layer(layer, quantize, cfg.norm_offset) for layer in packed.layers]

@@ -63,7 +63,7 @@ STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
 # took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
-FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (embedding, LM head: bf16)
+FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
 
 
 def fp8_weights(model, engine_config: EngineConfig) -> bool:
@@ -178,6 +178,8 @@ class CudaForward:
         self.ops = device.ops(stream)
         if self.fp8:
             self._quantize_weights(model.weights)
+        if engine_config.quantize_lm_head:  # FP8 weights: backends.create_backend refuses it otherwise
+            self._quantize_lm_head()
         # our GEMV for a few rows, else cuBLAS
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant)
         self.kv: KVCache | None = None
@@ -467,11 +469,24 @@ class CudaForward:
             self.ops.qk_norm_projection(qkv, layer.q_norm.ptr, layer.k_norm.ptr, n, self.q_width, self.kv_width,
                                         self.qkv_width, cfg.rms_norm_eps)
 
+    def _quantize_lm_head(self) -> None:
+        """The LM head in e4m3 with a scale per vocabulary row, as the layers' weights: a tied one gets codes of its
+        own (the bf16 embedding stays, for the lookup), an untied one's bf16 rows are freed."""
+        w = self.lm_head
+        scale, codes = self.device.empty(F32, w.shape[:1]), self.device.empty(E4M3, w.shape)
+        self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, w.shape[0], w.shape[1])
+        self.stream.synchronize()
+        if w is not self.embed:
+            self.device.free(w)
+        self.lm_head = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
+        log.info("cuda weights: LM head quantized to fp8 (e4m3, a scale per vocabulary row)")
+
     def tune_lm_head(self, buckets: list[int]) -> dict[int, int]:
         """Choose the LM head's GEMM algorithm by timing at each decode bucket of LM_HEAD_TUNE_ROWS rows or more
         (before any graph captures it), on the logits buffer with rows of the LM head's own weights as input.
-        Returns the candidate kept per bucket (0: the heuristics' first); batch-invariant: none (one algorithm)."""
-        if self.invariant:
+        Returns the candidate kept per bucket (0: the heuristics' first); batch-invariant or an FP8 LM head: none
+        (one algorithm; cuBLASLt's FP8 path is not tuned)."""
+        if self.invariant or self.lm_head.dtype == E4M3:
             return {}
 
         def elapsed(run: Callable[[], None]) -> float:

@@ -64,9 +64,10 @@ class Linear:
         return (not self.invariant and 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights
                 and k % VECTOR == 0)
 
-    def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+    def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
+               accumulate: bool = False) -> tuple[int, int]:
         if w.dtype == E4M3:
-            return self._check_fp8(out, x, w, m)
+            return self._check_fp8(out, x, w, m, accumulate)
         if w.dtype != BF16:
             raise ValueError(f"linear layers with {w.dtype} weights are not supported on the cuda backend (bf16 or "
                              "e4m3 with scales)")
@@ -77,7 +78,7 @@ class Linear:
 
     def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
         """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate."""
-        n, k = self._check(out, x, w, m)
+        n, k = self._check(out, x, w, m, accumulate)
         if w.dtype == E4M3:
             self._gemm_fp8(out, x, w, m, n, k, accumulate)
         elif self.uses_gemv(m, n, k):
@@ -85,7 +86,8 @@ class Linear:
         else:
             self.blas.gemm(out, x, w, m, accumulate=accumulate)
 
-    def _check_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int) -> tuple[int, int]:
+    def _check_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
+                   accumulate: bool) -> tuple[int, int]:
         s = self.fp8
         if s is None or w.scale is None or w.scale.shape != w.shape[:1]:
             raise ValueError("an e4m3 linear layer needs its weight's per-channel scales and the fp8 scratch buffers")
@@ -93,7 +95,8 @@ class Linear:
             raise ValueError(f"an e4m3 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
                              f"{out.dtype}")
         n, k = matmul_shape(out, x, w, m)
-        if k % FP8_VECTOR or n % VECTOR or m * k > s.codes.numel or m * n > s.acc.numel or m > s.scales.numel:
+        acc = 0 if _lands_in_place(out, accumulate) else m * n  # entries of the scratch accumulator it needs
+        if k % FP8_VECTOR or n % VECTOR or m * k > s.codes.numel or acc > s.acc.numel or m > s.scales.numel:
             raise ValueError(f"an e4m3 product of {m} rows, n {n}, k {k}: k must be a multiple of {FP8_VECTOR}, n of "
                              f"{VECTOR}, and the fp8 scratch buffers hold it")
         return n, k
@@ -108,7 +111,7 @@ class Linear:
             self.ops.gemv_fp8(out.ptr, s.codes.ptr, s.scales.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32,
                               accumulate)
             return
-        acc = DeviceTensor(s.acc.ptr, F32, (m, n))
+        acc = out if _lands_in_place(out, accumulate) else DeviceTensor(s.acc.ptr, F32, (m, n))
         self.blas.gemm(acc, DeviceTensor(s.codes.ptr, E4M3, (m, k)), w, m)
         self.ops.scale_rows_cols(out.ptr, acc.ptr, s.scales.ptr, w.scale.ptr, m, n, out.dtype == F32, accumulate)
 
@@ -131,3 +134,9 @@ class Linear:
         else:
             self.blas.gemm(gate_up, x, w, m)
             kernel(out.ptr, gate_up.ptr, m, n // 2)
+
+
+def _lands_in_place(out: DeviceTensor, accumulate: bool) -> bool:
+    """Whether cuBLASLt's FP8 product can be written into out itself and scaled there (float32, adding to nothing:
+    the LM head's logits, whose [rows, vocabulary] the scratch accumulator is not sized for)."""
+    return out.dtype == F32 and not accumulate
