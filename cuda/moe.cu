@@ -485,8 +485,8 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
         __syncthreads();  // ... and everyone's; every warp is past the step before, whose stage is refilled next
         const int next = step + MOE_GEMM_STAGES - 1;
         if (next < steps)
-            gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK, col0, n,
-                                             k);
+            gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK,
+                                                    col0, n, k);
         cp_async_commit();
         const GemmStage<BM>& st = stages[step % MOE_GEMM_STAGES];
 #pragma unroll

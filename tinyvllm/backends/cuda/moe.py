@@ -4,8 +4,8 @@ router GEMM (float32 logits) -> moe_topk_softmax -> moe_align (assignments group
 tile of the path this batch takes) -> moe_gate_up (SwiGLU fused) -> moe_down (times the routing weight) -> moe_sum
 (each token's rows in slot order, into the residual stream). A decode batch takes the GEMV kernels (tiles of 8
 assignments: only the chosen experts' weights are read, each once per tile), a larger one the grouped GEMM over
-tiles of 32 or 64 (ops.moe_block_m). Every kernel's grid is sized for the batch's most tiles and reads the counts on the device, so
-a decode step stays capturable in a CUDA graph.
+tiles of 32 or 64 (ops.moe_block_m). Every kernel's grid is sized for the batch's most tiles and reads the counts on
+the device, so a decode step stays capturable in a CUDA graph.
 
 The experts are stacked [num_experts, rows, columns] bf16 (experts_gate_up: each expert's gate rows, then its up
 rows, not interleaved; experts_down), so that an FP8 form is a DeviceTensor of e4m3 codes with a scale
