@@ -225,6 +225,9 @@ def test_quantize_lm_head_needs_fp8_weights_and_comes_from_the_cli_and_job_files
                    'backend = "numpy"\nquantization = "fp8"\nquantize_lm_head = true\n[sampling]\nmax_tokens = 2\n')
     assert CliRunner().invoke(main, ["job", str(job), "--quiet"]).exit_code == 0
     assert engine_of(tmp_path / "j.parquet")["quantize_lm_head"] is True
+    job.write_text(job.read_text().replace("quantize_lm_head = true", 'quantize_lm_head = "yes"'))
+    bad_job = CliRunner().invoke(main, ["job", str(job), "--quiet"])
+    assert bad_job.exit_code != 0 and "quantize_lm_head" in bad_job.output and "Traceback" not in bad_job.output
 
 
 def test_quantization_keeps_the_embedding_and_lm_head_float32(tiny_model_dir):

@@ -5,10 +5,10 @@ Per layer: rms_norm -> QKV GEMM (-> add_qkv_bias: Qwen2) -> rope_and_cache (Qwen
 norms, or qk_norm before it where a head does not fit its lanes; RoPE; K and V into the paged cache) -> attention
 -> O GEMM (+= residual) -> rms_norm -> gate/up GEMM -> silu_and_mul (or gelu_tanh_and_mul: Gemma) -> down GEMM
 (+= residual). Linear layers are cuBLAS GEMMs, or our GEMV kernel for up to 8 rows (linear.py), bf16 in and float32
-compute; the GEMV of the gate/up projection applies the activation itself
-(on weight rows interleaved for it). The residual stream stays float32 and the O and down GEMMs add into it (beta =
-1); with sandwich norms (Gemma 2 and 3) they write a float32 scratch instead, and rms_norm_residual adds its norm
-to the residual and normalizes the result for the next GEMM. Every norm multiplies by (norm_offset + gain), the
+compute; the GEMV of the gate/up projection applies the activation itself (on weight rows interleaved for it). The
+residual stream stays float32 and the O and down GEMMs add into it (beta = 1); with sandwich norms (Gemma 2 and 3)
+they write a float32 scratch instead, and rms_norm_residual adds its norm to the residual and normalizes the result
+for the next GEMM. Every norm multiplies by (norm_offset + gain), the
 embedding by embed_scale rounded to bf16 (Gemma's). The LM head writes float32 logits (soft-capped where the model
 caps them) that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
@@ -180,6 +180,8 @@ class CudaForward:
             self._quantize_weights(model.weights)
         if engine_config.quantize_lm_head:  # FP8 weights: backends.create_backend refuses it otherwise
             self._quantize_lm_head()
+        # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
+        self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
         # our GEMV for a few rows, else cuBLAS
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant)
         self.kv: KVCache | None = None
@@ -422,12 +424,11 @@ class CudaForward:
             linear.gemm(b.qkv, b.h, layer.qkv, n)
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
-            fused_norm = self._rope_qk_norm(layer)
-            if layer.q_norm is not None and fused_norm is None:
+            if layer.q_norm is not None and self.rope_norms[i] is None:
                 self._qk_norm(layer, n)
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
                                inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
-                               self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim, fused_norm)
+                               self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim, self.rope_norms[i])
             attention(i)
             self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
