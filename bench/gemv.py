@@ -1,6 +1,9 @@
 """Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on Llama-3.2-1B's decode GEMMs, m = 1, 2, 4, 8.
 
-    python bench/gemv.py [--runs 100]
+    python bench/gemv.py [--runs 100] [--fp8]
+
+--fp8: the FP8 GEMV (e4m3 weights with per-row scales, cuda/fp8.cu) against our bf16 GEMV on the same shapes
+(the "cuBLAS" columns then hold the bf16 GEMV; bandwidth is each one's own weight bytes).
 
 Each time is the median over --runs single launches timed by CUDA events. Every launch is queued behind a spin
 kernel, so the GPU is still busy when the host enqueues it and the host's launch latency is not timed, and the
@@ -21,8 +24,8 @@ from pycuda.compiler import SourceModule
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.forward import WORKSPACE_BYTES
-from tinyvllm.backends.cuda.linear import Linear
-from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor
+from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
 
 WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
 SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
@@ -79,10 +82,13 @@ def copy_rate(timer: Timer) -> float:
 
 
 def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_fp32: bool, accumulate: bool,
-               ms: list[int]) -> dict[int, tuple[float, float]]:
-    """m -> (GEMV µs, cuBLAS µs) for one weight shape."""
+               ms: list[int], fp8: Linear | None = None) -> dict[int, tuple[float, float]]:
+    """m -> (GEMV µs, cuBLAS µs) for one weight shape; fp8: (FP8 GEMV µs through it, bf16 GEMV µs)."""
     rng = np.random.default_rng(n + k)
     bits = (rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if fp8 is not None:  # e4m3 codes but the NaNs, and a scale per row
+        bits = rng.integers(0, 0x7F, (n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
+        scale = cuda.to_device(np.full(n, 1e-3, np.float32))
     copies = [cuda.to_device(bits)]
     while len(copies) * bits.nbytes < WORKING_SET:
         copies.append(cuda.mem_alloc(bits.nbytes))
@@ -94,11 +100,21 @@ def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_f
     out_tensor = DeviceTensor(int(out), F32 if out_fp32 else BF16, (m_max, n))
     x_tensor = DeviceTensor(int(x), BF16, (m_max, k))
     weights = [DeviceTensor(int(copy), BF16, (n, k)) for copy in copies]
+    if fp8 is not None:
+        bf16_weights = [DeviceTensor(int(copy), BF16, (n, k // 2)) for copy in copies]  # half the width: as many bytes
+        weights = [DeviceTensor(int(copy), E4M3, (n, k), DeviceTensor(int(scale), F32, (n,))) for copy in copies]
 
-    def launches(gemm: Callable[..., None], m: int) -> Callable[[int], None]:
-        return lambda i: gemm(out_tensor, x_tensor, weights[i % len(weights)], m, accumulate=accumulate)
+    def launches(gemm: Callable[..., None], m: int, ws: list[DeviceTensor]) -> Callable[[int], None]:
+        return lambda i: gemm(out_tensor, x_tensor, ws[i % len(ws)], m, accumulate=accumulate)
 
-    results = {m: (timer.median_us(launches(linear.gemm, m)), timer.median_us(launches(blas.gemm, m))) for m in ms}
+    if fp8 is not None:
+        half = DeviceTensor(int(x), BF16, (m_max, k // 2))
+        results = {m: (timer.median_us(launches(fp8.gemm, m, weights)), timer.median_us(
+            lambda i, m=m: linear.gemm(out_tensor, half, bf16_weights[i % len(copies)], m, accumulate=accumulate)))
+            for m in ms}
+    else:
+        results = {m: (timer.median_us(launches(linear.gemm, m, weights)), timer.median_us(
+            launches(blas.gemm, m, weights))) for m in ms}
     for allocation in (*copies, x, out):
         allocation.free()
     return results
@@ -108,12 +124,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--m", default="1,2,4,8")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
     args = parser.parse_args()
     ms = [int(m) for m in args.m.split(",")]
     device = Device(0)
     stream = device.stream()
     blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)))
     linear = Linear(blas, device.ops(stream))
+    fp8 = None
+    if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x itself)
+        t, width = max(ms), max(k for _, k, _, _ in SHAPES.values())
+        fp8 = Linear(blas, device.ops(stream), fp8=Fp8Scratch(device.empty(E4M3, (t, width)), device.empty(F32, (t,)),
+                                                             device.empty(F32, (t, 128256))))
     timer = Timer(stream, args.runs)
     copy = copy_rate(timer)
     print(f"{cuda.Context.get_device().name()}: copy rate {copy / 1e9:.0f} GB/s (memcpy_dtod_async of 256 MiB, "
@@ -122,13 +144,13 @@ def main() -> None:
           f"{'GEMV/copy':>11}{'cuBLAS/copy':>13}{'speedup':>9}")
     times = {}
     for name, (n, k, out_fp32, accumulate) in SHAPES.items():
-        times[name] = time_shape(timer, linear, blas, n, k, out_fp32, accumulate, ms)
-        weight_bytes = 2 * n * k
+        times[name] = time_shape(timer, linear, blas, n, k, out_fp32, accumulate, ms, fp8)
+        weight_bytes = (1 if fp8 else 2) * n * k
         for m, (ours, theirs) in times[name].items():
             ours_bw, theirs_bw = weight_bytes / ours * 1e6, weight_bytes / theirs * 1e6
             print(f"{name:<9}{n:>7}{k:>6}{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}"
                   f"{theirs_bw / 1e9:>13.0f}{ours_bw / copy:>11.0%}{theirs_bw / copy:>13.0%}{theirs / ours:>9.2f}")
-    step_bytes = sum(2 * n * k * (1 if name == "lm_head" else LAYERS) for name, (n, k, _, _) in SHAPES.items())
+    step_bytes = sum((1 if fp8 else 2) * n * k * (1 if name == "lm_head" else LAYERS) for name, (n, k, _, _) in SHAPES.items())
     print(f"\none Llama-3.2-1B decode step: {LAYERS} layers x (qkv + o + gate_up + down) + lm_head, "
           f"{step_bytes / 1e9:.2f} GB of weights")
     print(f"{'m':>3}{'GEMV µs':>10}{'cuBLAS µs':>11}{'GEMV GB/s':>11}{'cuBLAS GB/s':>13}{'GEMV/copy':>11}"

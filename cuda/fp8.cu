@@ -3,16 +3,12 @@
 // backends/host_weight.py _matmul_fp8 (the product of the dequantized values, scaled per output column).
 //
 // A product out[m, n] = sum_k xq[m, k] * wq[n, k] * x_scale[m] * w_scale[n] runs as
-// - gemv_fp8 (m <= 8): our kernel, codes times codes in float32, the scales applied at its end;
-// - cuBLASLt's FP8 GEMM with unit scales into a float32 buffer (backends/cuda/cublas.py), then scale_rows_cols,
-//   which applies outer(x_scale, w_scale) (cuBLASLt's scale pointers take one scale per tensor on sm_90).
+// - gemv_fp8_* (m <= 8): gemv_kernel.cuh's GEMV with e4m3 weights, which quantizes x itself (per block, into shared
+//   memory) and ends in the scales, or in SwiGLU / GeGLU for the gate/up projection (gemv_swiglu_fp8, ...);
+// - else quantize_fp8 of x, then cuBLASLt's FP8 GEMM (backends/cuda/cublas.py): with the scales as its outer
+//   vectors where cuBLASLt offers them, else with unit scales into a float32 buffer and scale_rows_cols after it.
 // Every product of two e4m3 values is exact in float32, so both compute the twin's sums up to their order.
-#include "common.cuh"
-
-// Two e4m3 codes (16 bits) -> two floats, exactly.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
-    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)pair, __NV_E4M3)));
-}
+#include "gemv_kernel.cuh"
 
 // out[r, :] = e4m3(x[r, :] / scale[r]), scale[r] = amax(|x[r, :]|) / 448 (1 where the row is all zeros): the
 // weights at load (one scale per output channel) and each linear layer's input (one per token).
@@ -81,76 +77,47 @@ extern "C" __global__ void scale_rows_cols_bf16(bf16* out, const float* acc, con
     scale_rows_cols<bf16>(out, acc, row_scale, col_scale, n, accumulate);
 }
 
-// out[i, r] (+)= x_scale[i] * w_scale[r] * sum_k x[i, k] * w[r, k], for m <= 8 rows of e4m3 codes x and e4m3
-// weights w [n, k] (codes; per-row scales). A warp takes FP8_GEMV_ROWS weight rows and runs along k, 16 codes
-// (16 bytes) of each row and of each x row per lane and step, float32 products and sums; the warp's sums meet by
-// shuffles and lane (i, r) writes out[i, r].
-// Launch: grid (ceil(n / (FP8_GEMV_WARPS * FP8_GEMV_ROWS))), block FP8_GEMV_WARPS * 32. k % 16 == 0.
-template <class T>
-__device__ void gemv_fp8(T* out, const e4m3* x, const float* x_scale, const e4m3* w,
-                         const float* w_scale, int m, int n, int k, int accumulate) {
-    pdl_begin();
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * FP8_GEMV_WARPS + (threadIdx.x >> 5)) * FP8_GEMV_ROWS;
-    if (row0 >= n) return;
-    float acc[8][FP8_GEMV_ROWS];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int r = 0; r < FP8_GEMV_ROWS; ++r) acc[i][r] = 0.f;
-    for (int k0 = lane * 16; k0 < k; k0 += 32 * 16) {
-        uint4 wv[FP8_GEMV_ROWS], xv[8];
-#pragma unroll
-        for (int r = 0; r < FP8_GEMV_ROWS; ++r)
-            wv[r] = row0 + r < n ? *reinterpret_cast<const uint4*>(w + (int64_t)(row0 + r) * k + k0)
-                                 : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (i < m) xv[i] = *reinterpret_cast<const uint4*>(x + (int64_t)i * k + k0);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // each 32-bit word: 4 codes, 2 pairs
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float2 wf[FP8_GEMV_ROWS];
-#pragma unroll
-                for (int r = 0; r < FP8_GEMV_ROWS; ++r)
-                    wf[r] = e4m3x2_to_float2((reinterpret_cast<const uint32_t*>(&wv[r])[q] >> (16 * half)) & 0xFFFF);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    if (i >= m) break;
-                    const float2 xf =
-                        e4m3x2_to_float2((reinterpret_cast<const uint32_t*>(&xv[i])[q] >> (16 * half)) & 0xFFFF);
-#pragma unroll
-                    for (int r = 0; r < FP8_GEMV_ROWS; ++r) acc[i][r] = fmaf(xf.y, wf[r].y, fmaf(xf.x, wf[r].x, acc[i][r]));
-                }
-            }
-        }
+// The GEMV kernels with e4m3 weights (gemv_kernel.cuh), each in its plain and `_pipelined` form: out (+)= x . w^T
+// scaled (bf16 or float32 out), and the gate/up projection's SwiGLU / GeGLU (rows interleaved as gemv.cu's).
+#define GEMV_FP8_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
+    gemv_fp8_bf16##SUFFIX(bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,      \
+                          int split, int accumulate) {                                                            \
+        gemv<bf16, Ungated, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, accumulate);                     \
     }
-    float mine = 0.f;  // lane i * FP8_GEMV_ROWS + r keeps the sum of (i, r)
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int r = 0; r < FP8_GEMV_ROWS; ++r) {
-            const float sum = warp_reduce<Sum>(acc[i][r]);
-            if (lane == i * FP8_GEMV_ROWS + r) mine = sum;
-        }
-    const int i = lane / FP8_GEMV_ROWS, row = row0 + lane % FP8_GEMV_ROWS;
-    if (i >= m || row >= n) return;
-    const float v = mine * x_scale[i] * w_scale[row];
-    T* o = out + (int64_t)i * n + row;
-    if constexpr (sizeof(T) == 4) {
-        *o = accumulate ? *o + v : v;
-    } else {
-        *o = __float2bfloat16_rn(accumulate ? __bfloat162float(*o) + v : v);
+#define GEMV_FP8_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
+    gemv_fp8_f32##SUFFIX(float* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,      \
+                         int split, int accumulate) {                                                             \
+        gemv<float, Ungated, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, accumulate);                    \
     }
-}
-
-extern "C" __global__ void gemv_fp8_f32(float* out, const e4m3* x, const float* x_scale, const e4m3* w,
-                                        const float* w_scale, int m, int n, int k, int accumulate) {
-    gemv_fp8<float>(out, x, x_scale, w, w_scale, m, n, k, accumulate);
-}
-
-extern "C" __global__ void gemv_fp8_bf16(bf16* out, const e4m3* x, const float* x_scale, const e4m3* w,
-                                         const float* w_scale, int m, int n, int k, int accumulate) {
-    gemv_fp8<bf16>(out, x, x_scale, w, w_scale, m, n, k, accumulate);
-}
+#define GEMV_FP8_GATED(NAME, ACT, SUFFIX, PIPELINED, MIN_BLOCKS)                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
+    gemv_##NAME##_fp8##SUFFIX(bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,  \
+                              int split) {                                                                        \
+        gemv<bf16, ACT, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, 0);                                  \
+    }
+#if KEEPS(gemv_fp8_bf16)
+GEMV_FP8_BF16(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_fp8_f32)
+GEMV_FP8_F32(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_swiglu_fp8)
+GEMV_FP8_GATED(swiglu, Silu, , false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_geglu_fp8)
+GEMV_FP8_GATED(geglu, GeluTanh, , false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_fp8_bf16_pipelined)
+GEMV_FP8_BF16(_pipelined, true, 1)
+#endif
+#if KEEPS(gemv_fp8_f32_pipelined)
+GEMV_FP8_F32(_pipelined, true, 1)
+#endif
+#if KEEPS(gemv_swiglu_fp8_pipelined)
+GEMV_FP8_GATED(swiglu, Silu, _pipelined, true, 1)
+#endif
+#if KEEPS(gemv_geglu_fp8_pipelined)
+GEMV_FP8_GATED(geglu, GeluTanh, _pipelined, true, 1)
+#endif

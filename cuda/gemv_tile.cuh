@@ -1,11 +1,12 @@
-// One warp's share of a GEMV tile, shared by gemv.cu (dense layers) and moe.cu (experts): 16 weight rows times the
-// 8 columns of x^T through mma.m16n8k16, in iterations of UNROLL 16-byte loads per row (gemv.cu explains the
-// fragment layout: a lane's 8 consecutive k feed two mmas, w and x permuted alike).
+// One warp's share of a GEMV tile, shared by gemv_kernel.cuh (dense layers, bf16 and e4m3 weights) and moe.cu
+// (experts): 16 weight rows times the 8 columns of x^T through mma.m16n8k16 (bf16) or m16n8k32 (e4m3), in
+// iterations of UNROLL 16-byte loads per row (gemv_kernel.cuh explains the fragment layout: a lane's 16 consecutive
+// bytes feed two mmas, w and x permuted alike).
 #pragma once
 #include "mma.cuh"
 
 // w is read once and bypasses L1, so that L1 keeps x, which every block re-reads.
-__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -14,23 +15,26 @@ __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
 
 // x is written by the kernel before (PDL): a plain load, because ptxas moves a non-coherent (__ldg) load of it
 // above the grid_dependency_wait when w's loads come first (tests/gpu/test_pdl.py checks the order in the SASS).
-__device__ __forceinline__ uint4 load_coherent(const bf16* p) {
+__device__ __forceinline__ uint4 load_coherent(const void* p) {
     uint4 v;
     asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
 // An iteration, first half: UNROLL 16-byte loads of each of the lane's two weight rows (w_lo: the A operand's row g,
-// w_hi: its row g + 8) from chunk base on (the 4 lanes of a row read 64 contiguous bytes per u) ...
-template <int UNROLL>
-__device__ __forceinline__ void load_rows(uint4 (&lo)[UNROLL], uint4 (&hi)[UNROLL], const bf16* w_lo,
-                                          const bf16* w_hi, int base, int t, int chunks) {
+// w_hi: its row g + 8) from chunk base on (the 4 lanes of a row read 64 contiguous bytes per u); a chunk is 16 bytes
+// of any weight dtype (8 bf16 or 16 e4m3 codes) ...
+template <int UNROLL, typename W>
+__device__ __forceinline__ void load_rows(uint4 (&lo)[UNROLL], uint4 (&hi)[UNROLL], const W* w_lo, const W* w_hi,
+                                          int base, int t, int chunks) {
+    const uint4* lo_row = reinterpret_cast<const uint4*>(w_lo);
+    const uint4* hi_row = reinterpret_cast<const uint4*>(w_hi);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int chunk = base + u * 4 + t;
         const bool in = chunk < chunks;
-        lo[u] = in ? load_streaming(w_lo + chunk * 8) : make_uint4(0, 0, 0, 0);
-        hi[u] = in ? load_streaming(w_hi + chunk * 8) : make_uint4(0, 0, 0, 0);
+        lo[u] = in ? load_streaming(lo_row + chunk) : make_uint4(0, 0, 0, 0);
+        hi[u] = in ? load_streaming(hi_row + chunk) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -49,5 +53,38 @@ __device__ __forceinline__ void multiply(float (&c)[2][4], const uint4 (&lo)[UNR
     for (int u = 0; u < UNROLL; ++u) {
         mma_bf16(c[0], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y);
         mma_bf16(c[1], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w);
+    }
+}
+
+// Two e4m3 codes (the low or high 16 bits of `word`) -> their values as f16x2, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t word, int high) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(word >> (16 * high)), __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+// The e4m3 form of multiply: the weights' codes become f16 in registers (sm_90's mma.sync has no FP8 form: an
+// e4m3 mma compiles to these conversions and f16 mmas anyway), x row g comes as f16 values of its codes from
+// shared memory (x_row: 32 bytes per 16-code chunk). Word q of a lane's 16 codes of each row feeds one m16n8k16
+// mma: its codes 0-1 as k {2t, 2t+1}, 2-3 as k {2t+8, 2t+9}, and x's halves 4q.. alike.
+template <int UNROLL>
+__device__ __forceinline__ void multiply_e4m3(float (&c)[2][4], const uint4 (&lo)[UNROLL], const uint4 (&hi)[UNROLL],
+                                              const uint4* x_row, int base, int t, int chunks) {
+    uint4 xv[UNROLL][2];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int chunk = base + u * 4 + t;
+        const bool in = chunk < chunks;
+        xv[u][0] = in ? x_row[2 * chunk] : make_uint4(0, 0, 0, 0);
+        xv[u][1] = in ? x_row[2 * chunk + 1] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const uint32_t* l = reinterpret_cast<const uint32_t*>(&lo[u]);
+        const uint32_t* h = reinterpret_cast<const uint32_t*>(&hi[u]);
+        const uint32_t* x = reinterpret_cast<const uint32_t*>(xv[u]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            mma_f16(c[q & 1], e4m3x2_to_f16x2(l[q], 0), e4m3x2_to_f16x2(h[q], 0), e4m3x2_to_f16x2(l[q], 1),
+                    e4m3x2_to_f16x2(h[q], 1), x[2 * q], x[2 * q + 1]);
     }
 }

@@ -22,8 +22,8 @@ def declared_kernels(file: str) -> dict[str, str]:
     source = (CUDA_DIR / f"{file}.cu").read_text().replace("\\\n", " ")
     kernels = {}
     for name, params in KERNEL.findall(source):
-        parts = name.split("##")  # literal text, then a macro argument, alternately
-        pattern = "".join(re.escape(p) if i % 2 == 0 else r"\w*" for i, p in enumerate(parts))
+        parts = name.split("##")  # literal text and macro arguments (upper case)
+        pattern = "".join(r"\w*" if re.fullmatch(r"[A-Z][A-Z0-9_]*", p) else re.escape(p) for p in parts)
         kernels[pattern] = ", ".join(" ".join(p.replace("__restrict__", "").split()) for p in params.split(","))
     return kernels
 
@@ -73,20 +73,22 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
     with pdl_begin(); gemv alone loads weights (which no kernel writes) before its wait, and attention_decode lets
     the next kernel launch only after its loop (common.cuh says why)."""
+    headers = " ".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     for path in sorted(CUDA_DIR.glob("*.cu")):
         source = path.read_text().replace("\\\n", " ")
         kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
-        templates = function_bodies(source, r"template <[^>]*>\s*__device__ void\s+(\w+)")
+        templates = function_bodies(source + headers, r"template <[^>]*>\s*__device__ void\s+(\w+)")
         assert kernels, path
         for name, body in kernels.items():
             first = body.strip()
             forwarded = re.match(r"(\w+)\s*[<(]", first)
             if forwarded and forwarded.group(1) in templates:
                 first = templates[forwarded.group(1)].strip()
-            if path.stem == "gemv":
-                assert first.startswith("__shared__") and "grid_dependency_wait();" in first, name
+            if forwarded and forwarded.group(1) == "gemv":  # gemv.cu's and fp8.cu's GEMVs
+                assert "grid_dependency_wait();" in first, name
                 before_wait = first.split("grid_dependency_wait();")[0]
-                assert "__ldg" not in before_wait and "x_row +" not in before_wait, "gemv reads x before its wait"
+                assert not re.search(r"__ldg|x_row \+|quantize_x_rows\(|multiply", before_wait), \
+                    "gemv reads x before its wait"
                 assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
             elif forwarded and forwarded.group(1) == "attention_decode":
                 assert first.startswith("grid_dependency_wait();") and launched_after_loop(first), name
@@ -94,11 +96,22 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
                 assert first.startswith("pdl_begin();"), (path.name, name, first[:80])
 
 
+def with_headers(path: Path, seen: set | None = None) -> str:
+    """A kernel file's source and that of every header it includes (of cuda/, recursively)."""
+    seen = set() if seen is None else seen
+    text = path.read_text()
+    for header in re.findall(r'#include "([\w.]+)"', text):
+        if header not in seen:
+            seen.add(header)
+            text += with_headers(CUDA_DIR / header, seen)
+    return text
+
+
 def test_tile_constants_come_from_python_only():
     sources = {p.stem: p.read_text() for p in CUDA_DIR.glob("*.c*")}
     for file, defines in DEFINES.items():
         for name in defines:
-            assert re.search(rf"\b{name}\b", sources[file]), (file, name)  # the kernel uses it
+            assert re.search(rf"\b{name}\b", with_headers(CUDA_DIR / f"{file}.cu")), (file, name)  # it is used
             assert not any(re.search(rf"#define\s+{name}\b", s) for s in sources.values()), name  # and only -D sets it
 
 
@@ -109,12 +122,15 @@ class Recorder(dict):
         super().__init__()
         self.launches = []
         self.args = []
+        self.shared = []  # each launch's dynamic shared memory (None: its kernel's declared amount)
 
     def __missing__(self, name):
-        def launch(grid, block, stream, *args):
+        def launch(grid, block, stream, *args, shared_bytes=None):
             assert len(args) == len(SIGNATURES[name].arg_format), name
+            assert shared_bytes is None or 0 <= shared_bytes <= SIGNATURES[name].shared_bytes, (name, shared_bytes)
             self.launches.append((name, grid, block))
             self.args.append(args)
+            self.shared.append(shared_bytes)
         return launch
 
 
@@ -300,13 +316,20 @@ def test_device_layer_has_the_host_layers_fields():
 class RecordingBlas:
     """Stands in for Cublas: records each GEMM's (out, x, w, m, accumulate) and checks its types."""
 
-    def __init__(self, invariant=False):
+    def __init__(self, invariant=False, scaled=False):
         self.calls = []
         self.exact_rows, self.algos, self.invariant = frozenset(), {}, invariant
+        self.scaled = scaled  # whether gemm_scaled has an algorithm (cuBLASLt's outer-vector FP8 scales)
 
     def gemm(self, out, x, w, m, accumulate=False):
         cublas.gemm_types(out, x, w)
         self.calls.append((out, x, w, m, accumulate))
+
+    def gemm_scaled(self, out, x, w, m, accumulate=False):
+        assert x.dtype == w.dtype == E4M3 and x.scale.shape == (m,) and w.scale.shape == w.shape[:1]
+        if self.scaled:
+            self.calls.append(("scaled", out, x, w, m, accumulate))
+        return self.scaled
 
     def tune(self, out, x, w, m, elapsed):
         cublas.gemm_types(out, x, w)
@@ -374,17 +397,18 @@ def fp8_linear(recorder, t=16, k=2048, n=16384):
 
 
 def test_linear_runs_e4m3_weights_through_fp8(recorder):
-    """An e4m3 weight: the input quantized per token into the scratch codes, then gemv_fp8 for up to 8 rows (any
-    weight size), else cuBLASLt's FP8 GEMM into the float32 scratch and scale_rows_cols; SwiGLU after either."""
+    """An e4m3 weight: gemv_fp8 on the bf16 input for up to 8 rows (any weight size; it quantizes the input itself,
+    in the dynamic shared memory it is launched with), else the input quantized per token into the scratch codes,
+    cuBLASLt's FP8 GEMM into the float32 scratch and scale_rows_cols; the gate/up GEMV ends in SwiGLU."""
     linear = fp8_linear(recorder)
     x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, E4M3, (3072, 2048), DeviceTensor(21, F32, (3072,)))
     out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
     linear.gemm(residual, x, w, 8, accumulate=True)
     linear.gemm(out, x, w, 9)
-    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_f32", "quantize_fp8",
-                                                          "scale_rows_cols_bf16"]
-    assert recorder.args == [(100, 200, 10, 2048), (40, 100, 200, 20, 21, 8, 3072, 2048, 1), (100, 200, 10, 2048),
-                             (30, 300, 200, 21, 3072, 0)]
+    assert [name for name, _, _ in recorder.launches] == ["gemv_fp8_f32", "quantize_fp8", "scale_rows_cols_bf16"]
+    # split 4: each warp one full iteration of 512 codes
+    assert recorder.args == [(40, 10, 20, 21, 8, 3072, 2048, 4, 1), (100, 200, 10, 2048), (30, 300, 200, 21, 3072, 0)]
+    assert recorder.shared == [8 * (2 * 2048 + 16), None, None]
     [(acc, codes, weight, m, accumulate)] = linear.blas.calls
     assert (acc.ptr, acc.dtype, acc.shape, codes.ptr, codes.dtype, codes.shape, weight, m, accumulate) == \
         (300, F32, (9, 3072), 100, E4M3, (9, 2048), w, 9, False)
@@ -392,9 +416,23 @@ def test_linear_runs_e4m3_weights_through_fp8(recorder):
     wg = DeviceTensor(70, E4M3, (16384, 2048), DeviceTensor(71, F32, (16384,)))
     recorder.launches.clear()
     linear.gate_up_swiglu(act, x, wg, 1, gate_up)
-    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_bf16", "silu_and_mul"]
+    linear.gate_up_swiglu(act, x, wg, 9, gate_up)
+    assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_fp8", "quantize_fp8", "scale_rows_cols_bf16",
+                                                          "silu_and_mul"]
+    recorder.launches.clear()
+    wide = DeviceTensor(80, E4M3, (64, 16400), DeviceTensor(81, F32, (64,)))  # 8 rows of 16400: over the GEMV's
+    fp8_linear(recorder, k=16400).gemm(DeviceTensor(30, BF16, (16, 64)), DeviceTensor(10, BF16, (16, 16400)), wide, 8)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "scale_rows_cols_bf16"]
     with pytest.raises(ValueError, match="fp8 scratch buffers hold it"):
         fp8_linear(recorder, k=1024).gemm(out, x, w, 9)  # 9 rows of 2048 codes: over the 16 x 1024 scratch
+    scaled = fp8_linear(recorder)  # cuBLASLt with outer-vector scales: it scales and adds itself
+    scaled.blas.scaled = True
+    recorder.launches.clear()
+    scaled.gemm(residual, x, w, 9, accumulate=True)
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8"]
+    [(tag, into, codes, weight, m, accumulate)] = scaled.blas.calls
+    assert (into, codes.ptr, codes.shape, codes.scale.ptr, weight, m, accumulate) == (residual, 100, (9, 2048), 200, w,
+                                                                                     9, True)
 
 
 def test_nothing_touches_a_gpu_at_import():
@@ -468,11 +506,11 @@ class TypedRecorder(Recorder):
     def __missing__(self, name):
         record = super().__missing__(name)
 
-        def launch(grid, block, stream, *args):
+        def launch(grid, block, stream, *args, shared_bytes=None):
             for letter, arg in zip(SIGNATURES[name].arg_format, args):
                 assert isinstance(arg, (int, float) if letter == "f" else int) and not isinstance(arg, bool), \
                     (name, letter, arg)
-            record(grid, block, stream, *args)
+            record(grid, block, stream, *args, shared_bytes=shared_bytes)
         return launch
 
 
@@ -689,7 +727,8 @@ def test_forward_runs_the_gemma_and_phi3_layer_ops(forward_module, architecture)
 def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     """quantization="fp8" on a stand-in device: each layer's linear weights become e4m3 with a float32 scale per
     output channel (the bf16 weights freed), the embedding and LM head stay bf16, and a step's linear layers
-    quantize their input, then run gemv_fp8 (decode) or cuBLASLt's FP8 GEMM and scale_rows_cols (prefill)."""
+    run the FP8 GEMVs (decode: they quantize their input themselves) or quantize their input, then cuBLASLt's FP8
+    GEMM and scale_rows_cols (prefill)."""
     from tinyvllm.config import EngineConfig
     from tinyvllm.model.dummy import random_weights, tiny_config
     from tinyvllm.model.loader import LoadedModel
@@ -718,9 +757,8 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     forward.allocate_kv_cache(8)
     buffers = FakeBuffers()
     forward.decode(4, buffers, buffers, buffers)
-    per_layer = ["rms_norm", "quantize_fp8", "gemv_fp8_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
-                 "attention_combine", "quantize_fp8", "gemv_fp8_f32", "rms_norm", "quantize_fp8", "gemv_fp8_bf16",
-                 "silu_and_mul", "quantize_fp8", "gemv_fp8_f32"]
+    per_layer = ["rms_norm", "gemv_fp8_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
+                 "attention_combine", "gemv_fp8_f32", "rms_norm", "gemv_swiglu_fp8", "gemv_fp8_f32"]
     assert [name for name, _, _ in recorder.launches] == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm",
                                                           "gemv_f32", "apply_logits_processors", "sample",
                                                           "count_tokens"]
@@ -758,7 +796,7 @@ def test_forward_quantizes_the_lm_head_to_fp8(forward_module, tied):
     forward.allocate_kv_cache(8)
     recorder.launches.clear()
     forward.compute_logits(4, forward.buf.sample_hidden)
-    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "gemv_fp8_f32"]
+    assert [name for name, _, _ in recorder.launches] == ["gemv_fp8_f32"]
     recorder.launches.clear()
     calls = len(forward.linear.blas.calls)
     forward.compute_logits(16, forward.buf.sample_hidden)
@@ -900,8 +938,10 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     chosen = {name for name in device.prepared if name.startswith(("attention_decode_", "attention_prefill_"))}
     assert chosen == attention and attention <= set(names)
     fp8 = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
-    assert (fp8 <= set(names)) == (quantization == "fp8")  # the FP8 weights' kernels run, or are not built
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # another activation's GEMVs
+    # the FP8 weights' kernels run (the pipelined GEMVs at wider k), or are not built
+    ran = {name for name in fp8 - geglu if not name.endswith("_pipelined")}
+    assert (ran <= set(names)) == (quantization == "fp8") and not (fp8 & set(names) and quantization is None)
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
@@ -1175,3 +1215,83 @@ def test_invariant_gemm_in_parts_runs_large_m_in_pieces(monkeypatch, splits, che
     parts = cublas.split_count(blas.algorithm(10, 32, 64, cublas.BF16_GEMM_F32_OUT))
     assert parts == (splits if check_status == 0 else 1)
     blas.close()
+
+
+class ScaleAwareCublasLt(FakeCublasLt):
+    """FakeCublasLt that numbers its matmul descriptors, keeps each one's attributes, and whose heuristics answer
+    `scaled_status` for a descriptor with outer-vector scales (CUBLAS_STATUS_NOT_SUPPORTED: an older cuBLASLt)."""
+
+    def __init__(self, scaled_status=0):
+        super().__init__()
+        self.scaled_status, self.descs = scaled_status, {}
+
+    def __getattr__(self, name):
+        if name == "cublasLtMatmulDescCreate":
+            def create(ref, compute, scale):
+                ref._obj.value = len(self.descs) + 1
+                self.descs[ref._obj.value] = {}
+                return 0
+            return create
+        if name == "cublasLtMatmulDescSetAttribute":
+            def set_attribute(desc, attribute, value, size):
+                kind = ctypes.c_uint64 if size == 8 else ctypes.c_int32
+                self.descs[desc.value][attribute] = ctypes.cast(value, ctypes.POINTER(kind)).contents.value
+                return 0
+            return set_attribute
+        if name == "cublasLtMatmulAlgoGetHeuristic":
+            def heuristic(handle, desc, *args):
+                scaled = cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE in self.descs[desc.value]
+                if scaled and self.scaled_status:
+                    return self.scaled_status
+                args[-1]._obj.value = 1
+                return 0
+            return heuristic
+        if name == "cublasLtMatmul":
+            def matmul(handle, desc, *args):
+                attrs = self.descs[desc.value]
+                scales = tuple(attrs.get(a) for a in (cublas.CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      cublas.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER))
+                self.matmuls.append((args[1], args[3], args[6], scales))  # w, x, out, scales
+                return 0
+            return matmul
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("status", [0, cublas.CUBLAS_STATUS_NOT_SUPPORTED, 7])
+def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status):
+    """gemm_scaled runs one matmul on a descriptor of its own, outer-vector scale modes for A and B, A's scale
+    pointer the weight's per-row scales and B's the input's per-token ones (set at each call), into bf16 or
+    float32; where the heuristics refuse that descriptor it says so, nothing ran, and asks once."""
+    lib = ScaleAwareCublasLt(status)
+    monkeypatch.setattr(cublas, "_lib", lambda: lib)
+    blas = cublas.Cublas(0, 4096, 1 << 20)
+    w = DeviceTensor(200, E4M3, (32, 64), DeviceTensor(210, F32, (32,)))
+    for out_dtype, x_scale in ((BF16, 110), (F32, 120)):
+        x = DeviceTensor(100, E4M3, (8, 64), DeviceTensor(x_scale, F32, (8,)))
+        assert blas.gemm_scaled(DeviceTensor(300, out_dtype, (8, 32)), x, w, 6, accumulate=True) == (status == 0)
+    if status:
+        assert lib.matmuls == [] and blas.heuristic_queries == 2  # once per output type, not per call
+        assert not blas.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6) and blas.heuristic_queries == 2
+    else:
+        assert lib.matmuls == [(200, 100, 300, (210, 110)), (200, 100, 300, (210, 120))]
+        modes = lib.descs[blas.scaled_desc.value]
+        assert modes[cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE] == modes[cublas.CUBLASLT_MATMUL_DESC_B_SCALE_MODE] \
+            == cublas.CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+        assert cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE not in lib.descs[blas.desc.value]
+    with pytest.raises(ValueError, match="e4m3 inputs and weights with their scales"):
+        blas.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), DeviceTensor(100, E4M3, (8, 64)), w, 6)
+    assert not cublas.Cublas(0, 4096, 1 << 20, invariant=True).gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6)
+    blas.close()
+
+
+def test_fp8_gemv_grid_is_what_is_resident_at_once():
+    """The FP8 GEMV's blocks take several groups of tiles each (x is quantized once per block): at most 2 blocks per
+    SM in the plain form, 1 in the pipelined one or where x's shared memory leaves room for one; all groups without
+    an SM count (the stand-in launchers' 0)."""
+    from tinyvllm.backends.cuda.ops import fp8_gemv_grid
+
+    assert fp8_gemv_grid("gemv_fp8_f32", 8016, 4112, 132) == 264
+    assert fp8_gemv_grid("gemv_fp8_f32_pipelined", 8016, 4112, 132) == 132
+    assert fp8_gemv_grid("gemv_swiglu_fp8", 8016, 120 << 10, 132) == 132
+    assert fp8_gemv_grid("gemv_fp8_bf16", 96, 4112, 132) == 96
+    assert fp8_gemv_grid("gemv_fp8_bf16", 8016, 4112, 0) == 8016

@@ -22,6 +22,7 @@ class FakeLibcuda:
 
     def __init__(self) -> None:
         self.launches: list[tuple[int, int, int]] = []  # (thread, grid x, stream)
+        self.shared: list[int] = []  # each launch's dynamic shared memory
         self.lock = threading.Lock()
 
     def __getattr__(self, name: str):
@@ -35,6 +36,7 @@ class FakeLibcuda:
         config = config_ref._obj
         with self.lock:
             self.launches.append((threading.get_ident(), config.grid[0], config.stream or 0))
+            self.shared.append(config.shared_mem_bytes)
         return 0
 
 
@@ -87,18 +89,24 @@ def test_programmatic_launch_sets_its_attribute_in_every_thread(driver):
 
 def test_dynamic_shared_memory_is_allowed_once_and_given_to_every_launch(driver):
     """A kernel with dynamic shared memory (the MoE grouped GEMM's pipeline stages, past 48 KB) has its maximum
-    raised when it is loaded, and every thread's launch configuration carries the size; others ask for none."""
+    raised when it is loaded, and every thread's launches carry the size, or a smaller one a launch asks for (the
+    FP8 GEMV's x codes), never more; others ask for none."""
     module, lib = driver
     calls = []
     lib.cuFuncSetAttribute = lambda function, attribute, value: calls.append((function.value, attribute, value)) or 0
     launcher = module.Launcher(1234, "", programmatic=True, shared_bytes=69120)
     assert calls == [(1234, module.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 69120)]
-    configs = [launcher._config()]
-    worker = threading.Thread(target=lambda: configs.append(launcher._config()))
+    launcher((1,), (32, 1, 1), 0, ())
+    worker = threading.Thread(target=lambda: launcher((1,), (32, 1, 1), 0, ()))
     worker.start()
     worker.join()
-    assert [config.shared_mem_bytes for config in configs] == [69120, 69120]
-    assert module.Launcher(1234, "", programmatic=True)._config().shared_mem_bytes == 0 and len(calls) == 1
+    launcher((1,), (32, 1, 1), 0, (), 4112)
+    launcher((1,), (32, 1, 1), 0, ())
+    assert lib.shared == [69120, 69120, 4112, 69120]
+    with pytest.raises(ValueError, match="69121 bytes of dynamic shared memory for a kernel declared with 69120"):
+        launcher((1,), (32, 1, 1), 0, (), 69121)
+    module.Launcher(1234, "", programmatic=True)((1,), (32, 1, 1), 0, ())
+    assert lib.shared[-1] == 0 and len(calls) == 1
 
 
 def test_importing_the_driver_loads_no_library(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 from test_kernels import Gpu
 from test_kv_fp8_cuda import random_codes
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.backends.cuda.ops import fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
 from tinyvllm.backends.host_weight import HostWeight
 from tinyvllm.backends.host_weight import linear as host_linear
@@ -97,20 +98,54 @@ def fp8_weights(cuda):
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
 @pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
 def test_gemv_fp8(cuda, ops, fp8_weights, m, n, k, out_fp32, accumulate):
-    """out = (x codes . w codes^T) * x_scale * w_scale (+ out): every e4m3 code but NaN, both signs."""
+    """out = (e4m3(x) . w codes^T) * x_scale * w_scale (+ out), x bf16 quantized by the kernel per row as
+    quantize_rows does (rows differing in magnitude, row 0 all zeros), w every e4m3 code but NaN."""
     gpu, rng = Gpu(cuda), np.random.default_rng(1000 * m + n + k)
     w_dev, w, ws_dev, ws = fp8_weights(n, k)
-    x, xs = random_codes(rng, (m, k)), np.exp2(rng.uniform(-10, -4, m)).astype(np.float32)
-    ref = (e4m3_to_f32(x) @ w.T) * xs[:, None] * ws[None, :]
-    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * np.std(ref)))
+    x = bf16_rows(rng, (m, k))
+    xq = quantize_rows(x)
+    ref = (e4m3_to_f32(xq.codes) @ w.T) * xq.scale[:, None] * ws[None, :]
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * (np.std(ref) + 1e-30)))
     if accumulate:
         ref = ref + old
     start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else np.full((m, n), 0x7FC0,
                                                                                                     np.uint16)
     out = gpu.put(start)
-    ops.gemv_fp8(out, gpu.put(x), gpu.put(xs), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
+    if not fp8_gemv_fits(m, k):  # more x than its shared memory holds (Linear takes cuBLASLt there)
+        with pytest.raises(ValueError, match="over the"):
+            ops.gemv_fp8(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
+        return
+    ops.gemv_fp8(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
     got = gpu.get(out, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out, (m, n))
+    if m > 1 and not accumulate:  # x row 0 all zeros: its codes 0 (scale 1), so its outputs exactly 0
+        assert np.all(got[0] == 0)
     assert rel_err(got, ref) < (1e-5 if out_fp32 else 1e-2)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("n,k", [(16, 528), (16384, 2048), (28672, 4096), (2048, 8192)])
+@pytest.mark.parametrize("m", [1, 3, MAX_ROWS])
+def test_gemv_gated_fp8(cuda, ops, fp8_weights, m, n, k, activation):
+    """gemv_swiglu_fp8 / gemv_geglu_fp8: the activation of the scaled gate and up sums (each rounded to bf16, as
+    the gate/up product is before silu_and_mul), rows interleaved in groups of 8 gate and 8 up."""
+    from tinyvllm.backends.numpy_backend import gelu_tanh_and_mul
+
+    gpu, rng = Gpu(cuda), np.random.default_rng(7 * m + n + k)
+    w_dev, w, ws_dev, ws = fp8_weights(n, k)  # rows in the kernel's interleaved order
+    x = bf16_rows(rng, (m, k))
+    xq = quantize_rows(x)
+    product = (e4m3_to_f32(xq.codes) @ w.T) * xq.scale[:, None] * ws[None, :]
+    tiles = bf16_to_f32(f32_to_bf16(product)).reshape(m, n // 16, 2, 8)  # [m, tile, gate / up, unit]
+    gate, up = (tiles[:, :, i].reshape(m, n // 2) for i in (0, 1))
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    with np.errstate(over="ignore"):
+        ref = act(np.concatenate([gate, up], axis=1))
+    out = gpu.poisoned((m, n // 2), np.uint16)
+    launch = ops.gemv_swiglu_fp8 if activation == "silu" else ops.gemv_geglu_fp8
+    launch(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k)
+    got = gpu.get_bf16(out, (m, n // 2))
+    assert np.all(np.isfinite(got))
+    assert rel_err(got[1:] if m > 1 else got, ref[1:] if m > 1 else ref) < 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +200,10 @@ def test_linear_fp8_matches_the_host_twin(cuda, fp8_linear, m, n, k, out_fp32, a
     fp8_linear.ops.stream.synchronize()
     got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
     err = rel_err(got, ref)
-    path = "gemv_fp8" if m <= MAX_ROWS else "cuBLASLt fp8"
+    scaled = [algo is not None for key, algo in fp8_linear.blas.algos.items() if key[:2] == (n, k) and
+              key[-1] == "scaled"]
+    path = "gemv_fp8" if m <= MAX_ROWS else "cuBLASLt fp8, " + (
+        "outer-vector scales" if any(scaled) else "unit scales + scale_rows_cols")
     print(f"REPORT fp8 linear m={m} n={n} k={k} ({path}, {'f32' if out_fp32 else 'bf16'} out): rel err {err:.2e}")
     assert err < (1e-3 if out_fp32 else 1e-2)
 

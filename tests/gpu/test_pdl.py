@@ -97,9 +97,10 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(devic
     the previous kernel: with the wait inside the loop ptxas issued 2 of them there, the rest after it."""
     from tinyvllm.backends.cuda.ops import GEMV_UNROLL
 
-    kernels = machine_code(device, tmp_path)["gemv"]
+    code = machine_code(device, tmp_path)
+    kernels = {**code["gemv"], **{name: sass for name, sass in code["fp8"].items() if name.startswith("gemv")}}
     forms = ("", "_pipelined")
-    kinds = ("bf16", "f32", "swiglu_bf16", "geglu_bf16")
+    kinds = ("bf16", "f32", "swiglu_bf16", "geglu_bf16", "fp8_bf16", "fp8_f32", "swiglu_fp8", "geglu_fp8")
     assert set(kernels) == {f"gemv_{kind}{form}" for kind in kinds for form in forms}
     for name, instructions in kernels.items():
         _, before = global_accesses_before_wait(instructions)

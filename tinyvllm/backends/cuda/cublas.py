@@ -10,6 +10,12 @@ so is each decode bucket's at its capture. Here the heuristics run once per (n, 
 counts (`m_class`), and every m of the class reuses that algorithm; row counts named exact (the decode buckets, a
 fixed set whose GEMMs are captured once) get their own, since a class's algorithm can be slower for them.
 
+FP8 (W8A8) with the per-token and per-channel scales applied by cuBLASLt itself (`gemm_scaled`): its outer-vector
+scale mode (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, A's scales one per output column, B's one per row),
+writing bf16 or float32 and adding to the output in the same pass. Where the library or GPU has no algorithm for
+it (older cuBLASLt), gemm_scaled says so and the caller runs the unit-scale GEMM into float32 and applies the scales
+after it (cuda/fp8.cu scale_rows_cols).
+
 Batch-invariant (EngineConfig.batch_invariant): every m of an (n, k, output type) runs the one algorithm the
 heuristics give at INVARIANT_ROWS rows, pinned to a split-free K walk (SPLITK_NUM 1, no reduction scheme): one CTA
 owns each output element and walks the whole of k in the order its tile fixes, so a row's result is the same
@@ -39,6 +45,9 @@ CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_
 CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME = 2, 3
 CUBLASLT_REDUCTION_SCHEME_NONE, CUBLASLT_REDUCTION_SCHEME_INPLACE = 0, 1
 CUBLAS_STATUS_NOT_SUPPORTED = 15
+CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 17, 18
+CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 31, 32
+CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
                 7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
                 13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
@@ -133,6 +142,21 @@ def gemm_types(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor) -> GemmTypes
     return CUDA_TYPES[w.dtype], CUDA_TYPES[x.dtype], CUDA_TYPES[out.dtype]
 
 
+def _set_desc(desc: _p, attribute: int, value: ctypes._SimpleCData) -> None:
+    check(_lib().cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+          "cublasLtMatmulDescSetAttribute")
+
+
+def _matmul_desc() -> _p:
+    """A matmul descriptor: float32 compute and scale, A (the weights) transposed."""
+    desc = _p()
+    check(_lib().cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+          "cublasLtMatmulDescCreate")
+    _set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSA, _i(CUBLAS_OP_T))
+    _set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSB, _i(CUBLAS_OP_N))
+    return desc
+
+
 def check(status: int, call: str) -> None:
     if status != 0:
         raise RuntimeError(f"{call} failed: {STATUS_NAMES.get(status, f'cuBLAS status {status}')}")
@@ -181,14 +205,9 @@ class Cublas:
         self.handle = _p()
         check(_lib().cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.stream, self.workspace, self.workspace_bytes = _p(stream_handle), _p(workspace_ptr), workspace_bytes
-        self.desc = _p()  # float32 compute and scale, A transposed
-        check(_lib().cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
-              "cublasLtMatmulDescCreate")
-        for attribute, value in ((CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T),
-                                 (CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
-            op = _i(value)
-            check(_lib().cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(op), ctypes.sizeof(op)),
-                  "cublasLtMatmulDescSetAttribute")
+        self.desc = _matmul_desc()  # float32 compute and scale, A transposed
+        # FP8 with outer-vector scales (gemm_scaled): made at its first use
+        self.scaled_desc: _p | None = None
         self.preference = _p()
         check(_lib().cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
         limit = _u64(workspace_bytes)
@@ -223,16 +242,25 @@ class Cublas:
         a_type, b_type, c_type = types
         return self._layout(a_type, k, n, k), self._layout(b_type, k, m, k), self._layout(c_type, n, m, n)
 
-    def _heuristics(self, m: int, n: int, k: int, types: GemmTypes, count: int = 1) -> list[_Algo]:
-        """The heuristics' first `count` algorithms for exactly m rows, best guess first."""
+    def _heuristics(self, m: int, n: int, k: int, types: GemmTypes, count: int = 1,
+                    desc: _p | None = None) -> list[_Algo]:
+        """The heuristics' first `count` algorithms for exactly m rows, best guess first (desc: another matmul
+        descriptor than the plain one)."""
+        found = self._query(m, n, k, types, count, desc)
+        if not found:
+            raise RuntimeError(f"cuBLASLt has no algorithm for m={m}, n={n}, k={k}")
+        return found
+
+    def _query(self, m: int, n: int, k: int, types: GemmTypes, count: int, desc: _p | None) -> list[_Algo]:
+        """The heuristics' answer, [] where they have none for this descriptor and shape."""
         a, b, c = self._layouts_for(m, n, k, types)
         results, found = (_HeuristicResult * count)(), _i()
-        check(_lib().cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, self.preference, count,
-                                                    results, ctypes.byref(found)),
-              f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
-        if found.value < 1:
-            raise RuntimeError(f"cuBLASLt has no algorithm for m={m}, n={n}, k={k}")
+        status = _lib().cublasLtMatmulAlgoGetHeuristic(self.handle, desc or self.desc, a, b, c, c, self.preference,
+                                                       count, results, ctypes.byref(found))
         self.heuristic_queries += 1
+        if status in (CUBLAS_STATUS_NOT_SUPPORTED, 7) and desc is not None:  # 7: INVALID_VALUE
+            return []
+        check(status, f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
         return [results[i].algo for i in range(found.value)]
 
     def tune(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
@@ -318,8 +346,52 @@ class Cublas:
             status = self._matmul(self._algorithm_at(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
 
-    def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool) -> int:
-        return _lib().cublasLtMatmul(self.handle, self.desc, ctypes.byref(self._alpha), w, a, x, b,
+    def gemm_scaled(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> bool:
+        """FP8: out[:m] = (x[:m] . w^T) * x.scale[row] * w.scale[column] (+ out when accumulate), e4m3 x and w
+        with float32 scales per row ([m]) and per weight row ([n]), out bf16 or float32, in one cuBLASLt call.
+        False where cuBLASLt has no outer-vector-scaled algorithm for it (nothing ran: the caller scales
+        itself)."""
+        n, k = matmul_shape(out, x, w, m)
+        if x.dtype != E4M3 or w.dtype != E4M3 or x.scale is None or w.scale is None or out.dtype not in (BF16, F32):
+            raise ValueError("gemm_scaled takes e4m3 inputs and weights with their scales into bf16 or float32")
+        if self.invariant:
+            return False
+        types = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_TYPES[out.dtype])
+        rows = m if m in self.exact_rows else m_class(m)
+        key = (n, k, types, rows, "scaled")
+        if key not in self.algos:
+            self.algos[key] = next(iter(self._query(rows, n, k, types, 1, self._scaled_desc())), None)
+        algo = self.algos[key]
+        if algo is None:
+            return False
+        for attribute, tensor in ((CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w.scale),
+                                  (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x.scale)):
+            _set_desc(self.scaled_desc, attribute, _p(tensor.ptr))
+        a, b, c = self._layouts_for(m, n, k, types)
+        status = self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, accumulate, self.scaled_desc)
+        if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for its own once
+            own = self._query(m, n, k, types, 1, self.scaled_desc)
+            if not own:
+                return False
+            status = self._matmul(own[0], out.ptr, x.ptr, w.ptr, a, b, c, accumulate, self.scaled_desc)
+        check(status, f"cublasLtMatmul(m={m}, n={n}, k={k}, fp8 outer-vector scales)")
+        return True
+
+    def _scaled_desc(self) -> _p:
+        """The descriptor of gemm_scaled: the plain one's, with outer-vector scales for A and B (their pointers
+        set at each call; the heuristics are asked with placeholders, which they do not read)."""
+        if self.scaled_desc is None:
+            self.scaled_desc = _matmul_desc()
+            mode = _i(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
+            for attribute in (CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE):
+                _set_desc(self.scaled_desc, attribute, mode)
+            for attribute in (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER):
+                _set_desc(self.scaled_desc, attribute, _p(self.workspace.value))
+        return self.scaled_desc
+
+    def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool,
+                desc: _p | None = None) -> int:
+        return _lib().cublasLtMatmul(self.handle, desc or self.desc, ctypes.byref(self._alpha), w, a, x, b,
                                      ctypes.byref(self._betas[accumulate]), out, c, out, c, ctypes.byref(algo),
                                      self.workspace, self.workspace_bytes, self.stream)
 
@@ -329,6 +401,7 @@ class Cublas:
                 check(_lib().cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
             self._layouts = {}
             check(_lib().cublasLtMatmulPreferenceDestroy(self.preference), "cublasLtMatmulPreferenceDestroy")
-            check(_lib().cublasLtMatmulDescDestroy(self.desc), "cublasLtMatmulDescDestroy")
+            for desc in filter(None, (self.desc, self.scaled_desc)):
+                check(_lib().cublasLtMatmulDescDestroy(desc), "cublasLtMatmulDescDestroy")
             check(_lib().cublasLtDestroy(self.handle), "cublasLtDestroy")
             self.handle = _p()

@@ -124,19 +124,24 @@ class Launcher:
         config = getattr(self._local, "config", None)
         if config is None:
             config = self._local.config = _LaunchConfig()
-            config.shared_mem_bytes = self.shared_bytes
             if self.attribute is not None:
                 config.attrs = ctypes.pointer(self.attribute)
                 config.num_attrs = 1
         return config
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream_handle: int, args: tuple) -> int:
-        """Enqueue the kernel; returns the CUresult."""
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream_handle: int, args: tuple,
+                 shared_bytes: int | None = None) -> int:
+        """Enqueue the kernel with shared_bytes of dynamic shared memory (None: the declared amount, which bounds
+        it); returns the CUresult."""
         if len(args) != len(self.convert):
             raise TypeError(f"{len(args)} arguments for a kernel of {len(self.convert)}")
+        if shared_bytes is not None and not 0 <= shared_bytes <= self.shared_bytes:
+            raise ValueError(f"{shared_bytes} bytes of dynamic shared memory for a kernel declared with "
+                             f"{self.shared_bytes}")
         values = [convert(arg) for convert, arg in zip(self.convert, args)]
         params = (_p * len(values))(*[ctypes.addressof(value) for value in values])
         config = self._config()
+        config.shared_mem_bytes = self.shared_bytes if shared_bytes is None else shared_bytes
         config.grid[:] = (*grid, 1, 1)[:3]
         config.block[:] = block
         config.stream = stream_handle

@@ -48,9 +48,11 @@ class Kernel:
         self.name = name
         self.launcher = driver.Launcher(function, arg_format, programmatic, shared_bytes)
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream, *args) -> None:
-        """stream: a pycuda Stream, or None for the default stream."""
-        status = self.launcher(grid, block, stream.handle if stream is not None else 0, args)
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, int, int], stream, *args,
+                 shared_bytes: int | None = None) -> None:
+        """stream: a pycuda Stream, or None for the default stream; shared_bytes: this launch's dynamic shared
+        memory (None: the kernel's declared amount)."""
+        status = self.launcher(grid, block, stream.handle if stream is not None else 0, args, shared_bytes)
         if status != 0:
             raise RuntimeError(f"CUDA kernel {self.name} grid={grid} block={block} failed to launch: "
                                f"{driver.error_name(status)}")

@@ -7,10 +7,12 @@ bandwidth there; gemv.cu is built to stream the weights at the copy rate. Both p
 (bf16 inputs, float32 accumulation) and launch without allocating or synchronizing, so either can be captured in
 a CUDA graph.
 
-FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8): the input is quantized to e4m3 per token
-first (quantize_fp8); then our FP8 GEMV (gemv_fp8) for a few rows, else cuBLASLt's FP8 GEMM into float32 and
-scale_rows_cols applying the token and channel scales (cuda/fp8.cu). The activation is then its kernel on the bf16
-gate/up product.
+FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8), the input quantized to e4m3 per token: for
+a few rows our FP8 GEMV (gemv_fp8, gemv_swiglu_fp8, gemv_geglu_fp8), which quantizes its bf16 input itself and ends
+in the scales (and the activation), so that an FP8 layer launches what a bf16 one does; else quantize_fp8, then
+cuBLASLt's FP8 GEMM applying the token and channel scales itself (its outer-vector scales, cublas.py gemm_scaled),
+or where it cannot, into float32 with unit scales and scale_rows_cols after it (cuda/fp8.cu); then the activation
+as its kernel on the bf16 gate/up product.
 
 Batch-invariant (invariant=True): every row count takes cuBLAS with its one split-free algorithm per shape
 (cublas.py), never the GEMV, whose additions for a row come in another order than cuBLAS's: a row's product is then
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.cublas import Cublas
-from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops
+from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops, fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
@@ -32,6 +34,8 @@ from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul
 GEMV_MAX_WEIGHTS = 64 << 20  # n * k up to which the kernel runs
 # ModelConfig.activation -> the Ops launchers of its gated MLP: (the GEMV with it as epilogue, the kernel after cuBLAS)
 GATED_ACTIVATIONS = {"silu": ("gemv_swiglu", "silu_and_mul"), "gelu_pytorch_tanh": ("gemv_geglu", "gelu_tanh_and_mul")}
+# ModelConfig.activation -> the FP8 GEMV with it as epilogue (e4m3 weights)
+GATED_FP8_GEMVS = {"silu": "gemv_swiglu_fp8", "gelu_pytorch_tanh": "gemv_geglu_fp8"}
 
 
 @dataclass(frozen=True)
@@ -101,18 +105,25 @@ class Linear:
                              f"{VECTOR}, and the fp8 scratch buffers hold it")
         return n, k
 
+    def uses_fp8_gemv(self, m: int, k: int) -> bool:
+        """Whether an e4m3 product of m rows runs as our FP8 GEMV (any weight size: it streams half the bytes of
+        bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one)."""
+        return not self.invariant and fp8_gemv_fits(m, k)
+
     def _gemm_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
                   accumulate: bool) -> None:
-        """x quantized per token into the scratch codes, then our GEMV (m <= GEMV_MAX_ROWS, any size: it streams
-        half the bytes of bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one) or cuBLASLt and the scales."""
+        """Our FP8 GEMV (it quantizes x itself), or x quantized per token into the scratch codes, then cuBLASLt
+        and the scales."""
+        if self.uses_fp8_gemv(m, k):
+            self.ops.gemv_fp8(out.ptr, x.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32, accumulate)
+            return
         s = self.fp8
         self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
-        if m <= GEMV_MAX_ROWS and not self.invariant:
-            self.ops.gemv_fp8(out.ptr, s.codes.ptr, s.scales.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32,
-                              accumulate)
+        codes = DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+        if self.blas.gemm_scaled(out, codes, w, m, accumulate):  # cuBLASLt applies the scales itself
             return
         acc = out if _lands_in_place(out, accumulate) else DeviceTensor(s.acc.ptr, F32, (m, n))
-        self.blas.gemm(acc, DeviceTensor(s.codes.ptr, E4M3, (m, k)), w, m)
+        self.blas.gemm(acc, DeviceTensor(codes.ptr, E4M3, (m, k)), w, m)
         self.ops.scale_rows_cols(out.ptr, acc.ptr, s.scales.ptr, w.scale.ptr, m, n, out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
@@ -126,7 +137,9 @@ class Linear:
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"the cuda backend has no gated MLP with the {activation!r} activation")
         gemv, kernel = (getattr(self.ops, name) for name in GATED_ACTIVATIONS[activation])
-        if w.dtype == E4M3:
+        if w.dtype == E4M3 and self.uses_fp8_gemv(m, k):
+            getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, x.ptr, w.ptr, w.scale.ptr, m, n, k)
+        elif w.dtype == E4M3:
             self._gemm_fp8(gate_up, x, w, m, n, k, False)
             kernel(out.ptr, gate_up.ptr, m, n // 2)
         elif self.uses_gemv(m, n, k):

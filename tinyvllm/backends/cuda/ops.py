@@ -34,8 +34,6 @@ SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per ro
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
-FP8_GEMV_WARPS = 4  # gemv_fp8: warps per block
-FP8_GEMV_ROWS = 2  # gemv_fp8: weight rows per warp (at most 4: lane i * rows + r writes output (i, r))
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
@@ -52,7 +50,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
-    "fp8": {"FP8_GEMV_WARPS": FP8_GEMV_WARPS, "FP8_GEMV_ROWS": FP8_GEMV_ROWS},
+    "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
             "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
@@ -62,6 +60,11 @@ DEFINES: dict[str, dict[str, int]] = {
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
+FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
+# gemv_*_fp8: most dynamic shared memory for x's values (m rows of 2k + 16 bytes, f16; cuda/gemv_kernel.cuh), under
+# the 227 KB a block may have; a product needing more (8 rows of k > 14072: Llama-3.1-8B's down projection at 8 rows)
+# takes quantize_fp8 and cuBLASLt instead
+FP8_GEMV_MAX_SHARED = 220 << 10
 MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
@@ -162,23 +165,57 @@ def max_prefill_tiles(num_tokens: int, num_seqs: int, group: int) -> int:
     return num_tokens * group // PREFILL_BLOCK_M + num_seqs + 1
 
 
-def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int) -> tuple[str, tuple[int], int]:
+def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
+                   fp8: bool = False) -> tuple[str, tuple[int], int]:
     """The kernel, the grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv
-    kernels. The kernel is kernel_name, or its `_pipelined` form where a warp has more than one iteration of k and
-    the grid fits on the GPU at one block per SM (that form's occupancy): Llama-3.2-1B's down projection, 2% faster
-    alone and W3 1% (docs/PERFORMANCE.md); 8B's QKV and O (2 iterations, 2-3 blocks per SM) were 10-15%
-    slower in it."""
+    kernels (fp8: e4m3 weights, 16 of them per 16-byte load). The kernel is kernel_name, or its `_pipelined` form
+    where a warp has more than one iteration of k and the grid fits on the GPU at one block per SM (that form's
+    occupancy): Llama-3.2-1B's down projection, 2% faster alone and W3 1% (docs/PERFORMANCE.md); 8B's QKV and O
+    (2 iterations, 2-3 blocks per SM) were 10-15% slower in it."""
     _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
-    _require_vectors(kernel_name, k=k)
+    per_iteration = FP8_GEMV_K_PER_ITERATION if fp8 else GEMV_K_PER_ITERATION
+    if fp8:
+        _require(k % FP8_VECTOR == 0, f"{kernel_name}: k {k} is not a multiple of {FP8_VECTOR}")
+        _require(fp8_gemv_shared_bytes(m, k) <= FP8_GEMV_MAX_SHARED,
+                 f"{kernel_name}: {m} rows of k {k} are over the {FP8_GEMV_MAX_SHARED} bytes of x it holds")
+    else:
+        _require_vectors(kernel_name, k=k)
     # as many as k keeps busy for a full iteration, so that small n still has enough loads in flight (n = 2048 at
     # k = 2048: all 8 MB requested at once)
     split = 1
-    while split < GEMV_WARPS and 2 * split * GEMV_K_PER_ITERATION <= k:
+    while split < GEMV_WARPS and 2 * split * per_iteration <= k:
         split *= 2
     tiles = -(-n // GEMV_TILE_ROWS)
     blocks = -(-tiles // (GEMV_WARPS // split))
-    pipelined = k > split * GEMV_K_PER_ITERATION and blocks <= num_sms
+    pipelined = k > split * per_iteration and blocks <= num_sms
     return kernel_name + "_pipelined" * pipelined, (blocks,), split
+
+
+SM_SHARED_BYTES = 228 << 10  # shared memory of one SM (sm_90), of which each resident block also takes 1 KB
+GEMV_STATIC_SHARED = 4384  # gemv_*_fp8's static shared memory (ptxas -v): partial tiles, x scales, warp maxima
+
+
+def fp8_gemv_grid(kernel_name: str, blocks: int, shared: int, num_sms: int) -> int:
+    """gemv_*_fp8's blocks: at most as many as are resident at once (2 per SM for the plain form, 1 for the
+    `_pipelined` one, fewer where x's shared memory allows fewer), each taking several groups of tiles, so that
+    it quantizes x once for them (the LM head's 8,016 groups would pay that 30 times over); num_sms 0: one block
+    per group."""
+    if not num_sms:
+        return blocks
+    per_sm = min(1 if kernel_name.endswith("_pipelined") else 2,
+                 SM_SHARED_BYTES // (shared + GEMV_STATIC_SHARED + 1024))
+    return min(blocks, max(1, per_sm) * num_sms)
+
+
+def fp8_gemv_shared_bytes(m: int, k: int) -> int:
+    """gemv_*_fp8's dynamic shared memory for m rows of x of width k: its codes' f16 values, rows of 2k + 16 bytes
+    (cuda/gemv_kernel.cuh gemv_x_value_bytes)."""
+    return m * (2 * k + 16)
+
+
+def fp8_gemv_fits(m: int, k: int) -> bool:
+    """Whether gemv_*_fp8 runs m rows of k (else quantize_fp8 and cuBLASLt)."""
+    return 1 <= m <= GEMV_MAX_ROWS and k % FP8_VECTOR == 0 and fp8_gemv_shared_bytes(m, k) <= FP8_GEMV_MAX_SHARED
 
 
 def _norm_threads(kernel_name: str, hidden: int) -> int:
@@ -192,6 +229,9 @@ def _norm_threads(kernel_name: str, hidden: int) -> int:
 
 
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
+FP8_GEMV_ARGS = "{out}* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k, int split, " \
+                "int accumulate"  # gemv_fp8_*
+FP8_GATED_ARGS = "bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k, int split"
 ROPE_QK_NORM = ", const bf16* q_weight, const bf16* k_weight, float eps, float offset"  # rope_and_cache's qk norm
 
 
@@ -267,8 +307,12 @@ class Ops:
         self.stream = stream
         self.num_sms = num_sms
 
-    def launch(self, name: str, grid: tuple[int, ...], block: int, *args) -> None:
-        self.kernels[name](grid, (block, 1, 1), self.stream, *args)
+    def launch(self, name: str, grid: tuple[int, ...], block: int, *args, shared_bytes: int | None = None) -> None:
+        """shared_bytes: this launch's dynamic shared memory, at most its kernel's declared amount (None: that)."""
+        if shared_bytes is None:
+            self.kernels[name](grid, (block, 1, 1), self.stream, *args)
+        else:
+            self.kernels[name](grid, (block, 1, 1), self.stream, *args, shared_bytes=shared_bytes)
 
     @kernel("embedding", "float* out, const bf16* table, const int* ids, int hidden, float scale")
     def embedding(self, out: int, table: int, ids: int, num_tokens: int, hidden: int, scale: float = 1.0) -> None:
@@ -570,19 +614,39 @@ class Ops:
         self.launch("scale_rows_cols_" + ("f32" if out_fp32 else "bf16"), (m, -(-n // per_block)),
                     ELEMENTWISE_THREADS, out, acc, row_scale, col_scale, n, int(accumulate))
 
-    @kernel("fp8", "float* out, const e4m3* x, const float* x_scale, const e4m3* w, const float* w_scale, int m, "
-                   "int n, int k, int accumulate", "gemv_fp8_f32")
-    @kernel("fp8", "bf16* out, const e4m3* x, const float* x_scale, const e4m3* w, const float* w_scale, int m, "
-                   "int n, int k, int accumulate", "gemv_fp8_bf16")
-    def gemv_fp8(self, out: int, x: int, x_scale: int, w: int, w_scale: int, m: int, n: int, k: int,
-                 out_fp32: bool, accumulate: bool) -> None:
-        """out[m, n] = x[m, k] . w[n, k]^T * x_scale[m] * w_scale[n] (+ out when accumulate), e4m3 codes x and w,
-        float32 products and sums, for m <= 8."""
-        _require(1 <= m <= GEMV_MAX_ROWS, f"gemv_fp8: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
-        _require(k % FP8_VECTOR == 0, f"gemv_fp8: k {k} is not a multiple of {FP8_VECTOR}")
-        grid = (-(-n // (FP8_GEMV_WARPS * FP8_GEMV_ROWS)),)
-        self.launch("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), grid, FP8_GEMV_WARPS * 32, out, x, x_scale, w,
-                    w_scale, m, n, k, int(accumulate))
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="float"), "gemv_fp8_f32", "gemv_fp8_f32_pipelined",
+            shared=lambda name: FP8_GEMV_MAX_SHARED)
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="bf16"), "gemv_fp8_bf16", "gemv_fp8_bf16_pipelined",
+            shared=lambda name: FP8_GEMV_MAX_SHARED)
+    def gemv_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int, out_fp32: bool,
+                 accumulate: bool) -> None:
+        """out[m, n] = e4m3(x) . w^T * x_scale * w_scale[n] (+ out when accumulate) for m <= 8: bf16 x, quantized
+        per row by the kernel (as quantize_fp8), e4m3 codes w [n, k] with their per-row scales."""
+        name, (blocks,), split = _gemv_geometry("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), m, n, k, self.num_sms,
+                                                fp8=True)
+        shared = fp8_gemv_shared_bytes(m, k)
+        self.launch(name, (fp8_gemv_grid(name, blocks, shared, self.num_sms),), GEMV_WARPS * 32, out, x, w, w_scale,
+                    m, n, k, split, int(accumulate), shared_bytes=shared)
+
+    @kernel("fp8", FP8_GATED_ARGS, "gemv_swiglu_fp8", "gemv_swiglu_fp8_pipelined",
+            shared=lambda name: FP8_GEMV_MAX_SHARED)
+    def gemv_swiglu_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int) -> None:
+        """gemv_swiglu with e4m3 weights (gemv_fp8's quantization and scales)."""
+        self._gemv_gated_fp8("gemv_swiglu_fp8", out, x, w, w_scale, m, n, k)
+
+    @kernel("fp8", FP8_GATED_ARGS, "gemv_geglu_fp8", "gemv_geglu_fp8_pipelined",
+            shared=lambda name: FP8_GEMV_MAX_SHARED)
+    def gemv_geglu_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int) -> None:
+        """gemv_geglu with e4m3 weights."""
+        self._gemv_gated_fp8("gemv_geglu_fp8", out, x, w, w_scale, m, n, k)
+
+    def _gemv_gated_fp8(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, m: int, n: int,
+                        k: int) -> None:
+        _require(n % GEMV_TILE_ROWS == 0, f"{kernel_name}: n = {n} rows are not whole groups of 8 gate and 8 up rows")
+        name, (blocks,), split = _gemv_geometry(kernel_name, m, n, k, self.num_sms, fp8=True)
+        shared = fp8_gemv_shared_bytes(m, k)
+        self.launch(name, (fp8_gemv_grid(name, blocks, shared, self.num_sms),), GEMV_WARPS * 32, out, x, w, w_scale,
+                    m, n, k, split, shared_bytes=shared)
 
     # ---- mixture of experts (cuda/moe.cu) -------------------------------------------------------------------------
 

@@ -1,0 +1,246 @@
+// GEMV for small batches (decode): out[m, n] = x[m, k] . w[n, k]^T for m <= 8, the meaning of Cublas.gemm: bf16
+// inputs, float32 accumulation, bf16 or float32 out, optionally out += x . w^T (the fused residual add). The
+// kernels of gemv.cu (bf16 weights) and fp8.cu (e4m3 weights, W8A8) are this template.
+//
+// Why it is shaped so: at m <= 8 the product is a single pass over w (n * k weights), so the kernel is about keeping
+// enough 16-byte loads of w in flight; everything else must stay off the critical path. The arithmetic goes to
+// the tensor cores, one mma per 16 rows x 16 bytes of k (m16n8k16 for bf16, m16n8k32 for e4m3): w is the A operand
+// (16 rows), x^T the B operand, whose 8 columns are the m <= 8 rows of x (padded by repeating the last one; their
+// outputs are dropped). So there are no per-element conversions and no shuffle reductions, and every m <= 8 costs
+// the same.
+//
+// The fragment layout gives lane (g = lane / 4, t = lane % 4) 4-byte pieces of rows g and g+8: k-columns {2t, 2t+1,
+// 2t+8, 2t+9} (bf16) or {4t..4t+3, 16+4t..16+4t+3} (e4m3). A dot product does not care about the order of k, so
+// instead each lane loads 16 consecutive bytes (one load) of rows g and g+8 and of x row g, and feeds bytes 0-7 to
+// one mma and 8-15 to the next: w and x are permuted alike, so the sum is unchanged.
+//
+// Work split: a 16-row tile is shared by `split` warps (1, 2, 4 or 8, chosen by the host so that each warp has at
+// least one full iteration of k); a block of GEMV_WARPS warps holds GEMV_WARPS / split tiles. Per iteration a warp
+// issues GEMV_UNROLL loads of each of its two rows (512 contiguous bytes per row across the warp) and of x before
+// the first mma; at 4 KB rows and split 8 that is the whole row, so a block has all of its 64 KB in flight at once.
+// The split warps' 16x8 partial tiles are summed through shared memory. w bypasses L1 (it is read once) so that
+// L1 keeps x, which every block re-reads. The first iteration's w loads go out before the wait for the previous
+// kernel (programmatic dependent launch, common.cuh), so they overlap its end; and the next kernel may launch at
+// once, so that its blocks are resident and its own first loads in flight as this one ends (common.cuh).
+//
+// e4m3 weights (W8A8, one float32 scale per weight row): x comes in bf16 and each block quantizes it itself into
+// shared memory after the wait, one scale per x row (amax / 448) and codes x / scale rounded to nearest even, the
+// arithmetic of quantize_fp8 (fp8.cu), so the codes are bit-equal to that kernel's. Every block reads the whole of
+// x anyway, so this costs a pass over m * k bf16 from L2 per block instead of a kernel and a boundary before every
+// linear layer. sm_90's mma.sync has no FP8 form (an e4m3 mma is compiled into conversions to f16 and f16 mmas), so
+// the codes' values are kept as f16 (exact), x's once per block and w's in registers as they arrive, and the
+// products run as f16 mmas; each product of two e4m3 values is exact in float32. The sums are scaled at the end by
+// the x row's and the weight row's scales.
+//
+// The gate/up projection (gemv_swiglu_*, gemv_geglu_*) ends in SwiGLU or GeGLU instead of storing gate_up
+// (activation.cu's silu_and_mul and gelu_tanh_and_mul, a kernel and a boundary fewer per layer): its weight rows
+// come interleaved so that a 16-row tile holds 8 units' gate rows and their up rows.
+//
+// A warp with more than one iteration of k (Llama-3.2-1B's bf16 down projection: 4) loads an iteration, waits for
+// it, multiplies, and only then loads the next, so HBM idles between iterations. The `_pipelined` kernels keep a
+// second register buffer: the next iteration's loads go out before this one's mmas. That needs ~210 registers, so
+// one block per SM; ops.py picks them only where the grid fits on the SMs at that (8B's QKV and O, at 2-3 blocks per
+// SM in the plain form, would lose occupancy; docs/PERFORMANCE.md, Decisions: "gemv's pipelined form").
+//
+// Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
+// lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
+#pragma once
+#include <type_traits>
+
+#include "gemv_tile.cuh"
+
+// Asking for 2 blocks per SM (so 128 registers) is what makes ptxas keep all 3 * GEMV_UNROLL loads of an iteration
+// in flight: left to itself it picks ~50 registers and issues each load just before its mma, one memory latency
+// per load.
+#define GEMV_MIN_BLOCKS 2
+#define GEMV_MAX_ROWS 8  // the mma's n: x rows per launch
+
+// Act(gate, up) (common.cuh: Silu, GeluTanh) from float32 sums, each first rounded to bf16 as the GEMM's bf16 output
+// is before activation.cu's kernels read it, so that both paths give the same activation.
+template <class Act>
+__device__ __forceinline__ float gated(float gate, float up) {
+    return Act::apply(__bfloat162float(__float2bfloat16(gate)), __bfloat162float(__float2bfloat16(up)));
+}
+
+struct Ungated {};  // gemv's Act for a plain product (no activation)
+
+__device__ __forceinline__ void store_out(float* p, float v, int accumulate) { *p = accumulate ? *p + v : v; }
+
+__device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
+    *p = __float2bfloat16(accumulate ? __bfloat162float(*p) + v : v);
+}
+
+__device__ __forceinline__ float amax8(uint4 v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        a = fmaxf(a, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+    return a;
+}
+
+// The e4m3 kernels' prologue: x rows 0..m-1 (bf16 [m, k]) quantized as quantize_fp8 does (a scale per row,
+// amax / 448, into scales [m]; codes x / scale rounded to nearest even), the codes' values stored as f16 (exact)
+// into shared memory, rows of 2k + 16 bytes so that the 8 rows a warp reads at once spread over the banks. Every
+// thread takes the same 8-entry chunks of all m rows at once (their loads in flight together), amax first, then
+// the codes from a second read (L1: the weights' registers, live through this, leave no room to keep x in them).
+// Called by the whole block.
+__device__ void quantize_x_rows(uint4* values, float* scales, const bf16* x, int m, int k) {
+    __shared__ float warp_amax[GEMV_WARPS][GEMV_MAX_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = k / 8, stride = k / 8 + 1;
+    float amax[GEMV_MAX_ROWS] = {};
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+#pragma unroll
+        for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
+            if (i >= m) break;
+            amax[i] = fmaxf(amax[i], amax8(load_coherent(x + (int64_t)i * k + c * 8)));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
+        const float a = warp_reduce<Max>(amax[i]);
+        if (lane == 0) warp_amax[warp][i] = a;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
+        if (i >= m) break;
+        float a = 0.f;
+        for (int w = 0; w < GEMV_WARPS; ++w) a = fmaxf(a, warp_amax[w][i]);
+        const float scale = a > 0.f ? __fdiv_rn(a, 448.f) : 1.f;
+        if (threadIdx.x == 0) scales[i] = scale;
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const uint4 raw = load_coherent(x + (int64_t)i * k + c * 8);
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                v[2 * j] = __fdiv_rn(f.x, scale);
+                v[2 * j + 1] = __fdiv_rn(f.y, scale);
+            }
+            const uint2 codes = f32x8_to_e4m3x8(v, 1.f);
+            values[(int64_t)i * stride + c] = make_uint4(e4m3x2_to_f16x2(codes.x, 0), e4m3x2_to_f16x2(codes.x, 1),
+                                                         e4m3x2_to_f16x2(codes.y, 0), e4m3x2_to_f16x2(codes.y, 1));
+        }
+    }
+    __syncthreads();
+}
+
+// The bytes of quantize_x_rows's values for m rows of k (the e4m3 kernels' dynamic shared memory).
+__host__ __device__ constexpr int64_t gemv_x_value_bytes(int m, int k) { return (int64_t)m * (2 * k + 16); }
+
+// Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, x and w 16-byte
+// aligned; bf16 weights (W = bf16): k % 8 == 0, w_scale unused; e4m3 (W = e4m3): k % 16 == 0, w_scale [n], dynamic
+// shared memory gemv_x_value_bytes(m, k); split in {1, 2, 4, 8}; a gated Act (not Ungated): n % 16 == 0.
+template <typename T, class Act, bool PIPELINED, typename W>
+__device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const W* __restrict__ w,
+                     const float* __restrict__ w_scale, int m, int n, int k, int split, int accumulate) {
+    constexpr bool FP8 = std::is_same<W, e4m3>::value;
+    __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
+    __shared__ float x_scale[GEMV_MAX_ROWS];  // e4m3: each x row's scale
+    extern __shared__ uint4 x_values[];  // e4m3: the f16 values of x's codes, rows of 2k + 16 bytes
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = GEMV_WARPS / split, block_tiles = (n + 16 * tiles - 1) / (16 * tiles);
+    int tile0, chunks;
+    const W *w_lo, *w_hi;
+    auto take = [&](int block_tile) {  // this block's `tiles` tiles from block_tile * tiles on
+        tile0 = block_tile * tiles;
+        const int row0 = (tile0 + warp / split) * 16;
+        chunks = row0 < n ? k / (16 / (int)sizeof(W)) : 0;  // 16-byte chunks per row; none past n
+        // Rows past n (last tile) repeat row n-1 and columns past m repeat x row m-1: loads stay in bounds, and the
+        // outputs they feed are not stored.
+        w_lo = w + (int64_t)min(row0 + g, n - 1) * k;
+        w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
+    };
+    take(blockIdx.x);
+    const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
+    const uint4* x_value_row = x_values + (int64_t)min(g, m - 1) * (k / 8 + 1);
+    uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
+    // The first iteration's w loads go out before the wait for the previous kernel, which writes x (PDL): no
+    // kernel writes w, so they overlap that kernel's end. That iteration is peeled so that the one wait is
+    // straight-line code after them: with the wait behind a branch in the loop, ptxas issued 2 of the 16 before it
+    // (tests/gpu/test_pdl.py counts them; docs/PERFORMANCE.md, Decisions: "gemv's first iteration of weights
+    // before the wait").
+    const int stride = split * GEMV_UNROLL * 4;
+    int base = (warp % split) * GEMV_UNROLL * 4;
+    allow_dependents_launch();  // at the start (docs/PERFORMANCE.md, Decisions: "gemv's launch point")
+    if (base < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+    grid_dependency_wait();  // a warp without k to load still waits before it stores out
+    if constexpr (FP8) {
+        if (threadIdx.x == 0 && dynamic_shared_bytes() < gemv_x_value_bytes(m, k)) __trap();
+        quantize_x_rows(x_values, x_scale, x, m, k);
+    }
+    // e4m3: a block may take several groups of tiles (the host sizes the grid to what is resident at once), so that
+    // it quantizes x once for them all; bf16: one group per block (the grid covers them)
+    for (int block_tile = blockIdx.x;;) {
+        float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
+        auto mul = [&](const uint4 (&a)[GEMV_UNROLL], const uint4 (&b)[GEMV_UNROLL], int at) {
+            if constexpr (FP8) {
+                multiply_e4m3<GEMV_UNROLL>(c, a, b, x_value_row, at, t, chunks);
+            } else {
+                multiply<GEMV_UNROLL>(c, a, b, x_row, true, at, t, chunks);
+            }
+        };
+        if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
+            uint4 lo2[GEMV_UNROLL], hi2[GEMV_UNROLL];
+            for (; base < chunks; base += 2 * stride) {
+                if (base + stride < chunks) load_rows<GEMV_UNROLL>(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
+                mul(lo, hi, base);
+                if (base + stride >= chunks) break;
+                if (base + 2 * stride < chunks)
+                    load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
+                mul(lo2, hi2, base + stride);
+            }
+        } else {
+            if (base < chunks) mul(lo, hi, base);
+            for (base += stride; base < chunks; base += stride) {
+                load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+                mul(lo, hi, base);
+            }
+        }
+        *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
+            make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
+        __syncthreads();
+        // the sum of weight row `row` and x row `col` times their scales (e4m3), as stored
+        auto scaled = [&](float sum, int row, int col) {
+            if constexpr (FP8) return sum * x_scale[col] * w_scale[row];
+            return sum;
+        };
+        if constexpr (!std::is_same<Act, Ungated>::value) {
+            // a tile's rows g are gate rows, g + 8 the same units' up rows: out [m, n / 2]
+            for (int e = threadIdx.x; e < tiles * 64; e += blockDim.x) {
+                const int tile = e >> 6, l = (e & 63) >> 1, j = e & 1;  // lane l's gate (c element j), up (j + 2)
+                float gate = 0.f, up = 0.f;
+                for (int i = 0; i < split; ++i) {
+                    gate += partial[tile * split + i][l * 4 + j];
+                    up += partial[tile * split + i][l * 4 + j + 2];
+                }
+                const int unit = (tile0 + tile) * 8 + (l >> 2), col = (l & 3) * 2 + j;
+                const int gate_row = (tile0 + tile) * 16 + (l >> 2);
+                if (unit < n / 2 && col < m)
+                    store_out(out + (int64_t)col * (n / 2) + unit,
+                              gated<Act>(scaled(gate, gate_row, col), scaled(up, gate_row + 8, col)), 0);
+            }
+        } else {
+            // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
+            // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
+            for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
+                const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3;
+                float sum = 0.f;
+                for (int i = 0; i < split; ++i) sum += partial[tile * split + i][f];
+                const int row = (tile0 + tile) * 16 + (l >> 2) + (j >> 1) * 8, col = (l & 3) * 2 + (j & 1);
+                if (row < n && col < m) store_out(out + (int64_t)col * n + row, scaled(sum, row, col), accumulate);
+            }
+        }
+        if constexpr (!FP8) break;
+        block_tile += gridDim.x;
+        if (block_tile >= block_tiles) break;
+        __syncthreads();  // the epilogue above read `partial`
+        take(block_tile);
+        base = (warp % split) * GEMV_UNROLL * 4;
+        if (base < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+    }
+}
