@@ -425,6 +425,16 @@ def test_linear_runs_e4m3_weights_through_fp8(recorder):
     assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "scale_rows_cols_bf16"]
     with pytest.raises(ValueError, match="fp8 scratch buffers hold it"):
         fp8_linear(recorder, k=1024).gemm(out, x, w, 9)  # 9 rows of 2048 codes: over the 16 x 1024 scratch
+    small = Linear(RecordingBlas(), Ops(recorder, None, num_sms=132), fp8=Fp8Scratch(
+        DeviceTensor(100, E4M3, (16, 2048)), DeviceTensor(200, F32, (16,)), DeviceTensor(300, F32, (4, 3072))))
+    recorder.launches.clear()
+    recorder.args.clear()
+    small.gemm(out, x, w, 9)  # an accumulator of 4 rows: the product in pieces of 4, 4 and 1 rows
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8"] + ["scale_rows_cols_bf16"] * 3
+    assert [(a[0], a[2], grid[0]) for a, (_, grid, _) in zip(recorder.args[1:], recorder.launches[1:])] == [
+        (30 + r0 * 2 * 3072, 200 + 4 * r0, rows) for r0, rows in ((0, 4), (4, 4), (8, 1))]
+    assert [(c[1].ptr, c[1].shape, c[3]) for c in small.blas.calls] == [(100 + r0 * 2048, (rows, 2048), rows)
+                                                                        for r0, rows in ((0, 4), (4, 4), (8, 1))]
     scaled = fp8_linear(recorder)  # cuBLASLt with outer-vector scales: it scales and adds itself
     scaled.blas.scaled = True
     recorder.launches.clear()
@@ -1273,7 +1283,11 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
         assert lib.matmuls == [] and blas.heuristic_queries == 2  # once per output type, not per call
         assert not blas.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6) and blas.heuristic_queries == 2
     else:
-        assert lib.matmuls == [(200, 100, 300, (210, 110)), (200, 100, 300, (210, 120))]
+        other = cublas.Cublas(0, 4096, 1 << 20, algos=blas.algos)  # another stream's handle: the algorithms shared
+        assert other.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6) and blas.heuristic_queries == 2
+        assert lib.matmuls[-1] == (200, 100, 300, (210, 120)) and other.heuristic_queries == 0
+        other.close()
+        assert lib.matmuls[:2] == [(200, 100, 300, (210, 110)), (200, 100, 300, (210, 120))]
         modes = lib.descs[blas.scaled_desc.value]
         assert modes[cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE] == modes[cublas.CUBLASLT_MATMUL_DESC_B_SCALE_MODE] \
             == cublas.CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F

@@ -223,3 +223,31 @@ def test_gate_up_swiglu_fp8(cuda, fp8_linear, m):
                               m, DeviceTensor(gate_up, BF16, (m, n)))
     fp8_linear.ops.stream.synchronize()
     assert rel_err(gpu.get_bf16(out, (m, n // 2)), ref) < 2e-2
+
+
+@pytest.mark.parametrize("out_fp32,accumulate", MODES)
+def test_linear_fp8_fallback_in_pieces(cuda, fp8_linear, monkeypatch, out_fp32, accumulate):
+    """Where cuBLASLt has no outer-vector scales (an older cuBLASLt: gemm_scaled says so), the product runs with
+    unit scales into the float32 accumulator and scale_rows_cols, in pieces of the rows that accumulator holds
+    (here 64 of 300)."""
+    from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
+
+    m, n, k = 300, 2048, 2048
+    monkeypatch.setattr(fp8_linear.blas, "gemm_scaled", lambda *args, **kwargs: False)
+    s = fp8_linear.fp8
+    linear = Linear(fp8_linear.blas, fp8_linear.ops, fp8=Fp8Scratch(s.codes, s.scales,
+                                                                    DeviceTensor(s.acc.ptr, F32, (64, MAX_N))))
+    gpu, rng = Gpu(cuda), np.random.default_rng(5 + out_fp32 + 2 * accumulate)
+    w, x = bf16_rows(rng, (n, k), 3.0), bf16_rows(rng, (m, k))
+    ref = host_linear(x, HostWeight.from_fp8(quantize_rows(w)))
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * np.std(ref)))
+    if accumulate:
+        ref = ref + old
+    start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else np.full((m, n), 0x7FC0,
+                                                                                                    np.uint16)
+    out = DeviceTensor(gpu.put(start), F32 if out_fp32 else BF16, (m, n))
+    linear.gemm(out, DeviceTensor(gpu.bf16(x), BF16, (m, k)), upload_fp8_weight(gpu, linear.ops, w), m,
+                accumulate=accumulate)
+    linear.ops.stream.synchronize()
+    got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
+    assert rel_err(got, ref) < (1e-3 if out_fp32 else 1e-2)

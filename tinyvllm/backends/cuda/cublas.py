@@ -359,21 +359,22 @@ class Cublas:
         types = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_TYPES[out.dtype])
         rows = m if m in self.exact_rows else m_class(m)
         key = (n, k, types, rows, "scaled")
+        desc = self._scaled_desc()  # this handle's own, also where another handle found the algorithm
         if key not in self.algos:
-            self.algos[key] = next(iter(self._query(rows, n, k, types, 1, self._scaled_desc())), None)
+            self.algos[key] = next(iter(self._query(rows, n, k, types, 1, desc)), None)
         algo = self.algos[key]
         if algo is None:
             return False
         for attribute, tensor in ((CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w.scale),
                                   (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x.scale)):
-            _set_desc(self.scaled_desc, attribute, _p(tensor.ptr))
+            _set_desc(desc, attribute, _p(tensor.ptr))
         a, b, c = self._layouts_for(m, n, k, types)
-        status = self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, accumulate, self.scaled_desc)
+        status = self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, accumulate, desc)
         if status == CUBLAS_STATUS_NOT_SUPPORTED:  # the class's algorithm cannot do this m: ask for its own once
-            own = self._query(m, n, k, types, 1, self.scaled_desc)
+            own = self._query(m, n, k, types, 1, desc)
             if not own:
                 return False
-            status = self._matmul(own[0], out.ptr, x.ptr, w.ptr, a, b, c, accumulate, self.scaled_desc)
+            status = self._matmul(own[0], out.ptr, x.ptr, w.ptr, a, b, c, accumulate, desc)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k}, fp8 outer-vector scales)")
         return True
 

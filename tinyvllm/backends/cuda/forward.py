@@ -63,6 +63,7 @@ STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
 # took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
+FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py Fp8Scratch)
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
 
 
@@ -334,7 +335,7 @@ class CudaForward:
         self.decode_tiles = self._decode_tiles() if self.invariant else None
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, max(hidden, self.q_width, inter))), scales=empty(F32, (t,)),
-            acc=empty(F32, (t, max(self.qkv_width, 2 * inter, hidden))))
+            acc=empty(F32, (min(t, FP8_ACC_ROWS), max(self.qkv_width, 2 * inter, hidden))))
         cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
         cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
         # float2 [max_model_len, rotary_dim / 2] per distinct RoPE (model/rope.py), and each layer's

@@ -41,11 +41,13 @@ GATED_FP8_GEMVS = {"silu": "gemv_swiglu_fp8", "gelu_pytorch_tanh": "gemv_geglu_f
 @dataclass(frozen=True)
 class Fp8Scratch:
     """The buffers an FP8 linear layer goes through: its input's e4m3 codes and their scales, and the float32
-    product of the cuBLASLt path before the scales."""
+    product of the cuBLASLt path before the scales where cuBLASLt cannot apply them itself (run in pieces of as
+    many rows as it holds: that path is the fallback of an older cuBLASLt, and a buffer for every row of the widest
+    layer would be ~1 GB at Llama-3.1-8B's 8,192 tokens)."""
 
     codes: DeviceTensor  # e4m3 [t, >= every layer input's width]
     scales: DeviceTensor  # f32 [t]: one per token
-    acc: DeviceTensor  # f32 [t, >= every layer output's width]
+    acc: DeviceTensor  # f32 [r, >= every layer output's width], r <= t rows
 
 
 class Linear:
@@ -99,7 +101,7 @@ class Linear:
             raise ValueError(f"an e4m3 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
                              f"{out.dtype}")
         n, k = matmul_shape(out, x, w, m)
-        acc = 0 if _lands_in_place(out, accumulate) else m * n  # entries of the scratch accumulator it needs
+        acc = 0 if _lands_in_place(out, accumulate) else n  # the scratch accumulator holds a row at least
         if k % FP8_VECTOR or n % VECTOR or m * k > s.codes.numel or acc > s.acc.numel or m > s.scales.numel:
             raise ValueError(f"an e4m3 product of {m} rows, n {n}, k {k}: k must be a multiple of {FP8_VECTOR}, n of "
                              f"{VECTOR}, and the fp8 scratch buffers hold it")
@@ -122,9 +124,16 @@ class Linear:
         codes = DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
         if self.blas.gemm_scaled(out, codes, w, m, accumulate):  # cuBLASLt applies the scales itself
             return
-        acc = out if _lands_in_place(out, accumulate) else DeviceTensor(s.acc.ptr, F32, (m, n))
-        self.blas.gemm(acc, DeviceTensor(codes.ptr, E4M3, (m, k)), w, m)
-        self.ops.scale_rows_cols(out.ptr, acc.ptr, s.scales.ptr, w.scale.ptr, m, n, out.dtype == F32, accumulate)
+        if _lands_in_place(out, accumulate):
+            self.blas.gemm(out, DeviceTensor(codes.ptr, E4M3, (m, k)), w, m)
+            self.ops.scale_rows_cols(out.ptr, out.ptr, s.scales.ptr, w.scale.ptr, m, n, True, False)
+            return
+        step = s.acc.numel // n  # rows the accumulator holds: pieces of that many (its size: Fp8Scratch)
+        for r0 in range(0, m, step):
+            rows, acc = min(step, m - r0), DeviceTensor(s.acc.ptr, F32, (min(step, m - r0), n))
+            self.blas.gemm(acc, DeviceTensor(codes.row(r0), E4M3, (rows, k)), w, rows)
+            self.ops.scale_rows_cols(out.row(r0), acc.ptr, s.scales.ptr + 4 * r0, w.scale.ptr, rows, n,
+                                     out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                        gate_up: DeviceTensor, activation: str = "silu") -> None:
