@@ -346,7 +346,8 @@ class Cublas:
             status = self._matmul(self._algorithm_at(m, n, k, types), out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         check(status, f"cublasLtMatmul(m={m}, n={n}, k={k})")
 
-    def gemm_scaled(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> bool:
+    def gemm_scaled(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
+                    accumulate: bool = False) -> bool:
         """FP8: out[:m] = (x[:m] . w^T) * x.scale[row] * w.scale[column] (+ out when accumulate), e4m3 x and w
         with float32 scales per row ([m]) and per weight row ([n]), out bf16 or float32, in one cuBLASLt call.
         False where cuBLASLt has no outer-vector-scaled algorithm for it (nothing ran: the caller scales
