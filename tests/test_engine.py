@@ -322,3 +322,17 @@ def test_batch_rows_follow_growth_replacement_and_release():
         if batch:
             check(batch)
     assert len({s.table_row for s in seqs if s.table_row >= 0}) == sum(s.table_row >= 0 for s in seqs)
+
+
+def test_block_hash_is_sha256_of_the_parent_and_the_token_ids_as_int32():
+    """A prefix-cache key: sha256 over the parent block's hash and the block's ids as little-endian int32, for a full
+    block and any other length (the packer is made once per length)."""
+    import hashlib
+    import struct
+
+    block_hash = block_manager.block_hash
+    first = block_hash(b"", list(range(16)))
+    assert first == hashlib.sha256(struct.pack("<16i", *range(16))).digest()
+    ids = [7, -1, 2**31 - 1]
+    assert block_hash(first, ids) == hashlib.sha256(first + struct.pack("<3i", *ids)).digest()
+    assert block_hash(first, [1, 2]) != block_hash(b"", [1, 2])
