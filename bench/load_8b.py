@@ -1,6 +1,7 @@
 """Loading a Llama-3.1-8B-shaped bf16 checkpoint in 4 shards: LLM(path) to ready against a plain read of its files.
 
     python bench/load_8b.py CHECKPOINT_DIR OUT_DIR [--backend cuda] [--shape llama-3.1-8b] [--shards 4]
+        [--quantization fp8]
 
 Writes the checkpoint (random bf16 weights, written as made: no float32) to CHECKPOINT_DIR unless it already holds
 one of that shape, then measures in this run:
@@ -37,7 +38,8 @@ from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, save_hf_model_dir  
 GIB = 1 << 30
 READ_CHUNK = 64 << 20
 
-# A fresh interpreter (argv: checkpoint dir, backend) loads the model; prints its phases and RSS as JSON.
+# A fresh interpreter (argv: checkpoint dir, backend, quantization or "") loads the model; prints its phases, RSS
+# and, on cuda, the KV cache's blocks and the GPU memory in use besides it, as JSON.
 _LOAD_CHILD = """
 import json, sys, time
 def status_bytes(key):  # VmRSS: resident now; VmHWM: the peak of this process
@@ -56,15 +58,21 @@ start = time.perf_counter()
 model = load_model(sys.argv[1])
 phases["load_model (headers, tokenizer)"] = time.perf_counter() - start
 start = time.perf_counter()
-llm = LLM(model, backend=sys.argv[2], max_model_len=min(4096, model.config.max_position_embeddings))
+llm = LLM(model, backend=sys.argv[2], max_model_len=min(4096, model.config.max_position_embeddings),
+          quantization=sys.argv[3] or None)
 ready = time.perf_counter() - start
+gpu = {}
+if sys.argv[2] == "cuda":
+    free, total = llm.backend.device.mem_get_info()
+    kv = llm.backend.num_blocks * llm.backend.kv_bytes_per_block()
+    gpu = {"kv_blocks": llm.backend.num_blocks, "gpu_bytes_besides_kv": total - free - kv}
 parts = getattr(llm.backend, "startup_times", {})
 phases.update(parts)
 phases["LLM, the rest"] = ready - sum(parts.values())
 load = phases["load_model (headers, tokenizer)"] + ready
 weights = phases["load_model (headers, tokenizer)"] + parts.get("weights upload", ready)
 print(json.dumps({"phases": phases, "load_s": load, "weights_s": weights, "rss_baseline": baseline,
-                  "rss_peak_above_baseline": status_bytes("VmHWM") - baseline}))
+                  "rss_peak_above_baseline": status_bytes("VmHWM") - baseline, **gpu}))
 """
 
 
@@ -135,15 +143,15 @@ def sequential_read(files: list[Path]) -> dict:
     return {"seconds": seconds, "bytes": total, "gb_s": total / seconds / 1e9}
 
 
-def load_in_child(path: Path, backend: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(path), backend], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+def load_in_child(path: Path, backend: str, quantization: str | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(path), backend, quantization or ""],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     if done.returncode != 0:
         raise SystemExit(f"loading {path} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(path: Path, backend: str) -> dict:
+def measure(path: Path, backend: str, quantization: str | None = None) -> dict:
     files = shard_files(path)
     results: dict = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
     if backend == "cuda":  # kernels compiled (or found in their cache) before anything is timed
@@ -158,7 +166,7 @@ def measure(path: Path, backend: str) -> dict:
         if state == "cold":
             evict(files)
         results[f"cached_before_load_{state}"] = cached_fraction(files)
-        results[f"load_{state}"] = load_in_child(path, backend)
+        results[f"load_{state}"] = load_in_child(path, backend, quantization)
         load, read = results[f"load_{state}"], results[f"read_{state}"]["seconds"]
         load["vs_read"], load["weights_vs_read"] = load["load_s"] / read, load["weights_s"] / read
     return results
@@ -187,6 +195,10 @@ def format_table(r: dict) -> str:
               f"{'peak RSS above baseline, GiB (<= 2)':<36}{cold['rss_peak_above_baseline'] / GIB:>12.2f}"
               f"{warm['rss_peak_above_baseline'] / GIB:>12.2f}",
               f"{'baseline RSS, GiB':<36}{cold['rss_baseline'] / GIB:>12.2f}{warm['rss_baseline'] / GIB:>12.2f}"]
+    if "kv_blocks" in cold:
+        lines += [f"{'KV cache blocks':<36}{cold['kv_blocks']:>12}{warm['kv_blocks']:>12}",
+                  f"{'GPU memory besides the KV cache, GiB':<36}{cold['gpu_bytes_besides_kv'] / GIB:>12.2f}"
+                  f"{warm['gpu_bytes_besides_kv'] / GIB:>12.2f}"]
     return "\n".join(lines)
 
 
@@ -197,12 +209,14 @@ def main() -> None:
     parser.add_argument("--backend", default="cuda", choices=["cuda", "numpy"])
     parser.add_argument("--shape", default="llama-3.1-8b", choices=list(PRESETS))
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--quantization", choices=["fp8"], help="LLM(quantization=...): the bf16 checkpoint in W8A8")
     args = parser.parse_args()
     start = time.perf_counter()
     written = write_checkpoint(args.checkpoint, args.shape, args.shards)
     print(f"checkpoint {args.checkpoint}: " + (f"written in {written['write_s']:.1f} s" if written["written"]
                                                 else "already there"), flush=True)
-    results = {"shape": args.shape, "backend": args.backend, **written, **measure(args.checkpoint, args.backend)}
+    results = {"shape": args.shape, "backend": args.backend, "quantization": args.quantization, **written,
+               **measure(args.checkpoint, args.backend, args.quantization)}
     results["goals_met"] = {"load_vs_read": results["load_cold"]["vs_read"] <= 2,
                             "peak_rss": max(results[f"load_{s}"]["rss_peak_above_baseline"]
                                             for s in ("cold", "warm")) <= 2 * GIB}
