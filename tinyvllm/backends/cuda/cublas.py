@@ -44,7 +44,7 @@ CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = 1, 3
 CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME = 2, 3
 CUBLASLT_REDUCTION_SCHEME_NONE, CUBLASLT_REDUCTION_SCHEME_INPLACE = 0, 1
-CUBLAS_STATUS_NOT_SUPPORTED = 15
+CUBLAS_STATUS_INVALID_VALUE, CUBLAS_STATUS_NOT_SUPPORTED = 7, 15
 CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 17, 18
 CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 31, 32
 CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
@@ -258,7 +258,7 @@ class Cublas:
         status = _lib().cublasLtMatmulAlgoGetHeuristic(self.handle, desc or self.desc, a, b, c, c, self.preference,
                                                        count, results, ctypes.byref(found))
         self.heuristic_queries += 1
-        if status in (CUBLAS_STATUS_NOT_SUPPORTED, 7) and desc is not None:  # 7: INVALID_VALUE
+        if status in (CUBLAS_STATUS_NOT_SUPPORTED, CUBLAS_STATUS_INVALID_VALUE) and desc is not None:
             return []
         check(status, f"cublasLtMatmulAlgoGetHeuristic(m={m}, n={n}, k={k})")
         return [results[i].algo for i in range(found.value)]

@@ -130,7 +130,8 @@ class Linear:
             return
         step = s.acc.numel // n  # rows the accumulator holds: pieces of that many (its size: Fp8Scratch)
         for r0 in range(0, m, step):
-            rows, acc = min(step, m - r0), DeviceTensor(s.acc.ptr, F32, (min(step, m - r0), n))
+            rows = min(step, m - r0)
+            acc = DeviceTensor(s.acc.ptr, F32, (rows, n))
             self.blas.gemm(acc, DeviceTensor(codes.row(r0), E4M3, (rows, k)), w, rows)
             self.ops.scale_rows_cols(out.row(r0), acc.ptr, s.scales.ptr + 4 * r0, w.scale.ptr, rows, n,
                                      out.dtype == F32, accumulate)

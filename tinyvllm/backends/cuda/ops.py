@@ -622,11 +622,8 @@ class Ops:
                  accumulate: bool) -> None:
         """out[m, n] = e4m3(x) . w^T * x_scale * w_scale[n] (+ out when accumulate) for m <= 8: bf16 x, quantized
         per row by the kernel (as quantize_fp8), e4m3 codes w [n, k] with their per-row scales."""
-        name, (blocks,), split = _gemv_geometry("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), m, n, k, self.num_sms,
-                                                fp8=True)
-        shared = fp8_gemv_shared_bytes(m, k)
-        self.launch(name, (fp8_gemv_grid(name, blocks, shared, self.num_sms),), GEMV_WARPS * 32, out, x, w, w_scale,
-                    m, n, k, split, int(accumulate), shared_bytes=shared)
+        self._launch_fp8_gemv("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), out, x, w, w_scale, m, n, k,
+                              int(accumulate))
 
     @kernel("fp8", FP8_GATED_ARGS, "gemv_swiglu_fp8", "gemv_swiglu_fp8_pipelined",
             shared=lambda name: FP8_GEMV_MAX_SHARED)
@@ -643,10 +640,16 @@ class Ops:
     def _gemv_gated_fp8(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, m: int, n: int,
                         k: int) -> None:
         _require(n % GEMV_TILE_ROWS == 0, f"{kernel_name}: n = {n} rows are not whole groups of 8 gate and 8 up rows")
+        self._launch_fp8_gemv(kernel_name, out, x, w, w_scale, m, n, k)
+
+    def _launch_fp8_gemv(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int,
+                         *accumulate: int) -> None:
+        """An FP8 GEMV kernel (or its pipelined form) with its split, its grid of resident blocks and x's shared
+        memory; accumulate: the plain products' last argument (none for the gated ones)."""
         name, (blocks,), split = _gemv_geometry(kernel_name, m, n, k, self.num_sms, fp8=True)
         shared = fp8_gemv_shared_bytes(m, k)
         self.launch(name, (fp8_gemv_grid(name, blocks, shared, self.num_sms),), GEMV_WARPS * 32, out, x, w, w_scale,
-                    m, n, k, split, shared_bytes=shared)
+                    m, n, k, split, *accumulate, shared_bytes=shared)
 
     # ---- mixture of experts (cuda/moe.cu) -------------------------------------------------------------------------
 
