@@ -15,6 +15,7 @@ L2. Bandwidth is weight bytes / time, set against the device copy rate measured 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +26,8 @@ from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.forward import WORKSPACE_BYTES
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
-from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor
+from tinyvllm.model.dtypes import e4m3_to_f32
 
 WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
 SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
@@ -108,14 +110,20 @@ def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_f
         return lambda i: gemm(out_tensor, x_tensor, ws[i % len(ws)], m, accumulate=accumulate)
 
     if fp8 is not None:
+        # x quantized as rms_norm leaves it (f16 values of e4m3 codes, a scale a row), so that only the GEMV is timed
+        codes = rng.integers(0, 0x7F, (m_max, k), dtype=np.uint8) | (rng.integers(0, 2, (m_max, k), np.uint8) << 7)
+        values = cuda.to_device(e4m3_to_f32(codes).astype(np.float16))
+        x_scale = cuda.to_device(np.full(m_max, 1e-2, np.float32))
+        x_codes = DeviceTensor(int(values), F16, (m_max, k), DeviceTensor(int(x_scale), F32, (m_max,)))
+        fp8_gemm = functools.partial(fp8.gemm, x_codes=x_codes)
         half = DeviceTensor(int(x), BF16, (m_max, k // 2))
-        results = {m: (timer.median_us(launches(fp8.gemm, m, weights)), timer.median_us(
+        results = {m: (timer.median_us(launches(fp8_gemm, m, weights)), timer.median_us(
             lambda i, m=m: linear.gemm(out_tensor, half, bf16_weights[i % len(copies)], m, accumulate=accumulate)))
             for m in ms}
     else:
         results = {m: (timer.median_us(launches(linear.gemm, m, weights)), timer.median_us(
             launches(blas.gemm, m, weights))) for m in ms}
-    for allocation in (*copies, x, out):
+    for allocation in (*copies, x, out, *([values, x_scale] if fp8 is not None else [])):
         allocation.free()
     return results
 
@@ -132,7 +140,7 @@ def main() -> None:
     blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)))
     linear = Linear(blas, device.ops(stream))
     fp8 = None
-    if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x itself)
+    if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x as it loads it)
         t, width = max(ms), max(k for _, k, _, _ in SHAPES.values())
         fp8 = Linear(blas, device.ops(stream), fp8=Fp8Scratch(device.empty(E4M3, (t, width)), device.empty(F32, (t,)),
                                                              device.empty(F32, (t, 128256))))

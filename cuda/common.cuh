@@ -81,6 +81,24 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(uint2 codes) {
     return out;
 }
 
+// Eight e4m3 codes -> their values as eight f16 (exact): the FP8 GEMV's x (gemv_kernel.cuh), which the kernel
+// that writes x stores so.
+__device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint2 codes) {
+    uint4 out;
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&codes);
+    uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3);
+        words[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+    return out;
+}
+
+// The e4m3 scale of a row of W8A8 (fp8.cu) whose largest |value| is amax: amax / 448, or 1 for an all-zero row (so
+// that it quantizes to zeros). Twin: model/fp8.py e4m3_scale.
+__device__ __forceinline__ float fp8_scale(float amax) { return amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f; }
+
 // Eight floats times `scale` -> eight e4m3 codes, rounded to nearest even and saturated to +-448 (satfinite).
 __device__ __forceinline__ uint2 f32x8_to_e4m3x8(const float x[8], float scale) {
     uint2 out;

@@ -3,19 +3,21 @@
 // backends/host_weight.py _matmul_fp8 (the product of the dequantized values, scaled per output column).
 //
 // A product out[m, n] = sum_k xq[m, k] * wq[n, k] * x_scale[m] * w_scale[n] runs as
-// - gemv_fp8_* (m <= 8): gemv_kernel.cuh's GEMV with e4m3 weights, which quantizes x itself (per block, into shared
-//   memory) and ends in the scales, or in SwiGLU / GeGLU for the gate/up projection (gemv_swiglu_fp8, ...);
+// - gemv_fp8_* (m <= 8): gemv_kernel.cuh's GEMV with e4m3 weights on x quantized by the kernel that wrote it (the
+//   f16 values of its codes and a scale per row: rms_norm, else quantize_fp8_values), ending in the scales, or in
+//   SwiGLU / GeGLU for the gate/up projection (gemv_swiglu_fp8, ...);
 // - else quantize_fp8 of x, then cuBLASLt's FP8 GEMM (backends/cuda/cublas.py): with the scales as its outer
 //   vectors where cuBLASLt offers them, else with unit scales into a float32 buffer and scale_rows_cols after it.
 // Every product of two e4m3 values is exact in float32, so both compute the twin's sums up to their order.
 #include "gemv_kernel.cuh"
 
-// out[r, :] = e4m3(x[r, :] / scale[r]), scale[r] = amax(|x[r, :]|) / 448 (1 where the row is all zeros): the
-// weights at load (one scale per output channel) and each linear layer's input (one per token).
-// Twin: model/fp8.py quantize_rows (x / scale rounded to nearest even, saturating).
-// Launch: grid (rows), block 256; a row per block, 8 entries per thread and pass. cols % 8 == 0. x is read with
-// plain loads: another kernel writes it.
-extern "C" __global__ void quantize_fp8(e4m3* __restrict__ out, float* __restrict__ scales, const bf16* x, int cols) {
+// Row blockIdx.x of bf16 x quantized: scales[r] = fp8_scale(amax(|x[r, :]|)), codes e4m3(x * (1 / scale)) rounded to
+// nearest even and saturated, into out as the codes themselves (VALUES false: e4m3) or as their values (f16, the
+// FP8 GEMV's input). A multiply by the scale's inverse, not a division: rms_norm quantizes the same way in its
+// epilogue. Twin: model/fp8.py quantize_rows. A row per block, 8 entries per thread and pass; x is read with plain
+// loads: another kernel writes it.
+template <bool VALUES>
+__device__ void quantize_row(void* out, float* scales, const bf16* x, int cols) {
     pdl_begin();
     __shared__ float scratch[32];
     const bf16* xr = x + (int64_t)blockIdx.x * cols;
@@ -26,17 +28,32 @@ extern "C" __global__ void quantize_fp8(e4m3* __restrict__ out, float* __restric
 #pragma unroll
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
     }
-    amax = block_reduce<Max>(amax, scratch);
-    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    const float scale = fp8_scale(block_reduce<Max>(amax, scratch)), inv = __frcp_rn(scale);
     if (threadIdx.x == 0) scales[blockIdx.x] = scale;
-    e4m3* o = out + (int64_t)blockIdx.x * cols;
+    const int64_t row = (int64_t)blockIdx.x * cols;
     for (int i = threadIdx.x * 8; i < cols; i += blockDim.x * 8) {
         float v[8];
         load8(xr + i, v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fdiv_rn(v[j], scale);
-        *reinterpret_cast<uint2*>(o + i) = f32x8_to_e4m3x8(v, 1.f);
+        const uint2 codes = f32x8_to_e4m3x8(v, inv);
+        if constexpr (VALUES) {
+            *reinterpret_cast<uint4*>(static_cast<__half*>(out) + row + i) = e4m3x8_to_f16x8(codes);
+        } else {
+            *reinterpret_cast<uint2*>(static_cast<e4m3*>(out) + row + i) = codes;
+        }
     }
+}
+
+// e4m3 out [rows, cols] and scales [rows] of bf16 x: the weights at load (one scale per output channel) and each
+// linear layer's input beyond 8 rows (one per token). Launch: grid (rows), block 256. cols % 8 == 0.
+extern "C" __global__ void quantize_fp8(e4m3* __restrict__ out, float* __restrict__ scales, const bf16* x, int cols) {
+    quantize_row<false>(out, scales, x, cols);
+}
+
+// quantize_fp8 with the codes' f16 values as out: the FP8 GEMV's x where the kernel that wrote x does not quantize
+// it (attention's output, the activation). Launch: as quantize_fp8's.
+extern "C" __global__ void quantize_fp8_values(__half* __restrict__ out, float* __restrict__ scales, const bf16* x,
+                                               int cols) {
+    quantize_row<true>(out, scales, x, cols);
 }
 
 // out[r, c] (+)= acc[r, c] * row_scale[r] * col_scale[c]: the epilogue of the cuBLASLt FP8 GEMM (float32 acc). out may
@@ -81,21 +98,21 @@ extern "C" __global__ void scale_rows_cols_bf16(bf16* out, const float* acc, con
 // scaled (bf16 or float32 out), and the gate/up projection's SwiGLU / GeGLU (rows interleaved as gemv.cu's).
 #define GEMV_FP8_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
-    gemv_fp8_bf16##SUFFIX(bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,      \
-                          int split, int accumulate) {                                                            \
-        gemv<bf16, Ungated, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, accumulate);                     \
+    gemv_fp8_bf16##SUFFIX(bf16* out, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale,       \
+                          int m, int n, int k, int split, int accumulate) {                                      \
+        gemv<bf16, Ungated, PIPELINED, e4m3, __half>(out, x, w, w_scale, x_scale, m, n, k, split, accumulate);             \
     }
 #define GEMV_FP8_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                 \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
-    gemv_fp8_f32##SUFFIX(float* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,      \
-                         int split, int accumulate) {                                                             \
-        gemv<float, Ungated, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, accumulate);                    \
+    gemv_fp8_f32##SUFFIX(float* out, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale,       \
+                         int m, int n, int k, int split, int accumulate) {                                       \
+        gemv<float, Ungated, PIPELINED, e4m3, __half>(out, x, w, w_scale, x_scale, m, n, k, split, accumulate);            \
     }
 #define GEMV_FP8_GATED(NAME, ACT, SUFFIX, PIPELINED, MIN_BLOCKS)                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
-    gemv_##NAME##_fp8##SUFFIX(bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k,  \
-                              int split) {                                                                        \
-        gemv<bf16, ACT, PIPELINED, e4m3>(out, x, w, w_scale, m, n, k, split, 0);                                  \
+    gemv_##NAME##_fp8##SUFFIX(bf16* out, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale,  \
+                              int m, int n, int k, int split) {                                                   \
+        gemv<bf16, ACT, PIPELINED, e4m3, __half>(out, x, w, w_scale, x_scale, m, n, k, split, 0);                          \
     }
 #if KEEPS(gemv_fp8_bf16)
 GEMV_FP8_BF16(, false, GEMV_MIN_BLOCKS)

@@ -6,19 +6,19 @@
 #define GEMV_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {    \
-        gemv<bf16, Ungated, PIPELINED, bf16>(out, x, w, nullptr, m, n, k, split, accumulate);                       \
+        gemv<bf16, Ungated, PIPELINED, bf16, bf16>(out, x, w, nullptr, nullptr, m, n, k, split, accumulate);                       \
     }
 #define GEMV_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_f32##SUFFIX(float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate) {    \
-        gemv<float, Ungated, PIPELINED, bf16>(out, x, w, nullptr, m, n, k, split, accumulate);                      \
+        gemv<float, Ungated, PIPELINED, bf16, bf16>(out, x, w, nullptr, nullptr, m, n, k, split, accumulate);                      \
     }
 // out [m, n / 2] = Act(x . w^T) (SwiGLU: swiglu, GeGLU: geglu), w the gate/up projection with its rows interleaved in
 // groups of 8 (8 gate rows, then the same units' 8 up rows; backends/cuda/forward.py packs it so)
 #define GEMV_GATED(NAME, ACT, SUFFIX, PIPELINED, MIN_BLOCKS)                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                       \
     gemv_##NAME##_bf16##SUFFIX(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split) {           \
-        gemv<bf16, ACT, PIPELINED, bf16>(out, x, w, nullptr, m, n, k, split, 0);                                    \
+        gemv<bf16, ACT, PIPELINED, bf16, bf16>(out, x, w, nullptr, nullptr, m, n, k, split, 0);                                    \
     }
 #if KEEPS(gemv_bf16)
 GEMV_BF16(, false, GEMV_MIN_BLOCKS)

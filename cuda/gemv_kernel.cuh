@@ -23,14 +23,16 @@
 // kernel (programmatic dependent launch, common.cuh), so they overlap its end; and the next kernel may launch at
 // once, so that its blocks are resident and its own first loads in flight as this one ends (common.cuh).
 //
-// e4m3 weights (W8A8, one float32 scale per weight row): x comes in bf16 and each block quantizes it itself into
-// shared memory after the wait, one scale per x row (amax / 448) and codes x / scale rounded to nearest even, the
-// arithmetic of quantize_fp8 (fp8.cu), so the codes are bit-equal to that kernel's. Every block reads the whole of
-// x anyway, so this costs a pass over m * k bf16 from L2 per block instead of a kernel and a boundary before every
-// linear layer. sm_90's mma.sync has no FP8 form (an e4m3 mma is compiled into conversions to f16 and f16 mmas), so
-// the codes' values are kept as f16 (exact), x's once per block and w's in registers as they arrive, and the
-// products run as f16 mmas; each product of two e4m3 values is exact in float32. The sums are scaled at the end by
-// the x row's and the weight row's scales.
+// e4m3 weights (W8A8, one float32 scale per weight row): x comes quantized, as the f16 values of its e4m3 codes
+// (exact) with one scale per row, written by the kernel that produces x (rms_norm; else quantize_fp8_values, a kernel
+// of its own), with quantize_fp8's arithmetic (fp8.cu). So the kernel reads x as the bf16 one does, as the mma's B
+// operand, with nothing between its wait and its first mma: a block that quantized x itself into shared memory
+// exposed ~2.5 us per launch at batch 1, and lanes that quantized what they load spent ~40 instructions per 32
+// bytes of weights on it (docs/PERFORMANCE.md, Decisions: "FP8 GEMV: x quantized by its producer"). sm_90's
+// mma.sync has no FP8 form (an e4m3 mma is compiled into conversions to f16 and f16 mmas), so w's codes become f16
+// in registers as they arrive, and the products run as f16 mmas; each product of two e4m3 values is exact in
+// float32. The sums are scaled at the end by the x row's and the weight row's scales, the latter loaded before the
+// wait with the first weights.
 //
 // The gate/up projection (gemv_swiglu_*, gemv_geglu_*) ends in SwiGLU or GeGLU instead of storing gate_up
 // (activation.cu's silu_and_mul and gelu_tanh_and_mul, a kernel and a boundary fewer per layer): its weight rows
@@ -39,8 +41,9 @@
 // A warp with more than one iteration of k (Llama-3.2-1B's bf16 down projection: 4) loads an iteration, waits for
 // it, multiplies, and only then loads the next, so HBM idles between iterations. The `_pipelined` kernels keep a
 // second register buffer: the next iteration's loads go out before this one's mmas. That needs ~210 registers, so
-// one block per SM; ops.py picks them only where the grid fits on the SMs at that (8B's QKV and O, at 2-3 blocks per
-// SM in the plain form, would lose occupancy; docs/PERFORMANCE.md, Decisions: "gemv's pipelined form").
+// one block per SM; for bf16 weights ops.py picks them only where the grid fits on the SMs at that (8B's QKV and O,
+// at 2-3 blocks per SM in the plain form, would lose occupancy; docs/PERFORMANCE.md, Decisions: "gemv's pipelined
+// form").
 //
 // Compiled with -DGEMV_WARPS (warps per block) and -DGEMV_UNROLL (16-byte loads per row (two rows) and of x that a
 // lane has in flight) from backends/cuda/ops.py, which also picks `split` and launches the kernels.
@@ -70,94 +73,25 @@ __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
     *p = __float2bfloat16(accumulate ? __bfloat162float(*p) + v : v);
 }
 
-__device__ __forceinline__ float amax8(uint4 v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    float a = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        a = fmaxf(a, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-    return a;
-}
-
-// The e4m3 kernels' prologue: x rows 0..m-1 (bf16 [m, k]) quantized as quantize_fp8 does (a scale per row,
-// amax / 448, into scales [m]; codes x / scale rounded to nearest even), the codes' values stored as f16 (exact)
-// into shared memory, rows of 2k + 16 bytes so that the 8 rows a warp reads at once spread over the banks. Every
-// thread takes the same 8-entry chunks of all m rows at once (their loads in flight together), amax first, then
-// the codes from a second read (L1: the weights' registers, live through this, leave no room to keep x in them).
-// Called by the whole block.
-__device__ void quantize_x_rows(uint4* values, float* scales, const bf16* x, int m, int k) {
-    __shared__ float warp_amax[GEMV_WARPS][GEMV_MAX_ROWS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = k / 8, stride = k / 8 + 1;
-    float amax[GEMV_MAX_ROWS] = {};
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-#pragma unroll
-        for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
-            if (i >= m) break;
-            amax[i] = fmaxf(amax[i], amax8(load_coherent(x + (int64_t)i * k + c * 8)));
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
-        const float a = warp_reduce<Max>(amax[i]);
-        if (lane == 0) warp_amax[warp][i] = a;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < GEMV_MAX_ROWS; ++i) {
-        if (i >= m) break;
-        float a = 0.f;
-        for (int w = 0; w < GEMV_WARPS; ++w) a = fmaxf(a, warp_amax[w][i]);
-        const float scale = a > 0.f ? __fdiv_rn(a, 448.f) : 1.f;
-        if (threadIdx.x == 0) scales[i] = scale;
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const uint4 raw = load_coherent(x + (int64_t)i * k + c * 8);
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-            float v[8];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __bfloat1622float2(h[j]);
-                v[2 * j] = __fdiv_rn(f.x, scale);
-                v[2 * j + 1] = __fdiv_rn(f.y, scale);
-            }
-            const uint2 codes = f32x8_to_e4m3x8(v, 1.f);
-            values[(int64_t)i * stride + c] = make_uint4(e4m3x2_to_f16x2(codes.x, 0), e4m3x2_to_f16x2(codes.x, 1),
-                                                         e4m3x2_to_f16x2(codes.y, 0), e4m3x2_to_f16x2(codes.y, 1));
-        }
-    }
-    __syncthreads();
-}
-
-// The bytes of quantize_x_rows's values for m rows of k (the e4m3 kernels' dynamic shared memory).
-__host__ __device__ constexpr int64_t gemv_x_value_bytes(int m, int k) { return (int64_t)m * (2 * k + 16); }
-
 // Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, x and w 16-byte
-// aligned; bf16 weights (W = bf16): k % 8 == 0, w_scale unused; e4m3 (W = e4m3): k % 16 == 0, w_scale [n], dynamic
-// shared memory gemv_x_value_bytes(m, k); split in {1, 2, 4, 8}; a gated Act (not Ungated): n % 16 == 0.
-template <typename T, class Act, bool PIPELINED, typename W>
-__device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const W* __restrict__ w,
-                     const float* __restrict__ w_scale, int m, int n, int k, int split, int accumulate) {
+// aligned; bf16 weights (W = bf16): x bf16, k % 8 == 0, w_scale and x_scale unused; e4m3 (W = e4m3): x the f16
+// values of e4m3 codes, x_scale [m] their scales, k % 16 == 0, w_scale [n]; split in {1, 2, 4, 8}; a gated Act (not
+// Ungated): n % 16 == 0.
+template <typename T, class Act, bool PIPELINED, typename W, typename X>
+__device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __restrict__ w,
+                     const float* __restrict__ w_scale, const float* x_scale, int m, int n, int k, int split,
+                     int accumulate) {
     constexpr bool FP8 = std::is_same<W, e4m3>::value;
+    constexpr bool GATED = !std::is_same<Act, Ungated>::value;
     __shared__ __align__(16) float partial[GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
-    __shared__ float x_scale[GEMV_MAX_ROWS];  // e4m3: each x row's scale
-    extern __shared__ uint4 x_values[];  // e4m3: the f16 values of x's codes, rows of 2k + 16 bytes
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int tiles = GEMV_WARPS / split, block_tiles = (n + 16 * tiles - 1) / (16 * tiles);
-    int tile0, chunks;
-    const W *w_lo, *w_hi;
-    auto take = [&](int block_tile) {  // this block's `tiles` tiles from block_tile * tiles on
-        tile0 = block_tile * tiles;
-        const int row0 = (tile0 + warp / split) * 16;
-        chunks = row0 < n ? k / (16 / (int)sizeof(W)) : 0;  // 16-byte chunks per row; none past n
-        // Rows past n (last tile) repeat row n-1 and columns past m repeat x row m-1: loads stay in bounds, and the
-        // outputs they feed are not stored.
-        w_lo = w + (int64_t)min(row0 + g, n - 1) * k;
-        w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
-    };
-    take(blockIdx.x);
-    const bf16* x_row = x + (int64_t)min(g, m - 1) * k;
-    const uint4* x_value_row = x_values + (int64_t)min(g, m - 1) * (k / 8 + 1);
+    const int tiles = GEMV_WARPS / split, tile0 = blockIdx.x * tiles, row0 = (tile0 + warp / split) * 16;
+    // 16-byte chunks per row (none past n). Rows past n (last tile) repeat row n-1 and columns past m repeat x row
+    // m-1: loads stay in bounds, and the outputs they feed are not stored.
+    const int chunks = row0 < n ? k / (16 / (int)sizeof(W)) : 0;
+    const W* w_lo = w + (int64_t)min(row0 + g, n - 1) * k;
+    const W* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
+    const X* x_row = x + (int64_t)min(g, m - 1) * k;
     uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
     // The first iteration's w loads go out before the wait for the previous kernel, which writes x (PDL): no
     // kernel writes w, so they overlap that kernel's end. That iteration is peeled so that the one wait is
@@ -168,79 +102,83 @@ __device__ void gemv(T* __restrict__ out, const bf16* __restrict__ x, const W* _
     int base = (warp % split) * GEMV_UNROLL * 4;
     allow_dependents_launch();  // at the start (docs/PERFORMANCE.md, Decisions: "gemv's launch point")
     if (base < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
-    grid_dependency_wait();  // a warp without k to load still waits before it stores out
+    // The epilogue's elements: this thread stores e = threadIdx.x + i * blockDim.x, i < PER_THREAD (a tile's 128
+    // products, or its 64 gated units); e4m3: their weight rows' scales are loaded here, with the first weights and
+    // before the wait (no kernel writes them), not by the epilogue, which would wait on HBM for them.
+    constexpr int PER_THREAD = GATED ? 2 : 4;  // tiles * 64 (or 128) / blockDim.x, at most
+    const int elements = tiles * (GATED ? 64 : 128);
+    auto weight_row = [&](int e) {  // element e's weight row (gated: its gate's; the up row is 8 after it)
+        return GATED ? (tile0 + (e >> 6)) * 16 + ((e & 63) >> 3)
+                     : (tile0 + (e >> 7)) * 16 + ((e & 127) >> 4) + ((e & 3) >> 1) * 8;
+    };
+    float row_scale[PER_THREAD][2] = {};
     if constexpr (FP8) {
-        if (threadIdx.x == 0 && dynamic_shared_bytes() < gemv_x_value_bytes(m, k)) __trap();
-        quantize_x_rows(x_values, x_scale, x, m, k);
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int e = threadIdx.x + i * blockDim.x, row = weight_row(e);
+            if (e >= elements) break;
+            // __ldg: a read-only load (LDG.CONSTANT), which test_pdl.py lets go before the wait
+            row_scale[i][0] = __ldg(w_scale + min(row, n - 1));
+            if (GATED) row_scale[i][1] = __ldg(w_scale + min(row + 8, n - 1));
+        }
     }
-    // e4m3: a block may take several groups of tiles (the host sizes the grid to what is resident at once), so that
-    // it quantizes x once for them all; bf16: one group per block (the grid covers them)
-    for (int block_tile = blockIdx.x;;) {
-        float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
-        auto mul = [&](const uint4 (&a)[GEMV_UNROLL], const uint4 (&b)[GEMV_UNROLL], int at) {
-            if constexpr (FP8) {
-                multiply_e4m3<GEMV_UNROLL>(c, a, b, x_value_row, at, t, chunks);
-            } else {
-                multiply<GEMV_UNROLL>(c, a, b, x_row, true, at, t, chunks);
-            }
-        };
-        if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
-            uint4 lo2[GEMV_UNROLL], hi2[GEMV_UNROLL];
-            for (; base < chunks; base += 2 * stride) {
-                if (base + stride < chunks) load_rows<GEMV_UNROLL>(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
-                mul(lo, hi, base);
-                if (base + stride >= chunks) break;
-                if (base + 2 * stride < chunks)
-                    load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
-                mul(lo2, hi2, base + stride);
-            }
+    grid_dependency_wait();  // a warp without k to load still waits before it stores out
+    float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
+    auto mul = [&](const uint4 (&a)[GEMV_UNROLL], const uint4 (&b)[GEMV_UNROLL], int at) {
+        if constexpr (FP8) {
+            multiply_e4m3<GEMV_UNROLL>(c, a, b, x_row, at, t, chunks);
         } else {
-            if (base < chunks) mul(lo, hi, base);
-            for (base += stride; base < chunks; base += stride) {
-                load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
-                mul(lo, hi, base);
-            }
+            multiply<GEMV_UNROLL>(c, a, b, x_row, true, at, t, chunks);
         }
-        *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
-            make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
-        __syncthreads();
-        // the sum of weight row `row` and x row `col` times their scales (e4m3), as stored
-        auto scaled = [&](float sum, int row, int col) {
-            if constexpr (FP8) return sum * x_scale[col] * w_scale[row];
-            return sum;
-        };
-        if constexpr (!std::is_same<Act, Ungated>::value) {
+    };
+    if (PIPELINED) {  // the next iteration's loads go out before this one's mmas (two register buffers)
+        uint4 lo2[GEMV_UNROLL], hi2[GEMV_UNROLL];
+        for (; base < chunks; base += 2 * stride) {
+            if (base + stride < chunks) load_rows<GEMV_UNROLL>(lo2, hi2, w_lo, w_hi, base + stride, t, chunks);
+            mul(lo, hi, base);
+            if (base + stride >= chunks) break;
+            if (base + 2 * stride < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base + 2 * stride, t, chunks);
+            mul(lo2, hi2, base + stride);
+        }
+    } else {
+        if (base < chunks) mul(lo, hi, base);
+        for (base += stride; base < chunks; base += stride) {
+            load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
+            mul(lo, hi, base);
+        }
+    }
+    *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
+        make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
+    __syncthreads();
+    // a sum of x row `col` times its weight row's scale and the x row's (e4m3), as stored
+    auto scaled = [&](float sum, float w_row_scale, int col) {
+        if constexpr (FP8) return sum * x_scale[col] * w_row_scale;
+        return sum;
+    };
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int e = threadIdx.x + i * blockDim.x, row = weight_row(e);
+        if (e >= elements) break;
+        if constexpr (GATED) {
             // a tile's rows g are gate rows, g + 8 the same units' up rows: out [m, n / 2]
-            for (int e = threadIdx.x; e < tiles * 64; e += blockDim.x) {
-                const int tile = e >> 6, l = (e & 63) >> 1, j = e & 1;  // lane l's gate (c element j), up (j + 2)
-                float gate = 0.f, up = 0.f;
-                for (int i = 0; i < split; ++i) {
-                    gate += partial[tile * split + i][l * 4 + j];
-                    up += partial[tile * split + i][l * 4 + j + 2];
-                }
-                const int unit = (tile0 + tile) * 8 + (l >> 2), col = (l & 3) * 2 + j;
-                const int gate_row = (tile0 + tile) * 16 + (l >> 2);
-                if (unit < n / 2 && col < m)
-                    store_out(out + (int64_t)col * (n / 2) + unit,
-                              gated<Act>(scaled(gate, gate_row, col), scaled(up, gate_row + 8, col)), 0);
+            const int tile = e >> 6, l = (e & 63) >> 1, j = e & 1;  // lane l's gate (c element j), up (j + 2)
+            float gate = 0.f, up = 0.f;
+            for (int z = 0; z < split; ++z) {
+                gate += partial[tile * split + z][l * 4 + j];
+                up += partial[tile * split + z][l * 4 + j + 2];
             }
+            const int unit = (tile0 + tile) * 8 + (l >> 2), col = (l & 3) * 2 + j;
+            if (unit < n / 2 && col < m)
+                store_out(out + (int64_t)col * (n / 2) + unit,
+                          gated<Act>(scaled(gate, row_scale[i][0], col), scaled(up, row_scale[i][1], col)), 0);
         } else {
-            // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row] with
-            // row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
-            for (int e = threadIdx.x; e < tiles * 128; e += blockDim.x) {
-                const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3;
-                float sum = 0.f;
-                for (int i = 0; i < split; ++i) sum += partial[tile * split + i][f];
-                const int row = (tile0 + tile) * 16 + (l >> 2) + (j >> 1) * 8, col = (l & 3) * 2 + (j & 1);
-                if (row < n && col < m) store_out(out + (int64_t)col * n + row, scaled(sum, row, col), accumulate);
-            }
+            // Element f = 4 * lane + j of a tile's fragment, summed over the tile's split warps, is out[col, row]
+            // with row = g + 8 * (j / 2), col = 2t + j % 2 (the mma's c layout).
+            const int tile = e >> 7, f = e & 127, l = f >> 2, j = f & 3, col = (l & 3) * 2 + (j & 1);
+            float sum = 0.f;
+            for (int z = 0; z < split; ++z) sum += partial[tile * split + z][f];
+            if (row < n && col < m)
+                store_out(out + (int64_t)col * n + row, scaled(sum, row_scale[i][0], col), accumulate);
         }
-        if constexpr (!FP8) break;
-        block_tile += gridDim.x;
-        if (block_tile >= block_tiles) break;
-        __syncthreads();  // the epilogue above read `partial`
-        take(block_tile);
-        base = (warp % split) * GEMV_UNROLL * 4;
-        if (base < chunks) load_rows<GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
     }
 }

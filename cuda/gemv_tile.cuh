@@ -63,19 +63,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t word, int high) {
 }
 
 // The e4m3 form of multiply: the weights' codes become f16 in registers (sm_90's mma.sync has no FP8 form: an
-// e4m3 mma compiles to these conversions and f16 mmas anyway), x row g comes as f16 values of its codes from
-// shared memory (x_row: 32 bytes per 16-code chunk). Word q of a lane's 16 codes of each row feeds one m16n8k16
-// mma: its codes 0-1 as k {2t, 2t+1}, 2-3 as k {2t+8, 2t+9}, and x's halves 4q.. alike.
+// e4m3 mma compiles to these conversions and f16 mmas anyway); x row g comes as the f16 values of its e4m3 codes
+// (32 bytes per 16-code chunk), as the kernel that wrote x stored them. Word q of a lane's 16 codes of each row feeds
+// one m16n8k16 mma: its codes 0-1 as k {2t, 2t+1}, 2-3 as k {2t+8, 2t+9}, and x's values 4q.. alike.
 template <int UNROLL>
 __device__ __forceinline__ void multiply_e4m3(float (&c)[2][4], const uint4 (&lo)[UNROLL], const uint4 (&hi)[UNROLL],
-                                              const uint4* x_row, int base, int t, int chunks) {
+                                              const __half* x_row, int base, int t, int chunks) {
     uint4 xv[UNROLL][2];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int chunk = base + u * 4 + t;
         const bool in = chunk < chunks;
-        xv[u][0] = in ? x_row[2 * chunk] : make_uint4(0, 0, 0, 0);
-        xv[u][1] = in ? x_row[2 * chunk + 1] : make_uint4(0, 0, 0, 0);
+        xv[u][0] = in ? load_coherent(x_row + chunk * 16) : make_uint4(0, 0, 0, 0);
+        xv[u][1] = in ? load_coherent(x_row + chunk * 16 + 8) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {

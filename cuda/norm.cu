@@ -36,27 +36,60 @@ __device__ __forceinline__ float inv_rms(const float (&v)[NORM_CHUNKS][8], int h
     return rsqrtf(block_reduce<Sum>(sum_sq, scratch) / hidden + eps);
 }
 
-// o = v * inv_rms * (offset + w), as bf16.
-__device__ __forceinline__ void store_normed(bf16* o, const float (&v)[NORM_CHUNKS][8],
+// The normed value of entry j of chunk c, as the bf16 stored.
+__device__ __forceinline__ float normed(const float (&v)[NORM_CHUNKS][8], const float (&wv)[NORM_CHUNKS][8], int c,
+                                       int j, float inv, float offset) {
+    return __bfloat162float(__float2bfloat16(v[c][j] * inv * (offset + wv[c][j])));
+}
+
+// o = v * inv_rms * (offset + w), as bf16. Returns the largest |value| the thread stored.
+__device__ __forceinline__ float store_normed(bf16* o, const float (&v)[NORM_CHUNKS][8],
                                              const float (&wv)[NORM_CHUNKS][8], float inv, float offset, int hidden) {
+    float amax = 0.f;
 #pragma unroll
     for (int c = 0; c < NORM_CHUNKS; ++c) {
         const int i = chunk_start(c);
         if (i >= hidden) break;
         float r[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) r[j] = v[c][j] * inv * (offset + wv[c][j]);
+        for (int j = 0; j < 8; ++j) {
+            r[j] = normed(v, wv, c, j, inv, offset);
+            amax = fmaxf(amax, fabsf(r[j]));
+        }
         store8(o + i, r);
+    }
+    return amax;
+}
+
+// Where values is not null, the row just stored quantized for the next FP8 GEMV (gemv_kernel.cuh): its scale
+// fp8_scale(amax) into scales[blockIdx.x] and the f16 values of its e4m3 codes (of the bf16 values, times 1 / scale,
+// as quantize_fp8_values computes them) into values. Called by the whole block.
+__device__ __forceinline__ void store_values(__half* values, float* scales, const float (&v)[NORM_CHUNKS][8],
+                                             const float (&wv)[NORM_CHUNKS][8], float inv, float offset, int hidden,
+                                             float thread_amax, float* scratch) {
+    if (!values) return;  // the same for the whole grid
+    const float scale = fp8_scale(block_reduce<Max>(thread_amax, scratch)), to_codes = __frcp_rn(scale);
+    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+#pragma unroll
+    for (int c = 0; c < NORM_CHUNKS; ++c) {
+        const int i = chunk_start(c);
+        if (i >= hidden) break;
+        float r[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[j] = normed(v, wv, c, j, inv, offset);
+        *reinterpret_cast<uint4*>(values + (int64_t)blockIdx.x * hidden + i) =
+            e4m3x8_to_f16x8(f32x8_to_e4m3x8(r, to_codes));
     }
 }
 
 // out[r, :] = x[row, :] / sqrt(mean(x[row, :]^2) + eps) * (offset + w), with row = rows ? rows[r] : r (rows picks
-// the positions that need logits before the LM head).
+// the positions that need logits before the LM head); values, scales: store_values's (null: none).
 // Launch: grid (R), block a multiple of 32 with blockDim.x * 8 * NORM_CHUNKS >= hidden: one row per block, each
 // thread holds up to NORM_CHUNKS chunks of 8 entries. A thread issues all its loads of x and w at once and keeps x
 // in registers across the block reduction: at batch 1 the norm is one block on the critical path, where each extra
 // round trip to memory shows. hidden % 8 == 0.
-extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restrict__ x, const bf16* __restrict__ w,
+extern "C" __global__ void rms_norm(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
+                                    const float* __restrict__ x, const bf16* __restrict__ w,
                                     const int* __restrict__ rows, int hidden, float eps, float offset) {
     pdl_begin();
     __shared__ float scratch[32];
@@ -71,15 +104,18 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, const float* __restr
         load8(w + i, wv[c]);
     }
     const float inv = inv_rms(v, hidden, eps, scratch);
-    store_normed(out + (int64_t)blockIdx.x * hidden, v, wv, inv, offset, hidden);
+    const float amax = store_normed(out + (int64_t)blockIdx.x * hidden, v, wv, inv, offset, hidden);
+    store_values(values, scales, v, wv, inv, offset, hidden, amax, scratch);
 }
 
 // x[t, :] += rms_norm(part[t, :]) * (offset + part_w), then, where out is not null, out[t, :] = rms_norm(x[t, :]) *
-// (offset + w) of the new x (the next GEMM's input). part: the float32 product of the O or down GEMM.
+// (offset + w) of the new x (the next GEMM's input), with store_values's values and scales (null: none). part: the
+// float32 product of the O or down GEMM.
 // Launch: as rms_norm's, grid (T).
-extern "C" __global__ void __launch_bounds__(1024) rms_norm_residual(bf16* __restrict__ out, float* __restrict__ x,
-                                             const float* __restrict__ part, const bf16* __restrict__ part_w,
-                                             const bf16* __restrict__ w, int hidden, float eps, float offset) {
+extern "C" __global__ void __launch_bounds__(1024)
+rms_norm_residual(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
+                  float* __restrict__ x, const float* __restrict__ part, const bf16* __restrict__ part_w,
+                  const bf16* __restrict__ w, int hidden, float eps, float offset) {
     pdl_begin();
     __shared__ float scratch[32];
     float* xr = x + (int64_t)blockIdx.x * hidden;
@@ -105,5 +141,6 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_residual(bf16* __res
     }
     if (!out) return;  // the same for the whole grid: no thread of the block reaches the reduction
     const float inv = inv_rms(xv, hidden, eps, scratch);
-    store_normed(out + (int64_t)blockIdx.x * hidden, xv, wv, inv, offset, hidden);
+    const float amax = store_normed(out + (int64_t)blockIdx.x * hidden, xv, wv, inv, offset, hidden);
+    store_values(values, scales, xv, wv, inv, offset, hidden, amax, scratch);
 }

@@ -42,7 +42,7 @@ def test_each_kernel_has_a_launcher_with_its_c_parameters():
 
 
 def test_arg_format_follows_the_c_types():
-    assert SIGNATURES["rms_norm"].arg_format == "PPPPiff"
+    assert SIGNATURES["rms_norm"].arg_format == "PPPPPPiff"
     assert SIGNATURES["sample"].arg_format == "PPiPPPPP"
     assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiiiif"
 
@@ -293,7 +293,7 @@ from dataclasses import fields  # noqa: E402
 
 from tinyvllm.backends.cuda import cublas  # noqa: E402  (no CUDA needed to import it)
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear  # noqa: E402
-from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceLayer, DeviceTensor  # noqa: E402
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceLayer, DeviceTensor  # noqa: E402
 from tinyvllm.model.weights import LayerWeights  # noqa: E402
 
 
@@ -392,37 +392,48 @@ def test_cublas_types_come_from_the_tensors():
 
 
 def fp8_linear(recorder, t=16, k=2048, n=16384):
-    scratch = Fp8Scratch(DeviceTensor(100, E4M3, (t, k)), DeviceTensor(200, F32, (t,)), DeviceTensor(300, F32, (t, n)))
+    scratch = Fp8Scratch(DeviceTensor(100, E4M3, (t, k)), DeviceTensor(200, F32, (t,)), DeviceTensor(300, F32, (t, n)),
+                         DeviceTensor(400, F16, (8, k)))
     return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132), fp8=scratch)
 
 
 def test_linear_runs_e4m3_weights_through_fp8(recorder):
-    """An e4m3 weight: gemv_fp8 on the bf16 input for up to 8 rows (any weight size; it quantizes the input itself,
-    in the dynamic shared memory it is launched with), else the input quantized per token into the scratch codes,
-    cuBLASLt's FP8 GEMM into the float32 scratch and scale_rows_cols; the gate/up GEMV ends in SwiGLU."""
+    """An e4m3 weight: gemv_fp8 for up to 8 rows (any weight size) on the input quantized by the kernel that wrote
+    it (x_codes: f16 values of e4m3 codes with their scales), else by quantize_fp8_values into the scratch values;
+    beyond 8 rows the input quantized per token into the scratch codes, cuBLASLt's FP8 GEMM into the float32
+    scratch and scale_rows_cols; the gate/up GEMV ends in SwiGLU."""
     linear = fp8_linear(recorder)
     x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, E4M3, (3072, 2048), DeviceTensor(21, F32, (3072,)))
     out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
+    codes = DeviceTensor(90, F16, (8, 2048), DeviceTensor(91, F32, (8,)))
     linear.gemm(residual, x, w, 8, accumulate=True)
-    linear.gemm(out, x, w, 9)
-    assert [name for name, _, _ in recorder.launches] == ["gemv_fp8_f32", "quantize_fp8", "scale_rows_cols_bf16"]
-    # split 4: each warp one full iteration of 512 codes
-    assert recorder.args == [(40, 10, 20, 21, 8, 3072, 2048, 4, 1), (100, 200, 10, 2048), (30, 300, 200, 21, 3072, 0)]
-    assert recorder.shared == [8 * (2 * 2048 + 16), None, None]
+    linear.gemm(residual, x, w, 8, x_codes=codes)
+    linear.gemm(out, x, w, 9, x_codes=codes)  # beyond 8 rows quantize_fp8 quantizes x itself
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8_values", "gemv_fp8_f32", "gemv_fp8_f32",
+                                                          "quantize_fp8", "scale_rows_cols_bf16"]
+    # split 4: each warp one full iteration of 512 codes; 192 tiles of 16 rows, 2 a block
+    assert recorder.args == [(400, 200, 10, 2048), (40, 400, 20, 21, 200, 8, 3072, 2048, 4, 1),
+                             (40, 90, 20, 21, 91, 8, 3072, 2048, 4, 0), (100, 200, 10, 2048),
+                             (30, 300, 200, 21, 3072, 0)]
+    assert [grid for _, grid, _ in recorder.launches][1:3] == [(96,), (96,)]
+    with pytest.raises(ValueError, match="x_codes of an FP8 GEMV of 8 rows of 2048"):
+        linear.gemm(residual, x, w, 8, x_codes=DeviceTensor(90, F16, (4, 2048), DeviceTensor(91, F32, (4,))))
+    with pytest.raises(ValueError, match="x_codes of an FP8 GEMV"):
+        linear.gemm(residual, x, w, 8, x_codes=DeviceTensor(90, BF16, (8, 2048), DeviceTensor(91, F32, (8,))))
     [(acc, codes, weight, m, accumulate)] = linear.blas.calls
     assert (acc.ptr, acc.dtype, acc.shape, codes.ptr, codes.dtype, codes.shape, weight, m, accumulate) == \
         (300, F32, (9, 3072), 100, E4M3, (9, 2048), w, 9, False)
     act, gate_up = DeviceTensor(50, BF16, (16, 8192)), DeviceTensor(60, BF16, (16, 16384))
     wg = DeviceTensor(70, E4M3, (16384, 2048), DeviceTensor(71, F32, (16384,)))
     recorder.launches.clear()
-    linear.gate_up_swiglu(act, x, wg, 1, gate_up)
+    linear.gate_up_swiglu(act, x, wg, 1, gate_up, x_codes=DeviceTensor(90, F16, (8, 2048), DeviceTensor(91, F32, (8,))))
     linear.gate_up_swiglu(act, x, wg, 9, gate_up)
     assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_fp8", "quantize_fp8", "scale_rows_cols_bf16",
                                                           "silu_and_mul"]
     recorder.launches.clear()
-    wide = DeviceTensor(80, E4M3, (64, 16400), DeviceTensor(81, F32, (64,)))  # 8 rows of 16400: over the GEMV's
+    wide = DeviceTensor(80, E4M3, (64, 16400), DeviceTensor(81, F32, (64,)))
     fp8_linear(recorder, k=16400).gemm(DeviceTensor(30, BF16, (16, 64)), DeviceTensor(10, BF16, (16, 16400)), wide, 8)
-    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "scale_rows_cols_bf16"]
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8_values", "gemv_fp8_bf16_pipelined"]  # any k
     with pytest.raises(ValueError, match="fp8 scratch buffers hold it"):
         fp8_linear(recorder, k=1024).gemm(out, x, w, 9)  # 9 rows of 2048 codes: over the 16 x 1024 scratch
     small = Linear(RecordingBlas(), Ops(recorder, None, num_sms=132), fp8=Fp8Scratch(
@@ -768,7 +779,9 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     buffers = FakeBuffers()
     forward.decode(4, buffers, buffers, buffers)
     per_layer = ["rms_norm", "gemv_fp8_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
-                 "attention_combine", "gemv_fp8_f32", "rms_norm", "gemv_swiglu_fp8", "gemv_fp8_f32"]
+                 "attention_combine", "quantize_fp8_values", "gemv_fp8_f32", "rms_norm", "gemv_swiglu_fp8",
+                 "quantize_fp8_values",
+                 "gemv_fp8_f32"]
     assert [name for name, _, _ in recorder.launches] == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm",
                                                           "gemv_f32", "apply_logits_processors", "sample",
                                                           "count_tokens"]
@@ -806,7 +819,7 @@ def test_forward_quantizes_the_lm_head_to_fp8(forward_module, tied):
     forward.allocate_kv_cache(8)
     recorder.launches.clear()
     forward.compute_logits(4, forward.buf.sample_hidden)
-    assert [name for name, _, _ in recorder.launches] == ["gemv_fp8_f32"]
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8_values", "gemv_fp8_f32"]
     recorder.launches.clear()
     calls = len(forward.linear.blas.calls)
     forward.compute_logits(16, forward.buf.sample_hidden)
@@ -1296,16 +1309,3 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
         blas.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), DeviceTensor(100, E4M3, (8, 64)), w, 6)
     assert not cublas.Cublas(0, 4096, 1 << 20, invariant=True).gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6)
     blas.close()
-
-
-def test_fp8_gemv_grid_is_what_is_resident_at_once():
-    """The FP8 GEMV's blocks take several groups of tiles each (x is quantized once per block): at most 2 blocks per
-    SM in the plain form, 1 in the pipelined one or where x's shared memory leaves room for one; all groups without
-    an SM count (the stand-in launchers' 0)."""
-    from tinyvllm.backends.cuda.ops import fp8_gemv_grid
-
-    assert fp8_gemv_grid("gemv_fp8_f32", 8016, 4112, 132) == 264
-    assert fp8_gemv_grid("gemv_fp8_f32_pipelined", 8016, 4112, 132) == 132
-    assert fp8_gemv_grid("gemv_swiglu_fp8", 8016, 120 << 10, 132) == 132
-    assert fp8_gemv_grid("gemv_fp8_bf16", 96, 4112, 132) == 96
-    assert fp8_gemv_grid("gemv_fp8_bf16", 8016, 4112, 0) == 8016

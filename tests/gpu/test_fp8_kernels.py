@@ -2,9 +2,9 @@
 backends/host_weight.py's fp8 product) on fresh random inputs; outputs start poisoned (NaN, 0x7F codes), so that
 unwritten elements show. Lines starting with REPORT carry measured errors (pytest -s).
 
-Quantization is bit-exact (both divide by amax / 448 in IEEE float32 and round to nearest even); the products of
-e4m3 values are exact in float32 on both sides, so a product differs from its twin only by its summation order
-(and cuBLASLt's FP8 tensor-core accumulation).
+Quantization is bit-exact (both multiply by the IEEE float32 inverse of amax / 448 and round to nearest even, in
+quantize_fp8, quantize_fp8_values and rms_norm alike); the products of e4m3 values are exact in float32 on both sides, so
+a product differs from its twin only by its summation order (and cuBLASLt's FP8 tensor-core accumulation).
 """
 
 import numpy as np
@@ -13,8 +13,7 @@ import pytest
 from test_kernels import Gpu
 from test_kv_fp8_cuda import random_codes
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
-from tinyvllm.backends.cuda.ops import fp8_gemv_fits
-from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor
 from tinyvllm.backends.host_weight import HostWeight
 from tinyvllm.backends.host_weight import linear as host_linear
 from tinyvllm.backends.numpy_backend import interleave_gate_up, silu_and_mul
@@ -50,6 +49,25 @@ def test_quantize_fp8_is_bit_exact(cuda, ops, rows, cols):
     want = quantize_rows(x)
     np.testing.assert_array_equal(gpu.get(scales, (rows,), np.float32), want.scale)
     np.testing.assert_array_equal(gpu.get(codes, (rows, cols), np.uint8), want.codes)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8), (8, 2048), (300, 14336)])
+def test_quantize_fp8_values_is_bit_exact(cuda, ops, rows, cols):
+    """The FP8 GEMV's x: quantize_rows's codes as f16 values (exact), and its scales."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(rows + cols)
+    x = bf16_rows(rng, (rows, cols), 12.0)
+    values, scales = gpu.poisoned((rows, cols), np.uint16), gpu.poisoned((rows,), np.float32)
+    ops.quantize_fp8_values(values, scales, gpu.bf16(x), rows, cols)
+    want = quantize_rows(x)
+    np.testing.assert_array_equal(gpu.get(scales, (rows,), np.float32), want.scale)
+    np.testing.assert_array_equal(gpu.get(values, (rows, cols), np.float16), e4m3_to_f32(want.codes).astype(np.float16))
+
+
+def quantized(gpu, x):
+    """x as the FP8 GEMV takes it, from the twin: the f16 values of quantize_rows's codes and their scales (device
+    pointers)."""
+    xq = quantize_rows(x)
+    return gpu.put(e4m3_to_f32(xq.codes).astype(np.float16)), gpu.put(xq.scale)
 
 
 @pytest.mark.parametrize("out_fp32,accumulate", MODES + [(False, True)])
@@ -98,8 +116,8 @@ def fp8_weights(cuda):
 @pytest.mark.parametrize("n,k", GEMV_SHAPES)
 @pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
 def test_gemv_fp8(cuda, ops, fp8_weights, m, n, k, out_fp32, accumulate):
-    """out = (e4m3(x) . w codes^T) * x_scale * w_scale (+ out), x bf16 quantized by the kernel per row as
-    quantize_rows does (rows differing in magnitude, row 0 all zeros), w every e4m3 code but NaN."""
+    """out = (e4m3(x) . w codes^T) * x_scale * w_scale (+ out), x quantized per row by quantize_rows (rows differing
+    in magnitude, row 0 all zeros) and given as its codes' f16 values, w every e4m3 code but NaN."""
     gpu, rng = Gpu(cuda), np.random.default_rng(1000 * m + n + k)
     w_dev, w, ws_dev, ws = fp8_weights(n, k)
     x = bf16_rows(rng, (m, k))
@@ -111,11 +129,8 @@ def test_gemv_fp8(cuda, ops, fp8_weights, m, n, k, out_fp32, accumulate):
     start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else np.full((m, n), 0x7FC0,
                                                                                                     np.uint16)
     out = gpu.put(start)
-    if not fp8_gemv_fits(m, k):  # more x than its shared memory holds (Linear takes cuBLASLt there)
-        with pytest.raises(ValueError, match="over the"):
-            ops.gemv_fp8(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
-        return
-    ops.gemv_fp8(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k, out_fp32, accumulate)
+    values, scales = quantized(gpu, x)
+    ops.gemv_fp8(out, values, int(w_dev), int(ws_dev), scales, m, n, k, out_fp32, accumulate)
     got = gpu.get(out, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out, (m, n))
     if m > 1 and not accumulate:  # x row 0 all zeros: its codes 0 (scale 1), so its outputs exactly 0
         assert np.all(got[0] == 0)
@@ -142,7 +157,8 @@ def test_gemv_gated_fp8(cuda, ops, fp8_weights, m, n, k, activation):
         ref = act(np.concatenate([gate, up], axis=1))
     out = gpu.poisoned((m, n // 2), np.uint16)
     launch = ops.gemv_swiglu_fp8 if activation == "silu" else ops.gemv_geglu_fp8
-    launch(out, gpu.bf16(x), int(w_dev), int(ws_dev), m, n, k)
+    values, scales = quantized(gpu, x)
+    launch(out, values, int(w_dev), int(ws_dev), scales, m, n, k)
     got = gpu.get_bf16(out, (m, n // 2))
     assert np.all(np.isfinite(got))
     assert rel_err(got[1:] if m > 1 else got, ref[1:] if m > 1 else ref) < 2e-2
@@ -158,10 +174,12 @@ def fp8_linear(cuda, device, kernels):
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
-    memory = [cuda.mem_alloc(size) for size in (MAX_T * MAX_K, 4 * MAX_T, 4 * MAX_T * MAX_N)]
-    scratch = Fp8Scratch(DeviceTensor(int(memory[0]), E4M3, (MAX_T, MAX_K)), DeviceTensor(int(memory[1]), F32,
-                                                                                           (MAX_T,)),
-                         DeviceTensor(int(memory[2]), F32, (MAX_T, MAX_N)))
+    sizes = (MAX_T * MAX_K, 4 * MAX_T, 4 * MAX_T * MAX_N, 2 * MAX_ROWS * MAX_K)
+    memory = [cuda.mem_alloc(size) for size in sizes]
+    scratch = Fp8Scratch(DeviceTensor(int(memory[0]), E4M3, (MAX_T, MAX_K)),
+                         DeviceTensor(int(memory[1]), F32, (MAX_T,)),
+                         DeviceTensor(int(memory[2]), F32, (MAX_T, MAX_N)),
+                         DeviceTensor(int(memory[3]), F16, (MAX_ROWS, MAX_K)))
     yield Linear(blas, Ops(kernels, stream, device.num_sms), fp8=scratch)
     blas.close()
     for allocation in [workspace, *memory]:
@@ -236,7 +254,8 @@ def test_linear_fp8_fallback_in_pieces(cuda, fp8_linear, monkeypatch, out_fp32, 
     monkeypatch.setattr(fp8_linear.blas, "gemm_scaled", lambda *args, **kwargs: False)
     s = fp8_linear.fp8
     linear = Linear(fp8_linear.blas, fp8_linear.ops, fp8=Fp8Scratch(s.codes, s.scales,
-                                                                    DeviceTensor(s.acc.ptr, F32, (64, MAX_N))))
+                                                                    DeviceTensor(s.acc.ptr, F32, (64, MAX_N)),
+                                                                    s.values))
     gpu, rng = Gpu(cuda), np.random.default_rng(5 + out_fp32 + 2 * accumulate)
     w, x = bf16_rows(rng, (n, k), 3.0), bf16_rows(rng, (m, k))
     ref = host_linear(x, HostWeight.from_fp8(quantize_rows(w)))

@@ -95,9 +95,23 @@ def test_rms_norm(cuda, ops, tokens, hidden, gather):
     w = bf16_round(1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
     rows = rng.permutation(tokens)[: max(1, tokens // 2)].astype(np.int32) if gather else np.arange(tokens)
     out = gpu.poisoned((len(rows), hidden), np.uint16)
-    ops.rms_norm(out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0, len(rows), hidden, 1e-5)
+    values, scales = gpu.poisoned((len(rows), hidden), np.uint16), gpu.poisoned((len(rows),), np.float32)
+    ops.rms_norm(out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0, len(rows), hidden, 1e-5,
+                 values=values, scales=scales)
     got = gpu.get_bf16(out, (len(rows), hidden))
     assert rel_err(got, rms_norm(x[rows], w, 1e-5)) < BF16_TOL
+    check_quantized_rows(gpu, values, scales, got)
+
+
+def check_quantized_rows(gpu, values, scales, rows):
+    """The FP8 GEMV's input a norm writes beside its bf16 rows: quantize_rows of those rows, bit for bit (scales, and
+    the codes as f16 values)."""
+    from tinyvllm.model.dtypes import e4m3_to_f32
+    from tinyvllm.model.fp8 import quantize_rows
+
+    want = quantize_rows(rows)
+    np.testing.assert_array_equal(gpu.get(scales, (len(rows),), np.float32), want.scale)
+    np.testing.assert_array_equal(gpu.get(values, rows.shape, np.float16), e4m3_to_f32(want.codes).astype(np.float16))
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (257, 8192), (3, 520)])

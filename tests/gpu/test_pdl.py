@@ -58,6 +58,12 @@ def is_weight_load(op: str) -> bool:
     return op.startswith("LDG") and ".NA" in op and "CONSTANT" in op
 
 
+def is_read_only_load(op: str) -> bool:
+    """A non-coherent load (a const __restrict__ pointer): the FP8 GEMV's weight scales before its wait. x, which the
+    previous kernel writes, is read with plain loads (gemv_tile.cuh load_coherent), so it never shows as one."""
+    return op.startswith("LDG") and "CONSTANT" in op
+
+
 def machine_code(device, tmp_path: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
     """{kernel file: {function: instructions}} of every kernel as built for this GPU."""
     from tinyvllm.backends.cuda.kernel_cache import build_cubins, compile_jobs
@@ -83,8 +89,8 @@ def test_no_kernel_touches_global_memory_before_it_waits(device, tmp_path):
     for file, kernels in machine_code(device, tmp_path).items():
         for name, instructions in kernels.items():
             waits, before = global_accesses_before_wait(instructions)
-            if name.startswith("gemv"):
-                before = [op for op in before if not is_weight_load(op)]
+            if name.startswith("gemv"):  # its weights, and (e4m3) their scales: read-only data no kernel writes
+                before = [op for op in before if not is_weight_load(op) and not is_read_only_load(op)]
             if not waits or before:
                 wrong.append(f"{file}.cu {name}: " + (f"{before} before its wait" if waits else "never waits"))
             checked += 1

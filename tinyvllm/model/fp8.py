@@ -6,8 +6,9 @@ an FP8 checkpoint as stored: one scale per tensor (given to each of its rows), p
 input of each linear layer is quantized to e4m3 before the product (`quantize_activations`): dynamically, one scale
 per token (amax(row) / 448), per token and 128-column group where the weight has block scales, or with a
 checkpoint's static per-tensor `input_scale`. The product is then the float32 product of the dequantized values:
-what an ideal fake-quantization computes, and what an FP8 GEMM computes up to its accumulation order. The e4m3
-conversion itself is model/dtypes.py's (round to nearest even, saturating at 448).
+what an ideal fake-quantization computes, and what an FP8 GEMM computes up to its accumulation order. A value's code
+is e4m3(value * (1 / scale)) in float32 (`e4m3_codes`: a multiply by the scale's inverse, as the kernels quantize,
+cuda/fp8.cu); the e4m3 conversion itself is model/dtypes.py's (round to nearest even, saturating at 448).
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def e4m3_scale(amax: np.ndarray) -> np.ndarray:
     return np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
 
 
+def e4m3_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The e4m3 codes of x with scale (broadcast against it): x times the float32 1 / scale, rounded to nearest
+    even (cuda/fp8.cu quantize_fp8, the FP8 GEMV's in-lane quantization)."""
+    return f32_to_e4m3(np.asarray(x, np.float32) * (np.float32(1) / np.asarray(scale, np.float32)))
+
+
 @dataclass(frozen=True)
 class Fp8Rows:
     """A linear layer's weight [out, in] in e4m3 as a checkpoint stores it: codes and their scales."""
@@ -127,7 +134,7 @@ def quantize_rows(w: np.ndarray) -> Fp8Rows:
     """A float weight [out, in] in e4m3 with one scale per row (output channel): amax(row) / 448."""
     w = np.asarray(w, np.float32)
     scale = e4m3_scale(np.abs(w).max(axis=1))
-    return Fp8Rows(f32_to_e4m3(w / scale[:, None]), scale)
+    return Fp8Rows(e4m3_codes(w, scale[:, None]), scale)
 
 
 def expand_block_scale(scale: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
@@ -147,7 +154,7 @@ def quantize_activations(x: np.ndarray, input_scale: float | None = None, group:
         starts = np.arange(0, x.shape[1], group)
         amax = np.maximum.reduceat(np.abs(x), starts, axis=1) if len(x) else np.zeros((0, len(starts)), np.float32)
         scale = np.repeat(e4m3_scale(amax), group, axis=1)[:, :x.shape[1]]
-    return e4m3_to_f32(f32_to_e4m3(x / scale)) * scale
+    return e4m3_to_f32(e4m3_codes(x, scale)) * scale
 
 
 def stack_rows(parts: Sequence[Fp8Rows | np.ndarray]) -> Fp8Rows | np.ndarray:

@@ -38,8 +38,9 @@ import pycuda.driver as cuda
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import HEAD_DIMS, VECTOR, QkNorm, decode_splits, prefill_tiles, rope_fuses_qk_norm
-from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
+from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, VECTOR, QkNorm, decode_splits, prefill_tiles,
+                                       rope_fuses_qk_norm)
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
@@ -67,6 +68,11 @@ FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py 
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
 
 
+def _codes_ptrs(codes: DeviceTensor | None) -> tuple[int, int]:
+    """rms_norm's values and scales arguments: a quantized GEMV input's buffers, or none (0, 0)."""
+    return (0, 0) if codes is None else (codes.ptr, codes.scale.ptr)
+
+
 def fp8_weights(model, engine_config: EngineConfig) -> bool:
     """Whether the layers' linear weights run FP8 W8A8: quantization="fp8", or an FP8 checkpoint (its weights
     dequantized as they stream, then requantized per output channel on the GPU like any bf16 weight)."""
@@ -92,6 +98,9 @@ class Activations:
 
     x: DeviceTensor  # f32 [t, hidden]: the residual stream
     h: DeviceTensor  # bf16 [t, hidden]: normalized activations (GEMM input)
+    # FP8 weights: h's first GEMV_MAX_ROWS rows quantized by the norm that writes h, f16 values of e4m3 codes with a
+    # scale per row (the FP8 GEMV's input, linear.py); None: bf16 weights
+    h_codes: DeviceTensor | None
     qkv: DeviceTensor  # bf16 [t, qkv_width]
     attn: DeviceTensor  # bf16 [t, q_width]
     gate_up: DeviceTensor  # bf16 [t, 2 * intermediate]
@@ -324,7 +333,8 @@ class CudaForward:
         partial_rows = max(n * self.num_splits(n) for n in range(1, s + 1)) * self.heads
         empty = self.device.empty
         self.buf = Activations(
-            x=empty(F32, (t, hidden)), h=empty(BF16, (t, hidden)), qkv=empty(BF16, (t, self.qkv_width)),
+            x=empty(F32, (t, hidden)), h=empty(BF16, (t, hidden)), h_codes=self._empty_codes(hidden),
+            qkv=empty(BF16, (t, self.qkv_width)),
             attn=empty(BF16, (t, self.q_width)), gate_up=empty(BF16, (t, 2 * inter)), act=empty(BF16, (t, inter)),
             part=empty(F32, (t, hidden)) if cfg.sandwich_norms else None,
             logits=empty(F32, (s, vocab)), sample_hidden=empty(BF16, (s, hidden)),
@@ -333,9 +343,11 @@ class CudaForward:
             workspace=empty(U8, (WORKSPACE_BYTES,)))
         self.moe_buf = allocate_moe_buffers(self.device, cfg, t)
         self.decode_tiles = self._decode_tiles() if self.invariant else None
+        widest_input = max(hidden, self.q_width, inter)
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
-            codes=empty(E4M3, (t, max(hidden, self.q_width, inter))), scales=empty(F32, (t,)),
-            acc=empty(F32, (min(t, FP8_ACC_ROWS), max(self.qkv_width, 2 * inter, hidden))))
+            codes=empty(E4M3, (t, widest_input)), scales=empty(F32, (t,)),
+            acc=empty(F32, (min(t, FP8_ACC_ROWS), max(self.qkv_width, 2 * inter, hidden))),
+            values=empty(F16, (GEMV_MAX_ROWS, widest_input)))
         cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
         cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
         # float2 [max_model_len, rotary_dim / 2] per distinct RoPE (model/rope.py), and each layer's
@@ -421,8 +433,9 @@ class CudaForward:
         ops.resolve_tokens(inp.ptr("token_ids"), inp.ptr("token_src"), out.ptr("ids"), n)
         ops.embedding(b.x.ptr, self.embed.ptr, inp.ptr("token_ids"), n, hidden, self.embed_scale)
         for i, layer in enumerate(self.layers):
-            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps, offset)
-            linear.gemm(b.qkv, b.h, layer.qkv, n)
+            codes = self._h_codes(n)
+            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps, offset, *_codes_ptrs(codes))
+            linear.gemm(b.qkv, b.h, layer.qkv, n, x_codes=codes)
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
             if layer.q_norm is not None and self.rope_norms[i] is None:
@@ -435,7 +448,7 @@ class CudaForward:
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
                 fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg)
             else:
-                linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation)
+                linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes)
                 self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm)
 
     def _add_to_residual(self, n: int, x: DeviceTensor, w: DeviceTensor, out_norm: DeviceTensor | None,
@@ -448,11 +461,25 @@ class CudaForward:
         if out_norm is None:
             self.linear.gemm(b.x, x, w, n, accumulate=True)
             if next_norm is not None:
-                ops.rms_norm(b.h.ptr, b.x.ptr, next_norm.ptr, 0, n, hidden, eps, offset)
+                ops.rms_norm(b.h.ptr, b.x.ptr, next_norm.ptr, 0, n, hidden, eps, offset,
+                             *_codes_ptrs(self._h_codes(n)))
             return
         self.linear.gemm(b.part, x, w, n)
         ops.rms_norm_residual(0 if next_norm is None else b.h.ptr, b.x.ptr, b.part.ptr, out_norm.ptr,
-                              0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset)
+                              0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset,
+                              *_codes_ptrs(None if next_norm is None else self._h_codes(n)))
+
+    def _empty_codes(self, width: int) -> DeviceTensor | None:
+        """FP8 weights: a GEMV input's buffer (f16 values [GEMV_MAX_ROWS, width] with f32 scales), else None."""
+        if not self.fp8:
+            return None
+        values = self.device.empty(F16, (GEMV_MAX_ROWS, width))
+        return dataclasses.replace(values, scale=self.device.empty(F32, (GEMV_MAX_ROWS,)))
+
+    def _h_codes(self, n: int) -> DeviceTensor | None:
+        """buf.h's quantized rows for the FP8 GEMV, where n rows of it go through one (FP8 weights, n <= 8)."""
+        codes = self.buf.h_codes
+        return codes if codes is not None and self.linear.uses_fp8_gemv(n, codes.shape[-1]) else None
 
     def _rope_qk_norm(self, layer: DeviceLayer) -> QkNorm | None:
         """The layer's per-head q/k norms for rope_and_cache to apply (None: none, or not fusable: _qk_norm runs)."""
@@ -502,10 +529,11 @@ class CudaForward:
         return {m: self.blas.tune(self.buf.logits, self.lm_head, self.lm_head, m, elapsed)
                 for m in buckets if m >= LM_HEAD_TUNE_ROWS}
 
-    def compute_logits(self, n: int, hidden_rows: DeviceTensor) -> None:
-        """The float32 logits of the first n final-normed rows of hidden_rows (bf16 [>= n, hidden]) into
-        buf.logits, soft-capped where the model caps them (final_logit_softcapping), before anything reads them."""
-        self.linear.gemm(self.buf.logits, hidden_rows, self.lm_head, n)
+    def compute_logits(self, n: int, hidden_rows: DeviceTensor, x_codes: DeviceTensor | None = None) -> None:
+        """The float32 logits of the first n final-normed rows of hidden_rows (bf16 [>= n, hidden]; x_codes: them
+        quantized by the norm, for an FP8 LM head's GEMV) into buf.logits, soft-capped where the model caps them
+        (final_logit_softcapping), before anything reads them."""
+        self.linear.gemm(self.buf.logits, hidden_rows, self.lm_head, n, x_codes=x_codes)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             self.ops.soft_cap(self.buf.logits.ptr, n, self.config.vocab_size, cap)
@@ -546,9 +574,10 @@ class CudaForward:
                                       self.kv_scales[i], self.windows[i], self.softcap)
 
         self._layers(n, inp, out, attention)
+        codes = self._h_codes(n) if self.lm_head.dtype == E4M3 else None
         self.ops.rms_norm(b.h.ptr, b.x.ptr, self.final_norm.ptr, 0, n, self.config.hidden_size,
-                          self.config.rms_norm_eps, self.norm_offset)
-        self.compute_logits(n, b.h)
+                          self.config.rms_norm_eps, self.norm_offset, *_codes_ptrs(codes))
+        self.compute_logits(n, b.h, codes)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
 

@@ -8,8 +8,9 @@ bandwidth there; gemv.cu is built to stream the weights at the copy rate. Both p
 a CUDA graph.
 
 FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8), the input quantized to e4m3 per token: for
-a few rows our FP8 GEMV (gemv_fp8, gemv_swiglu_fp8, gemv_geglu_fp8), which quantizes its bf16 input itself and ends
-in the scales (and the activation), so that an FP8 layer launches what a bf16 one does; else quantize_fp8, then
+a few rows our FP8 GEMV (gemv_fp8, gemv_swiglu_fp8, gemv_geglu_fp8) on the input already quantized (x_codes: the
+f16 values of its e4m3 codes with their scales, written by the kernel that wrote x, rms_norm; else
+quantize_fp8_values first), ending in the scales (and the activation); else quantize_fp8, then
 cuBLASLt's FP8 GEMM applying the token and channel scales itself (its outer-vector scales, cublas.py gemm_scaled),
 or where it cannot, into float32 with unit scales and scale_rows_cols after it (cuda/fp8.cu); then the activation
 as its kernel on the bf16 gate/up product.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops, fp8_gemv_fits
-from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor, matmul_shape
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
 # a few MB (Llama-3.2-1B's QKV and O) and ties at 16-32 MB (its MLP). In a decode step it also starts streaming its
@@ -40,7 +41,8 @@ GATED_FP8_GEMVS = {"silu": "gemv_swiglu_fp8", "gelu_pytorch_tanh": "gemv_geglu_f
 
 @dataclass(frozen=True)
 class Fp8Scratch:
-    """The buffers an FP8 linear layer goes through: its input's e4m3 codes and their scales, and the float32
+    """The buffers an FP8 linear layer goes through: its input's e4m3 codes (or, for the GEMV, their f16 values) and
+    their scales, and the float32
     product of the cuBLASLt path before the scales where cuBLASLt cannot apply them itself (run in pieces of as
     many rows as it holds: that path is the fallback of an older cuBLASLt, and a buffer for every row of the widest
     layer would be ~1 GB at Llama-3.1-8B's 8,192 tokens)."""
@@ -48,6 +50,7 @@ class Fp8Scratch:
     codes: DeviceTensor  # e4m3 [t, >= every layer input's width]
     scales: DeviceTensor  # f32 [t]: one per token
     acc: DeviceTensor  # f32 [r, >= every layer output's width], r <= t rows
+    values: DeviceTensor | None = None  # f16 [GEMV_MAX_ROWS, >= every input's width]: the GEMV's x, where not given
 
 
 class Linear:
@@ -82,11 +85,14 @@ class Linear:
                              f"{out.dtype}")
         return matmul_shape(out, x, w, m)
 
-    def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
-        """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate."""
+    def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False,
+             x_codes: DeviceTensor | None = None) -> None:
+        """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate. x_codes: x quantized
+        by the kernel that wrote it (f16 values of e4m3 codes [>= m, k], with f32 scales [>= m]), which an e4m3 w's
+        GEMV reads instead of quantizing x itself."""
         n, k = self._check(out, x, w, m, accumulate)
         if w.dtype == E4M3:
-            self._gemm_fp8(out, x, w, m, n, k, accumulate)
+            self._gemm_fp8(out, x, w, m, n, k, accumulate, x_codes)
         elif self.uses_gemv(m, n, k):
             self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         else:
@@ -112,12 +118,27 @@ class Linear:
         bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one)."""
         return not self.invariant and fp8_gemv_fits(m, k)
 
+    def _gemv_input(self, x: DeviceTensor, m: int, k: int, x_codes: DeviceTensor | None) -> DeviceTensor:
+        """The FP8 GEMV's x: x_codes, else x quantized into the scratch values and scales."""
+        if x_codes is None:
+            s = self.fp8
+            if s.values is None or s.values.rows < m or s.values.shape[-1] < k:
+                raise ValueError(f"an FP8 GEMV of {m} rows of {k}: the fp8 scratch has no values buffer for it")
+            self.ops.quantize_fp8_values(s.values.ptr, s.scales.ptr, x.ptr, m, k)
+            return DeviceTensor(s.values.ptr, F16, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+        if (x_codes.dtype != F16 or x_codes.rows < m or x_codes.shape[-1] != k or x_codes.scale is None
+                or x_codes.scale.numel < m):
+            raise ValueError(f"x_codes of an FP8 GEMV of {m} rows of {k}: {x_codes.dtype} {x_codes.shape}")
+        return x_codes
+
     def _gemm_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
-                  accumulate: bool) -> None:
-        """Our FP8 GEMV (it quantizes x itself), or x quantized per token into the scratch codes, then cuBLASLt
-        and the scales."""
+                  accumulate: bool, x_codes: DeviceTensor | None = None) -> None:
+        """Our FP8 GEMV on x quantized (_gemv_input), or x quantized per token into the scratch codes, then
+        cuBLASLt and the scales."""
         if self.uses_fp8_gemv(m, k):
-            self.ops.gemv_fp8(out.ptr, x.ptr, w.ptr, w.scale.ptr, m, n, k, out.dtype == F32, accumulate)
+            xq = self._gemv_input(x, m, k, x_codes)
+            self.ops.gemv_fp8(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k, out.dtype == F32,
+                              accumulate)
             return
         s = self.fp8
         self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
@@ -137,10 +158,10 @@ class Linear:
                                      out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
-                       gate_up: DeviceTensor, activation: str = "silu") -> None:
+                       gate_up: DeviceTensor, activation: str = "silu", x_codes: DeviceTensor | None = None) -> None:
         """bf16 out[:m, n / 2] = SwiGLU(x . w^T) (activation "silu"; "gelu_pytorch_tanh": GeGLU), w [n, k] the gate/up
         projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up); gate_up: a bf16
-        [>= m, n] buffer that the cuBLAS path goes through."""
+        [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's."""
         n, k = self._check(gate_up, x, w, m)
         if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
             raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
@@ -148,7 +169,8 @@ class Linear:
             raise ValueError(f"the cuda backend has no gated MLP with the {activation!r} activation")
         gemv, kernel = (getattr(self.ops, name) for name in GATED_ACTIVATIONS[activation])
         if w.dtype == E4M3 and self.uses_fp8_gemv(m, k):
-            getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, x.ptr, w.ptr, w.scale.ptr, m, n, k)
+            xq = self._gemv_input(x, m, k, x_codes)
+            getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k)
         elif w.dtype == E4M3:
             self._gemm_fp8(gate_up, x, w, m, n, k, False)
             kernel(out.ptr, gate_up.ptr, m, n // 2)

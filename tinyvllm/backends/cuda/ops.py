@@ -61,10 +61,6 @@ GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B o
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
-# gemv_*_fp8: most dynamic shared memory for x's values (m rows of 2k + 16 bytes, f16; cuda/gemv_kernel.cuh), under
-# the 227 KB a block may have; a product needing more (8 rows of k > 14072: Llama-3.1-8B's down projection at 8 rows)
-# takes quantize_fp8 and cuBLASLt instead
-FP8_GEMV_MAX_SHARED = 220 << 10
 MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
@@ -176,8 +172,6 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
     per_iteration = FP8_GEMV_K_PER_ITERATION if fp8 else GEMV_K_PER_ITERATION
     if fp8:
         _require(k % FP8_VECTOR == 0, f"{kernel_name}: k {k} is not a multiple of {FP8_VECTOR}")
-        _require(fp8_gemv_shared_bytes(m, k) <= FP8_GEMV_MAX_SHARED,
-                 f"{kernel_name}: {m} rows of k {k} are over the {FP8_GEMV_MAX_SHARED} bytes of x it holds")
     else:
         _require_vectors(kernel_name, k=k)
     # as many as k keeps busy for a full iteration, so that small n still has enough loads in flight (n = 2048 at
@@ -191,31 +185,9 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
     return kernel_name + "_pipelined" * pipelined, (blocks,), split
 
 
-SM_SHARED_BYTES = 228 << 10  # shared memory of one SM (sm_90), of which each resident block also takes 1 KB
-GEMV_STATIC_SHARED = 4384  # gemv_*_fp8's static shared memory (ptxas -v): partial tiles, x scales, warp maxima
-
-
-def fp8_gemv_grid(kernel_name: str, blocks: int, shared: int, num_sms: int) -> int:
-    """gemv_*_fp8's blocks: at most as many as are resident at once (2 per SM for the plain form, 1 for the
-    `_pipelined` one, fewer where x's shared memory allows fewer), each taking several groups of tiles, so that
-    it quantizes x once for them (the LM head's 8,016 groups would pay that 30 times over); num_sms 0: one block
-    per group."""
-    if not num_sms:
-        return blocks
-    per_sm = min(1 if kernel_name.endswith("_pipelined") else 2,
-                 SM_SHARED_BYTES // (shared + GEMV_STATIC_SHARED + 1024))
-    return min(blocks, max(1, per_sm) * num_sms)
-
-
-def fp8_gemv_shared_bytes(m: int, k: int) -> int:
-    """gemv_*_fp8's dynamic shared memory for m rows of x of width k: its codes' f16 values, rows of 2k + 16 bytes
-    (cuda/gemv_kernel.cuh gemv_x_value_bytes)."""
-    return m * (2 * k + 16)
-
-
 def fp8_gemv_fits(m: int, k: int) -> bool:
     """Whether gemv_*_fp8 runs m rows of k (else quantize_fp8 and cuBLASLt)."""
-    return 1 <= m <= GEMV_MAX_ROWS and k % FP8_VECTOR == 0 and fp8_gemv_shared_bytes(m, k) <= FP8_GEMV_MAX_SHARED
+    return 1 <= m <= GEMV_MAX_ROWS and k % FP8_VECTOR == 0
 
 
 def _norm_threads(kernel_name: str, hidden: int) -> int:
@@ -229,9 +201,9 @@ def _norm_threads(kernel_name: str, hidden: int) -> int:
 
 
 FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels' extra parameters
-FP8_GEMV_ARGS = "{out}* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k, int split, " \
-                "int accumulate"  # gemv_fp8_*
-FP8_GATED_ARGS = "bf16* out, const bf16* x, const e4m3* w, const float* w_scale, int m, int n, int k, int split"
+FP8_GATED_ARGS = "bf16* out, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale, int m, " \
+                 "int n, int k, int split"  # gemv_swiglu_fp8, gemv_geglu_fp8
+FP8_GEMV_ARGS = FP8_GATED_ARGS.replace("bf16* out", "{out}* out", 1) + ", int accumulate"  # gemv_fp8_*
 ROPE_QK_NORM = ", const bf16* q_weight, const bf16* k_weight, float eps, float offset"  # rope_and_cache's qk norm
 
 
@@ -332,23 +304,26 @@ class Ops:
     def resolve_tokens(self, ids: int, src: int, sampled: int, n: int) -> None:
         self.launch("resolve_tokens", (-(-n // ELEMENTWISE_THREADS),), ELEMENTWISE_THREADS, ids, src, sampled, n)
 
-    @kernel("norm", "bf16* out, const float* x, const bf16* w, const int* rows, int hidden, float eps, float offset")
+    @kernel("norm", "bf16* out, __half* values, float* scales, const float* x, const bf16* w, const int* rows, "
+                    "int hidden, float eps, float offset")
     def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float,
-                 offset: float = 0.0) -> None:
+                 offset: float = 0.0, values: int = 0, scales: int = 0) -> None:
         """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1], normalized and
-        times (offset + w) (offset: ModelConfig.norm_offset)."""
-        self.launch("rms_norm", (num_rows,), _norm_threads("rms_norm", hidden), out, x, w, rows, hidden, eps,
-                    float(offset))
+        times (offset + w) (offset: ModelConfig.norm_offset); with values (f16 [num_rows, hidden], else 0) and scales
+        (float32 [num_rows]), each out row quantized for the FP8 GEMV too (the values of its e4m3 codes, its scale:
+        gemv_fp8's x)."""
+        self.launch("rms_norm", (num_rows,), _norm_threads("rms_norm", hidden), out, values, scales, x, w, rows,
+                    hidden, eps, float(offset))
 
-    @kernel("norm", "bf16* out, float* x, const float* part, const bf16* part_w, const bf16* w, int hidden, "
-                    "float eps, float offset")
+    @kernel("norm", "bf16* out, __half* values, float* scales, float* x, const float* part, const bf16* part_w, "
+                    "const bf16* w, int hidden, float eps, float offset")
     def rms_norm_residual(self, out: int, x: int, part: int, part_w: int, w: int, num_rows: int, hidden: int,
-                          eps: float, offset: float = 0.0) -> None:
+                          eps: float, offset: float = 0.0, values: int = 0, scales: int = 0) -> None:
         """The sandwich norms' residual add: float32 x [num_rows, hidden] += rms_norm(part) * (offset + part_w)
         (part: float32, the O or down GEMM's product), then, unless out is 0, bf16 out = rms_norm(x) * (offset + w)
-        of the new x."""
-        self.launch("rms_norm_residual", (num_rows,), _norm_threads("rms_norm_residual", hidden), out, x, part,
-                    part_w, w, hidden, eps, float(offset))
+        of the new x, quantized into values and scales as rms_norm's."""
+        self.launch("rms_norm_residual", (num_rows,), _norm_threads("rms_norm_residual", hidden), out, values,
+                    scales, x, part, part_w, w, hidden, eps, float(offset))
 
     @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
     def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
@@ -614,42 +589,39 @@ class Ops:
         self.launch("scale_rows_cols_" + ("f32" if out_fp32 else "bf16"), (m, -(-n // per_block)),
                     ELEMENTWISE_THREADS, out, acc, row_scale, col_scale, n, int(accumulate))
 
-    @kernel("fp8", FP8_GEMV_ARGS.format(out="float"), "gemv_fp8_f32", "gemv_fp8_f32_pipelined",
-            shared=lambda name: FP8_GEMV_MAX_SHARED)
-    @kernel("fp8", FP8_GEMV_ARGS.format(out="bf16"), "gemv_fp8_bf16", "gemv_fp8_bf16_pipelined",
-            shared=lambda name: FP8_GEMV_MAX_SHARED)
-    def gemv_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int, out_fp32: bool,
+    @kernel("fp8", "__half* out, float* scales, const bf16* x, int cols")
+    def quantize_fp8_values(self, out: int, scales: int, x: int, rows: int, cols: int) -> None:
+        """quantize_fp8 with the f16 values of the codes as out [rows, cols]: gemv_fp8's x where the kernel that
+        wrote x did not quantize it."""
+        _require_vectors("quantize_fp8_values", cols=cols)
+        self.launch("quantize_fp8_values", (rows,), QUANTIZE_THREADS, out, scales, x, cols)
+
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="float"), "gemv_fp8_f32", "gemv_fp8_f32_pipelined")
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="bf16"), "gemv_fp8_bf16", "gemv_fp8_bf16_pipelined")
+    def gemv_fp8(self, out: int, x: int, w: int, w_scale: int, x_scale: int, m: int, n: int, k: int, out_fp32: bool,
                  accumulate: bool) -> None:
-        """out[m, n] = e4m3(x) . w^T * x_scale * w_scale[n] (+ out when accumulate) for m <= 8: bf16 x, quantized
-        per row by the kernel (as quantize_fp8), e4m3 codes w [n, k] with their per-row scales."""
-        self._launch_fp8_gemv("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), out, x, w, w_scale, m, n, k,
-                              int(accumulate))
+        """out[m, n] = x . w^T * x_scale[m] * w_scale[n] (+ out when accumulate) for m <= 8: x the f16 values of
+        e4m3 codes [m, k] with their per-row scales x_scale (rms_norm's or quantize_fp8_values's), w e4m3 codes
+        [n, k] with theirs."""
+        name, grid, split = _gemv_geometry("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), m, n, k, self.num_sms,
+                                           fp8=True)
+        self.launch(name, grid, GEMV_WARPS * 32, out, x, w, w_scale, x_scale, m, n, k, split, int(accumulate))
 
-    @kernel("fp8", FP8_GATED_ARGS, "gemv_swiglu_fp8", "gemv_swiglu_fp8_pipelined",
-            shared=lambda name: FP8_GEMV_MAX_SHARED)
-    def gemv_swiglu_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int) -> None:
-        """gemv_swiglu with e4m3 weights (gemv_fp8's quantization and scales)."""
-        self._gemv_gated_fp8("gemv_swiglu_fp8", out, x, w, w_scale, m, n, k)
+    @kernel("fp8", FP8_GATED_ARGS, "gemv_swiglu_fp8", "gemv_swiglu_fp8_pipelined")
+    def gemv_swiglu_fp8(self, out: int, x: int, w: int, w_scale: int, x_scale: int, m: int, n: int, k: int) -> None:
+        """gemv_swiglu with e4m3 weights (gemv_fp8's x and scales)."""
+        self._gemv_gated_fp8("gemv_swiglu_fp8", out, x, w, w_scale, x_scale, m, n, k)
 
-    @kernel("fp8", FP8_GATED_ARGS, "gemv_geglu_fp8", "gemv_geglu_fp8_pipelined",
-            shared=lambda name: FP8_GEMV_MAX_SHARED)
-    def gemv_geglu_fp8(self, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int) -> None:
+    @kernel("fp8", FP8_GATED_ARGS, "gemv_geglu_fp8", "gemv_geglu_fp8_pipelined")
+    def gemv_geglu_fp8(self, out: int, x: int, w: int, w_scale: int, x_scale: int, m: int, n: int, k: int) -> None:
         """gemv_geglu with e4m3 weights."""
-        self._gemv_gated_fp8("gemv_geglu_fp8", out, x, w, w_scale, m, n, k)
+        self._gemv_gated_fp8("gemv_geglu_fp8", out, x, w, w_scale, x_scale, m, n, k)
 
-    def _gemv_gated_fp8(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, m: int, n: int,
+    def _gemv_gated_fp8(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, x_scale: int, m: int, n: int,
                         k: int) -> None:
         _require(n % GEMV_TILE_ROWS == 0, f"{kernel_name}: n = {n} rows are not whole groups of 8 gate and 8 up rows")
-        self._launch_fp8_gemv(kernel_name, out, x, w, w_scale, m, n, k)
-
-    def _launch_fp8_gemv(self, kernel_name: str, out: int, x: int, w: int, w_scale: int, m: int, n: int, k: int,
-                         *accumulate: int) -> None:
-        """An FP8 GEMV kernel (or its pipelined form) with its split, its grid of resident blocks and x's shared
-        memory; accumulate: the plain products' last argument (none for the gated ones)."""
-        name, (blocks,), split = _gemv_geometry(kernel_name, m, n, k, self.num_sms, fp8=True)
-        shared = fp8_gemv_shared_bytes(m, k)
-        self.launch(name, (fp8_gemv_grid(name, blocks, shared, self.num_sms),), GEMV_WARPS * 32, out, x, w, w_scale,
-                    m, n, k, split, *accumulate, shared_bytes=shared)
+        name, grid, split = _gemv_geometry(kernel_name, m, n, k, self.num_sms, fp8=True)
+        self.launch(name, grid, GEMV_WARPS * 32, out, x, w, w_scale, x_scale, m, n, k, split)
 
     # ---- mixture of experts (cuda/moe.cu) -------------------------------------------------------------------------
 

@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass
 
 # dtype name -> bytes per element. bf16: bfloat16; f32: float32; e4m3: float8 e4m3 codes (the FP8 KV cache and,
-# with scales, FP8 weights); i32, u8, u64: index tables, masks and pointer arrays.
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "e4m3": 1, "i32": 4, "u8": 1, "u64": 8}
-BF16, F32, E4M3, I32, U8, U64 = "bf16", "f32", "e4m3", "i32", "u8", "u64"
+# with scales, FP8 weights); f16: float16 (with scales: the values of e4m3 codes, the FP8 GEMV's input); i32, u8,
+# u64: index tables, masks and pointer arrays.
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "e4m3": 1, "f16": 2, "i32": 4, "u8": 1, "u64": 8}
+BF16, F32, E4M3, F16, I32, U8, U64 = "bf16", "f32", "e4m3", "f16", "i32", "u8", "u64"
 NUMPY_DTYPES = {"f32": "float32", "i32": "int32", "u8": "uint8", "u64": "uint64", "bf16": "uint16",
-                "e4m3": "uint8"}  # numpy's storage of each (bf16 as bit patterns, e4m3 as codes)
+                "e4m3": "uint8", "f16": "float16"}  # numpy's storage of each (bf16 as bit patterns, e4m3 as codes)
 
 
 @dataclass(frozen=True)
