@@ -18,7 +18,7 @@ import numpy as np
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backends.base import Logprobs, QueuedStep, SamplerOutput
-from tinyvllm.benchmark import dummy_model
+from tinyvllm.benchmark import MIXED_SAMPLING, dummy_model
 
 
 MAX_MODEL_LEN = 2048
@@ -44,7 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-MIXED = dict(stop=["\x00never\x00"], logprobs=2, presence_penalty=0.5, frequency_penalty=0.1)  # every fourth row
 PHASES = {"schedule": ("scheduler", "schedule"), "prepare inputs": (None, "_prepare"),
           "backend": ("backend", "submit"), "output processing": ("output_processor", "process")}
 
@@ -87,7 +86,7 @@ def main() -> None:
 
     llm.backend.submit = submit
     for i in range(args.seqs):
-        extra = MIXED if args.mixed and i % 4 == 0 else {}
+        extra = MIXED_SAMPLING if args.mixed and i % 4 == 0 else {}
         params = SamplingParams(max_tokens=MAX_MODEL_LEN - args.prompt_len, temperature=0, ignore_eos=True, **extra)
         engine.add_request(str(i), rng.integers(3, vocab, args.prompt_len).tolist(), params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):

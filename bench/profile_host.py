@@ -4,7 +4,9 @@
     python3 bench/profile_host.py --dummy-weights smollm2-135m --batch "" --workloads W1,W3,J1 [--scale 1]
 
 --batch: for each batch size, an LLM of that many sequences is filled with --prompt-len-token prompts and runs
---steps steady-state decode steps (every sequence decoding), timed once as they are and once profiled.
+--steps steady-state decode steps (every sequence decoding), timed once as they are and once profiled; --mixed
+gives every fourth of them a stop string that never matches, 2 logprobs and presence/frequency penalties
+(benchmark.MIXED_SAMPLING, as bench/host_step.py --mixed).
 --workloads: W1 and W3 (bench's requests), and J1-like (--j1-rows requests of a 24-token shared prefix and ~176
 random tokens, 128 out, greedy: J1's shape as token ids), each through llm.generate, profiled from first step to last.
 
@@ -280,14 +282,17 @@ def make_llm(args, max_num_seqs: int, text: bool = False):
     return llm
 
 
-def fill(llm, batch: int, prompt_len: int, max_tokens: int) -> None:
-    """Admit `batch` requests and step until every one of them is decoding."""
+def fill(llm, batch: int, prompt_len: int, max_tokens: int, mixed: bool = False) -> None:
+    """Admit `batch` requests (mixed: every fourth with MIXED_SAMPLING's stop string, logprobs and penalties) and
+    step until every one of them is decoding."""
     from tinyvllm import SamplingParams
+    from tinyvllm.benchmark import MIXED_SAMPLING
     rng = np.random.default_rng(0)
     engine = llm.llm_engine
     for i in range(batch):
+        extra = MIXED_SAMPLING if mixed and i % 4 == 0 else {}
         engine.add_request(f"p{batch}-{i}", rng.integers(0, llm.model_config.vocab_size, prompt_len).tolist(),
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra))
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in
                                           engine.scheduler.running):
         engine.step()
@@ -330,7 +335,7 @@ def report(phases: Phases, device: dict | None, kinds: tuple[str, ...] = ("decod
 def steady_decode(args, batch: int) -> dict:
     """`batch` sequences decoding: --steps steps as they are (wall per step), then --steps profiled."""
     llm = make_llm(args, batch)
-    fill(llm, batch, args.prompt_len, args.warmup + 2 * args.steps + 8)
+    fill(llm, batch, args.prompt_len, args.warmup + 2 * args.steps + 8, args.mixed)
     engine = llm.llm_engine
     for _ in range(args.warmup):
         engine.step()
@@ -340,7 +345,7 @@ def steady_decode(args, batch: int) -> dict:
     plain = (time.perf_counter() - start) / args.steps
     phases, device, missing, wall = profiled(llm, lambda: [engine.step() for _ in range(args.steps)])
     assert all(k == "decode" for k in phases.kinds), "a profiled step was not a decode of every sequence"
-    result = {"batch": batch, "steps": args.steps, "step_ms_unprofiled": plain * 1e3,
+    result = {"batch": batch, "mixed": args.mixed, "steps": args.steps, "step_ms_unprofiled": plain * 1e3,
               "step_ms_profiled": wall / args.steps * 1e3, "out_tok_s_unprofiled": batch / plain,
               "phases_not_found": missing, **report(phases, device, ("decode",))}
     llm.backend.close()
@@ -390,6 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", default="512,1", help="steady-state decode batch sizes ('' for none)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--mixed", action="store_true",
+                        help="steady decode with a stop string, logprobs and penalties on every fourth row")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--workloads", default="", help="any of W1,W3,J1 (J1-like: token ids, J1's shape)")
     parser.add_argument("--scale", type=float, default=1.0, help="the workloads' counts and lengths scaled")

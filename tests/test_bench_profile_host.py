@@ -118,6 +118,23 @@ def test_runs_on_the_numpy_backend(profile_host, tmp_path, capsys):
     assert "== workload W3" in capsys.readouterr().out
 
 
+def test_mixed_gives_every_fourth_row_the_stop_string_logprobs_and_penalties(profile_host, monkeypatch):
+    from tinyvllm.benchmark import MIXED_SAMPLING
+    seen = []
+    real = profile_host.fill
+
+    def spy(llm, batch, prompt_len, max_tokens, mixed=False):
+        real(llm, batch, prompt_len, max_tokens, mixed)
+        seen.extend(s.params for s in llm.llm_engine.scheduler.running)
+
+    monkeypatch.setattr(profile_host, "fill", spy)
+    results = profile_host.main(["--backend", "numpy", "--dummy-weights", "tiny", "--batch", "8", "--steps", "2",
+                                 "--warmup", "0", "--prompt-len", "4", "--mixed"])
+    assert results["batches"]["8"]["mixed"] is True and len(seen) == 8
+    mixed = [p for p in seen if p.logprobs == MIXED_SAMPLING["logprobs"]]
+    assert len(mixed) == 2 and all(p.stop == MIXED_SAMPLING["stop"] and p.presence_penalty == 0.5 for p in mixed)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workloads", "W9"], "unknown W9"), (["--batch", "x"], "comma-separated"),
     (["--batch", "", "--workloads", ""], "nothing to run"), (["--steps", "0"], "--steps 0: at least 1"),

@@ -277,6 +277,9 @@ def _cuda_limits(stream, blas) -> dict:
 # The engine settings the benchmarks run with unless told otherwise, and the longest sequence they need (the KV cache
 # need not hold a model's 128k context).
 BENCH_ENGINE = {"max_num_seqs": 512}
+# The host benchmarks' "mixed" rows (every fourth): a stop string that never matches, 2 logprobs and penalties, the
+# per-row work the host loop's targets include (bench/host_step.py, bench/profile_host.py --mixed).
+MIXED_SAMPLING = dict(stop=["\x00never\x00"], logprobs=2, presence_penalty=0.5, frequency_penalty=0.1)
 BENCH_MAX_MODEL_LEN = 4096
 # EngineConfig settings a benchmark switches between runs on one LLM (W2 chunked prefill, W5 the prefix cache), and
 # the engine part that reads each.
