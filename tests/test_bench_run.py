@@ -50,8 +50,8 @@ def test_bench_run_takes_tinyvllm_benchs_options_and_runs_the_same_way(tmp_path,
 
     assert {p.name for p in bench_run.params} - {"peers", "peer_batch_sizes"} == \
         {p.name for p in main.commands["bench"].params} - {"startup"}
-    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: {"bandwidth_bytes_s": 1e10,
-                                                                             "gemm_flops": 1e11})
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits",
+                        lambda backend, fp8=False: {"bandwidth_bytes_s": 1e10, "gemm_flops": 1e11})
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench_run, ["--dummy-weights", "tiny", "--backend", "numpy", "--workloads", "W3",
                                             "--scale", "0.02", "--max-num-seqs", "4", "--json", str(out)])

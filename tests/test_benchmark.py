@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM
-from tinyvllm.benchmark import (dummy_model, workload_floor, format_results, kv_bytes_per_token, make_workload,
-                                matmul_params, run_benchmark, run_j1, weight_bytes)
+from tinyvllm.benchmark import (Storage, dummy_model, workload_floor, format_results, kv_bytes_per_token,
+                                make_workload, matmul_params, run_benchmark, run_j1, run_storage, weight_bytes)
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
 from tinyvllm.model.loader import Bf16Bytes, as_bf16, load_model, weight_shapes
@@ -71,7 +71,8 @@ def test_run_benchmark_times_after_background_startup(monkeypatch):
         raise InterruptedError  # the first workload has started: enough
 
     monkeypatch.setattr(llm.backend, "finish_startup", lambda: calls.append("finish_startup"))
-    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: calls.append("measure_limits"))
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits",
+                        lambda backend, fp8=False: calls.append("measure_limits") or {})
     monkeypatch.setattr(llm, "generate", generate)
     with pytest.raises(InterruptedError):
         run_benchmark(llm, ["W3"], scale=0.02)
@@ -93,6 +94,35 @@ def test_j1_job_and_engine_give_the_same_tokens():
 # Published parameter counts (embedding included, once when tied) and KV bytes per token in bf16.
 BIG_PRESETS = {"llama-3.1-8b": (8_030_261_248, 2 * 32 * 8 * 128 * 2),
                "qwen2.5-7b": (7_615_616_512, 2 * 28 * 4 * 128 * 2)}
+
+
+def test_fp8_floor_counts_the_bytes_and_the_rate_each_part_runs_at():
+    config = llama_3_2_1b_config()
+    lm_head, small = config.vocab_size * config.hidden_size, weight_bytes(config) - 2 * matmul_params(config)
+    linear = matmul_params(config) - lm_head
+    assert weight_bytes(config, storage=Storage(linear_bytes=1)) == linear + 2 * lm_head + small
+    assert weight_bytes(config, storage=Storage(linear_bytes=1, lm_head_bytes=1)) == linear + lm_head + small
+    w3 = make_workload("W3", config.vocab_size)
+    bf16 = workload_floor(config, w3, 4.27e12, 7.4e14, 512)
+    fp8 = workload_floor(config, w3, 4.27e12, 7.4e14, 512, storage=Storage(1, 1, 1, 1.48e15))
+    assert fp8.decode_weights_s == pytest.approx(bf16.decode_weights_s / 2, rel=1e-3)
+    assert fp8.decode_kv_s == pytest.approx(bf16.decode_kv_s / 2)
+    # prefill: the linear layers at the FP8 rate, attention at the bf16 one
+    attn = sum(4 * 16 * 32 * 64 * len(r.prompt_token_ids) ** 2 / 2 for r in w3) / 7.4e14
+    assert fp8.prefill_flops_s - attn == pytest.approx((bf16.prefill_flops_s - attn) / 2)
+    # an fp8 LM head only at the FP8 rate when it is quantized too
+    head_bf16 = workload_floor(config, w3, 4.27e12, 7.4e14, 512, storage=Storage(1, 2, 2, 1.48e15))
+    assert fp8.prefill_flops_s < head_bf16.prefill_flops_s < bf16.prefill_flops_s
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({}, Storage(2, 2, 2, None)), ({"quantization": "fp8"}, Storage(1, 2, 2, 1e15)),
+    ({"quantization": "fp8", "quantize_lm_head": True, "kv_cache_dtype": "fp8"}, Storage(1, 1, 1, 1e15)),
+    ({"kv_cache_dtype": "fp8"}, Storage(2, 2, 1, None))])
+def test_run_storage_follows_the_engine_settings(settings, expected):
+    llm = LLM(dummy_model("tiny"), backend="numpy", **settings)
+    assert run_storage(llm, {"fp8_gemm_flops": 1e15}) == expected
+    assert run_storage(llm, {}).linear_flops is None  # no FP8 rate measured: the bf16 rate
 
 
 @pytest.mark.parametrize("preset", [name for name, make in PRESETS.items() if not make().num_experts])
@@ -261,7 +291,7 @@ def test_bench_command_records_what_ran(tmp_path, monkeypatch):
 
     from tinyvllm.cli import main
 
-    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend: FAST_LIMITS)
+    monkeypatch.setattr("tinyvllm.benchmark.measure_limits", lambda backend, fp8=False: FAST_LIMITS)
     out = tmp_path / "b.json"
     result = CliRunner().invoke(main, ["bench", "--dummy-weights", "tiny", "--backend", "numpy", "--workloads", "W3",
                                        "--scale", "0.02", "--no-prefix-caching", "--json", str(out)])

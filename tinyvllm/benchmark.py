@@ -122,6 +122,27 @@ def _pct(values: list[float], q: float) -> float | None:
 
 # ---- the physical floor ------------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Storage:
+    """What a run's decode step reads and at what rate its GEMMs run: bytes per parameter of the linear layers and
+    of the LM head, bytes per KV cache value, and the linear layers' GEMM rate (None: the limits' bf16 rate)."""
+
+    linear_bytes: int = 2
+    lm_head_bytes: int = 2
+    kv_bytes: int = 2
+    linear_flops: float | None = None
+
+
+def run_storage(llm, limits: dict) -> Storage:
+    """The LLM's Storage: FP8 weights (quantization "fp8" or an FP8 checkpoint) 1 byte a parameter with the
+    limits' FP8 GEMM rate, the LM head too with quantize_lm_head; an fp8 KV cache 1 byte a value."""
+    engine = llm.engine_config
+    fp8 = engine.quantization == "fp8" or llm.model_config.quantization is not None
+    return Storage(linear_bytes=1 if fp8 else 2, lm_head_bytes=1 if fp8 and engine.quantize_lm_head else 2,
+                   kv_bytes=1 if engine.kv_cache_dtype != "auto" else 2,
+                   linear_flops=limits.get("fp8_gemm_flops") if fp8 else None)
+
 def matmul_params(config: ModelConfig) -> int:
     """Parameters used in GEMMs per token (every linear layer and the LM head; not the embedding gather). Of an
     expert layer: the router and the top_k experts a token runs through (the active parameters)."""
@@ -147,11 +168,12 @@ def experts_read(config: ModelConfig, tokens: int) -> float:
     return e * (1 - (1 - k / e) ** tokens) if e else 0.0
 
 
-def weight_bytes(config: ModelConfig, tokens: int = 1, bytes_per_param: int = 2) -> int:
-    """Bytes of weights a decode step of `tokens` tokens reads: every GEMM's (the LM head included), the norm gains
-    and the biases; of an expert layer the router and the experts the step's tokens chose (experts_read: a dense
-    model's bytes are the same for any batch). Not an untied embedding table, of which a step gathers only its
-    tokens' rows."""
+def weight_bytes(config: ModelConfig, tokens: int = 1, storage: Storage | None = None) -> int:
+    """Bytes of weights a decode step of `tokens` tokens reads: every GEMM's (the LM head included) at the storage's
+    bytes per parameter, the norm gains and the biases (bf16); of an expert layer the router and the experts the
+    step's tokens chose (experts_read: a dense model's bytes are the same for any batch). Not an untied embedding
+    table, of which a step gathers only its tokens' rows; not FP8's per-row scales (4 bytes a row, ~0.1%)."""
+    storage = storage or Storage()
     h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
     per_layer = (4 if config.sandwich_norms else 2) * h  # the RMSNorm gains
     if config.attention_bias:
@@ -161,7 +183,9 @@ def weight_bytes(config: ModelConfig, tokens: int = 1, bytes_per_param: int = 2)
                                                                     config.num_key_value_heads) * d
     moe = sum(map(config.moe_layer, range(layers)))
     experts = moe * (experts_read(config, tokens) - config.num_experts_per_tok) * expert_params(config)
-    return round((matmul_params(config) + experts + layers * per_layer + h) * bytes_per_param)
+    lm_head = config.vocab_size * h
+    linear = matmul_params(config) - lm_head + experts
+    return round(linear * storage.linear_bytes + lm_head * storage.lm_head_bytes + (layers * per_layer + h) * 2)
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
@@ -185,17 +209,23 @@ class Floor:
 
 
 def workload_floor(config: ModelConfig, requests: list[Request], bandwidth: float, flops: float,
-                  max_num_seqs: int, cached_prefix: int = 0) -> Floor:
+                  max_num_seqs: int, cached_prefix: int = 0, storage: Storage | None = None) -> Floor:
     """The workload's Floor. Sequences run in waves of max_num_seqs, longest-first being irrelevant to a bound this
     coarse. With `cached_prefix`, every request but the first finds that many leading prompt tokens in the prefix
-    cache and prefills only the rest."""
-    per_token_flops = 2 * matmul_params(config)
+    cache and prefills only the rest. `storage`: the weights' and the KV cache's bytes and the linear layers' GEMM
+    rate (default bf16 at `flops`); attention and a bf16 LM head run at `flops`."""
+    storage = storage or Storage()
+    linear_rate = storage.linear_flops or flops
+    lm_head = 2 * config.vocab_size * config.hidden_size
+    # per-token GEMM time: the LM head at its own precision's rate
+    lm_rate = linear_rate if storage.lm_head_bytes == storage.linear_bytes else flops
+    token_s = (2 * matmul_params(config) - lm_head) / linear_rate + lm_head / lm_rate
     attn_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim  # per (query, key)
     prefill = 0.0
     for i, r in enumerate(requests):
         length, cached = len(r.prompt_token_ids), min(cached_prefix, len(r.prompt_token_ids)) if i else 0
-        prefill += per_token_flops * (length - cached) + attn_flops * (length ** 2 - cached ** 2) / 2
-    kv_per_token = kv_bytes_per_token(config) / bandwidth
+        prefill += token_s * (length - cached) + attn_flops * (length ** 2 - cached ** 2) / 2 / flops
+    kv_per_token = kv_bytes_per_token(config, storage.kv_bytes) / bandwidth
     weights_s = kv_s = compute_s = 0.0
     for wave_start in range(0, len(requests), max_num_seqs):
         wave = requests[wave_start: wave_start + max_num_seqs]
@@ -203,21 +233,23 @@ def workload_floor(config: ModelConfig, requests: list[Request], bandwidth: floa
             live = [r for r in wave if r.max_tokens > step]
             context = sum(len(r.prompt_token_ids) + step for r in live)
             kv = context * kv_per_token
-            weights = weight_bytes(config, len(live)) / bandwidth  # an expert layer's experts: the batch's
-            step_flops = (per_token_flops * len(live) + attn_flops * context) / flops
-            if step_flops > weights + kv:
-                compute_s += step_flops
+            weights = weight_bytes(config, len(live), storage) / bandwidth  # an expert layer's: the batch's
+            step_s = token_s * len(live) + attn_flops * context / flops
+            if step_s > weights + kv:
+                compute_s += step_s
             else:
                 weights_s += weights
                 kv_s += kv
-    return Floor(prefill / flops, weights_s, kv_s, compute_s)
+    return Floor(prefill, weights_s, kv_s, compute_s)
 
 
-def measure_limits(backend) -> dict:
+def measure_limits(backend, fp8: bool = False) -> dict:
     """The ceilings of the machine a backend runs on, measured: {"bandwidth_bytes_s": memory copy rate (bytes read +
-    written), "gemm_flops": dense GEMM rate in the backend's compute dtype}. The floors derive from them."""
+    written), "gemm_flops": dense GEMM rate in the backend's compute dtype}, and with fp8 on the cuda backend
+    "fp8_gemm_flops" (e4m3 with outer-vector scales, bf16 out; absent where cuBLASLt has no such algorithm). The
+    floors derive from them."""
     if backend.name == "cuda":
-        return _cuda_limits(backend.stream, backend.forward.blas)
+        return _cuda_limits(backend.stream, backend.forward.blas, fp8)
     return _numpy_limits()
 
 
@@ -240,19 +272,24 @@ def _best_time(fn: Callable[[], object], repeats: int = 5) -> float:
     return best
 
 
-def _cuda_limits(stream, blas) -> dict:
-    """Device-to-device copy rate and bf16 cuBLAS GEMM rate on the backend's stream, median of CUDA-event timings."""
+def _cuda_limits(stream, blas, fp8: bool = False) -> dict:
+    """Device-to-device copy rate and bf16 cuBLAS GEMM rate on the backend's stream (and with fp8 the e4m3 GEMM's
+    with per-row scales), median of CUDA-event timings."""
     import pycuda.driver as cuda  # here only: the cuda backend is the one user of pycuda
 
+    from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
     from tinyvllm.model.dtypes import f32_to_bf16
 
     copy_bytes, n = 256 << 20, 4096  # copies far beyond the 50 MB L2; a GEMM that fills the GPU
-    src, dst = cuda.mem_alloc(copy_bytes), cuda.mem_alloc(copy_bytes)
     rng = np.random.default_rng(0)
-    a, b = (cuda.to_device(f32_to_bf16(rng.standard_normal((n, n), dtype=np.float32))) for _ in range(2))
-    c = cuda.mem_alloc(n * n * 2)
+    host = {name: f32_to_bf16(rng.standard_normal((n, n), dtype=np.float32)) for name in ("a", "b")}
+    if fp8:  # e4m3 codes of magnitude 2^-6..2^7 (no NaN, no inf) and unit scales
+        host.update({name: (rng.integers(0x08, 0x78, (n, n)) | (rng.integers(0, 2, (n, n)) << 7)).astype(np.uint8)
+                     for name in ("qa", "qb")}, ones=np.ones(n, np.float32))
+    dev = {name: cuda.to_device(array) for name, array in host.items()}
+    dev.update(src=cuda.mem_alloc(copy_bytes), dst=cuda.mem_alloc(copy_bytes), c=cuda.mem_alloc(n * n * 2))
 
-    def median_seconds(op: Callable[[], None], repeats: int = 20) -> float:
+    def median_seconds(op: Callable[[], object], repeats: int = 20) -> float:
         op()  # warm-up
         times = []
         for _ in range(repeats):
@@ -264,14 +301,22 @@ def _cuda_limits(stream, blas) -> dict:
             times.append(end.time_since(start) / 1e3)
         return float(np.median(times))
 
-    copy_s = median_seconds(lambda: cuda.memcpy_dtod_async(dst, src, copy_bytes, stream))
-    from tinyvllm.backends.cuda.tensors import BF16, DeviceTensor
+    def tensor(name: str, dtype: str, scale: DeviceTensor | None = None) -> DeviceTensor:
+        return DeviceTensor(int(dev[name]), dtype, (n, n), scale)
 
-    square = {name: DeviceTensor(int(allocation), BF16, (n, n)) for name, allocation in (("a", a), ("b", b), ("c", c))}
-    gemm_s = median_seconds(lambda: blas.gemm(square["c"], square["a"], square["b"], n))
-    for allocation in (src, dst, a, b, c):
+    limits = {"bandwidth_bytes_s": 2 * copy_bytes / median_seconds(
+        lambda: cuda.memcpy_dtod_async(dev["dst"], dev["src"], copy_bytes, stream))}
+    limits["gemm_flops"] = 2 * n ** 3 / median_seconds(lambda: blas.gemm(tensor("c", BF16), tensor("a", BF16),
+                                                                         tensor("b", BF16), n))
+    if fp8:
+        ones = DeviceTensor(int(dev["ones"]), F32, (n,))
+        x, w = tensor("qa", E4M3, ones), tensor("qb", E4M3, ones)
+        if blas.gemm_scaled(tensor("c", BF16), x, w, n):
+            limits["fp8_gemm_flops"] = 2 * n ** 3 / median_seconds(lambda: blas.gemm_scaled(tensor("c", BF16), x,
+                                                                                             w, n))
+    for allocation in dev.values():
         allocation.free()
-    return {"bandwidth_bytes_s": 2 * copy_bytes / copy_s, "gemm_flops": 2 * n ** 3 / gemm_s}
+    return limits
 
 
 # The engine settings the benchmarks run with unless told otherwise, and the longest sequence they need (the KV cache
@@ -332,7 +377,9 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
     # Steady state: decode graphs still being captured on a thread (lazy capture) slow the first steps
     # (docs/PERFORMANCE.md); start-up has its own benchmark (--startup).
     llm.backend.finish_startup()
-    limits = limits or measure_limits(llm.backend)
+    storage = run_storage(llm, {})
+    limits = limits or measure_limits(llm.backend, fp8=storage.linear_bytes == 1)
+    storage = run_storage(llm, limits)
     results = {"limits": limits, "workloads": {}}
     for name in workloads:
         requests = make_workload(name, config.vocab_size, scale, seed) if name != "J1" else []
@@ -353,7 +400,7 @@ def run_benchmark(llm, workloads: list[str], scale: float = 1.0, seed: int = 0,
             result = run_workload(llm, requests, sequential=name == "W3")
         cached = _common_prefix_len(requests) if name == "W5" else 0  # what the prefix cache saves
         floor = workload_floor(config, requests, limits["bandwidth_bytes_s"], limits["gemm_flops"],
-                              llm.engine_config.max_num_seqs, cached_prefix=cached)
+                              llm.engine_config.max_num_seqs, cached_prefix=cached, storage=storage)
         result.update(floor_s=floor.seconds, floor_parts_s=asdict(floor), fraction_of_limit=floor.seconds /
                       result["wall_s"])
         if name == "W4":
@@ -487,8 +534,9 @@ def _reset_prefix_cache(llm) -> None:
 def format_results(results: dict) -> str:
     """A plain table: one line per workload."""
     lim = results["limits"]
+    fp8 = f", FP8 GEMM {lim['fp8_gemm_flops'] / 1e12:.1f} TFLOP/s" if "fp8_gemm_flops" in lim else ""
     lines = [f"limits: copy bandwidth {lim['bandwidth_bytes_s'] / 1e9:.0f} GB/s, GEMM {lim['gemm_flops'] / 1e12:.1f} "
-             f"TFLOP/s",
+             f"TFLOP/s{fp8}",
              f"{'workload':<9}{'out tok/s':>12}{'total tok/s':>13}{'TTFT p50/p99 ms':>18}{'TPOT p50/p99 ms':>18}"
              f"{'of limit':>10}  notes"]
     for name, r in results["workloads"].items():
