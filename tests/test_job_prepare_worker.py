@@ -185,3 +185,55 @@ def test_records_table_is_from_pylist(tmp_path):
                 "keep": 3, "tags": ["t"]},
                {"row": 1, "id": "b", "error": "bad", "keep": None}]
     assert records_table(records, schema).equals(pa.Table.from_pylist(records, schema=schema))
+
+
+def typed_parquet(tmp_path, extra: dict | None = None):
+    """A Parquet input whose carried columns hold the Arrow types a job carries as Python objects."""
+    import datetime as dt
+    from decimal import Decimal
+
+    n = 12
+    columns = {
+        "prompt": pa.array([f"typed prompt {i}" for i in range(n)]),
+        "when": pa.array([dt.datetime(2024, 1, 1 + i, 12, tzinfo=dt.timezone.utc) for i in range(n)],
+                         pa.timestamp("us", tz="Europe/Paris")),
+        "day": pa.array([dt.date(2024, 2, 1 + i) for i in range(n)]),
+        "price": pa.array([Decimal(f"{i}.25") for i in range(n)], pa.decimal128(8, 2)),
+        "blob": pa.array([bytes([i, 255 - i]) for i in range(n)]),
+        "tags": pa.array([[("a", i), ("b", None)] for i in range(n)], pa.map_(pa.string(), pa.int64())),
+        "meta": pa.array([{"k": i, "v": [i, i + 1]} for i in range(n)]),
+        "took": pa.array([dt.timedelta(seconds=i) for i in range(n)]),
+        **(extra or {}),
+    }
+    pq.write_table(pa.table(columns), tmp_path / "typed.parquet")
+    return tmp_path / "typed.parquet"
+
+
+def test_typed_parquet_columns_cross_the_worker_exactly(tiny_model_dir, tmp_path, started, monkeypatch):
+    """The carried columns of a Parquet input come out the same through the worker's pipes (wire.py: no pickle;
+    the job's process never unpickles a message)."""
+    import multiprocessing.connection
+    import pickle
+
+    src = typed_parquet(tmp_path)
+    without = ok_run(tiny_model_dir, src, tmp_path / "a.parquet", *GREEDY, "--prepare-workers", "0")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickled")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(multiprocessing.connection._ForkingPickler, "loads", refuse)
+    with_worker = ok_run(tiny_model_dir, src, tmp_path / "b.parquet", *GREEDY, "--prepare-workers", "1")
+    assert len(started) == 1 and started[0].proc.returncode == 0
+    assert with_worker.schema == without.schema
+    assert results(with_worker) == results(without)
+    assert with_worker.column("error").null_count == 12
+
+
+def test_a_column_the_pipes_cannot_carry_keeps_the_rows_in_process(tiny_model_dir, tmp_path, started, capsys):
+    src = typed_parquet(tmp_path, {"stamp": pa.array(range(12), pa.timestamp("ns"))})  # as pandas writes them
+    result = run(tiny_model_dir, src, tmp_path / "out.parquet", *GREEDY, "--prepare-workers", "1")
+    assert result.exit_code == 0, result.output
+    assert not started
+    assert result.stderr.count("preparing the rows in this process") == 1
+    assert "'stamp'" in result.stderr

@@ -4,11 +4,10 @@ process of its own that reads, renders and tokenizes a job's rows ahead of the e
 Why a process: parsing rows, rendering the chat template and tokenizing is Python that holds the GIL (~0.2 ms a
 row), and on a GPU host the engine's own Python step loop is the bottleneck: on a thread of the engine's process
 each microsecond of it can delay the engine. The worker runs it in its own interpreter; the engine's thread takes
-the prepared rows off a pipe (~10 us a row: unpickling, the row's SamplingParams).
+the prepared rows off a pipe (~10 us a row: decoding, the row's SamplingParams).
 
-What crosses the pipes is pickled by multiprocessing's Connection, only between this process and the worker it
-started, and only plain values: str, int, float, bool, None, bytes, lists, dicts and tuples (and what a Parquet
-input's carried columns hold: datetimes, decimals). No object of ours and nothing from anywhere else is unpickled.
+What crosses the pipes are plain values as bytes (jobs/wire.py: JSON, with tuples, bytes and what a Parquet input's
+carried columns hold, datetimes and decimals, tagged): nothing is pickled, so a message builds no object but those.
 The worker gets the job's settings and the tokenizer as data (PrepareSpec: its tokenizer.json text and special
 tokens), so it tokenizes as the LLM's own tokenizer does, however that was loaded (a probe text is checked at
 start); it reads the input itself, skipping the rows already committed.
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io.readers import InputOptions, Row, read_rows
+from tinyvllm.jobs import wire
 from tinyvllm.sampling_params import SamplingParams
 
 PREPARE_AHEAD = 256  # rows read, rendered and tokenized ahead of the engine
@@ -167,6 +167,36 @@ def probe_ids(tokenizer) -> list[list[int]]:
     return tokenizer.encode_prompts([(PROBE, False), (PROBE, True)])
 
 
+def unsendable_column(spec: PrepareSpec) -> str | None:
+    """Why the rows of `spec` cannot cross the pipes as wire values (None: they can): a carried column of a type
+    whose Python values wire.py has no form for (intervals, extension types, nanosecond times, which pyarrow gives
+    as objects of other libraries), or template variables it has none for."""
+    import pyarrow as pa
+
+    def sendable(t: pa.DataType) -> bool:
+        if pa.types.is_interval(t) or isinstance(t, pa.ExtensionType) or getattr(t, "unit", None) == "ns":
+            return False
+        if pa.types.is_dictionary(t):
+            return sendable(t.value_type)
+        return all(sendable(t.field(i).type) for i in range(t.num_fields))
+
+    for f in pa.ipc.read_schema(pa.py_buffer(spec.columns)):
+        if not sendable(f.type):
+            return f"the input's column {f.name!r} ({f.type}) cannot cross to it"
+    if not wire.supported(spec.template_kwargs):
+        return "the chat template variables cannot cross to it"
+    return None
+
+
+def send(conn: Connection, message) -> None:
+    conn.send_bytes(wire.dumps(message))
+
+
+def receive(conn: Connection):
+    """The next message; EOFError once the other end has closed."""
+    return wire.loads(conn.recv_bytes())
+
+
 # ---- the engine's side ----
 
 class PrepareWorker:
@@ -183,6 +213,9 @@ class PrepareWorker:
     @classmethod
     def start(cls, spec: PrepareSpec, tokenizer, complete: Callable) -> PrepareWorker:
         """A worker running, its tokenizer checked against `tokenizer`; WorkerUnavailable says why not."""
+        unsendable = unsendable_column(spec)
+        if unsendable:
+            raise WorkerUnavailable(unsendable)
         to_parent, to_child = os.pipe(), os.pipe()  # (read end, write end) each
         root = str(Path(__file__).resolve().parents[2])  # this tinyvllm's, whatever sys.path the worker gets
         code = (f"import sys; sys.path.insert(0, {root!r}); from tinyvllm.jobs.prepare import worker_main; "
@@ -207,10 +240,10 @@ class PrepareWorker:
 
     def _handshake(self, spec: PrepareSpec, tokenizer) -> None:
         try:
-            self.tx.send(asdict(spec))
+            send(self.tx, asdict(spec))
             if not self.rx.poll(START_SECONDS):
                 raise WorkerUnavailable(f"it did not start within {START_SECONDS:.0f} s")
-            message = self.rx.recv()
+            message = receive(self.rx)
         except (OSError, EOFError):
             raise WorkerUnavailable(f"it exited at start (exit code {self.proc.wait()})") from None
         if message[0] == "failed":
@@ -231,14 +264,14 @@ class PrepareWorker:
 
     def _receive(self) -> None:
         try:
-            kind, *body = self.rx.recv()
+            kind, *body = receive(self.rx)
         except EOFError:
             raise JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the "
                            "rows committed are kept: run the same command again to resume") from None
         if kind == "rows":
             try:
-                self.tx.send(len(body[0]))  # acknowledged: the worker may send as many more
-            except OSError:  # it is gone: the next recv() says so
+                send(self.tx, len(body[0]))  # acknowledged: the worker may send as many more
+            except OSError:  # it is gone: the next receive() says so
                 pass
             self.items.extend(self.complete(Row(index, row_id, overrides=overrides, ignored_fields=ignored,
                                                 columns=columns, error=error), *prepared)
@@ -270,14 +303,14 @@ def worker_main(rx_fd: int, tx_fd: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
     rx, tx = Connection(rx_fd, writable=False), Connection(tx_fd, readable=False)
     try:
-        _Worker(PrepareSpec(**rx.recv()), rx, tx).run()
+        _Worker(PrepareSpec(**receive(rx)), rx, tx).run()
     except (EOFError, OSError):  # the job closed the pipes: it is done with the rows, or gone
         return
     except Exception:
         try:
-            tx.send(("failed", traceback.format_exc()))
+            send(tx, ("failed", traceback.format_exc()))
             while True:  # until the job has read it and closes the pipes
-                rx.recv()
+                receive(rx)
         except (EOFError, OSError):
             return
 
@@ -295,16 +328,16 @@ class _Worker:
         self.unacked = 0  # rows sent and not yet acknowledged
 
     def run(self) -> None:
-        self.tx.send(("ready", probe_ids(self.tokenizer)))
+        send(self.tx, ("ready", probe_ids(self.tokenizer)))
         try:
             for batch in self._batches():
                 self._send(self._prepare(batch))
             end: tuple = ("end",)
         except JobError as e:  # the engine's thread raises it, after the rows before it
             end = ("error", type(e).__name__ if type(e).__name__ in ERRORS else "JobError", str(e))
-        self.tx.send(end)
+        send(self.tx, end)
         while True:  # acknowledgements, until the job closes the pipes
-            self.rx.recv()
+            receive(self.rx)
 
     def _batches(self) -> Iterator[list[Row]]:
         """The rows not committed, in batches: the first alone (the engine starts at once), then doubling up to
@@ -346,6 +379,6 @@ class _Worker:
 
     def _send(self, items: list[tuple]) -> None:
         while self.unacked and self.unacked + len(items) > PREPARE_AHEAD:
-            self.unacked -= self.rx.recv()
-        self.tx.send(("rows", items))
+            self.unacked -= receive(self.rx)
+        send(self.tx, ("rows", items))
         self.unacked += len(items)
