@@ -6,7 +6,8 @@
 // - gemv_fp8_* (m <= 8): gemv_kernel.cuh's GEMV with e4m3 weights on x quantized by the kernel that wrote it (the
 //   f16 values of its codes and a scale per row: rms_norm, else quantize_fp8_values), ending in the scales, or in
 //   SwiGLU / GeGLU for the gate/up projection (gemv_swiglu_fp8, ...);
-// - else quantize_fp8 of x, then cuBLASLt's FP8 GEMM (backends/cuda/cublas.py): with the scales as its outer
+// - else cuBLASLt's FP8 GEMM (backends/cuda/cublas.py) on x's e4m3 codes, written by the kernel that produces x where
+//   it sees the whole row (rms_norm_e4m3, silu_and_mul_e4m3), else by quantize_fp8: with the scales as its outer
 //   vectors where cuBLASLt offers them, else with unit scales into a float32 buffer and scale_rows_cols after it.
 // Every product of two e4m3 values is exact in float32, so both compute the twin's sums up to their order.
 #include "gemv_kernel.cuh"
@@ -43,8 +44,9 @@ __device__ void quantize_row(void* out, float* scales, const bf16* x, int cols) 
     }
 }
 
-// e4m3 out [rows, cols] and scales [rows] of bf16 x: the weights at load (one scale per output channel) and each
-// linear layer's input beyond 8 rows (one per token). Launch: grid (rows), block 256. cols % 8 == 0.
+// e4m3 out [rows, cols] and scales [rows] of bf16 x: the weights at load (one scale per output channel) and a linear
+// layer's input beyond 8 rows that its producer did not quantize (one per token: attention's output). Launch: grid
+// (rows), block 256. cols % 8 == 0.
 extern "C" __global__ void quantize_fp8(e4m3* __restrict__ out, float* __restrict__ scales, const bf16* x, int cols) {
     quantize_row<false>(out, scales, x, cols);
 }

@@ -61,13 +61,21 @@ __device__ __forceinline__ float store_normed(bf16* o, const float (&v)[NORM_CHU
     return amax;
 }
 
-// Where values is not null, the row just stored quantized for the next FP8 GEMV (gemv_kernel.cuh): its scale
-// fp8_scale(amax) into scales[blockIdx.x] and the f16 values of its e4m3 codes (of the bf16 values, times 1 / scale,
-// as quantize_fp8_values computes them) into values. Called by the whole block.
-__device__ __forceinline__ void store_values(__half* values, float* scales, const float (&v)[NORM_CHUNKS][8],
-                                             const float (&wv)[NORM_CHUNKS][8], float inv, float offset, int hidden,
-                                             float thread_amax, float* scratch) {
-    if (!values) return;  // the same for the whole grid
+// e4m3 codes of 8 entries into a quantized row: as they are (e4m3: cuBLASLt's FP8 GEMM input beyond 8 rows) or as
+// their f16 values (__half: the FP8 GEMV's x).
+__device__ __forceinline__ void store_codes(e4m3* p, uint2 codes) { *reinterpret_cast<uint2*>(p) = codes; }
+__device__ __forceinline__ void store_codes(__half* p, uint2 codes) {
+    *reinterpret_cast<uint4*>(p) = e4m3x8_to_f16x8(codes);
+}
+
+// Where quantized is not null, the row just stored quantized for the next FP8 product (fp8.cu): its scale
+// fp8_scale(amax) into scales[blockIdx.x] and the e4m3 codes of the bf16 values times 1 / scale (as quantize_fp8
+// computes them) into quantized, as codes (Q e4m3) or their f16 values (Q __half). Called by the whole block.
+template <class Q>
+__device__ __forceinline__ void store_quantized(Q* quantized, float* scales, const float (&v)[NORM_CHUNKS][8],
+                                                const float (&wv)[NORM_CHUNKS][8], float inv, float offset,
+                                                int hidden, float thread_amax, float* scratch) {
+    if (!quantized) return;  // the same for the whole grid
     const float scale = fp8_scale(block_reduce<Max>(thread_amax, scratch)), to_codes = __frcp_rn(scale);
     if (threadIdx.x == 0) scales[blockIdx.x] = scale;
 #pragma unroll
@@ -77,20 +85,20 @@ __device__ __forceinline__ void store_values(__half* values, float* scales, cons
         float r[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) r[j] = normed(v, wv, c, j, inv, offset);
-        *reinterpret_cast<uint4*>(values + (int64_t)blockIdx.x * hidden + i) =
-            e4m3x8_to_f16x8(f32x8_to_e4m3x8(r, to_codes));
+        store_codes(quantized + (int64_t)blockIdx.x * hidden + i, f32x8_to_e4m3x8(r, to_codes));
     }
 }
 
 // out[r, :] = x[row, :] / sqrt(mean(x[row, :]^2) + eps) * (offset + w), with row = rows ? rows[r] : r (rows picks
-// the positions that need logits before the LM head); values, scales: store_values's (null: none).
+// the positions that need logits before the LM head); quantized, scales: store_quantized's (null: none): f16 code
+// values in rms_norm, e4m3 codes in rms_norm_e4m3.
 // Launch: grid (R), block a multiple of 32 with blockDim.x * 8 * NORM_CHUNKS >= hidden: one row per block, each
 // thread holds up to NORM_CHUNKS chunks of 8 entries. A thread issues all its loads of x and w at once and keeps x
 // in registers across the block reduction: at batch 1 the norm is one block on the critical path, where each extra
 // round trip to memory shows. hidden % 8 == 0.
-extern "C" __global__ void rms_norm(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
-                                    const float* __restrict__ x, const bf16* __restrict__ w,
-                                    const int* __restrict__ rows, int hidden, float eps, float offset) {
+template <class Q>
+__device__ void rms_norm_rows(bf16* out, Q* quantized, float* scales, const float* x, const bf16* w, const int* rows,
+                              int hidden, float eps, float offset) {
     pdl_begin();
     __shared__ float scratch[32];
     const int row = rows ? rows[blockIdx.x] : blockIdx.x;
@@ -105,17 +113,29 @@ extern "C" __global__ void rms_norm(bf16* __restrict__ out, __half* __restrict__
     }
     const float inv = inv_rms(v, hidden, eps, scratch);
     const float amax = store_normed(out + (int64_t)blockIdx.x * hidden, v, wv, inv, offset, hidden);
-    store_values(values, scales, v, wv, inv, offset, hidden, amax, scratch);
+    store_quantized(quantized, scales, v, wv, inv, offset, hidden, amax, scratch);
+}
+
+extern "C" __global__ void rms_norm(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
+                                    const float* __restrict__ x, const bf16* __restrict__ w,
+                                    const int* __restrict__ rows, int hidden, float eps, float offset) {
+    rms_norm_rows(out, values, scales, x, w, rows, hidden, eps, offset);
+}
+
+extern "C" __global__ void rms_norm_e4m3(bf16* __restrict__ out, e4m3* __restrict__ codes, float* __restrict__ scales,
+                                         const float* __restrict__ x, const bf16* __restrict__ w,
+                                         const int* __restrict__ rows, int hidden, float eps, float offset) {
+    rms_norm_rows(out, codes, scales, x, w, rows, hidden, eps, offset);
 }
 
 // x[t, :] += rms_norm(part[t, :]) * (offset + part_w), then, where out is not null, out[t, :] = rms_norm(x[t, :]) *
-// (offset + w) of the new x (the next GEMM's input), with store_values's values and scales (null: none). part: the
-// float32 product of the O or down GEMM.
+// (offset + w) of the new x (the next GEMM's input), with store_quantized's quantized rows and scales (null: none;
+// f16 code values in rms_norm_residual, e4m3 codes in rms_norm_residual_e4m3). part: the float32 product of the O or
+// down GEMM.
 // Launch: as rms_norm's, grid (T).
-extern "C" __global__ void __launch_bounds__(1024)
-rms_norm_residual(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
-                  float* __restrict__ x, const float* __restrict__ part, const bf16* __restrict__ part_w,
-                  const bf16* __restrict__ w, int hidden, float eps, float offset) {
+template <class Q>
+__device__ void rms_norm_residual_rows(bf16* out, Q* quantized, float* scales, float* x, const float* part,
+                                       const bf16* part_w, const bf16* w, int hidden, float eps, float offset) {
     pdl_begin();
     __shared__ float scratch[32];
     float* xr = x + (int64_t)blockIdx.x * hidden;
@@ -142,5 +162,19 @@ rms_norm_residual(bf16* __restrict__ out, __half* __restrict__ values, float* __
     if (!out) return;  // the same for the whole grid: no thread of the block reaches the reduction
     const float inv = inv_rms(xv, hidden, eps, scratch);
     const float amax = store_normed(out + (int64_t)blockIdx.x * hidden, xv, wv, inv, offset, hidden);
-    store_values(values, scales, xv, wv, inv, offset, hidden, amax, scratch);
+    store_quantized(quantized, scales, xv, wv, inv, offset, hidden, amax, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+rms_norm_residual(bf16* __restrict__ out, __half* __restrict__ values, float* __restrict__ scales,
+                  float* __restrict__ x, const float* __restrict__ part, const bf16* __restrict__ part_w,
+                  const bf16* __restrict__ w, int hidden, float eps, float offset) {
+    rms_norm_residual_rows(out, values, scales, x, part, part_w, w, hidden, eps, offset);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+rms_norm_residual_e4m3(bf16* __restrict__ out, e4m3* __restrict__ codes, float* __restrict__ scales,
+                       float* __restrict__ x, const float* __restrict__ part, const bf16* __restrict__ part_w,
+                       const bf16* __restrict__ w, int hidden, float eps, float offset) {
+    rms_norm_residual_rows(out, codes, scales, x, part, part_w, w, hidden, eps, offset);
 }

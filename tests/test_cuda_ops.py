@@ -400,15 +400,16 @@ def fp8_linear(recorder, t=16, k=2048, n=16384):
 def test_linear_runs_e4m3_weights_through_fp8(recorder):
     """An e4m3 weight: gemv_fp8 for up to 8 rows (any weight size) on the input quantized by the kernel that wrote
     it (x_codes: f16 values of e4m3 codes with their scales), else by quantize_fp8_values into the scratch values;
-    beyond 8 rows the input quantized per token into the scratch codes, cuBLASLt's FP8 GEMM into the float32
-    scratch and scale_rows_cols; the gate/up GEMV ends in SwiGLU."""
+    beyond 8 rows the producer's e4m3 codes (x_codes), else the input quantized per token into the scratch codes,
+    cuBLASLt's FP8 GEMM into the float32 scratch and scale_rows_cols; the gate/up GEMV ends in SwiGLU, the gate/up
+    GEMM in the activation quantized for the down GEMM."""
     linear = fp8_linear(recorder)
     x, w = DeviceTensor(10, BF16, (16, 2048)), DeviceTensor(20, E4M3, (3072, 2048), DeviceTensor(21, F32, (3072,)))
     out, residual = DeviceTensor(30, BF16, (16, 3072)), DeviceTensor(40, F32, (16, 3072))
     codes = DeviceTensor(90, F16, (8, 2048), DeviceTensor(91, F32, (8,)))
     linear.gemm(residual, x, w, 8, accumulate=True)
     linear.gemm(residual, x, w, 8, x_codes=codes)
-    linear.gemm(out, x, w, 9, x_codes=codes)  # beyond 8 rows quantize_fp8 quantizes x itself
+    linear.gemm(out, x, w, 9)  # beyond 8 rows without x_codes quantize_fp8 quantizes x itself
     assert [name for name, _, _ in recorder.launches] == ["quantize_fp8_values", "gemv_fp8_f32", "gemv_fp8_f32",
                                                           "quantize_fp8", "scale_rows_cols_bf16"]
     # split 4: each warp one full iteration of 512 codes; 192 tiles of 16 rows, 2 a block
@@ -420,6 +421,8 @@ def test_linear_runs_e4m3_weights_through_fp8(recorder):
         linear.gemm(residual, x, w, 8, x_codes=DeviceTensor(90, F16, (4, 2048), DeviceTensor(91, F32, (4,))))
     with pytest.raises(ValueError, match="x_codes of an FP8 GEMV"):
         linear.gemm(residual, x, w, 8, x_codes=DeviceTensor(90, BF16, (8, 2048), DeviceTensor(91, F32, (8,))))
+    with pytest.raises(ValueError, match="x_codes of an FP8 GEMM of 9 rows of 2048: f16"):
+        linear.gemm(out, x, w, 9, x_codes=codes)  # the GEMV's f16 values are not the GEMM's e4m3 codes
     [(acc, codes, weight, m, accumulate)] = linear.blas.calls
     assert (acc.ptr, acc.dtype, acc.shape, codes.ptr, codes.dtype, codes.shape, weight, m, accumulate) == \
         (300, F32, (9, 3072), 100, E4M3, (9, 2048), w, 9, False)
@@ -427,9 +430,21 @@ def test_linear_runs_e4m3_weights_through_fp8(recorder):
     wg = DeviceTensor(70, E4M3, (16384, 2048), DeviceTensor(71, F32, (16384,)))
     recorder.launches.clear()
     linear.gate_up_swiglu(act, x, wg, 1, gate_up, x_codes=DeviceTensor(90, F16, (8, 2048), DeviceTensor(91, F32, (8,))))
-    linear.gate_up_swiglu(act, x, wg, 9, gate_up)
+    # scratch codes of 16 x 2048 cannot hold 9 rows of 8192 units: the activation in bf16, quantized by the down GEMM
+    assert linear.gate_up_swiglu(act, x, wg, 9, gate_up) is None
+    wide_scratch = fp8_linear(recorder, k=8192)
+    assert wide_scratch.gate_up_swiglu(act, x, wg, 9, gate_up) == wide_scratch.input_codes(9, 8192) == DeviceTensor(
+        100, E4M3, (9, 8192), DeviceTensor(200, F32, (9,)))  # the activation quantized into the scratch codes
     assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_fp8", "quantize_fp8", "scale_rows_cols_bf16",
-                                                          "silu_and_mul"]
+                                                          "silu_and_mul", "quantize_fp8", "scale_rows_cols_bf16",
+                                                          "silu_and_mul_e4m3"]
+    assert recorder.launches[-1][1:] == ((9,), (256, 1, 1)) and recorder.args[-1] == (100, 200, 60, 8192)
+    # the producer's e4m3 codes: no quantize_fp8 before the GEMM, the scales theirs
+    recorder.launches.clear()
+    given = DeviceTensor(110, E4M3, (9, 2048), DeviceTensor(120, F32, (9,)))
+    linear.gemm(out, x, w, 9, x_codes=given)
+    assert [name for name, _, _ in recorder.launches] == ["scale_rows_cols_bf16"] and recorder.args[-1][2] == 120
+    assert linear.blas.calls[-1][1].ptr == 110 and linear.input_codes(8, 2048) is None  # 8 rows: the GEMV's
     recorder.launches.clear()
     wide = DeviceTensor(80, E4M3, (64, 16400), DeviceTensor(81, F32, (64,)))
     fp8_linear(recorder, k=16400).gemm(DeviceTensor(30, BF16, (16, 64)), DeviceTensor(10, BF16, (16, 16400)), wide, 8)

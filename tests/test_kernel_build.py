@@ -143,7 +143,8 @@ def test_kernel_table_loads_a_jobs_module_once_and_the_rest_at_first_lookup(fake
                         lambda function, arg_format, programmatic, shared: (function, programmatic, shared))
     table = kernels.KernelTable("sm_90", programmatic=True)
     table.load(["rms_norm", "attention_decode_d64_r8"])
-    assert sorted(table) == ["attention_decode_d64_r8", "rms_norm", "rms_norm_residual"] and len(loaded) == 2
+    assert sorted(table) == ["attention_decode_d64_r8", "rms_norm", "rms_norm_e4m3", "rms_norm_residual",
+                             "rms_norm_residual_e4m3"] and len(loaded) == 2
     assert table["rms_norm"].launcher == (1000, True, 0)
     table.load(["rms_norm"])  # loaded already
     assert len(loaded) == 2

@@ -13,7 +13,7 @@ from tinyvllm.backends.numpy_backend import (add_rms_norm, gelu_tanh_and_mul, in
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 
 from test_gemv import linear, random_bf16, weights  # noqa: F401  (the Linear and weight fixtures)
-from test_kernels import BF16_TOL, Gpu, bf16_round, check_quantized_rows, rel_err
+from test_kernels import BF16_TOL, Gpu, bf16_round, check_quantized_rows, quantized_buffers, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -47,10 +47,10 @@ def test_rms_norm_with_offset(cuda, ops, tokens, hidden):
     check_offset_in_float32(got, rms_norm(x, np.float32(1), EPS), w)
 
 
-@pytest.mark.parametrize("with_out", [True, False])
+@pytest.mark.parametrize("with_out,quantized", [(True, "values"), (True, "codes"), (False, "values")])
 @pytest.mark.parametrize("tokens", [1, 130])
 @pytest.mark.parametrize("hidden", HIDDEN)
-def test_rms_norm_residual(cuda, ops, tokens, hidden, with_out):
+def test_rms_norm_residual(cuda, ops, tokens, hidden, with_out, quantized):
     """x += rms_norm(part) * (1 + part_w) in float32, then (with an output) out = rms_norm(x) * (1 + w) in bf16:
     numpy's add_rms_norm then rms_norm."""
     gpu, rng = Gpu(cuda), np.random.default_rng(7 * hidden + tokens + with_out)
@@ -60,9 +60,9 @@ def test_rms_norm_residual(cuda, ops, tokens, hidden, with_out):
     part_w, w = gemma_gain(rng, hidden), gemma_gain(rng, hidden)
     x_dev = gpu.put(x)
     out = gpu.poisoned((tokens, hidden), np.uint16) if with_out else 0
-    values, scales = gpu.poisoned((tokens, hidden), np.uint16), gpu.poisoned((tokens,), np.float32)
+    q, scales = quantized_buffers(gpu, quantized, (tokens, hidden))
     ops.rms_norm_residual(out, x_dev, gpu.put(part), gpu.bf16(part_w), gpu.bf16(w) if with_out else 0, tokens,
-                          hidden, EPS, 1.0, values=values if with_out else 0, scales=scales if with_out else 0)
+                          hidden, EPS, 1.0, scales=scales if with_out else 0, **{quantized: q if with_out else 0})
     want_x = add_rms_norm(x, part, part_w + np.float32(1), EPS)
     got_x = gpu.get(x_dev, (tokens, hidden), np.float32)
     assert rel_err(got_x, want_x) < 1e-5  # float32 throughout
@@ -70,7 +70,7 @@ def test_rms_norm_residual(cuda, ops, tokens, hidden, with_out):
         got = gpu.get_bf16(out, (tokens, hidden))
         assert rel_err(got, rms_norm(want_x, w + np.float32(1), EPS)) < BF16_TOL
         check_offset_in_float32(got, rms_norm(want_x, np.float32(1), EPS), w)
-        check_quantized_rows(gpu, values, scales, got)
+        check_quantized_rows(gpu, q, scales, got, quantized)
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 4, 1), (45, 8, 4)])  # Gemma-3-1B's, Gemma-2-2B's heads

@@ -87,31 +87,42 @@ def test_resolve_tokens(cuda, ops, tokens):
     np.testing.assert_array_equal(gpu.get(ids_dev, tokens, np.int32), want)
 
 
+@pytest.mark.parametrize("quantized", ["values", "codes"])
 @pytest.mark.parametrize("tokens,hidden,gather", [(1, 576, False), (257, 2048, False), (33, 576, True),
                                                   (3, 12296, False), (2, 16384, True)])
-def test_rms_norm(cuda, ops, tokens, hidden, gather):
+def test_rms_norm(cuda, ops, tokens, hidden, gather, quantized):
     gpu, rng = Gpu(cuda), np.random.default_rng(hidden + tokens)
     x = rng.standard_normal((tokens, hidden), dtype=np.float32) * 3
     w = bf16_round(1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
     rows = rng.permutation(tokens)[: max(1, tokens // 2)].astype(np.int32) if gather else np.arange(tokens)
     out = gpu.poisoned((len(rows), hidden), np.uint16)
-    values, scales = gpu.poisoned((len(rows), hidden), np.uint16), gpu.poisoned((len(rows),), np.float32)
+    q, scales = quantized_buffers(gpu, quantized, (len(rows), hidden))
     ops.rms_norm(out, gpu.put(x), gpu.bf16(w), gpu.put(rows) if gather else 0, len(rows), hidden, 1e-5,
-                 values=values, scales=scales)
+                 scales=scales, **{quantized: q})
     got = gpu.get_bf16(out, (len(rows), hidden))
     assert rel_err(got, rms_norm(x[rows], w, 1e-5)) < BF16_TOL
-    check_quantized_rows(gpu, values, scales, got)
+    check_quantized_rows(gpu, q, scales, got, quantized)
 
 
-def check_quantized_rows(gpu, values, scales, rows):
-    """The FP8 GEMV's input a norm writes beside its bf16 rows: quantize_rows of those rows, bit for bit (scales, and
-    the codes as f16 values)."""
+def quantized_buffers(gpu, quantized: str, shape):
+    """Poisoned buffers for a kernel's quantized rows: f16 code values ("values", the FP8 GEMV's x) or e4m3 codes
+    ("codes", 0x7F: NaN, the FP8 GEMM's input), and their scales."""
+    rows = gpu.poisoned(shape, np.uint16) if quantized == "values" else gpu.put(np.full(shape, 0x7F, np.uint8))
+    return rows, gpu.poisoned(shape[:1], np.float32)
+
+
+def check_quantized_rows(gpu, q, scales, rows, quantized="values"):
+    """The FP8 input a kernel writes beside (or instead of) its bf16 rows: quantize_rows of those rows, bit for bit
+    (scales, and the codes: as f16 values for "values", as e4m3 for "codes")."""
     from tinyvllm.model.dtypes import e4m3_to_f32
     from tinyvllm.model.fp8 import quantize_rows
 
     want = quantize_rows(rows)
     np.testing.assert_array_equal(gpu.get(scales, (len(rows),), np.float32), want.scale)
-    np.testing.assert_array_equal(gpu.get(values, rows.shape, np.float16), e4m3_to_f32(want.codes).astype(np.float16))
+    if quantized == "values":
+        np.testing.assert_array_equal(gpu.get(q, rows.shape, np.float16), e4m3_to_f32(want.codes).astype(np.float16))
+    else:
+        np.testing.assert_array_equal(gpu.get(q, rows.shape, np.uint8), want.codes)
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (257, 8192), (3, 520)])
@@ -121,6 +132,24 @@ def test_silu_and_mul(cuda, ops, tokens, inter):
     out = gpu.poisoned((tokens, inter), np.uint16)
     ops.silu_and_mul(out, gpu.bf16(interleave_gate_up(gate_up)), tokens, inter)  # the order cuBLAS writes
     assert rel_err(gpu.get_bf16(out, (tokens, inter)), silu_and_mul(gate_up)) < BF16_TOL
+
+
+@pytest.mark.parametrize("activation", ["silu_and_mul", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (300, 8192), (9, 14336), (3, 520)])
+def test_gated_e4m3_is_the_activation_quantized(cuda, ops, tokens, inter, activation):
+    """The activation written as the FP8 down GEMM's input: bit for bit quantize_rows of the bf16 kernel's output
+    (which itself is checked against numpy above), rows of very different magnitudes, one all zero."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(inter + tokens)
+    gate_up = rng.standard_normal((tokens, 2 * inter), dtype=np.float32) * 2
+    gate_up *= np.exp2(rng.uniform(-8, 2, (tokens, 1))).astype(np.float32)
+    if tokens > 1:
+        gate_up[1] = 0
+    packed = gpu.bf16(bf16_round(interleave_gate_up(gate_up)))
+    out = gpu.poisoned((tokens, inter), np.uint16)
+    getattr(ops, activation)(out, packed, tokens, inter)
+    codes, scales = quantized_buffers(gpu, "codes", (tokens, inter))
+    ops.gated_e4m3(activation, codes, scales, packed, tokens, inter)
+    check_quantized_rows(gpu, codes, scales, gpu.get_bf16(out, (tokens, inter)), "codes")
 
 
 # (tokens, head_dim, heads, kv_heads); 96: Phi-3.5-mini's heads, 256: Gemma-3-1B's

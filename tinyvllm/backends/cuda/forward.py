@@ -68,9 +68,12 @@ FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py 
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
 
 
-def _codes_ptrs(codes: DeviceTensor | None) -> tuple[int, int]:
-    """rms_norm's values and scales arguments: a quantized GEMV input's buffers, or none (0, 0)."""
-    return (0, 0) if codes is None else (codes.ptr, codes.scale.ptr)
+def _quantized(codes: DeviceTensor | None) -> dict[str, int]:
+    """The norm launchers' quantized-row arguments for an FP8 input's buffer: f16 code values (the GEMV's x) as
+    values, e4m3 codes (the GEMM's) as codes, with their scales; none for None."""
+    if codes is None:
+        return {}
+    return {"values" if codes.dtype == F16 else "codes": codes.ptr, "scales": codes.scale.ptr}
 
 
 def fp8_weights(model, engine_config: EngineConfig) -> bool:
@@ -434,7 +437,7 @@ class CudaForward:
         ops.embedding(b.x.ptr, self.embed.ptr, inp.ptr("token_ids"), n, hidden, self.embed_scale)
         for i, layer in enumerate(self.layers):
             codes = self._h_codes(n)
-            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps, offset, *_codes_ptrs(codes))
+            ops.rms_norm(b.h.ptr, b.x.ptr, layer.input_norm.ptr, 0, n, hidden, eps, offset, **_quantized(codes))
             linear.gemm(b.qkv, b.h, layer.qkv, n, x_codes=codes)
             if layer.qkv_bias is not None:
                 ops.add_qkv_bias(b.qkv.ptr, layer.qkv_bias.ptr, n, self.qkv_width)
@@ -448,26 +451,27 @@ class CudaForward:
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
                 fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg)
             else:
-                linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes)
-                self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm)
+                act_codes = linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes)
+                self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm, x_codes=act_codes)
 
     def _add_to_residual(self, n: int, x: DeviceTensor, w: DeviceTensor, out_norm: DeviceTensor | None,
-                         next_norm: DeviceTensor | None = None) -> None:
-        """buf.x += x . w^T (the O or down projection), normalized by out_norm first where the layer has sandwich
-        norms; then, with next_norm, buf.h = rms_norm(buf.x) * next_norm (the next GEMM's input). Without out_norm the
-        GEMM adds into the residual stream itself; with it, it writes buf.part, which rms_norm_residual adds."""
+                         next_norm: DeviceTensor | None = None, x_codes: DeviceTensor | None = None) -> None:
+        """buf.x += x . w^T (the O or down projection; x_codes: x quantized, Linear.gemm's), normalized by out_norm
+        first where the layer has sandwich norms; then, with next_norm, buf.h = rms_norm(buf.x) * next_norm (the next
+        GEMM's input). Without out_norm the GEMM adds into the residual stream itself; with it, it writes buf.part,
+        which rms_norm_residual adds."""
         cfg, b, ops = self.config, self.buf, self.ops
         hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset
         if out_norm is None:
-            self.linear.gemm(b.x, x, w, n, accumulate=True)
+            self.linear.gemm(b.x, x, w, n, accumulate=True, x_codes=x_codes)
             if next_norm is not None:
                 ops.rms_norm(b.h.ptr, b.x.ptr, next_norm.ptr, 0, n, hidden, eps, offset,
-                             *_codes_ptrs(self._h_codes(n)))
+                             **_quantized(self._h_codes(n)))
             return
-        self.linear.gemm(b.part, x, w, n)
+        self.linear.gemm(b.part, x, w, n, x_codes=x_codes)
         ops.rms_norm_residual(0 if next_norm is None else b.h.ptr, b.x.ptr, b.part.ptr, out_norm.ptr,
                               0 if next_norm is None else next_norm.ptr, n, hidden, eps, offset,
-                              *_codes_ptrs(None if next_norm is None else self._h_codes(n)))
+                              **_quantized(None if next_norm is None else self._h_codes(n)))
 
     def _empty_codes(self, width: int) -> DeviceTensor | None:
         """FP8 weights: a GEMV input's buffer (f16 values [GEMV_MAX_ROWS, width] with f32 scales), else None."""
@@ -477,9 +481,14 @@ class CudaForward:
         return dataclasses.replace(values, scale=self.device.empty(F32, (GEMV_MAX_ROWS,)))
 
     def _h_codes(self, n: int) -> DeviceTensor | None:
-        """buf.h's quantized rows for the FP8 GEMV, where n rows of it go through one (FP8 weights, n <= 8)."""
+        """Where the norm writing buf.h quantizes its n rows for the next FP8 product (FP8 weights; else None): the
+        f16 code values of buf.h_codes for the FP8 GEMV (n <= 8), else the e4m3 codes of Linear.input_codes."""
         codes = self.buf.h_codes
-        return codes if codes is not None and self.linear.uses_fp8_gemv(n, codes.shape[-1]) else None
+        if codes is None:
+            return None
+        if self.linear.uses_fp8_gemv(n, codes.shape[-1]):
+            return codes
+        return self.linear.input_codes(n, codes.shape[-1])
 
     def _rope_qk_norm(self, layer: DeviceLayer) -> QkNorm | None:
         """The layer's per-head q/k norms for rope_and_cache to apply (None: none, or not fusable: _qk_norm runs)."""
@@ -576,7 +585,7 @@ class CudaForward:
         self._layers(n, inp, out, attention)
         codes = self._h_codes(n) if self.lm_head.dtype == E4M3 else None
         self.ops.rms_norm(b.h.ptr, b.x.ptr, self.final_norm.ptr, 0, n, self.config.hidden_size,
-                          self.config.rms_norm_eps, self.norm_offset, *_codes_ptrs(codes))
+                          self.config.rms_norm_eps, self.norm_offset, **_quantized(codes))
         self.compute_logits(n, b.h, codes)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers

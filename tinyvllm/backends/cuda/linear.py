@@ -10,10 +10,12 @@ a CUDA graph.
 FP8 weights (e4m3 codes with a float32 scale per output channel, W8A8), the input quantized to e4m3 per token: for
 a few rows our FP8 GEMV (gemv_fp8, gemv_swiglu_fp8, gemv_geglu_fp8) on the input already quantized (x_codes: the
 f16 values of its e4m3 codes with their scales, written by the kernel that wrote x, rms_norm; else
-quantize_fp8_values first), ending in the scales (and the activation); else quantize_fp8, then
-cuBLASLt's FP8 GEMM applying the token and channel scales itself (its outer-vector scales, cublas.py gemm_scaled),
-or where it cannot, into float32 with unit scales and scale_rows_cols after it (cuda/fp8.cu); then the activation
-as its kernel on the bf16 gate/up product.
+quantize_fp8_values first), ending in the scales (and the activation); else cuBLASLt's FP8 GEMM on x's e4m3
+codes (x_codes: written by the kernel that wrote x, rms_norm or the gate/up projection's activation, into
+input_codes' buffer; else quantize_fp8 first), applying the token and channel scales itself (its outer-vector
+scales, cublas.py gemm_scaled), or where it cannot, into float32 with unit scales and scale_rows_cols after it
+(cuda/fp8.cu); then the activation as its kernel on the bf16 gate/up product, quantized to e4m3 as it is written
+(silu_and_mul_e4m3: the down projection's codes).
 
 Batch-invariant (invariant=True): every row count takes cuBLAS with its one split-free algorithm per shape
 (cublas.py), never the GEMV, whose additions for a row come in another order than cuBLAS's: a row's product is then
@@ -88,8 +90,8 @@ class Linear:
     def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False,
              x_codes: DeviceTensor | None = None) -> None:
         """float32 accumulation; out bf16 or float32 (its dtype), out += x . w^T when accumulate. x_codes: x quantized
-        by the kernel that wrote it (f16 values of e4m3 codes [>= m, k], with f32 scales [>= m]), which an e4m3 w's
-        GEMV reads instead of quantizing x itself."""
+        by the kernel that wrote it, with f32 scales [>= m], which an e4m3 w's product reads instead of quantizing x:
+        for the FP8 GEMV the f16 values of its e4m3 codes [>= m, k], else the e4m3 codes (input_codes' buffer)."""
         n, k = self._check(out, x, w, m, accumulate)
         if w.dtype == E4M3:
             self._gemm_fp8(out, x, w, m, n, k, accumulate, x_codes)
@@ -118,6 +120,26 @@ class Linear:
         bf16, where cuBLASLt's FP8 GEMM is slower than its bf16 one)."""
         return not self.invariant and fp8_gemv_fits(m, k)
 
+    def input_codes(self, m: int, k: int) -> DeviceTensor | None:
+        """Where the producer of an m-row FP8 GEMM input of width k writes its e4m3 codes and scales (the scratch
+        codes; consumed by the next FP8 product, which then quantizes nothing), or None where the product is the
+        FP8 GEMV (its x is f16 code values: the forward's own buffer) or the layers are not FP8."""
+        s = self.fp8
+        if s is None or self.uses_fp8_gemv(m, k) or m * k > s.codes.numel or m > s.scales.numel:
+            return None
+        return DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+
+    def _gemm_codes(self, x: DeviceTensor, m: int, k: int, x_codes: DeviceTensor | None) -> DeviceTensor:
+        """The FP8 GEMM's e4m3 input: x_codes, else x quantized per token into the scratch codes."""
+        if x_codes is None:
+            s = self.fp8
+            self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
+            return DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+        if (x_codes.dtype != E4M3 or x_codes.rows < m or x_codes.shape[-1] != k or x_codes.scale is None
+                or x_codes.scale.numel < m):
+            raise ValueError(f"x_codes of an FP8 GEMM of {m} rows of {k}: {x_codes.dtype} {x_codes.shape}")
+        return DeviceTensor(x_codes.ptr, E4M3, (m, k), x_codes.scale)
+
     def _gemv_input(self, x: DeviceTensor, m: int, k: int, x_codes: DeviceTensor | None) -> DeviceTensor:
         """The FP8 GEMV's x: x_codes, else x quantized into the scratch values and scales."""
         if x_codes is None:
@@ -133,52 +155,58 @@ class Linear:
 
     def _gemm_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
                   accumulate: bool, x_codes: DeviceTensor | None = None) -> None:
-        """Our FP8 GEMV on x quantized (_gemv_input), or x quantized per token into the scratch codes, then
-        cuBLASLt and the scales."""
+        """Our FP8 GEMV on x quantized (_gemv_input), or cuBLASLt and the scales on x's e4m3 codes (_gemm_codes)."""
         if self.uses_fp8_gemv(m, k):
             xq = self._gemv_input(x, m, k, x_codes)
             self.ops.gemv_fp8(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k, out.dtype == F32,
                               accumulate)
             return
         s = self.fp8
-        self.ops.quantize_fp8(s.codes.ptr, s.scales.ptr, x.ptr, m, k)
-        codes = DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+        codes = self._gemm_codes(x, m, k, x_codes)
         if self.blas.gemm_scaled(out, codes, w, m, accumulate):  # cuBLASLt applies the scales itself
             return
         if _lands_in_place(out, accumulate):
             self.blas.gemm(out, DeviceTensor(codes.ptr, E4M3, (m, k)), w, m)
-            self.ops.scale_rows_cols(out.ptr, out.ptr, s.scales.ptr, w.scale.ptr, m, n, True, False)
+            self.ops.scale_rows_cols(out.ptr, out.ptr, codes.scale.ptr, w.scale.ptr, m, n, True, False)
             return
         step = s.acc.numel // n  # rows the accumulator holds: pieces of that many (its size: Fp8Scratch)
         for r0 in range(0, m, step):
             rows = min(step, m - r0)
             acc = DeviceTensor(s.acc.ptr, F32, (rows, n))
             self.blas.gemm(acc, DeviceTensor(codes.row(r0), E4M3, (rows, k)), w, rows)
-            self.ops.scale_rows_cols(out.row(r0), acc.ptr, s.scales.ptr + 4 * r0, w.scale.ptr, rows, n,
+            self.ops.scale_rows_cols(out.row(r0), acc.ptr, codes.scale.ptr + 4 * r0, w.scale.ptr, rows, n,
                                      out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
-                       gate_up: DeviceTensor, activation: str = "silu", x_codes: DeviceTensor | None = None) -> None:
+                       gate_up: DeviceTensor, activation: str = "silu",
+                       x_codes: DeviceTensor | None = None) -> DeviceTensor | None:
         """bf16 out[:m, n / 2] = SwiGLU(x . w^T) (activation "silu"; "gelu_pytorch_tanh": GeGLU), w [n, k] the gate/up
         projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up); gate_up: a bf16
-        [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's."""
+        [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's. An e4m3 w through cuBLASLt: the
+        activation is written quantized instead, as the down projection's e4m3 input (input_codes' buffer), and
+        returned, for gemm's x_codes (out is not written); else None."""
         n, k = self._check(gate_up, x, w, m)
         if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
             raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"the cuda backend has no gated MLP with the {activation!r} activation")
-        gemv, kernel = (getattr(self.ops, name) for name in GATED_ACTIVATIONS[activation])
+        gemv_name, kernel_name = GATED_ACTIVATIONS[activation]
         if w.dtype == E4M3 and self.uses_fp8_gemv(m, k):
             xq = self._gemv_input(x, m, k, x_codes)
             getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k)
         elif w.dtype == E4M3:
-            self._gemm_fp8(gate_up, x, w, m, n, k, False)
-            kernel(out.ptr, gate_up.ptr, m, n // 2)
+            self._gemm_fp8(gate_up, x, w, m, n, k, False, x_codes)
+            down_codes = self.input_codes(m, n // 2)
+            if down_codes is not None:
+                self.ops.gated_e4m3(kernel_name, down_codes.ptr, down_codes.scale.ptr, gate_up.ptr, m, n // 2)
+                return down_codes
+            getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2)
         elif self.uses_gemv(m, n, k):
-            gemv(out.ptr, x.ptr, w.ptr, m, n, k)
+            getattr(self.ops, gemv_name)(out.ptr, x.ptr, w.ptr, m, n, k)
         else:
             self.blas.gemm(gate_up, x, w, m)
-            kernel(out.ptr, gate_up.ptr, m, n // 2)
+            getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2)
+        return None
 
 
 def _lands_in_place(out: DeviceTensor, accumulate: bool) -> bool:

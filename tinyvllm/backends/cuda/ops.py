@@ -113,6 +113,14 @@ def _require_vectors(kernel_name: str, **widths: int) -> None:
                                       "moves 16-byte vectors of bf16)")
 
 
+def _quantized_norm(name: str, values: int, codes: int, scales: int) -> str:
+    """The norm kernel that writes the quantized rows asked for: f16 code values (`name`), e4m3 codes (name_e4m3),
+    or none (`name`, values 0); scales come with either."""
+    _require(not (values and codes), f"{name}: values (f16) or codes (e4m3), not both")
+    _require(bool(values or codes) == bool(scales), f"{name}: quantized rows need their scales, scales their rows")
+    return f"{name}_e4m3" if codes else name
+
+
 def _require_attention_shape(kernel_name: str, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
     _require(head_dim in HEAD_DIMS, f"{kernel_name}: head_dim {head_dim} is not one of {HEAD_DIMS}")
     _require(num_heads % num_kv_heads == 0, f"{kernel_name}: {num_heads} query heads are not a multiple of "
@@ -186,7 +194,7 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
 
 
 def fp8_gemv_fits(m: int, k: int) -> bool:
-    """Whether gemv_*_fp8 runs m rows of k (else quantize_fp8 and cuBLASLt)."""
+    """Whether gemv_*_fp8 runs m rows of k (else cuBLASLt's FP8 GEMM on e4m3 codes)."""
     return 1 <= m <= GEMV_MAX_ROWS and k % FP8_VECTOR == 0
 
 
@@ -306,24 +314,30 @@ class Ops:
 
     @kernel("norm", "bf16* out, __half* values, float* scales, const float* x, const bf16* w, const int* rows, "
                     "int hidden, float eps, float offset")
+    @kernel("norm", "bf16* out, e4m3* codes, float* scales, const float* x, const bf16* w, const int* rows, "
+                    "int hidden, float eps, float offset", "rms_norm_e4m3")
     def rms_norm(self, out: int, x: int, w: int, rows: int, num_rows: int, hidden: int, eps: float,
-                 offset: float = 0.0, values: int = 0, scales: int = 0) -> None:
+                 offset: float = 0.0, values: int = 0, scales: int = 0, codes: int = 0) -> None:
         """Rows 0..num_rows-1 of x, or with rows (a device int32 array, else 0) rows[0..num_rows-1], normalized and
-        times (offset + w) (offset: ModelConfig.norm_offset); with values (f16 [num_rows, hidden], else 0) and scales
-        (float32 [num_rows]), each out row quantized for the FP8 GEMV too (the values of its e4m3 codes, its scale:
-        gemv_fp8's x)."""
-        self.launch("rms_norm", (num_rows,), _norm_threads("rms_norm", hidden), out, values, scales, x, w, rows,
+        times (offset + w) (offset: ModelConfig.norm_offset); with scales (float32 [num_rows]) and values (f16
+        [num_rows, hidden]: the values of its e4m3 codes, gemv_fp8's x) or codes (e4m3 [num_rows, hidden]: the FP8
+        GEMM's input), each out row quantized for the next FP8 product too, with quantize_fp8's arithmetic."""
+        name = _quantized_norm("rms_norm", values, codes, scales)
+        self.launch(name, (num_rows,), _norm_threads("rms_norm", hidden), out, codes or values, scales, x, w, rows,
                     hidden, eps, float(offset))
 
     @kernel("norm", "bf16* out, __half* values, float* scales, float* x, const float* part, const bf16* part_w, "
                     "const bf16* w, int hidden, float eps, float offset")
+    @kernel("norm", "bf16* out, e4m3* codes, float* scales, float* x, const float* part, const bf16* part_w, "
+                    "const bf16* w, int hidden, float eps, float offset", "rms_norm_residual_e4m3")
     def rms_norm_residual(self, out: int, x: int, part: int, part_w: int, w: int, num_rows: int, hidden: int,
-                          eps: float, offset: float = 0.0, values: int = 0, scales: int = 0) -> None:
+                          eps: float, offset: float = 0.0, values: int = 0, scales: int = 0, codes: int = 0) -> None:
         """The sandwich norms' residual add: float32 x [num_rows, hidden] += rms_norm(part) * (offset + part_w)
         (part: float32, the O or down GEMM's product), then, unless out is 0, bf16 out = rms_norm(x) * (offset + w)
-        of the new x, quantized into values and scales as rms_norm's."""
-        self.launch("rms_norm_residual", (num_rows,), _norm_threads("rms_norm_residual", hidden), out, values,
-                    scales, x, part, part_w, w, hidden, eps, float(offset))
+        of the new x, quantized into values or codes and scales as rms_norm's."""
+        name = _quantized_norm("rms_norm_residual", values, codes, scales)
+        self.launch(name, (num_rows,), _norm_threads("rms_norm_residual", hidden), out, codes or values, scales, x,
+                    part, part_w, w, hidden, eps, float(offset))
 
     @kernel("qkv", "bf16* qkv, const bf16* bias, int width")
     def add_qkv_bias(self, qkv: int, bias: int, num_tokens: int, width: int) -> None:
@@ -367,6 +381,17 @@ class Ops:
         _require_vectors(name, intermediate_size=inter)
         per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
         self.launch(name, (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
+
+    @kernel("activation", "e4m3* codes, float* scales, const bf16* gate_up, int inter", "silu_and_mul_e4m3",
+            "gelu_tanh_and_mul_e4m3")
+    def gated_e4m3(self, activation: str, codes: int, scales: int, gate_up: int, num_tokens: int,
+                   inter: int) -> None:
+        """silu_and_mul / gelu_tanh_and_mul (`activation`, the bf16 kernel's name) quantized instead of stored: e4m3
+        codes [num_tokens, inter] and float32 scales [num_tokens] of the bf16 activation, as quantize_fp8 would
+        write them (an FP8 down projection's input)."""
+        _require(activation in ("silu_and_mul", "gelu_tanh_and_mul"), f"gated_e4m3: no {activation!r} kernel")
+        _require_vectors(activation, intermediate_size=inter)
+        self.launch(f"{activation}_e4m3", (num_tokens,), QUANTIZE_THREADS, codes, scales, gate_up, inter)
 
     @kernel("activation", "float* logits, int vocab, float cap")
     def soft_cap(self, logits: int, num_rows: int, vocab: int, cap: float) -> None:
