@@ -356,9 +356,10 @@ class _Worker:
         if batch:
             yield batch
 
-    def _prepare(self, batch: list[Row]) -> list[tuple]:
-        """Per row: (index, id, carried columns, ignored fields, error, overrides, failure, text, templated, token
-        ids). The texts are tokenized together (Tokenizer.encode_prompts)."""
+    def _prepare(self, batch: list[Row]) -> list[list]:
+        """Per row: [index, id, carried columns, ignored fields, error, overrides, failure, text, templated, token
+        ids] (lists, not tuples: a tuple crosses the pipe tagged, and its revival costs the engine's thread). The texts
+        are tokenized together (Tokenizer.encode_prompts)."""
         spec = self.spec
         prepared: list[list] = []
         for row in batch:
@@ -375,9 +376,9 @@ class _Worker:
         texts = [p for p in prepared if p[7] is not None]
         for p, ids in zip(texts, self.tokenizer.encode_prompts([(p[7], p[8]) for p in texts])):
             p[9] = ids
-        return [tuple(p) for p in prepared]
+        return prepared
 
-    def _send(self, items: list[tuple]) -> None:
+    def _send(self, items: list[list]) -> None:
         while self.unacked and self.unacked + len(items) > PREPARE_AHEAD:
             self.unacked -= receive(self.rx)
         send(self.tx, ("rows", items))
