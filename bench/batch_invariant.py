@@ -1,7 +1,7 @@
 """What batch_invariant=True costs on the cuda backend: W1 and W3 with it off and on, in one process, each run on
 an LLM of its own (the GPU to itself), for each --dummy-weights preset; "on" also at other row counts for the
-pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' tile for that many rows serves every m;
-cublas.INVARIANT_SPLITS: K cut into that many parts, summed in place in part order).
+pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' split-free tile for that many rows serves every m;
+0: each m's class its own).
 
     python bench/batch_invariant.py --presets smollm2-135m,llama-3.2-1b --rows 256,64 --json out.json
 
@@ -23,9 +23,9 @@ from tinyvllm.benchmark import bench_llm, measure_limits, run_benchmark  # noqa:
 WORKLOADS = ["W1", "W3"]
 
 
-def measure(preset: str, invariant: bool, rows: int, limits: dict | None, splits: int = 1) -> tuple[dict, dict]:
+def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tuple[dict, dict]:
     """(W1 out tok/s and W3 ms/token of one LLM, the limits it measured or was given)."""
-    cublas.INVARIANT_ROWS, cublas.INVARIANT_SPLITS = rows, splits
+    cublas.INVARIANT_ROWS = rows
     llm = bench_llm(None, preset, WORKLOADS, 0, backend="cuda", batch_invariant=invariant)
     try:
         limits = limits or measure_limits(llm.backend)
@@ -35,21 +35,21 @@ def measure(preset: str, invariant: bool, rows: int, limits: dict | None, splits
     return {"W1": results["W1"]["output_tok_s"], "W3": results["W3"]["ms_per_token"]}, limits
 
 
-def positive_ints(text: str) -> list[int]:
-    """'256,64' -> [256, 64]; argparse reports a ValueError as a usage error."""
-    values = [int(part) for part in text.split(",")]
-    if min(values) < 1:
-        raise ValueError(text)
-    return values
+def ints_from(low: int):
+    """A parser of '256,64' -> [256, 64], each at least `low`; argparse reports a ValueError as a usage error."""
+    def parse(text: str) -> list[int]:
+        values = [int(part) for part in text.split(",")]
+        if min(values) < low:
+            raise ValueError(text)
+        return values
+    return parse
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
-    parser.add_argument("--rows", type=positive_ints, default=[cublas.INVARIANT_ROWS],
-                        help="comma-separated INVARIANT_ROWS values to run 'on' with")
-    parser.add_argument("--splits", type=positive_ints, default=[cublas.INVARIANT_SPLITS],
-                        help="comma-separated INVARIANT_SPLITS values to run 'on' with (each with every --rows)")
+    parser.add_argument("--rows", type=ints_from(0), default=[cublas.INVARIANT_ROWS],
+                        help="comma-separated INVARIANT_ROWS values to run 'on' with (0: each m's class its own)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     table, limits = {}, None
@@ -58,12 +58,11 @@ def main() -> None:
         off, limits = measure(preset, False, default_rows, limits)
         table[preset] = {"off": off}
         for rows in args.rows:
-            for splits in args.splits:
-                mode = f"on (rows {rows}, splits {splits})"
-                try:
-                    table[preset][mode] = measure(preset, True, rows, limits, splits)[0]
-                except RuntimeError as e:  # an algorithm cuBLASLt refuses at some m: reported, the others still run
-                    print(f"{preset} {mode}: {e}")
+            mode = f"on (rows {rows})"
+            try:
+                table[preset][mode] = measure(preset, True, rows, limits)[0]
+            except RuntimeError as e:  # an algorithm cuBLASLt refuses at some m: reported, the others still run
+                print(f"{preset} {mode}: {e}")
     print(f"{'preset':<15}{'mode':<28}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}")
     for preset, modes in table.items():
         off = modes["off"]

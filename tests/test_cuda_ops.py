@@ -71,7 +71,8 @@ def launched_after_loop(body: str) -> bool:
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
-    with pdl_begin(); gemv alone loads weights and their scales (which no kernel writes) before its wait, and attention_decode lets
+    with pdl_begin(); gemv and gemv_serial alone load weights and their scales (which no kernel writes) before their
+    wait, and attention_decode lets
     the next kernel launch only after its loop (common.cuh says why)."""
     headers = " ".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     for path in sorted(CUDA_DIR.glob("*.cu")):
@@ -89,6 +90,12 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
                 before_wait = first.split("grid_dependency_wait();")[0]
                 assert not re.search(r"__ldg\(x|x_row \+|x_row\[|quantize_x_rows\(|multiply", before_wait), \
                     "gemv reads x before its wait"
+                assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
+            elif forwarded and forwarded.group(1) == "gemv_serial":  # its first stages' weights before the wait
+                assert "grid_dependency_wait();" in first, name
+                before_wait = first.split("grid_dependency_wait();")[0]
+                assert "serial_load_w(" in before_wait and not re.search(r"serial_load_x\(|\bx\[|x \+", before_wait), \
+                    "gemv_serial reads x before its wait"
                 assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
             elif forwarded and forwarded.group(1) == "attention_decode":
                 assert first.startswith("grid_dependency_wait();") and launched_after_loop(first), name
@@ -1210,13 +1217,14 @@ def test_cublas_gemm_and_tune_take_device_tensors(monkeypatch):
     blas.close()
 
 
-class SplitAwareCublasLt(FakeCublasLt):
-    """FakeCublasLt whose algorithms keep their config attributes (in the opaque words), and whose check of an
-    algorithm in parts answers `check_status`."""
+class ConfigAwareCublasLt(FakeCublasLt):
+    """FakeCublasLt whose algorithms keep their config attributes (in the opaque words), each heuristic answer
+    numbered in its ID word and asking for split-K (SPLITK_NUM 4), and which records the row count of each query."""
 
-    def __init__(self, check_status=0):
+    def __init__(self):
         super().__init__()
-        self.check_status = check_status
+        self.queries: list[int] = []
+        self.layouts: list[int] = []
 
     def __getattr__(self, name):
         if name == "cublasLtMatmulAlgoConfigSetAttribute":
@@ -1229,29 +1237,38 @@ class SplitAwareCublasLt(FakeCublasLt):
                 ctypes.cast(value, ctypes.POINTER(ctypes.c_uint32)).contents.value = algo._obj.data[attribute]
                 return 0
             return get_attribute
-        if name == "cublasLtMatmulAlgoCheck":
-            return lambda *args: self.check_status
+        if name == "cublasLtMatrixLayoutCreate":
+            def create(ref, dtype, rows, cols, ld):
+                ref._obj.value = 1 + len(self.layouts)
+                self.layouts.append(cols)  # B's columns: the row count
+                return 0
+            return create
+        if name == "cublasLtMatmulAlgoGetHeuristic":
+            def heuristic(handle, desc, a, b, c, d, pref, count, results, found):
+                self.queries.append(self.layouts[b.value - 1])
+                results[0].algo.data[0] = len(self.queries)
+                results[0].algo.data[cublas.CUBLASLT_ALGO_CONFIG_SPLITK_NUM] = 4
+                found._obj.value = 1
+                return 0
+            return heuristic
         return super().__getattr__(name)
 
 
-@pytest.mark.parametrize("splits,check_status,calls", [
-    (4, 0, [(0, 4), (4, 4), (8, 2)]),  # K in parts: 10 rows as pieces of INVARIANT_ROWS
-    (4, 15, [(0, 10)]),  # cuBLASLt's check refuses the parts: split-free, whole
-    (1, 0, [(0, 10)]),  # split-free (the engine's default): whole
-])
-def test_invariant_gemm_in_parts_runs_large_m_in_pieces(monkeypatch, splits, check_status, calls):
-    lib = SplitAwareCublasLt(check_status)
+@pytest.mark.parametrize("invariant_rows", [256, 0])
+def test_invariant_algorithms_are_pinned_split_free(monkeypatch, invariant_rows):
+    """Batch-invariant: whatever the heuristics answer, the algorithm runs with K unsplit; INVARIANT_ROWS picks it at
+    that row count for every m, 0 at each m's class."""
+    lib = ConfigAwareCublasLt()
     monkeypatch.setattr(cublas, "_lib", lambda: lib)
-    monkeypatch.setattr(cublas, "INVARIANT_ROWS", 4)
-    monkeypatch.setattr(cublas, "INVARIANT_SPLITS", splits)
+    monkeypatch.setattr(cublas, "INVARIANT_ROWS", invariant_rows)
     blas = cublas.Cublas(0, 4096, 1 << 20, invariant=True)
-    x, w, out = DeviceTensor(1000, BF16, (16, 64)), DeviceTensor(200, BF16, (32, 64)), DeviceTensor(9000, F32, (16, 32))
-    blas.gemm(out, x, w, 10)
-    assert lib.matmuls == [(200, x.row(r0), out.row(r0)) for r0, _ in calls]
-    blas.gemm(out, x, w, 3)  # at most INVARIANT_ROWS: one call
-    assert lib.matmuls[-1] == (200, x.ptr, out.ptr) and len(lib.matmuls) == len(calls) + 1
-    parts = cublas.split_count(blas.algorithm(10, 32, 64, cublas.BF16_GEMM_F32_OUT))
-    assert parts == (splits if check_status == 0 else 1)
+    algos = [blas.algorithm(m, 32, 64, cublas.BF16_GEMM_F32_OUT) for m in (1, 3, 100, 512)]
+    assert {cublas.split_count(algo) for algo in algos} == {1}
+    assert {algo.data[cublas.CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME] for algo in algos} == {0}
+    if invariant_rows:
+        assert lib.queries == [256] and len({algo.data[0] for algo in algos}) == 1
+    else:
+        assert lib.queries == [1, 3, 104, 512] and len({algo.data[0] for algo in algos}) == 4
     blas.close()
 
 

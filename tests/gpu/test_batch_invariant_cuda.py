@@ -58,15 +58,13 @@ def test_without_it_some_layout_differs(cuda, model_dir):
     assert differing(layouts(model_dir, seeded=False, invariant=False, **ENGINE)) != []
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["split-free", "splits-4"])
-def invariant_blas(cuda, request):
-    """A batch-invariant handle whose algorithms cut K into request.param parts (cublas.INVARIANT_SPLITS)."""
+@pytest.fixture(scope="module")
+def invariant_blas(cuda):
+    """A batch-invariant handle (split-free algorithms)."""
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = cublas.Cublas(stream.handle, int(workspace), WORKSPACE_BYTES, invariant=True)
-    default, cublas.INVARIANT_SPLITS = cublas.INVARIANT_SPLITS, request.param
     yield blas, stream
-    cublas.INVARIANT_SPLITS = default
     blas.close()
     workspace.free()
 
@@ -105,9 +103,7 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas
     w.free()
     types = cublas.gemm_types(DeviceTensor(0, F32, (rows, n)), DeviceTensor(0, dtype, (rows, k)),
                               DeviceTensor(0, dtype, (n, k)))
-    splits = cublas.split_count(blas.algorithm(rows, n, k, types))  # 1 where cuBLASLt's check refused the parts
-    print(f"REPORT invariant GEMM n={n} k={k} {dtype}: K in {splits} part(s) ({cublas.INVARIANT_SPLITS} asked for)")
-    assert splits in (1, cublas.INVARIANT_SPLITS)
+    assert cublas.split_count(blas.algorithm(rows, n, k, types)) == 1
     full = results[rows]
     assert np.isfinite(full).all()
     for m, got in results.items():
@@ -117,3 +113,84 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas
 
         ref = bf16_to_f32(x_bits[:8]) @ bf16_to_f32(w_bits).T
         assert np.linalg.norm(full[:8] - ref) / np.linalg.norm(ref) < 1e-5
+
+
+# (n, k) of gemv_serial: the shapes above, and k past a whole stage of 256 (576, 1040), n past whole tiles (1000, 40)
+SERIAL_SHAPES = [(3072, 2048), (2048, 8192), (3072, 576), (1000, 4096), (40, 1040)]
+
+
+@pytest.fixture(scope="module")
+def serial_setup(cuda, device):
+    stream = device.stream()
+    workspace = cuda.mem_alloc(WORKSPACE_BYTES)
+    blas = cublas.Cublas(stream.handle, int(workspace), WORKSPACE_BYTES, invariant=True)
+    yield blas, device.ops(stream), stream
+    blas.close()
+    workspace.free()
+
+
+def _bits(rng: np.random.Generator, shape: tuple[int, int], scale: float = 1.0) -> np.ndarray:
+    return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32) * scale)
+
+
+@pytest.mark.parametrize("n,k", SERIAL_SHAPES)
+@pytest.mark.parametrize("out_dtype,accumulate", [(F32, False), (F32, True), (BF16, False), (BF16, True)])
+def test_serial_gemv_rows_equal_the_invariant_gemm(cuda, serial_setup, n, k, out_dtype, accumulate):
+    """gemv_serial's rows (m = 1..8) have the bits of the batch-invariant cuBLAS GEMM's same rows in a batch of 64
+    (also adding into a random output), on fresh random inputs; and they are the product (numpy, float64)."""
+    from tinyvllm.model.dtypes import bf16_to_f32
+
+    blas, ops, stream = serial_setup
+    rng = np.random.default_rng()
+    rows = 64
+    x_bits, w_bits = _bits(rng, (rows, k)), _bits(rng, (n, k), 0.05)
+    base = rng.standard_normal((rows, n), dtype=np.float32)
+    base = f32_to_bf16(base) if out_dtype == BF16 else base
+    x, w, out = cuda.to_device(x_bits), cuda.to_device(w_bits), cuda.to_device(base)
+    blas.gemm(DeviceTensor(int(out), out_dtype, (rows, n)), DeviceTensor(int(x), BF16, (rows, k)),
+              DeviceTensor(int(w), BF16, (n, k)), rows, accumulate=accumulate)
+    stream.synchronize()
+    whole = cuda.from_device(out, base.shape, base.dtype)
+    ref = bf16_to_f32(x_bits).astype(np.float64) @ bf16_to_f32(w_bits).astype(np.float64).T
+    if accumulate:
+        ref += bf16_to_f32(base) if out_dtype == BF16 else base
+    for m in (1, 3, 8):
+        cuda.memcpy_htod(out, base)
+        ops.gemv_serial(int(out), int(x), int(w), m, n, k, out_dtype == F32, accumulate)
+        stream.synchronize()
+        got = cuda.from_device(out, base.shape, base.dtype)
+        assert np.array_equal(got[:m].view(np.uint8), whole[:m].view(np.uint8)), f"m = {m}: rows differ from cuBLAS's"
+        assert np.array_equal(got[m:], base[m:]), f"m = {m}: rows past m were written"
+        values = bf16_to_f32(got[:m]) if out_dtype == BF16 else got[:m]
+        assert np.abs(values - ref[:m]).max() <= 1e-2 * np.abs(ref[:m]).max()
+    for buf in (x, w, out):
+        buf.free()
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_serial_gated_gemv_equals_gemm_and_activation(cuda, serial_setup, activation):
+    """gemv_serial's SwiGLU / GeGLU epilogue gives the bits of the invariant GEMM followed by the activation kernel
+    (silu_and_mul, gelu_tanh_and_mul), on gate/up rows interleaved by 8."""
+    from tinyvllm.backends.cuda.linear import GATED_ACTIVATIONS
+
+    blas, ops, stream = serial_setup
+    gemv_name, kernel_name = GATED_ACTIVATIONS[activation]
+    rng = np.random.default_rng()
+    rows, n, k = 16, 1024, 576
+    x_bits, w_bits = _bits(rng, (rows, k)), _bits(rng, (n, k), 0.05)
+    x, w = cuda.to_device(x_bits), cuda.to_device(w_bits)
+    gate_up, out = cuda.mem_alloc(rows * n * 2), cuda.mem_alloc(rows * n)
+    blas.gemm(DeviceTensor(int(gate_up), BF16, (rows, n)), DeviceTensor(int(x), BF16, (rows, k)),
+              DeviceTensor(int(w), BF16, (n, k)), rows)
+    getattr(ops, kernel_name)(int(out), int(gate_up), rows, n // 2)
+    stream.synchronize()
+    whole = cuda.from_device(out, (rows, n // 2), np.uint16)
+    for m in (1, 5, 8):
+        cuda.memset_d16(out, 0x7FC0, rows * n // 2)
+        ops.gemv_gated_serial(gemv_name, int(out), int(x), int(w), m, n, k)
+        stream.synchronize()
+        got = cuda.from_device(out, (rows, n // 2), np.uint16)
+        assert np.array_equal(got[:m], whole[:m]), f"m = {m}"
+        assert (got[m:] == 0x7FC0).all()
+    for buf in (x, w, gate_up, out):
+        buf.free()

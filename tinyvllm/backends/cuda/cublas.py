@@ -43,7 +43,7 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB = 3, 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = 1, 3
 CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME = 2, 3
-CUBLASLT_REDUCTION_SCHEME_NONE, CUBLASLT_REDUCTION_SCHEME_INPLACE = 0, 1
+CUBLASLT_REDUCTION_SCHEME_NONE = 0
 CUBLAS_STATUS_INVALID_VALUE, CUBLAS_STATUS_NOT_SUPPORTED = 7, 15
 CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 17, 18
 CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 31, 32
@@ -56,15 +56,8 @@ EXACT_ROWS = 16  # row counts up to this are their own class
 TUNE_CANDIDATES = 8  # tune(): the heuristics' first algorithms it times
 TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
 # batch-invariant: the row count whose split-free algorithm every m runs (bench/batch_invariant.py measures the
-# choice: large tiles suit W1's 512-row steps, small ones batch 1)
+# choice: large tiles suit W1's 512-row steps, small ones batch 1); 0: each m's class its own split-free algorithm
 INVARIANT_ROWS = 256
-# batch-invariant: K cut into this many parts for every m (1: split-free, the engine's). Parts > 1 are summed in the
-# output buffer in part order (cuBLASLt's in-place reduction, serialized by counters in the workspace): the same
-# additions for a row at every m, and more CTAs for few rows. Used where cublasLtMatmulAlgoCheck accepts it at
-# INVARIANT_ROWS, with larger m run as pieces of INVARIANT_ROWS rows (cuBLASLt refused m = 512 and 8192 whole, with
-# CUBLAS_STATUS_INVALID_VALUE); a row's result does not depend on its piece. bench/batch_invariant.py --splits
-# measures it; not yet the engine's (no GPU run of the pieces).
-INVARIANT_SPLITS = 1
 
 
 def _load_library() -> ctypes.CDLL:
@@ -171,13 +164,11 @@ def m_class(m: int) -> int:
     return -(-m // step) * step
 
 
-def pinned_split(algo: _Algo, splits: int = 1) -> _Algo:
-    """The algorithm with its K walk cut into `splits` parts (1: one piece, no reduction scheme; more: summed in
-    place, in part order), a copy."""
+def pinned_split_free(algo: _Algo) -> _Algo:
+    """A copy of the algorithm with its K walk in one piece (SPLITK_NUM 1, no reduction scheme)."""
     pinned = _Algo.from_buffer_copy(algo)
-    scheme = CUBLASLT_REDUCTION_SCHEME_NONE if splits == 1 else CUBLASLT_REDUCTION_SCHEME_INPLACE
-    for attribute, value in ((CUBLASLT_ALGO_CONFIG_SPLITK_NUM, splits),
-                             (CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, scheme)):
+    for attribute, value in ((CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1),
+                             (CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_REDUCTION_SCHEME_NONE)):
         v = ctypes.c_uint32(value)
         check(_lib().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(pinned), attribute, ctypes.byref(v),
                                                          ctypes.sizeof(v)), "cublasLtMatmulAlgoConfigSetAttribute")
@@ -222,8 +213,6 @@ class Cublas:
         self._layouts: dict[tuple[int, int, int, int], _p] = {}
         self.algos: dict[tuple[int, int, GemmTypes, int | str], _Algo] = {} if algos is None else algos
         self.heuristic_queries = 0  # how often the heuristics ran (tests count them)
-        # batch-invariant: (n, k, types) -> whether its algorithm cuts K into parts (then m runs in pieces)
-        self.in_parts: dict[tuple[int, int, GemmTypes], bool] = {}
         self._alpha = _f(1.0)
         self._betas = {False: _f(0.0), True: _f(1.0)}
 
@@ -289,33 +278,14 @@ class Cublas:
     def algorithm(self, m: int, n: int, k: int, types: GemmTypes = BF16_GEMM) -> _Algo:
         """The algorithm of m's class (found by the heuristics at the class's row count, once); batch-invariant: the
         split-free one of INVARIANT_ROWS, whatever m."""
+        rows = m if m in self.exact_rows else m_class(m)
         if self.invariant:
-            key = (n, k, types, "invariant")
+            key = (n, k, types, "invariant", rows if INVARIANT_ROWS == 0 else None)
             if key not in self.algos:
-                self.algos[key] = self._invariant_algorithm(n, k, types)
+                at = rows if INVARIANT_ROWS == 0 else INVARIANT_ROWS
+                self.algos[key] = pinned_split_free(self._heuristics(at, n, k, types)[0])
             return self.algos[key]
-        return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, types)
-
-    def _invariant_algorithm(self, n: int, k: int, types: GemmTypes) -> _Algo:
-        """The heuristics' algorithm at INVARIANT_ROWS with K in INVARIANT_SPLITS parts where cuBLASLt accepts that
-        for this shape (checked at INVARIANT_ROWS, so the choice depends on (n, k, types) alone), else split-free."""
-        algo = self._heuristics(INVARIANT_ROWS, n, k, types)[0]
-        if INVARIANT_SPLITS > 1:
-            split = pinned_split(algo, INVARIANT_SPLITS)
-            a, b, c = self._layouts_for(INVARIANT_ROWS, n, k, types)
-            result = _HeuristicResult()
-            status = _lib().cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, c, c, ctypes.byref(split),
-                                                    ctypes.byref(result))
-            if status == 0 and result.workspace_size <= self.workspace_bytes:
-                return split
-        return pinned_split(algo)
-
-    def _in_parts(self, n: int, k: int, types: GemmTypes, algo: _Algo) -> bool:
-        """Whether a batch-invariant algorithm cuts K into parts (read from it once: it may be another handle's)."""
-        key = (n, k, types)
-        if key not in self.in_parts:
-            self.in_parts[key] = INVARIANT_SPLITS > 1 and split_count(algo) > 1
-        return self.in_parts[key]
+        return self._algorithm_at(rows, n, k, types)
 
     def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""
@@ -331,14 +301,6 @@ class Cublas:
         n, k = matmul_shape(out, x, w, m)
         types = gemm_types(out, x, w)
         algo = self.algorithm(m, n, k, types)
-        if self.invariant and m > INVARIANT_ROWS and self._in_parts(n, k, types, algo):
-            # K in parts: pieces of at most the rows cuBLASLt's check accepted
-            for r0 in range(0, m, INVARIANT_ROWS):
-                rows = min(INVARIANT_ROWS, m - r0)
-                a, b, c = self._layouts_for(rows, n, k, types)
-                check(self._matmul(algo, out.row(r0), x.row(r0), w.ptr, a, b, c, accumulate),
-                      f"cublasLtMatmul(m={rows} of {m}, n={n}, k={k})")
-            return
         a, b, c = self._layouts_for(m, n, k, types)
         status = self._matmul(algo, out.ptr, x.ptr, w.ptr, a, b, c, accumulate)
         # the class's algorithm cannot do this m: ask for this m's own (batch-invariant: no other algorithm may run)
