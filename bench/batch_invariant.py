@@ -1,7 +1,6 @@
 """What batch_invariant=True costs on the cuda backend: W1 and W3 with it off and on, in one process, each run on
 an LLM of its own (the GPU to itself), for each --dummy-weights preset; "on" also at other row counts for the
-pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' split-free tile for that many rows serves every m;
-0: each m's class its own).
+pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' split-free tile for that many rows serves every m).
 
     python bench/batch_invariant.py --presets smollm2-135m,llama-3.2-1b --rows 256,64 --json out.json
 
@@ -35,21 +34,19 @@ def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tup
     return {"W1": results["W1"]["output_tok_s"], "W3": results["W3"]["ms_per_token"]}, limits
 
 
-def ints_from(low: int):
-    """A parser of '256,64' -> [256, 64], each at least `low`; argparse reports a ValueError as a usage error."""
-    def parse(text: str) -> list[int]:
-        values = [int(part) for part in text.split(",")]
-        if min(values) < low:
-            raise ValueError(text)
-        return values
-    return parse
+def positive_ints(text: str) -> list[int]:
+    """'256,64' -> [256, 64]; argparse reports a ValueError as a usage error."""
+    values = [int(part) for part in text.split(",")]
+    if min(values) < 1:
+        raise ValueError(text)
+    return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
-    parser.add_argument("--rows", type=ints_from(0), default=[cublas.INVARIANT_ROWS],
-                        help="comma-separated INVARIANT_ROWS values to run 'on' with (0: each m's class its own)")
+    parser.add_argument("--rows", type=positive_ints, default=[cublas.INVARIANT_ROWS],
+                        help="comma-separated INVARIANT_ROWS values to run 'on' with")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     table, limits = {}, None

@@ -1,4 +1,4 @@
-"""Which orders of addition give cuBLASLt's bits: the probe behind the batch-invariant GEMV (docs/PERFORMANCE.md).
+"""Which order of additions gives cuBLASLt's bits (docs/PERFORMANCE.md, "Batch-invariant mode").
 
 For each (n, k): x [512, k] and w [n, k] random bf16. Reference kernels below compute out = x . w^T with mma.sync
 m16n8k16 in a chosen order; every split-free cuBLASLt algorithm the heuristics offer at several row counts computes
@@ -63,8 +63,6 @@ extern "C" __global__ void chain(float* out, const __nv_bfloat16* x, const __nv_
 SHAPES = [(2048, 2048), (3072, 2048), (16384, 2048), (2048, 8192), (960, 576)]
 ROWS = [512, 256, 64, 16, 8, 1]
 CANDIDATES = 16
-TIMED = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-         "lm_head": (128256, 2048)}
 
 
 def main() -> None:
@@ -80,7 +78,6 @@ def main() -> None:
     stream = device.stream()
     workspace = cuda.mem_alloc(32 << 20)
     blas = cublas.Cublas(stream.handle, int(workspace), 32 << 20, invariant=True)
-    ops = device.ops(stream)
     rng = np.random.default_rng(0)
     rows = max(ROWS)
     for n, k in SHAPES:
@@ -98,11 +95,6 @@ def main() -> None:
 
         refs = {f"w-as-A order{o}": reference(1, o) for o in (0, 1, 2)}
         refs["x-as-A order0"] = reference(0, 0)
-        for m in (8, 3, 1):  # the serial GEMV: rows 0..m-1
-            cuda.memset_d32(out, 0x7FC00000, rows * n)
-            ops.gemv_serial(int(out), int(x), int(w), m, n, k, True, False)
-            stream.synchronize()
-            refs[f"serial-m{m}"] = cuda.from_device(out, (rows, n), np.float32).view(np.uint32)[:m].copy()
         names = list(refs)
 
         def equal(got: np.ndarray, name: str) -> bool:
@@ -130,7 +122,6 @@ def main() -> None:
             print(f"  m={m}: " + "  ".join(verdicts))
         for buf in (x, w, out):
             buf.free()
-    timing(device, stream, ops, blas)
 
 
 def algo_ids(cublas, algo) -> str:
@@ -142,37 +133,6 @@ def algo_ids(cublas, algo) -> str:
                                                            ctypes.sizeof(value), ctypes.byref(written))
         values.append(value.value)
     return "/".join(map(str, values))
-
-
-def timing(device, stream, ops, blas) -> None:
-    """m = 1 (and 8): gemv, gemv_serial and the invariant cuBLAS algorithm on Llama-3.2-1B's shapes (bench/gemv.py's
-    timer: weights from HBM, host launch latency hidden)."""
-    import pycuda.driver as cuda
-
-    from gemv import Timer
-    from tinyvllm.backends.cuda.tensors import BF16, F32, DeviceTensor
-
-    timer = Timer(stream, 50)
-    for name, (n, k) in TIMED.items():
-        copies = [cuda.mem_alloc(n * k * 2) for _ in range(max(1, (256 << 20) // (n * k * 2)))]
-        x, out = cuda.mem_alloc(8 * k * 2), cuda.mem_alloc(8 * n * 4)
-        cuda.memset_d16(x, 0x3F80, 8 * k)
-        cuda.memset_d32(out, 0, 8 * n)
-        for c in copies:
-            cuda.memset_d16(c, 0x3C00, n * k)
-        line = []
-        for m in (1, 8):
-            g = timer.median_us(lambda i: ops.gemv(int(out), int(x), int(copies[i % len(copies)]), m, n, k, True, False))
-            s = timer.median_us(lambda i: ops.gemv_serial(int(out), int(x), int(copies[i % len(copies)]), m, n, k, True,
-                                                          False))
-            b = timer.median_us(lambda i: blas.gemm(DeviceTensor(int(out), F32, (8, n)), DeviceTensor(int(x), BF16, (8, k)),
-                                                    DeviceTensor(int(copies[i % len(copies)]), BF16, (n, k)), m))
-            gbs = n * k * 2 / 1e3
-            line.append(f"m={m}: gemv {g:.1f} us ({gbs / g:.0f} GB/s), serial {s:.1f} ({gbs / s:.0f}), "
-                        f"invariant cuBLAS {b:.1f} ({gbs / b:.0f})")
-        print(f"{name} n={n} k={k}: " + "; ".join(line))
-        for c in (*copies, x, out):
-            c.free()
 
 
 if __name__ == "__main__":

@@ -71,8 +71,7 @@ def launched_after_loop(body: str) -> bool:
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
-    with pdl_begin(); gemv and gemv_serial alone load weights and their scales (which no kernel writes) before their
-    wait, and attention_decode lets
+    with pdl_begin(); gemv alone loads weights and their scales (which no kernel writes) before its wait, and attention_decode lets
     the next kernel launch only after its loop (common.cuh says why)."""
     headers = " ".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     for path in sorted(CUDA_DIR.glob("*.cu")):
@@ -90,12 +89,6 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
                 before_wait = first.split("grid_dependency_wait();")[0]
                 assert not re.search(r"__ldg\(x|x_row \+|x_row\[|quantize_x_rows\(|multiply", before_wait), \
                     "gemv reads x before its wait"
-                assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
-            elif forwarded and forwarded.group(1) == "gemv_serial":  # its first stages' weights before the wait
-                assert "grid_dependency_wait();" in first, name
-                before_wait = first.split("grid_dependency_wait();")[0]
-                assert "serial_load_w(" in before_wait and not re.search(r"serial_load_x\(|\bx\[|x \+", before_wait), \
-                    "gemv_serial reads x before its wait"
                 assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
             elif forwarded and forwarded.group(1) == "attention_decode":
                 assert first.startswith("grid_dependency_wait();") and launched_after_loop(first), name
@@ -1254,21 +1247,17 @@ class ConfigAwareCublasLt(FakeCublasLt):
         return super().__getattr__(name)
 
 
-@pytest.mark.parametrize("invariant_rows", [256, 0])
-def test_invariant_algorithms_are_pinned_split_free(monkeypatch, invariant_rows):
-    """Batch-invariant: whatever the heuristics answer, the algorithm runs with K unsplit; INVARIANT_ROWS picks it at
-    that row count for every m, 0 at each m's class."""
+def test_invariant_algorithms_are_pinned_split_free(monkeypatch):
+    """Batch-invariant: whatever the heuristics answer, the algorithm runs with K unsplit, the one they give at
+    INVARIANT_ROWS for every m."""
     lib = ConfigAwareCublasLt()
     monkeypatch.setattr(cublas, "_lib", lambda: lib)
-    monkeypatch.setattr(cublas, "INVARIANT_ROWS", invariant_rows)
+    monkeypatch.setattr(cublas, "INVARIANT_ROWS", 256)
     blas = cublas.Cublas(0, 4096, 1 << 20, invariant=True)
     algos = [blas.algorithm(m, 32, 64, cublas.BF16_GEMM_F32_OUT) for m in (1, 3, 100, 512)]
     assert {cublas.split_count(algo) for algo in algos} == {1}
     assert {algo.data[cublas.CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME] for algo in algos} == {0}
-    if invariant_rows:
-        assert lib.queries == [256] and len({algo.data[0] for algo in algos}) == 1
-    else:
-        assert lib.queries == [1, 3, 104, 512] and len({algo.data[0] for algo in algos}) == 4
+    assert lib.queries == [256] and len({algo.data[0] for algo in algos}) == 1
     blas.close()
 
 

@@ -18,9 +18,11 @@ after it (cuda/fp8.cu scale_rows_cols).
 
 Batch-invariant (EngineConfig.batch_invariant): every m of an (n, k, output type) runs the one algorithm the
 heuristics give at INVARIANT_ROWS rows, pinned to a split-free K walk (SPLITK_NUM 1, no reduction scheme): one CTA
-owns each output element and walks the whole of k in the order its tile fixes, so a row's result is the same
-whatever the other rows and however many. The heuristics would otherwise pick per row count, and on small m they cut
-k into parts summed afterwards, a different order of additions for the same row.
+owns each output element and walks the whole of k, one tensor-core product of 16 after another into one
+accumulator, so a row's result is the same whatever the other rows and however many. The heuristics would otherwise
+pick per row count, and on small m they cut k into parts summed afterwards, a different order of additions for the
+same row. Other split-free algorithms mostly add in the same order, but not all (bench/gemm_order.py; the
+heuristics' own choice per row count broke a row's bits at n = 1000, k = 4096), so one algorithm serves every m.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ EXACT_ROWS = 16  # row counts up to this are their own class
 TUNE_CANDIDATES = 8  # tune(): the heuristics' first algorithms it times
 TUNE_RUNS = 3  # tune(): timed runs of each (after one untimed)
 # batch-invariant: the row count whose split-free algorithm every m runs (bench/batch_invariant.py measures the
-# choice: large tiles suit W1's 512-row steps, small ones batch 1); 0: each m's class its own split-free algorithm
+# choice: large tiles suit W1's 512-row steps, small ones batch 1)
 INVARIANT_ROWS = 256
 
 
@@ -278,14 +280,12 @@ class Cublas:
     def algorithm(self, m: int, n: int, k: int, types: GemmTypes = BF16_GEMM) -> _Algo:
         """The algorithm of m's class (found by the heuristics at the class's row count, once); batch-invariant: the
         split-free one of INVARIANT_ROWS, whatever m."""
-        rows = m if m in self.exact_rows else m_class(m)
         if self.invariant:
-            key = (n, k, types, "invariant", rows if INVARIANT_ROWS == 0 else None)
+            key = (n, k, types, "invariant")
             if key not in self.algos:
-                at = rows if INVARIANT_ROWS == 0 else INVARIANT_ROWS
-                self.algos[key] = pinned_split_free(self._heuristics(at, n, k, types)[0])
+                self.algos[key] = pinned_split_free(self._heuristics(INVARIANT_ROWS, n, k, types)[0])
             return self.algos[key]
-        return self._algorithm_at(rows, n, k, types)
+        return self._algorithm_at(m if m in self.exact_rows else m_class(m), n, k, types)
 
     def _algorithm_at(self, rows: int, n: int, k: int, types: GemmTypes) -> _Algo:
         """The heuristics' algorithm for exactly `rows` rows, asked for once."""

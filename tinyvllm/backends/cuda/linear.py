@@ -17,10 +17,9 @@ scales, cublas.py gemm_scaled), or where it cannot, into float32 with unit scale
 (cuda/fp8.cu); then the activation as its kernel on the bf16 gate/up product, quantized to e4m3 as it is written
 (silu_and_mul_e4m3: the down projection's codes).
 
-Batch-invariant (invariant=True): cuBLAS runs only split-free algorithms (cublas.py), each output's k one chain of
-tensor-core products in k's order; for a few rows of bf16 weights the GEMV is gemv_serial (cuda/gemv_serial.cuh),
-which adds in that order too. A row's product is then the same in a batch of 1 and of 500. The plain GEMV splits
-k among warps (other additions) and is not used; nor is the FP8 GEMV (cuBLASLt's FP8 GEMM accumulates otherwise).
+Batch-invariant (invariant=True): every row count takes cuBLAS with its one split-free algorithm per shape
+(cublas.py), never the GEMV, whose additions for a row come in another order than cuBLAS's: a row's product is then
+the same in a batch of 1 and of 500.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.cublas import Cublas
-from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, SERIAL_K_STEP, VECTOR, Ops, fp8_gemv_fits
+from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops, fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
@@ -73,10 +72,8 @@ class Linear:
         self.fp8 = fp8
 
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
-        """Whether a bf16 product of m rows runs as a GEMV (batch-invariant: gemv_serial, any weight size)."""
-        if self.invariant:
-            return 0 < m <= GEMV_MAX_ROWS and k % SERIAL_K_STEP == 0
-        return 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights and k % VECTOR == 0
+        return (not self.invariant and 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights
+                and k % VECTOR == 0)
 
     def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                accumulate: bool = False) -> tuple[int, int]:
@@ -99,8 +96,7 @@ class Linear:
         if w.dtype == E4M3:
             self._gemm_fp8(out, x, w, m, n, k, accumulate, x_codes)
         elif self.uses_gemv(m, n, k):
-            gemv = self.ops.gemv_serial if self.invariant else self.ops.gemv
-            gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
+            self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         else:
             self.blas.gemm(out, x, w, m, accumulate=accumulate)
 
@@ -205,8 +201,6 @@ class Linear:
                 self.ops.gated_e4m3(kernel_name, down_codes.ptr, down_codes.scale.ptr, gate_up.ptr, m, n // 2)
                 return down_codes
             getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2)
-        elif self.uses_gemv(m, n, k) and self.invariant:
-            self.ops.gemv_gated_serial(gemv_name, out.ptr, x.ptr, w.ptr, m, n, k)
         elif self.uses_gemv(m, n, k):
             getattr(self.ops, gemv_name)(out.ptr, x.ptr, w.ptr, m, n, k)
         else:

@@ -34,10 +34,6 @@ SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per ro
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
-SERIAL_WARPS = 1  # gemv_serial_*: warps per block, a 16-row weight tile each
-SERIAL_K = 256  # gemv_serial_*: k per shared-memory stage (512 bytes of each row)
-SERIAL_STAGES = 6  # gemv_serial_*: the cp.async ring (five stages in flight while one is multiplied)
-SERIAL_K_STEP = 16  # gemv_serial_*: k is a multiple of the mma's k
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
@@ -54,8 +50,6 @@ DEFINES: dict[str, dict[str, int]] = {
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
-    "gemv_serial": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL, "SERIAL_WARPS": SERIAL_WARPS,
-                    "SERIAL_K": SERIAL_K, "SERIAL_STAGES": SERIAL_STAGES},
     "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
@@ -68,8 +62,6 @@ GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
 MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
-# gemv_serial_*: the ring of stages, each a block's weight rows and 8 rows of x, rows padded by 16 bytes
-SERIAL_SHARED_BYTES = SERIAL_STAGES * (SERIAL_WARPS * GEMV_TILE_ROWS + GEMV_MAX_ROWS) * (SERIAL_K + VECTOR) * 2
 MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, the activations, soft_cap, logits processors: per block
@@ -554,30 +546,6 @@ class Ops:
         _require(n % GEMV_TILE_ROWS == 0, f"{kernel_name}: n = {n} rows are not whole groups of 8 gate and 8 up rows")
         name, grid, split = _gemv_geometry(kernel_name, m, n, k, self.num_sms)
         self.launch(name, grid, GEMV_WARPS * 32, out, x, w, m, n, k, split)
-
-    @kernel("gemv_serial", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
-            "gemv_serial_f32", shared=lambda name: SERIAL_SHARED_BYTES)
-    @kernel("gemv_serial", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
-            "gemv_serial_bf16", shared=lambda name: SERIAL_SHARED_BYTES)
-    def gemv_serial(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
-        """gemv's product with each output's k one chain of mmas in order, cuBLAS's split-free additions
-        (cuda/gemv_serial.cuh): the batch-invariant mode's GEMV."""
-        self._gemv_serial("gemv_serial_f32" if out_fp32 else "gemv_serial_bf16", out, x, w, m, n, k, int(accumulate))
-
-    @kernel("gemv_serial", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k", "gemv_swiglu_serial_bf16",
-            "gemv_geglu_serial_bf16", shared=lambda name: SERIAL_SHARED_BYTES)
-    def gemv_gated_serial(self, activation_gemv: str, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
-        """gemv_swiglu's or gemv_geglu's product (activation_gemv: "gemv_swiglu", "gemv_geglu") in gemv_serial's
-        order."""
-        _require(n % GEMV_TILE_ROWS == 0, f"{activation_gemv}: n = {n} rows are not whole groups of 8 gate and 8 up "
-                                          "rows")
-        self._gemv_serial(f"{activation_gemv}_serial_bf16", out, x, w, m, n, k)
-
-    def _gemv_serial(self, name: str, out: int, x: int, w: int, m: int, n: int, k: int, *accumulate: int) -> None:
-        _require(1 <= m <= GEMV_MAX_ROWS, f"{name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
-        _require(k % SERIAL_K_STEP == 0, f"{name}: k {k} is not a multiple of {SERIAL_K_STEP} (the mma's k)")
-        self.launch(name, (-(-n // (SERIAL_WARPS * GEMV_TILE_ROWS)),), SERIAL_WARPS * 32, out, x, w, m, n, k,
-                    *accumulate)
 
     @kernel("logits_processors", "float* logits, int vocab, const int* last_tokens, const int* last_src, "
                                  "const int* sampled, const int* penalty_slots, const float* presence, "
