@@ -1,7 +1,7 @@
 """Where a decode step's time goes, on the cuda backend: host vs GPU, and GPU time per kernel.
 
     python bench/profile_step.py [--dummy-weights llama-3.2-1b] [--batch 256,512] [--prompt-len 256] [--chain]
-        [--quantization fp8] [--quantize-lm-head]
+        [--quantization fp8] [--quantize-lm-head] [--batch-invariant]
 
 Host work is everything the engine does per step (scheduling, batch preparation, launching, output processing);
 the engine overlaps it with the GPU's work on the previous step, so the cost that remains is the step's wall time
@@ -187,11 +187,12 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true", help="also each kernel's marginal time in the graph step")
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="the LLM's quantization")
     parser.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8: the LM head too")
+    parser.add_argument("--batch-invariant", action="store_true", help="the LLM's batch_invariant")
     args = parser.parse_args()
     model = dummy_model(args.dummy_weights)
     for batch in map(int, args.batch.split(",")):
         llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096, quantization=args.quantization,
-                  quantize_lm_head=args.quantize_lm_head)
+                  quantize_lm_head=args.quantize_lm_head, batch_invariant=args.batch_invariant)
         llm.backend.finish_startup()  # no graph capture on a thread beside the timed steps (or the profiler)
         fill(llm, batch, args.prompt_len)
         split = host_vs_gpu(llm, args.steps)
