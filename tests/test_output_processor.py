@@ -155,3 +155,29 @@ def test_a_sequence_finished_before_its_step_is_read_is_skipped(tokenizer):
     seq = h.decoding()
     seq.status = SequenceStatus.FINISHED  # it stopped (or was aborted) after this step was queued
     assert h.run([seq], [[20, 21]]) == [] and h.released == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_logprob_entries_match_one_dict_per_row(seed):
+    """The batched entries equal {top ids: values (-inf left out), token: its logprob} made row by row, for any k
+    (each row its own, at most the arrays' width), forbidden (-inf) tops and NaN, rows in any order."""
+    from tinyvllm.engine.output_processor import logprob_entries
+
+    rng = np.random.default_rng(seed)
+    n, width = 40, 5
+    top = rng.standard_normal((n, width)).astype(np.float32)
+    top[rng.random((n, width)) < (0.2 if seed % 2 else 0.0)] = -np.inf
+    if seed == 5:
+        top[3, 1] = np.nan
+    logprobs = Logprobs(rng.standard_normal(n).astype(np.float32), rng.integers(0, 50, (n, width)).astype(np.int32),
+                        top)
+    rows = rng.permutation(n)[:17].tolist()
+    tokens = rng.integers(0, 50, len(rows)).tolist()
+    for ks in ([seed % 4] * len(rows), rng.integers(0, width + 1, len(rows)).tolist()):
+        want = []
+        for r, token, k in zip(rows, tokens, ks):
+            entry = {int(t): float(v) for t, v in zip(logprobs.top_ids[r, :k], top[r, :k]) if v > -np.inf}
+            entry[token] = float(logprobs.token_logprobs[r])
+            want.append(entry)
+        got = logprob_entries(logprobs, rows, tokens, ks)
+        assert [list(e.items()) for e in got] == [list(e.items()) for e in want]

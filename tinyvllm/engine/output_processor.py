@@ -379,17 +379,17 @@ def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> 
 
 def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
     """{token: logprob} of one token at each of `rows` (ks[i] top logprobs for row i; see logprob_dicts), from one
-    copy of the arrays."""
+    copy of the arrays (take: a fifth of fancy indexing's time on a few hundred rows)."""
     if not rows:
         return []
     k, where = max(ks), np.asarray(rows)
-    top_array = logprobs.top_logprobs[where, :k]
-    top_ids, top = logprobs.top_ids[where, :k].tolist(), top_array.tolist()
-    own = logprobs.token_logprobs[where].tolist()
+    top_ids = logprobs.top_ids.take(where, 0)[:, :k]
+    top_array = logprobs.top_logprobs.take(where, 0)[:, :k]
+    own = logprobs.token_logprobs.take(where).tolist()
     if min(ks) == k and (top_array > -np.inf).all():  # each row's k entries, none forbidden (nor NaN)
-        return _full_entries(k, top_ids, top, token_ids, own)
+        return _full_entries(k, top_ids, top_array, token_ids, own)
     out = []
-    for ids, values, n, token, lp in zip(top_ids, top, ks, token_ids, own):
+    for ids, values, n, token, lp in zip(top_ids.tolist(), top_array.tolist(), ks, token_ids, own):
         pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
         entry = {t: v for t, v in pairs if v > -math.inf}
         entry[token] = lp
@@ -397,16 +397,20 @@ def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], k
     return out
 
 
-def _full_entries(k: int, top_ids: list, top: list, token_ids: list[int], own: list[float]) -> list[dict[int, float]]:
-    """The entries of rows with all k top logprobs, the token's last (dict literals for the usual small k)."""
+def _full_entries(k: int, top_ids: np.ndarray, top: np.ndarray, token_ids: list[int],
+                  own: list[float]) -> list[dict[int, float]]:
+    """The entries of rows with all k top logprobs ([rows, k] arrays), the token's last (dict literals from the
+    columns for the usual small k: no list per row)."""
     if k == 0:
         return [{token: lp} for token, lp in zip(token_ids, own)]
     if k == 1:
-        return [{t: v, token: lp} for (t,), (v,), token, lp in zip(top_ids, top, token_ids, own)]
+        return [{t: v, token: lp}
+                for t, v, token, lp in zip(top_ids[:, 0].tolist(), top[:, 0].tolist(), token_ids, own)]
     if k == 2:
-        return [{t: v, u: w, token: lp} for (t, u), (v, w), token, lp in zip(top_ids, top, token_ids, own)]
+        (t0, t1), (v0, v1) = top_ids.T.tolist(), top.T.tolist()
+        return [{a: x, b: y, token: lp} for a, b, x, y, token, lp in zip(t0, t1, v0, v1, token_ids, own)]
     out = []
-    for ids, values, token, lp in zip(top_ids, top, token_ids, own):
+    for ids, values, token, lp in zip(top_ids.tolist(), top.tolist(), token_ids, own):
         entry = dict(zip(ids, values))
         entry[token] = lp
         out.append(entry)
