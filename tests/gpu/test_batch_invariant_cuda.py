@@ -113,4 +113,3 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas
 
         ref = bf16_to_f32(x_bits[:8]) @ bf16_to_f32(w_bits).T
         assert np.linalg.norm(full[:8] - ref) / np.linalg.norm(ref) < 1e-5
-

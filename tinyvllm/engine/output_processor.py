@@ -379,7 +379,7 @@ def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> 
 
 def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
     """{token: logprob} of one token at each of `rows` (ks[i] top logprobs for row i; see logprob_dicts), from one
-    copy of the arrays (take: a fifth of fancy indexing's time on a few hundred rows)."""
+    copy of the arrays (take: about a quarter of fancy indexing's time on a few hundred rows)."""
     if not rows:
         return []
     k, where = max(ks), np.asarray(rows)
