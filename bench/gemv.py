@@ -1,9 +1,12 @@
 """Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on Llama-3.2-1B's decode GEMMs, m = 1, 2, 4, 8.
 
-    python bench/gemv.py [--runs 100] [--fp8]
+    python bench/gemv.py [--runs 100] [--fp8 | --invariant]
 
 --fp8: the FP8 GEMV (e4m3 weights with per-row scales, cuda/fp8.cu) against our bf16 GEMV on the same shapes
 (the "cuBLAS" columns then hold the bf16 GEMV; bandwidth is each one's own weight bytes).
+--invariant: the batch-invariant pair, gemv_chain (cuda/gemv_chain.cu, through Linear(invariant=True)) against
+cuBLAS with its pinned split-free algorithm, and whether each m's rows have the same bits from both, and from cuBLAS
+in a product of 256 rows that holds them.
 
 Each time is the median over --runs single launches timed by CUDA events. Every launch is queued behind a spin
 kernel, so the GPU is still busy when the host enqueues it and the host's launch latency is not timed, and the
@@ -123,9 +126,41 @@ def time_shape(timer: Timer, linear: Linear, blas: Cublas, n: int, k: int, out_f
     else:
         results = {m: (timer.median_us(launches(linear.gemm, m, weights)), timer.median_us(
             launches(blas.gemm, m, weights))) for m in ms}
+        if linear.invariant:
+            same_bits(linear, blas, weights[0], rng, out_fp32, accumulate, ms)
     for allocation in (*copies, x, out, *([values, x_scale] if fp8 is not None else [])):
         allocation.free()
     return results
+
+
+def same_bits(linear: Linear, blas: Cublas, w: DeviceTensor, rng: np.random.Generator, out_fp32: bool,
+              accumulate: bool, ms: list[int]) -> None:
+    """Print whether, for each m, gemv_chain's rows equal cuBLAS's at m rows and within a 256-row product."""
+    n, k = w.shape
+    rows = 256
+    x = cuda.to_device((rng.standard_normal((rows, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    start = rng.standard_normal((rows, n), dtype=np.float32)
+    if not out_fp32:
+        start = start.view(np.uint32) >> 16
+    dtype = np.float32 if out_fp32 else np.uint16
+    start = start.astype(dtype)
+
+    def run(gemm: Callable[..., None], m: int) -> np.ndarray:
+        out = cuda.to_device(start)
+        gemm(DeviceTensor(int(out), F32 if out_fp32 else BF16, (rows, n)), DeviceTensor(int(x), BF16, (rows, k)), w, m,
+             accumulate=accumulate)
+        got = cuda.from_device(out, (rows, n), dtype)
+        out.free()
+        return got
+
+    whole = run(blas.gemm, rows)
+    verdicts = []
+    for m in ms:
+        chain, cublas = run(linear.gemm, m)[:m], run(blas.gemm, m)[:m]
+        verdicts.append(f"m={m}: cuBLAS at m {'same' if np.array_equal(chain, cublas) else 'DIFFERS'}, "
+                        f"at {rows} {'same' if np.array_equal(chain, whole[:m]) else 'DIFFERS'}")
+    x.free()
+    print(f"  bits n={n} k={k}: " + "; ".join(verdicts), flush=True)
 
 
 def main() -> None:
@@ -133,12 +168,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--m", default="1,2,4,8")
     parser.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
+    parser.add_argument("--invariant", action="store_true", help="gemv_chain against the pinned cuBLAS algorithm")
     args = parser.parse_args()
     ms = [int(m) for m in args.m.split(",")]
     device = Device(0)
     stream = device.stream()
-    blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)))
-    linear = Linear(blas, device.ops(stream))
+    blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)), invariant=args.invariant)
+    linear = Linear(blas, device.ops(stream), invariant=args.invariant)
     fp8 = None
     if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x as it loads it)
         t, width = max(ms), max(k for _, k, _, _ in SHAPES.values())

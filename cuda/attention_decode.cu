@@ -28,6 +28,15 @@
 // warp per block, so that the static shared memory stays under 48 KB; Q stays in shared memory, read at each tile,
 // for the registers the output accumulator needs).
 //
+// Batch-invariant (the attention_decode_*_inv kernels; EngineConfig.batch_invariant): a row must get the bits
+// attention_prefill gives it, whatever else runs, so the context is never cut into parts, and the online softmax
+// steps over the prefill's key tiles: block_n(D) keys from multiples of block_n(D), GROUP = block_n(D) / TILE of the
+// pipeline's tiles at a time, their scores, softmax and P V in the prefill's order of additions (mma_qk's per-key
+// chains over the head dims, one online_softmax per step, mma_pv per 16 keys in order; the rows of an mma are
+// independent, so the rows the tile holds beside a row do not matter). Its GROUP tiles fill the STAGES = GROUP
+// stages; the next group's copies go out once a group is done, so a warp waits on memory once per group, which other
+// warps cover at large batches. One warp per block (a warp's 4 stages of D 128 take 35 KB).
+//
 // Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128) and -DMIN_SPLIT_TILES from
 // backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
@@ -35,10 +44,12 @@
 
 constexpr int TILE = 16;  // keys per pipeline stage of attention_decode: one k-step of P V
 
-// attention_decode's warps per block for head dim D (ops.decode_warps)
-__host__ __device__ constexpr int decode_warps(int D) { return D > 128 ? NWARPS_WIDE : NWARPS; }
-template <int D>
-constexpr int decode_threads = decode_warps(D) * 32;  // its block
+// attention_decode's warps per block for head dim D (ops.decode_warps); the batch-invariant kernels: one
+__host__ __device__ constexpr int decode_warps(int D, bool invariant) {
+    return invariant ? 1 : D > 128 ? NWARPS_WIDE : NWARPS;
+}
+template <int D, bool INVARIANT>
+constexpr int decode_threads = decode_warps(D, INVARIANT) * 32;  // its block
 
 // A sliding window of `window` keys (0: none) shows the query at position ctx - 1 the keys from
 // window_start(ctx, window) on; the keys attention_decode reads from the cache are those, in tiles from
@@ -54,7 +65,8 @@ __device__ __forceinline__ int splits_used(int ctx, int window, int num_splits) 
     return min(num_splits, max(1, (keys + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
 }
 
-// Launch: grid (ceil(num_kv_heads * head_chunks / W), S, num_splits), block W * 32 with W = decode_warps(D), where
+// Launch: grid (ceil(num_kv_heads * head_chunks / W), S, num_splits), block W * 32 with W = decode_warps(D, INVARIANT),
+// num_splits 1 if INVARIANT, where
 // head_chunks = ceil(group / ROWS): warp w of block x serves item x * W + w (items past the last one return at once),
 // the item's chunk c of KV head kvh the query heads kvh * group + c * ROWS ... (at most ROWS of them).
 // ROWS is 8 or 16: with 8, the tile's upper 8 rows are known empty and their softmax is skipped.
@@ -65,7 +77,7 @@ __device__ __forceinline__ int splits_used(int ctx, int window, int num_splits) 
 // (0: none); softcap: its attention-logit cap (0: none; scores become softcap * tanh(score / softcap)), both uniform
 // branches, so that a layer without them does no per-key work for them. context_lens, block_tables and
 // bt_stride are not __restrict__: ptxas would move their non-coherent loads above the wait (test_pdl.py).
-template <int D, int ROWS, class Cache>
+template <int D, int ROWS, class Cache, bool INVARIANT>
 __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ partial_o,
                                  float2* __restrict__ partial_ml, const bf16* __restrict__ q,
                                  const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
@@ -79,13 +91,15 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     // Decisions: "attention_decode's launch point").
     constexpr bool FP8 = sizeof(Cache) == 1;
     constexpr int VEC = 16 / sizeof(Cache);        // cache entries per 16-byte copy
-    constexpr int W = decode_warps(D);             // warps per block
-    // K/V ahead of the tile in use: 12 KB (D 64, D 96), 8 KB (D 128) or 16 KB (D 256)
-    constexpr int STAGES = D == 64 ? 4 : D == 96 ? 3 : 2;
+    constexpr int W = decode_warps(D, INVARIANT);  // warps per block
+    constexpr int GROUP = INVARIANT ? block_n(D) / TILE : 1;  // tiles per softmax step
+    // K/V ahead of the tile in use: 12 KB (D 64, D 96), 8 KB (D 128) or 16 KB (D 256); INVARIANT: a group's tiles
+    constexpr int STAGES = INVARIANT ? GROUP : D == 64 ? 4 : D == 96 ? 3 : 2;
     constexpr int LD = D + 8;                      // padded smem row: ldmatrix without bank conflicts
     constexpr int PIECES = TILE * D / VEC / 32;    // 16-byte pieces of a K (or V) tile per lane
     constexpr int HALVES = ROWS / 8;               // row halves of the mma tile in use
-    // 36 KB (D 64), 39 KB (D 96) or 34 KB (D 128) for 2 warps; 33 KB (D 256) for 1, and its 8 KB of Q below
+    // 36 KB (D 64), 39 KB (D 96) or 34 KB (D 128) for 2 warps; 33 KB (D 256) for 1, and its 8 KB of Q below;
+    // INVARIANT (1 warp): 18 KB (D 64), 27 KB (D 96), 35 KB (D 128), 33 KB (D 256) and Q
     __shared__ __align__(16) bf16 kv_s[W][STAGES][2][TILE * LD];
     // D > 128: Q stays in shared memory (8 KB a warp at D 256) and is read per 16 dims at each tile, instead of
     // being held as D / 4 registers beside the D / 2 of the output accumulator (which spilled)
@@ -105,11 +119,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     const int kvh = item / head_chunks, chunk = item % head_chunks;
     const int h0 = kvh * group + chunk * ROWS, num_g = min(ROWS, group - chunk * ROWS);
     // Parts start at multiples of TILE, so that with block_size % TILE == 0 a tile lies in one cache block; keys
-    // before `lo` (the window's first) are neither loaded nor seen.
-    const int lo = window_start(ctx, window), first = first_tile(ctx, window);
+    // before `lo` (the window's first) are neither loaded nor seen. INVARIANT: the one part starts at a multiple of
+    // block_n(D), and its tiles come in whole groups (those past the context zero-filled and masked).
+    const int lo = window_start(ctx, window);
+    const int first = INVARIANT ? lo / block_n(D) * block_n(D) : first_tile(ctx, window);
     const int per_split = ((ctx - first + used - 1) / used + TILE - 1) / TILE * TILE;
     const int start = min(ctx, first + split * per_split), end = min(ctx, start + per_split);
-    const int num_tiles = (end - start + TILE - 1) / TILE;
+    const int num_tiles = (end - start + TILE * GROUP - 1) / (TILE * GROUP) * GROUP;
     const int* table = block_tables + (int64_t)s * bt_stride[0];
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
 
@@ -222,6 +238,13 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
             ldmatrix_x4(qf[kk], &q_s[(lane % 16) * LD + kk * 16 + (lane / 16) * 8]);
         __syncwarp();  // every lane has its fragments before the stage is refilled
     }
+    if constexpr (INVARIANT) {  // the first group's last tile, into the stage Q left
+        if (STAGES - 1 < num_tiles) {
+            find_slots(STAGES - 1);
+            fetch(STAGES - 1);
+        }
+        cp_async_commit();
+    }
 
     const float score_scale = scale * (FP8 ? k_scales[kvh] : 1.f);
     // soft-capped, the scores are tanh(raw * score_scale / softcap) (soft_cap_scores), times softcap * log2(e) here
@@ -235,32 +258,52 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
-    for (int t = 0; t < num_tiles; ++t) {
-        // Refill the stage the previous tile used, then wait for this tile.
-        if (t + STAGES - 1 < num_tiles) {
-            find_slots(t + STAGES - 1);
-            fetch(t + STAGES - 1);
+    for (int t = 0; t < num_tiles; t += GROUP) {
+        if constexpr (INVARIANT) {
+            cp_async_wait<0>();  // the group's tiles
+        } else {  // refill the stage the previous tile used, then wait for this tile
+            if (t + STAGES - 1 < num_tiles) {
+                find_slots(t + STAGES - 1);
+                fetch(t + STAGES - 1);
+            }
+            cp_async_commit();
+            cp_async_wait<STAGES - 1>();
         }
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
         __syncwarp();
-        bf16* k_s = kv_s[warp][t % STAGES][0];
-        bf16* v_s = kv_s[warp][t % STAGES][1];
-        widen(k_s);
-        widen(v_s);
-
-        // S = Q K^T: 16 rows x TILE keys; online softmax of this thread's rows (m stays finite: the first tile
-        // holds a key the rows see, key max(lo, start) < end); O += P V (rows 8-15 of P are zero when only 8 are in
-        // use).
-        float sacc[TILE / 8][4];
-        if constexpr (Q_SHARED) mma_qk_shared_q<D, TILE, LD>(sacc, q_s, k_s, lane);
-        else mma_qk<D, TILE, LD>(sacc, qf, k_s, lane);
-        if (softcap > 0.f) soft_cap_scores<TILE, HALVES>(sacc, cap_scale);
-        online_softmax<TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_begin, key_end);
-        const uint32_t p[4] = {pack_bf16(sacc[0][0], sacc[0][1]), HALVES == 2 ? pack_bf16(sacc[0][2], sacc[0][3]) : 0u,
-                               pack_bf16(sacc[1][0], sacc[1][1]), HALVES == 2 ? pack_bf16(sacc[1][2], sacc[1][3]) : 0u};
-        mma_pv<D, LD>(o, p, v_s, lane);
-        __syncwarp();  // every lane is done with the stage before it is refilled
+        // S = Q K^T: 16 rows x the step's keys; online softmax of this thread's rows (m stays finite: the first
+        // step holds a key the rows see, key max(lo, start) < end); O += P V per tile (rows 8-15 of P are zero when
+        // only 8 are in use).
+        float sacc[GROUP * TILE / 8][4];
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            bf16* k_s = kv_s[warp][(t + j) % STAGES][0];
+            widen(k_s);
+            widen(kv_s[warp][(t + j) % STAGES][1]);
+            float(&s_j)[TILE / 8][4] = *reinterpret_cast<float(*)[TILE / 8][4]>(&sacc[j * TILE / 8]);
+            if constexpr (Q_SHARED) mma_qk_shared_q<D, TILE, LD>(s_j, q_s, k_s, lane);
+            else mma_qk<D, TILE, LD>(s_j, qf, k_s, lane);
+        }
+        if (softcap > 0.f) soft_cap_scores<GROUP * TILE, HALVES>(sacc, cap_scale);
+        online_softmax<GROUP * TILE, D, HALVES>(sacc, m, l, o, start + t * TILE, lane, scale_log2, key_begin,
+                                                key_end);
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            const float(&s_j)[TILE / 8][4] = *reinterpret_cast<float(*)[TILE / 8][4]>(&sacc[j * TILE / 8]);
+            const uint32_t p[4] = {pack_bf16(s_j[0][0], s_j[0][1]), HALVES == 2 ? pack_bf16(s_j[0][2], s_j[0][3]) : 0u,
+                                   pack_bf16(s_j[1][0], s_j[1][1]), HALVES == 2 ? pack_bf16(s_j[1][2], s_j[1][3]) : 0u};
+            mma_pv<D, LD>(o, p, kv_s[warp][(t + j) % STAGES][1], lane);
+        }
+        __syncwarp();  // every lane is done with the stages before they are refilled
+        if constexpr (INVARIANT) {  // the next group
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                if (t + GROUP + j < num_tiles) {
+                    find_slots(t + GROUP + j);
+                    fetch(t + GROUP + j);
+                }
+            }
+            cp_async_commit();
+        }
     }
 
     allow_dependents_launch();
@@ -339,70 +382,123 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
 }
 #endif
 
-#define DECODE_KERNEL(D, ROWS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_d##D##_r##ROWS(                   \
+// SUFFIX: empty (INVARIANT false) or _inv (true)
+#define DECODE_KERNEL(D, ROWS, SUFFIX, INVARIANT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D, INVARIANT>)                                    \
+    attention_decode_d##D##_r##ROWS##SUFFIX(                                                                      \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const bf16* k_cache, const bf16* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap) {            \
-        attention_decode<D, ROWS, bf16>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
-                                        context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
-                                        num_splits, window, softcap, nullptr, nullptr);                           \
+        attention_decode<D, ROWS, bf16, INVARIANT>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, \
+                                                   bt_stride, context_lens, scale, num_heads, num_kv_heads,       \
+                                                   block_size, row_stride, num_splits, window, softcap, nullptr,  \
+                                                   nullptr);                                                      \
     }
-#define DECODE_KERNEL_FP8(D, ROWS)                                                                                \
-    extern "C" __global__ void __launch_bounds__(decode_threads<D>) attention_decode_fp8_d##D##_r##ROWS(               \
+#define DECODE_KERNEL_FP8(D, ROWS, SUFFIX, INVARIANT)                                                             \
+    extern "C" __global__ void __launch_bounds__(decode_threads<D, INVARIANT>)                                    \
+    attention_decode_fp8_d##D##_r##ROWS##SUFFIX(                                                                  \
         bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, const e4m3* v_cache, \
         const int* block_tables, const int* bt_stride, const int* context_lens, float scale, int num_heads,       \
         int num_kv_heads, int block_size, int row_stride, int num_splits, int window, float softcap,               \
         const float* k_scales, const float* v_scales) {                                                           \
-        attention_decode<D, ROWS, e4m3>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,\
-                                        context_lens, scale, num_heads, num_kv_heads, block_size, row_stride,    \
-                                        num_splits, window, softcap, k_scales, v_scales);                         \
+        attention_decode<D, ROWS, e4m3, INVARIANT>(out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, \
+                                                   bt_stride, context_lens, scale, num_heads, num_kv_heads,       \
+                                                   block_size, row_stride, num_splits, window, softcap, k_scales, \
+                                                   v_scales);                                                     \
     }
 #if KEEPS(attention_decode_d64_r8)
-DECODE_KERNEL(64, 8)
+DECODE_KERNEL(64, 8, , false)
 #endif
 #if KEEPS(attention_decode_d64_r16)
-DECODE_KERNEL(64, 16)
-#endif
-#if KEEPS(attention_decode_d128_r8)
-DECODE_KERNEL(128, 8)
-#endif
-#if KEEPS(attention_decode_d128_r16)
-DECODE_KERNEL(128, 16)
+DECODE_KERNEL(64, 16, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d64_r8)
-DECODE_KERNEL_FP8(64, 8)
+DECODE_KERNEL_FP8(64, 8, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d64_r16)
-DECODE_KERNEL_FP8(64, 16)
+DECODE_KERNEL_FP8(64, 16, , false)
+#endif
+#if KEEPS(attention_decode_d128_r8)
+DECODE_KERNEL(128, 8, , false)
+#endif
+#if KEEPS(attention_decode_d128_r16)
+DECODE_KERNEL(128, 16, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d128_r8)
-DECODE_KERNEL_FP8(128, 8)
+DECODE_KERNEL_FP8(128, 8, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d128_r16)
-DECODE_KERNEL_FP8(128, 16)
+DECODE_KERNEL_FP8(128, 16, , false)
 #endif
 #if KEEPS(attention_decode_d96_r8)
-DECODE_KERNEL(96, 8)
+DECODE_KERNEL(96, 8, , false)
 #endif
 #if KEEPS(attention_decode_d96_r16)
-DECODE_KERNEL(96, 16)
-#endif
-#if KEEPS(attention_decode_d256_r8)
-DECODE_KERNEL(256, 8)
-#endif
-#if KEEPS(attention_decode_d256_r16)
-DECODE_KERNEL(256, 16)
+DECODE_KERNEL(96, 16, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d96_r8)
-DECODE_KERNEL_FP8(96, 8)
+DECODE_KERNEL_FP8(96, 8, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d96_r16)
-DECODE_KERNEL_FP8(96, 16)
+DECODE_KERNEL_FP8(96, 16, , false)
+#endif
+#if KEEPS(attention_decode_d256_r8)
+DECODE_KERNEL(256, 8, , false)
+#endif
+#if KEEPS(attention_decode_d256_r16)
+DECODE_KERNEL(256, 16, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d256_r8)
-DECODE_KERNEL_FP8(256, 8)
+DECODE_KERNEL_FP8(256, 8, , false)
 #endif
 #if KEEPS(attention_decode_fp8_d256_r16)
-DECODE_KERNEL_FP8(256, 16)
+DECODE_KERNEL_FP8(256, 16, , false)
+#endif
+#if KEEPS(attention_decode_d64_r8_inv)
+DECODE_KERNEL(64, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_d64_r16_inv)
+DECODE_KERNEL(64, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d64_r8_inv)
+DECODE_KERNEL_FP8(64, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d64_r16_inv)
+DECODE_KERNEL_FP8(64, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_d128_r8_inv)
+DECODE_KERNEL(128, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_d128_r16_inv)
+DECODE_KERNEL(128, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d128_r8_inv)
+DECODE_KERNEL_FP8(128, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d128_r16_inv)
+DECODE_KERNEL_FP8(128, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_d96_r8_inv)
+DECODE_KERNEL(96, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_d96_r16_inv)
+DECODE_KERNEL(96, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d96_r8_inv)
+DECODE_KERNEL_FP8(96, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d96_r16_inv)
+DECODE_KERNEL_FP8(96, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_d256_r8_inv)
+DECODE_KERNEL(256, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_d256_r16_inv)
+DECODE_KERNEL(256, 16, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d256_r8_inv)
+DECODE_KERNEL_FP8(256, 8, _inv, true)
+#endif
+#if KEEPS(attention_decode_fp8_d256_r16_inv)
+DECODE_KERNEL_FP8(256, 16, _inv, true)
 #endif

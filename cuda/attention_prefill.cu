@@ -18,10 +18,6 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-// Keys per step: 64, or 32 for D > 128, so that the K and V tiles stay under the 48 KB of static shared memory
-// (D 256: 2 x 32 x 264 x 2 bytes = 33 KB) and the scores of a step fit in the registers beside Q and O.
-__host__ __device__ constexpr int block_n(int D) { return D > 128 ? 32 : 64; }
-
 // Launch: grid (num_tiles, num_kv_heads), block BLOCK_M / 16 warps; head dims 64, 96, 128 and 256. Tile b covers
 // rows tile_row0[b] .. tile_row0[b] + BLOCK_M - 1 of sequence tile_seq[b], whose rows are q_len * group (query i,
 // head g) pairs, row = i * group + g; the host lists the tiles. Shared memory: K and V tiles [BLOCK_N][D + 8]

@@ -38,6 +38,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const bf16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// Two 8x8 bf16 matrices; lanes 0-15 give the row addresses (row l % 8 of matrix l / 8).
+__device__ __forceinline__ void ldmatrix_x2(uint32_t r[2], const bf16* p) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const bf16* p) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -134,6 +140,12 @@ __device__ __forceinline__ void soft_cap_scores(float (&s)[N / 8][4], float in_s
 #pragma unroll
         for (int e = 0; e < 2 * HALVES; ++e) s[nb][e] = tanhf(s[nb][e] * in_scale);
 }
+
+// Keys per step of attention_prefill's online softmax: 64, or 32 for D > 128, so that its K and V tiles stay under the
+// 48 KB of static shared memory (D 256: 2 x 32 x 264 x 2 bytes = 33 KB) and the scores of a step fit in the registers
+// beside Q and O. Batch-invariant attention_decode takes its softmax steps over the same keys, so that a row adds up
+// the same tiles in the same order in both kernels.
+__host__ __device__ constexpr int block_n(int D) { return D > 128 ? 32 : 64; }
 
 // One key tile of the online softmax (FlashAttention-2, log2 domain) for the rows of a warp's 16-row tile that this
 // thread holds: row lane / 4 for half 0 and row lane / 4 + 8 for half 1 (HALVES is 1 when rows 8-15 are unused).

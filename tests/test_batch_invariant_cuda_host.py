@@ -1,18 +1,18 @@
 """batch_invariant=True on the cuda backend's host side, without a GPU: on a stand-in device every linear layer of a
-decode step and of a prefill goes to the (invariant) cuBLAS handle and none to a GEMV, a decode step's attention is
-attention_prefill over one query per sequence with the block tables' full width, the LM head is not tuned per
-batch size, and an expert model is refused in one line. The bits themselves: tests/gpu/test_batch_invariant_cuda.py."""
+decode step goes to the (invariant) cuBLAS handle, or to gemv_chain for the shapes of more tiles than SMs whose bits
+it was checked to give, and none to the GEMV, whose order differs; a decode step's attention is
+attention_decode's batch-invariant form in one part (no attention_combine), the LM head is not tuned per batch size,
+and an expert model is refused in one line. The bits themselves: tests/gpu/test_batch_invariant_cuda.py."""
 
-import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.linear import Linear
-from tinyvllm.backends.cuda.ops import PREFILL_BLOCK_M, Ops, prefill_tiles
+from tinyvllm.backends.cuda.ops import Ops, decode_blocks
 
 from test_cuda_ops import FakeBuffers, FakeDevice, FakeStream, RecordingBlas, TypedRecorder, forward_module  # noqa: F401
 
 
-def invariant_forward(forward_module, recorder, **overrides):
+def invariant_forward(forward_module, recorder, num_sms=132, **overrides):
     from tinyvllm.config import EngineConfig
     from tinyvllm.model.dummy import random_weights, tiny_config
     from tinyvllm.model.loader import LoadedModel
@@ -20,12 +20,14 @@ def invariant_forward(forward_module, recorder, **overrides):
     config = tiny_config(head_dim=64, **overrides)
     engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
                           num_kv_blocks=8, batch_invariant=True)
-    return forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine,
-                                      FakeDevice(recorder), FakeStream(), 16)
+    device = FakeDevice(recorder)
+    device.num_sms = num_sms
+    return forward_module.CudaForward(LoadedModel(config, random_weights(config), None, "random"), engine, device,
+                                      FakeStream(), 16)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 24])
-def test_decode_runs_prefill_attention_and_no_gemv(forward_module, sliding_window):
+def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, sliding_window):
     recorder = TypedRecorder()
     extra = {"architecture": "MistralForCausalLM", "sliding_window": sliding_window} if sliding_window else {}
     forward = invariant_forward(forward_module, recorder, **extra)
@@ -35,18 +37,21 @@ def test_decode_runs_prefill_attention_and_no_gemv(forward_module, sliding_windo
     buffers = FakeBuffers()
     forward.decode(3, buffers, buffers, buffers)
     names = [name for name, _, _ in recorder.launches]
-    assert not any(name.startswith(("gemv", "attention_decode", "attention_combine")) for name in names), names
-    attention = [(grid, args) for (name, grid, _), args in zip(recorder.launches, recorder.args)
-                 if name.startswith("attention_prefill")]
+    assert not any(name.startswith(("attention_prefill", "attention_combine"))
+                   or name.startswith("gemv") and "chain" not in name for name in names), names
+    attention = [(name, grid, block, args) for (name, grid, block), args in zip(recorder.launches, recorder.args)
+                 if name.startswith("attention_decode")]
     assert len(attention) == forward.config.num_hidden_layers
-    tiles = forward.decode_tiles
-    for grid, args in attention:
-        assert grid == (3 * tiles.tiles_per_seq, forward.kv_heads)
-        assert args[5] == tiles.bt_width == 128 // 16  # the block tables' full width
-        assert args[6] == tiles.query_start_loc.ptr and args[8:10] == (tiles.tile_seq.ptr, tiles.tile_row0.ptr)
-    windows = {args[-2] for _, args in attention}
+    for name, grid, block, args in attention:
+        assert name == "attention_decode_d64_r8_inv"
+        # a warp per (sequence, KV head), one part whatever the batch
+        assert grid == (decode_blocks(forward.kv_heads, forward.group, 64, invariant=True), 3, 1) == (2, 3, 1)
+        assert block == (32, 1, 1) and args[14] == 1
+    windows = {args[15] for *_, args in attention}
     assert windows == {sliding_window or 0}
-    # every product of the step (QKV, O, gate/up, down per layer, the LM head) through cuBLAS at 3 rows
+    # every product of the step (QKV, O, gate/up, down per layer, the LM head) through cuBLAS at 3 rows: no shape
+    # has more 16-row tiles than the GPU's 132 SMs
+    assert forward.linear.chain_shapes == set() and not any("chain" in name for name in names)
     calls = forward.linear.blas.calls
     assert len(calls) == 4 * forward.config.num_hidden_layers + 1 and {m for *_, m, _ in calls} == {3}
     recorder.launches.clear()
@@ -54,11 +59,36 @@ def test_decode_runs_prefill_attention_and_no_gemv(forward_module, sliding_windo
     assert not any(name.startswith("gemv") for name, _, _ in recorder.launches)
 
 
-def test_decode_tiles_are_one_query_per_sequence(forward_module):
-    forward = invariant_forward(forward_module, TypedRecorder(), num_attention_heads=4, num_key_value_heads=2)
-    seqs, rows = prefill_tiles(np.full(4, forward.group))
-    assert forward.decode_tiles.tiles_per_seq == -(-forward.group // PREFILL_BLOCK_M) == len(seqs) // 4
-    assert list(seqs) == [0, 1, 2, 3] and list(rows) == [0] * 4
+def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypatch):
+    """On 8 SMs the QKV projection and LM head ([512, 64]: 32 tiles) and gate/up ([256, 64]: 16) have more tiles
+    than SMs, O and down (4 each) not; gate/up's chain is made to differ from cuBLAS, so it stays there."""
+    checked = []
+
+    def matches(self, w):
+        checked.append(w.shape)
+        return w.shape != (256, 64)
+
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", matches)
+    recorder = TypedRecorder()
+    forward = invariant_forward(forward_module, recorder, num_sms=8, num_attention_heads=4, num_key_value_heads=2)
+    assert sorted(checked) == [(256, 64), (512, 64)] and forward.linear.chain_shapes == {(512, 64)}
+    forward.allocate_kv_cache(8)
+    buffers = FakeBuffers()
+    forward.decode(3, buffers, buffers, buffers)
+    chains = [(name, args) for (name, _, _), args in zip(recorder.launches, recorder.args) if "chain" in name]
+    layers = forward.config.num_hidden_layers
+    assert [name for name, _ in chains] == ["gemv_chain_bf16"] * layers + ["gemv_chain_f32"]
+    assert {args[3] for _, args in chains} == {3}
+    calls = forward.linear.blas.calls  # O, gate/up and down
+    assert len(calls) == 3 * layers and {m for *_, m, _ in calls} == {3}
+    other = forward.on_stream(FakeStream())
+    assert other.linear.chain_shapes == {(512, 64)}
+
+
+def test_invariant_decode_attention_takes_one_part():
+    ops = Ops(TypedRecorder(), None, num_sms=132)
+    with pytest.raises(ValueError, match="batch-invariant form takes one part"):
+        ops.attention_decode(1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 0.125, 8, 2, 64, 16, 768, 2, invariant=True)
 
 
 def test_an_expert_model_is_refused(forward_module):

@@ -71,7 +71,8 @@ def launched_after_loop(body: str) -> bool:
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels are launched with programmatic dependent launch (common.cuh): one that touched memory before
     waiting for the previous kernel would race with it. So each kernel, or the template function it runs, begins
-    with pdl_begin(); gemv alone loads weights and their scales (which no kernel writes) before its wait, and attention_decode lets
+    with pdl_begin(); the GEMVs alone load weights and their scales (which no kernel writes) before their wait, and
+    attention_decode lets
     the next kernel launch only after its loop (common.cuh says why)."""
     headers = " ".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     for path in sorted(CUDA_DIR.glob("*.cu")):
@@ -84,10 +85,10 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
             forwarded = re.match(r"(\w+)\s*[<(]", first)
             if forwarded and forwarded.group(1) in templates:
                 first = templates[forwarded.group(1)].strip()
-            if forwarded and forwarded.group(1) == "gemv":  # gemv.cu's and fp8.cu's GEMVs
+            if forwarded and forwarded.group(1) in ("gemv", "gemv_chain"):  # gemv.cu's, fp8.cu's, gemv_chain.cu's
                 assert "grid_dependency_wait();" in first, name
                 before_wait = first.split("grid_dependency_wait();")[0]
-                assert not re.search(r"__ldg\(x|x_row \+|x_row\[|quantize_x_rows\(|multiply", before_wait), \
+                assert not re.search(r"__ldg\(x|x_row \+|x_row\[|quantize_x_rows\(|multiply|load_b\(", before_wait), \
                     "gemv reads x before its wait"
                 assert "allow_dependents_launch();" in before_wait and not launched_after_loop(first), name
             elif forwarded and forwarded.group(1) == "attention_decode":

@@ -1,8 +1,9 @@
 """batch_invariant=True on the cuda backend: a probe request's tokens and logprobs (prompt logprobs too) are bitwise
 the same alone, in a batch, mixed with 40 others under chunked prefill, under preemption, with prefix-cache hits and
 misses, and with n > 1; greedy and seeded; with a sliding window and an fp8 KV cache. Underneath: a split-free
-cuBLASLt GEMM gives a row the same bits whatever the row count, bf16 and e4m3 (the layouts of tests/
-test_batch_invariant.py, which runs the same on the numpy backend)."""
+cuBLASLt GEMM gives a row the same bits whatever the row count, bf16 and e4m3, and gemv_chain gives rows at m <= 8
+cuBLAS's bits (the layouts of tests/test_batch_invariant.py, which runs the same on the numpy backend; the attention
+kernels: tests/gpu/test_attention_invariant.py)."""
 
 import numpy as np
 import pytest
@@ -24,10 +25,12 @@ ROW_COUNTS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 255, 512]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A small model the cuda kernels run (head_dim 64), stored bf16."""
+    """A small model the cuda kernels run (head_dim 64), stored bf16. Its gate/up projection [3072, 256] and LM head
+    [4096, 256] have more 16-row tiles than an H100 or H200 has SMs, so their decode products run as gemv_chain;
+    QKV, O and down stay on cuBLAS."""
     return tiny_model(tmp_path_factory.mktemp("invariant"), dtype="bfloat16", hidden_size=256,
-                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      num_hidden_layers=3)
+                      intermediate_size=1536, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=3, vocab_size=4096)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,16 @@ def window_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_probes_bitwise_equal_in_every_layout(cuda, model_dir, seeded):
     assert differing(layouts(model_dir, seeded, invariant=True, **ENGINE)) == []
+
+
+def test_the_chain_gemv_serves_the_wide_shapes(cuda, model_dir):
+    from tinyvllm import LLM
+
+    llm = LLM(str(model_dir), batch_invariant=True, max_num_seqs=8, **ENGINE)
+    try:
+        assert llm.backend.forward.linear.chain_shapes == {(3072, 256), (4096, 256)}
+    finally:
+        llm.close()
 
 
 def test_probes_with_n_2_bitwise_equal(cuda, model_dir):
@@ -113,3 +126,64 @@ def test_invariant_gemm_rows_do_not_depend_on_the_row_count(cuda, invariant_blas
 
         ref = bf16_to_f32(x_bits[:8]) @ bf16_to_f32(w_bits).T
         assert np.linalg.norm(full[:8] - ref) / np.linalg.norm(ref) < 1e-5
+
+
+# (n, k) of the chain GEMV's check: the layer shapes above and the LM heads of Llama-3.2-1B and SmolLM2-135M
+CHAIN_SHAPES = SHAPES + [(128256, 2048), (49152, 576)]
+CHAIN_ROWS = [1, 2, 3, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def invariant_linear(device, invariant_blas):
+    """Linear(invariant=True) on the invariant handle's stream: gemv_chain up to 8 rows, cuBLAS beyond."""
+    from tinyvllm.backends.cuda.linear import Linear
+
+    blas, stream = invariant_blas
+    return Linear(blas, device.ops(stream), invariant=True), stream
+
+
+@pytest.mark.parametrize("n,k", CHAIN_SHAPES)
+@pytest.mark.parametrize("form", ["f32", "f32 += ", "bf16", "swiglu"])
+def test_chain_gemv_rows_are_cublas_rows(cuda, invariant_linear, n, k, form):
+    """gemv_chain at m <= 8 rows gives each row the bits the pinned cuBLAS algorithm gives it in a product of 256
+    rows (fresh random x, w and residual): bf16 or float32 out, added into a float32 residual, or SwiGLU'd (cuBLAS's
+    bf16 gate/up product, then silu_and_mul); and it is the product (numpy, float64)."""
+    linear, stream = invariant_linear
+    if form == "swiglu" and (n > 20000 or n % 16):
+        pytest.skip("a gated form needs whole 16-row groups of gate and up rows, and an LM head has none")
+    rng = np.random.default_rng(n * 7 + k)
+    rows, out_dtype = 256, BF16 if form in ("bf16", "swiglu") else F32
+    x_bits, w_bits = (f32_to_bf16(rng.standard_normal(shape, dtype=np.float32)) for shape in ((rows, k), (n, k)))
+    width = n // 2 if form == "swiglu" else n
+    start = rng.standard_normal((rows, width), dtype=np.float32)
+    start = f32_to_bf16(start) if out_dtype == BF16 else start
+    x, w = cuda.to_device(x_bits), cuda.to_device(w_bits)
+    x_t, w_t = DeviceTensor(int(x), BF16, (rows, k)), DeviceTensor(int(w), BF16, (n, k))
+    gate_up = cuda.mem_alloc(rows * n * 2)
+
+    def product(m: int) -> np.ndarray:
+        out = cuda.to_device(start)
+        out_t = DeviceTensor(int(out), out_dtype, (rows, width))
+        if form == "swiglu":
+            linear.gate_up_swiglu(out_t, x_t, w_t, m, DeviceTensor(int(gate_up), BF16, (rows, n)))
+        else:
+            linear.gemm(out_t, x_t, w_t, m, accumulate=form == "f32 += ")
+        stream.synchronize()
+        got = cuda.from_device(out, (rows, width), start.dtype)[:m]
+        out.free()
+        return got.view(np.uint32 if start.dtype == np.float32 else np.uint16)
+
+    whole = product(rows)
+    for m in CHAIN_ROWS:
+        assert linear.uses_chain_gemv(m, k)
+        assert np.array_equal(product(m), whole[:m]), f"rows 0..{m - 1} differ at m = {m}"
+    for allocation in (x, w, gate_up):
+        allocation.free()
+    if form != "swiglu":
+        from tinyvllm.model.dtypes import bf16_to_f32
+
+        got = whole[:8].view(np.float32) if out_dtype == F32 else bf16_to_f32(whole[:8])
+        ref = bf16_to_f32(x_bits[:8]).astype(np.float64) @ bf16_to_f32(w_bits).T.astype(np.float64)
+        if form == "f32 += ":
+            ref += start[:8]
+        assert np.abs(got - ref).max() < 1e-2 * np.abs(ref).max()

@@ -261,10 +261,11 @@ def attention_spec(scale, window, softcap):
 
 
 def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, caches=bf16_caches, max_context=200,
-                           window=0, softcap=0.0):
+                           window=0, softcap=0.0, invariant=False):
     """attention_decode (with attention_combine when splits > 1) against paged_attention on random caches made by
     `caches` (k, v, tables, kv_scales: bf16 values and None, or fp8 codes and their scales): one context of 4999
-    keys, or num_seqs of 1 to max_context - 1; window and softcap: the layer's (0: none)."""
+    keys, or num_seqs of 1 to max_context - 1; window and softcap: the layer's (0: none); invariant: its
+    batch-invariant form (splits 1)."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits + block_size)
     context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, max_context, num_seqs)).astype(np.int32)
@@ -279,7 +280,8 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
     ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables),
                          gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
                          kv_heads, head_dim, block_size, width, splits,
-                         None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales), window, softcap)
+                         None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales), window, softcap,
+                         invariant)
     got = gpu.get_bf16(out, (num_seqs, heads * head_dim))
     batch = Batch(1, np.zeros(num_seqs, np.int32), context_lens - 1, np.zeros(num_seqs, np.int32),
                   np.arange(num_seqs + 1, dtype=np.int32), context_lens, tables, None)

@@ -13,9 +13,10 @@ embedding by embed_scale rounded to bf16 (Gemma's). The LM head writes float32 l
 caps them) that never leave the GPU: the sampler kernel returns token ids (and logprobs when asked).
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
-whatever the row count (linear.py, cublas.py), and a decode step's attention is attention_prefill's, one query per
-sequence over key tiles at fixed positions (multiples of its BLOCK_N from key 0), the same additions in the same
-order as that position gets in a prefill, a prefill chunk or a recomputation after preemption. The other kernels
+whatever the row count (linear.py, cublas.py), and a decode step's attention is attention_decode's batch-invariant
+form: the context in one part, its online softmax over attention_prefill's key tiles (multiples of its BLOCK_N
+from key 0), the same additions in the same order as that position gets in a prefill, a prefill chunk or a
+recomputation after preemption. The other kernels
 already treat each row alone. The MoE kernels choose their path by the batch, so an expert model is refused.
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
@@ -38,8 +39,8 @@ import pycuda.driver as cuda
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, VECTOR, QkNorm, decode_splits, prefill_tiles,
-                                       rope_fuses_qk_norm)
+from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, GEMV_TILE_ROWS, HEAD_DIMS, MMA_K, VECTOR, QkNorm,
+                                       decode_splits, rope_fuses_qk_norm)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor, nbytes
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
@@ -129,18 +130,6 @@ class KVCache:
     pointers: DeviceTensor
 
 
-@dataclass(frozen=True)
-class DecodeTiles:
-    """A batch-invariant decode step's attention_prefill inputs (int32 on the device): sequence s's one query is
-    row s, its tiles tiles_per_seq from s * tiles_per_seq; block tables bt_width entries apart."""
-
-    query_start_loc: DeviceTensor  # [max_seqs + 1]: 0, 1, 2, ...
-    tile_seq: DeviceTensor
-    tile_row0: DeviceTensor
-    tiles_per_seq: int
-    bt_width: int
-
-
 class CudaForward:
     """The model on the GPU, for steps of up to max_tokens tokens (prefill chunks) and max_num_seqs sequences."""
 
@@ -196,7 +185,8 @@ class CudaForward:
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
         self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
         # our GEMV for a few rows, else cuBLAS
-        self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant)
+        self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant,
+                             chain_shapes=self._chain_shapes() if self.invariant else None)
         self.kv: KVCache | None = None
         self.k_cache: list[int] = []
         self.v_cache: list[int] = []
@@ -345,7 +335,6 @@ class CudaForward:
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
             workspace=empty(U8, (WORKSPACE_BYTES,)))
         self.moe_buf = allocate_moe_buffers(self.device, cfg, t)
-        self.decode_tiles = self._decode_tiles() if self.invariant else None
         widest_input = max(hidden, self.q_width, inter)
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, widest_input)), scales=empty(F32, (t,)),
@@ -357,17 +346,6 @@ class CudaForward:
         tables, layer_table = cos_sin_tables(cfg, self.engine_config.max_model_len)
         self.rope_tables = [self.device.upload(table, F32) for table in tables]
         self.cos_sin = [self.rope_tables[t].ptr for t in layer_table]
-
-    def _decode_tiles(self) -> DecodeTiles:
-        """attention_prefill's inputs for a decode step of up to max_seqs sequences, one query each: the same for
-        every step (sequence s's query is row s)."""
-        s = self.max_seqs
-        tile_seq, tile_row0 = prefill_tiles(np.full(s, self.group))
-        tiles_per_seq = len(tile_seq) // s
-        return DecodeTiles(self.device.upload(np.arange(s + 1, dtype=np.int32), I32),
-                           self.device.upload(tile_seq.astype(np.int32), I32),
-                           self.device.upload(tile_row0.astype(np.int32), I32), tiles_per_seq,
-                           -(-self.engine_config.max_model_len // self.engine_config.block_size))
 
     def kv_bytes_per_block(self) -> int:
         return 2 * self.config.num_hidden_layers * self.engine_config.block_size * self.kv_width * self.kv_entry_bytes
@@ -418,7 +396,8 @@ class CudaForward:
         other.blas = self.device.cublas(stream, self.buf.workspace, exact_rows=self.blas.exact_rows,
                                         algos=self.blas.algos, invariant=self.invariant)
         other.ops = self.device.ops(stream)
-        other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch, invariant=self.invariant)
+        other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch, invariant=self.invariant,
+                              chain_shapes=self.linear.chain_shapes)
         return other
 
     def close(self) -> None:
@@ -507,6 +486,37 @@ class CudaForward:
             self.ops.qk_norm_projection(qkv, layer.q_norm.ptr, layer.k_norm.ptr, n, self.q_width, self.kv_width,
                                         self.qkv_width, cfg.rms_norm_eps)
 
+    def _chain_shapes(self) -> set[tuple[int, int]]:
+        """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows run as gemv_chain: those of more
+        16-row tiles than the GPU has SMs (with fewer, a block a tile leaves cuBLAS's pinned algorithm the faster:
+        docs/PERFORMANCE.md), where the chain gives the bits of that algorithm (_chain_matches)."""
+        weights = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if w is not None}
+        weights[self.lm_head.shape] = self.lm_head
+        return {(n, k) for (n, k), w in weights.items()
+                if w.dtype == BF16 and k % MMA_K == 0 and -(-n // GEMV_TILE_ROWS) > self.num_sms
+                and self._chain_matches(w)}
+
+    def _chain_matches(self, w: DeviceTensor) -> bool:
+        """Whether gemv_chain gives 8 random rows times w the bits of cuBLAS's pinned algorithm, checked once per
+        shape: bench/gemm_order.py finds split-free algorithms adding as the chain does, but not every one, and a
+        shape whose algorithm does not stays on cuBLAS (the invariance holds either way)."""
+        n, k = w.shape
+        rng = np.random.default_rng(n + k)
+        x = self.device.upload(f32_to_bf16(rng.standard_normal((GEMV_MAX_ROWS, k), dtype=np.float32)), BF16)
+        outs = [self.device.empty(F32, (GEMV_MAX_ROWS, n)) for _ in range(2)]
+        self.ops.gemv_chain(outs[0].ptr, x.ptr, w.ptr, GEMV_MAX_ROWS, n, k, True, False)
+        self.blas.gemm(outs[1], x, w, GEMV_MAX_ROWS)
+        self.stream.synchronize()
+        chain, blas = (cuda.from_device(out.ptr, out.shape, np.uint32) for out in outs)
+        for tensor in (x, *outs):
+            self.device.free(tensor)
+        if not np.array_equal(chain, blas):
+            log.warning("batch-invariant: gemv_chain does not add as cuBLAS's algorithm for n %d, k %d; those "
+                        "products stay on cuBLAS", n, k)
+            return False
+        return True
+
     def _quantize_lm_head(self) -> None:
         """The LM head in e4m3 with a scale per vocabulary row, as the layers' weights: a tied one gets codes of its
         own (the bf16 embedding stays, for the lookup), an untied one's bf16 rows are freed."""
@@ -570,17 +580,14 @@ class CudaForward:
         """One decode step of n (bucket-padded) sequences, sampled ids into out (sample=False: up to the logits):
         what a graph captures."""
         b = self.buf
-        splits = self.num_splits(n)
+        splits = 1 if self.invariant else self.num_splits(n)  # batch-invariant: its _inv kernels, one part
 
         def attention(i: int) -> None:
-            if self.decode_tiles is not None:
-                self._decode_attention_invariant(i, n, inp)
-                return
             self.ops.attention_decode(b.attn.ptr, b.partial_o.ptr, b.partial_ml.ptr, b.qkv.ptr, self.k_cache[i],
                                       self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
                                       inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
                                       self.head_dim, self.engine_config.block_size, self.qkv_width, splits,
-                                      self.kv_scales[i], self.windows[i], self.softcap)
+                                      self.kv_scales[i], self.windows[i], self.softcap, self.invariant)
 
         self._layers(n, inp, out, attention)
         codes = self._h_codes(n) if self.lm_head.dtype == E4M3 else None
@@ -589,17 +596,6 @@ class CudaForward:
         self.compute_logits(n, b.h, codes)
         if sample:
             self.sample_logits(n, inp, out, proc, inp.ptr("token_ids"))  # resolved by _layers
-
-    def _decode_attention_invariant(self, i: int, n: int, inp: Buffers) -> None:
-        """Layer i's attention for a decode step of n sequences through attention_prefill (batch-invariant); the
-        block tables are DecodeTiles.bt_width wide (runner.py stages them so)."""
-        t = self.decode_tiles
-        self.ops.attention_prefill(self.buf.attn.ptr, self.buf.qkv.ptr, self.k_cache[i], self.v_cache[i],
-                                   inp.ptr("block_tables"), t.bt_width, t.query_start_loc.ptr,
-                                   inp.ptr("context_lens"), t.tile_seq.ptr, t.tile_row0.ptr, n * t.tiles_per_seq,
-                                   self.scale, self.heads, self.kv_heads, self.head_dim,
-                                   self.engine_config.block_size, self.qkv_width, self.kv_scales[i], self.windows[i],
-                                   self.softcap)
 
     def prefill(self, n: int, inp: Buffers, out: Buffers, num_tiles: int, bt_width: int) -> None:
         """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""

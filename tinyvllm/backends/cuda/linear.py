@@ -17,9 +17,10 @@ scales, cublas.py gemm_scaled), or where it cannot, into float32 with unit scale
 (cuda/fp8.cu); then the activation as its kernel on the bf16 gate/up product, quantized to e4m3 as it is written
 (silu_and_mul_e4m3: the down projection's codes).
 
-Batch-invariant (invariant=True): every row count takes cuBLAS with its one split-free algorithm per shape
-(cublas.py), never the GEMV, whose additions for a row come in another order than cuBLAS's: a row's product is then
-the same in a batch of 1 and of 500.
+Batch-invariant (invariant=True): every product takes cuBLAS with its one split-free algorithm per shape
+(cublas.py), or for up to 8 rows of the shapes in chain_shapes our gemv_chain (cuda/gemv_chain.cu), which adds a
+row's products in that algorithm's order (one mma chain over k); never the GEMV, whose order differs: a row's
+product is then the same in a batch of 1 and of 500.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.cublas import Cublas
-from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, VECTOR, Ops, fp8_gemv_fits
+from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, MMA_K, VECTOR, Ops, fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
@@ -61,12 +62,16 @@ class Linear:
     device's, on the stream `blas` runs on)."""
 
     def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS,
-                 fp8: Fp8Scratch | None = None, invariant: bool = False) -> None:
-        """invariant: batch-invariant, no GEMV (the module's docstring); blas then pins its algorithms too."""
+                 fp8: Fp8Scratch | None = None, invariant: bool = False,
+                 chain_shapes: set[tuple[int, int]] | None = None) -> None:
+        """invariant: batch-invariant (the module's docstring); blas then pins its algorithms too. chain_shapes:
+        the (n, k) whose products of up to 8 rows run as gemv_chain when invariant (CudaForward checks each shape
+        first); None: every shape."""
         if invariant and not getattr(blas, "invariant", False):
             raise ValueError("a batch-invariant linear layer needs a batch-invariant cuBLAS handle")
         self.blas = blas
         self.invariant = invariant
+        self.chain_shapes = chain_shapes
         self.ops = ops
         self.max_gemv_weights = max_gemv_weights
         self.fp8 = fp8
@@ -74,6 +79,11 @@ class Linear:
     def uses_gemv(self, m: int, n: int, k: int) -> bool:
         return (not self.invariant and 0 < m <= GEMV_MAX_ROWS and 0 < n * k <= self.max_gemv_weights
                 and k % VECTOR == 0)
+
+    def uses_chain_gemv(self, m: int, n: int, k: int) -> bool:
+        """Batch-invariant: m rows of a bf16 product with w [n, k] run as gemv_chain."""
+        return (self.invariant and 0 < m <= GEMV_MAX_ROWS and k % MMA_K == 0
+                and (self.chain_shapes is None or (n, k) in self.chain_shapes))
 
     def _check(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                accumulate: bool = False) -> tuple[int, int]:
@@ -97,6 +107,8 @@ class Linear:
             self._gemm_fp8(out, x, w, m, n, k, accumulate, x_codes)
         elif self.uses_gemv(m, n, k):
             self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
+        elif self.uses_chain_gemv(m, n, k):
+            self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         else:
             self.blas.gemm(out, x, w, m, accumulate=accumulate)
 
@@ -203,6 +215,8 @@ class Linear:
             getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2)
         elif self.uses_gemv(m, n, k):
             getattr(self.ops, gemv_name)(out.ptr, x.ptr, w.ptr, m, n, k)
+        elif self.uses_chain_gemv(m, n, k):
+            self.ops.gemv_chain_gated(gemv_name.removeprefix("gemv_"), out.ptr, x.ptr, w.ptr, m, n, k)
         else:
             self.blas.gemm(gate_up, x, w, m)
             getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2)

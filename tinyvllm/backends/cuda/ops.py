@@ -34,6 +34,14 @@ SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per ro
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
+CHAIN_WARPS = 4  # gemv_chain_*: warps per block (one 16-row tile): one runs the mma chain, all stream weights
+# gemv_chain_*: k per stage of the block's ring (512 bytes of each of its 16 weight rows), the ring's stages and
+# those loaded before the wait for the previous kernel. Measured on an H100 (docs/PERFORMANCE.md): 256 x 6 against
+# 128 x 12 and 64 x 16, O 11.4 against 13.1 and 17.2 us, down 28.5 against 37.7 and 54.9 (512 needs more registers
+# than there are: 8x slower); 2, 4 or 8 warps the same
+CHAIN_K = 256
+CHAIN_STAGES = 6
+CHAIN_EARLY = 2
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
@@ -51,6 +59,8 @@ DEFINES: dict[str, dict[str, int]] = {
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
+    "gemv_chain": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL, "CHAIN_WARPS": CHAIN_WARPS, "CHAIN_K": CHAIN_K,
+                   "CHAIN_STAGES": CHAIN_STAGES, "CHAIN_EARLY": CHAIN_EARLY},
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
             "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
@@ -59,6 +69,9 @@ DEFINES: dict[str, dict[str, int]] = {
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
+# gemv_chain and its gated forms: a warp's ring of weight stages in shared memory, rows padded by 16 bytes
+CHAIN_SHARED_BYTES = CHAIN_STAGES * GEMV_TILE_ROWS * (CHAIN_K + VECTOR) * 2
+MMA_K = 16  # the mma's k: gemv_chain_*'s k is a multiple of it
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
 MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
@@ -137,14 +150,14 @@ def decode_rows(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
-def decode_warps(head_dim: int) -> int:
-    """attention_decode's warps per block (cuda/attention_decode.cu decode_warps)."""
-    return DECODE_WIDE_WARPS if head_dim > 128 else DECODE_WARPS
+def decode_warps(head_dim: int, invariant: bool = False) -> int:
+    """attention_decode's warps per block (cuda/attention_decode.cu decode_warps); its batch-invariant form: one."""
+    return 1 if invariant else DECODE_WIDE_WARPS if head_dim > 128 else DECODE_WARPS
 
 
-def decode_blocks(num_kv_heads: int, group: int, head_dim: int = 128) -> int:
+def decode_blocks(num_kv_heads: int, group: int, head_dim: int = 128, invariant: bool = False) -> int:
     """attention_decode's blocks per sequence and part: a warp per (KV head, chunk of decode_rows query heads)."""
-    return -(-num_kv_heads * -(-group // decode_rows(group)) // decode_warps(head_dim))
+    return -(-num_kv_heads * -(-group // decode_rows(group)) // decode_warps(head_dim, invariant))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, group: int, num_sms: int, head_dim: int = 128) -> int:
@@ -440,31 +453,34 @@ class Ops:
                                 "const bf16* v_cache, const int* block_tables, const int* bt_stride, "
                                 "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
                                 "int block_size, int row_stride, int num_splits, int window, float softcap",
-            *(f"attention_decode_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
+            *(f"attention_decode_d{d}_r{r}{inv}" for inv in ("", "_inv") for d in HEAD_DIMS for r in (8, 16)))
     @kernel("attention_decode", "bf16* out, float* partial_o, float2* partial_ml, const bf16* q, const e4m3* k_cache, "
                                 "const e4m3* v_cache, const int* block_tables, const int* bt_stride, "
                                 "const int* context_lens, float scale, int num_heads, int num_kv_heads, "
                                 "int block_size, int row_stride, int num_splits, int window, float softcap"
                                 + FP8_SCALES,
-            *(f"attention_decode_fp8_d{d}_r{r}" for d in HEAD_DIMS for r in (8, 16)))
+            *(f"attention_decode_fp8_d{d}_r{r}{inv}" for inv in ("", "_inv") for d in HEAD_DIMS for r in (8, 16)))
     def attention_decode(self, out: int, partial_o: int, partial_ml: int, q: int, k_cache: int, v_cache: int,
                          block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
                          num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
                          num_splits: int, kv_scales: tuple[int, int] | None = None, window: int = 0,
-                         softcap: float = 0.0) -> None:
+                         softcap: float = 0.0, invariant: bool = False) -> None:
         """Decode attention of num_seqs sequences; with num_splits > 1 the keys a query sees are cut into up to
         num_splits parts of whole 16-key tiles, through partial_o [num_seqs * num_heads * num_splits, head_dim]
         float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V
         scales of this layer (device float32 [kv_heads] each); None: a bf16 cache. window: the layer's sliding
-        window (0: none; the kernel reads no key before it); softcap: its attention-logit cap (0: none)."""
+        window (0: none; the kernel reads no key before it); softcap: its attention-logit cap (0: none).
+        invariant: the batch-invariant form (attention_decode_*_inv: a row's bits are attention_prefill's; one part)."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
+        _require(not invariant or num_splits == 1, "attention_decode: the batch-invariant form takes one part")
         _require_window_softcap("attention_decode", window, softcap)
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
-        fp8 = "" if kv_scales is None else "fp8_"
-        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}",
-                    (decode_blocks(num_kv_heads, group, head_dim), num_seqs, num_splits), decode_warps(head_dim) * 32,
+        fp8, inv = "" if kv_scales is None else "fp8_", "_inv" if invariant else ""
+        self.launch(f"attention_decode_{fp8}d{head_dim}_r{rows}{inv}",
+                    (decode_blocks(num_kv_heads, group, head_dim, invariant), num_seqs, num_splits),
+                    decode_warps(head_dim, invariant) * 32,
                     out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
                     context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits, window,
                     float(softcap), *(kv_scales or ()))
@@ -528,6 +544,28 @@ class Ops:
         """out[m, n] = x[m, k] . w[n, k]^T (+ out when accumulate), bf16 in, float32 accumulation, for m <= 8."""
         name, grid, split = _gemv_geometry("gemv_f32" if out_fp32 else "gemv_bf16", m, n, k, self.num_sms)
         self.launch(name, grid, GEMV_WARPS * 32, out, x, w, m, n, k, split, int(accumulate))
+
+    @kernel("gemv_chain", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
+            "gemv_chain_bf16", shared=lambda name: CHAIN_SHARED_BYTES)
+    @kernel("gemv_chain", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
+            "gemv_chain_f32", shared=lambda name: CHAIN_SHARED_BYTES)
+    def gemv_chain(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
+        """gemv's product in the order of cuBLASLt's split-free algorithms (cuda/gemv_chain.cu): the batch-invariant
+        GEMV, for m <= 8."""
+        self._gemv_chain("gemv_chain_f32" if out_fp32 else "gemv_chain_bf16", out, x, w, m, n, k, int(accumulate))
+
+    @kernel("gemv_chain", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k", "gemv_swiglu_chain",
+            "gemv_geglu_chain", shared=lambda name: CHAIN_SHARED_BYTES)
+    def gemv_chain_gated(self, activation: str, out: int, x: int, w: int, m: int, n: int, k: int) -> None:
+        """gemv_swiglu's or gemv_geglu's product (activation: "swiglu" or "geglu") in gemv_chain's order."""
+        _require(n % GEMV_TILE_ROWS == 0, f"gemv_{activation}_chain: n = {n} rows are not whole groups of 8 gate and "
+                                          "8 up rows")
+        self._gemv_chain(f"gemv_{activation}_chain", out, x, w, m, n, k)
+
+    def _gemv_chain(self, name: str, out: int, x: int, w: int, m: int, n: int, k: int, *accumulate: int) -> None:
+        _require(0 < m <= GEMV_MAX_ROWS, f"{name}: m = {m} rows (1 to {GEMV_MAX_ROWS})")
+        _require(k % MMA_K == 0 and k >= MMA_K, f"{name}: k {k} is not a multiple of {MMA_K} (the mma's k)")
+        self.launch(name, (-(-n // GEMV_TILE_ROWS),), CHAIN_WARPS * 32, out, x, w, m, n, k, *accumulate)
 
     @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16",
             "gemv_swiglu_bf16_pipelined")

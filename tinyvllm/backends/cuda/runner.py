@@ -558,10 +558,7 @@ class CudaBackend(Backend):
         """Copy a decode batch's inputs to the device, padded to `bucket` rows."""
         n = batch.num_seqs
         inp = self.decode_in
-        given = batch.block_tables.shape[1]
-        # batch-invariant decode attention takes the tables' width as a kernel argument (captured): DecodeTiles'
-        tiles = self.forward.decode_tiles
-        width = given if tiles is None else tiles.bt_width
+        width = batch.block_tables.shape[1]
         inp.wait()
         # Padded rows: token 0 at position 0 with a one-token context, writing nowhere (slot -1), greedy.
         sources = batch.token_sources if batch.token_sources is not None else -1
@@ -573,8 +570,7 @@ class CudaBackend(Backend):
         self._fill_sampling(inp, batch.sampling, n, bucket)
         inp["bt_stride"][0] = width
         tables = inp["block_tables"][: bucket * width].reshape(bucket, width)
-        tables[:n, :given] = batch.block_tables
-        tables[:n, given:] = 0
+        tables[:n] = batch.block_tables
         tables[n:] = 0
         inp.upload(self.stream, "block_tables", bucket * width)
 

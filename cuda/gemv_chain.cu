@@ -1,0 +1,169 @@
+// The batch-invariant GEMV (EngineConfig.batch_invariant, m <= 8 rows): out[m, n] = x[m, k] . w[n, k]^T with each
+// output's k added as one chain of mma.sync m16n8k16 in k's natural order and the mma's own fragment layout. That is
+// how cuBLASLt's split-free algorithms add (bench/gemm_order.py finds them bit for bit this chain), so a row's product
+// has the same bits from this kernel at batch 1..8 as from cuBLAS in a batch of 500, and the invariant mode keeps a
+// GEMV at decode. gemv_kernel.cuh's kernels split k among warps and permute it inside each mma: other bits.
+//
+// A block owns a 16-row weight tile (w the A operand; x^T the B operand, whose 8 columns are the m <= 8 rows of x;
+// columns past m read row m - 1 and are not stored). Its warp 0 runs the chain, k / 16 dependent mmas; all
+// CHAIN_WARPS warps stream w through a ring of CHAIN_STAGES stages of CHAIN_K columns in shared memory (cp.async),
+// because a warp keeps only so many copies in flight: one warp streaming a tile alone moved ~6 GB/s, which left a
+// GEMV of few tiles (Llama-3.2-1B's O and down: 128) at a quarter of the copy rate. Around the chain:
+// - the A fragments of stage s + 1 are loaded (ldmatrix) before stage s's mmas run, and x's B fragments (two
+//   4-byte pieces of row g per step) come from global memory through L1, which every block of the SM shares;
+// - the first CHAIN_EARLY stages of w are loaded into registers before the wait for the previous kernel, which
+//   writes x (programmatic dependent launch; read-only loads, which test_pdl.py lets go first), and stored to the
+//   ring after it.
+// Gated (Act not Ungated: SwiGLU, GeGLU), w's rows come interleaved as for gemv (8 units' gate rows, then their up
+// rows), so a lane holds a unit's gate and up sums and applies the activation as gemv_kernel.cuh's gated() does.
+//
+// Compiled with -DCHAIN_WARPS, -DCHAIN_K, -DCHAIN_STAGES and -DCHAIN_EARLY from backends/cuda/ops.py, which also
+// launches it.
+#include "gemv_kernel.cuh"
+
+constexpr int CHAIN_STEPS = CHAIN_K / 16;            // mmas per stage
+constexpr int CHAIN_ROW = CHAIN_K + 8;               // a row of a stage in bf16 (16 bytes of padding: ldmatrix
+                                                     // reads 8 rows without bank conflicts)
+constexpr int CHAIN_STAGE = 16 * CHAIN_ROW;          // a stage in bf16
+constexpr int CHAIN_PIECES = 16 * CHAIN_K / 8 / (32 * CHAIN_WARPS);  // 16-byte pieces of a stage per thread
+static_assert(CHAIN_K % 16 == 0 && CHAIN_PIECES >= 1 && 16 * CHAIN_K / 8 % (32 * CHAIN_WARPS) == 0,
+              "a stage is whole mmas and whole 16-byte pieces per thread");
+static_assert(1 <= CHAIN_EARLY && CHAIN_EARLY < CHAIN_STAGES - 1, "stage 0 is early; the ring keeps some stages");
+
+// Thread `tid`'s piece i of a stage: row r of the tile, 16-byte chunk c of its CHAIN_K columns.
+__device__ __forceinline__ int chain_piece_row(int tid, int i) {
+    return (tid + 32 * CHAIN_WARPS * i) / (CHAIN_K / 8);
+}
+__device__ __forceinline__ int chain_piece_chunk(int tid, int i) {
+    return (tid + 32 * CHAIN_WARPS * i) % (CHAIN_K / 8);
+}
+
+// Launch: grid ceil(n / 16), block 32 * CHAIN_WARPS, dynamic shared memory CHAIN_STAGES * CHAIN_STAGE bf16.
+// 1 <= m <= 8, k % 16 == 0, x and w 16-byte aligned; gated: n % 16 == 0.
+template <typename T, class Act>
+__device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __restrict__ w, int m, int n, int k,
+                           int accumulate) {
+    extern __shared__ __align__(16) bf16 ring[];
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, row0 = blockIdx.x * 16;
+    const bool chain = tid < 32;  // warp 0
+    const int stages = (k + CHAIN_K - 1) / CHAIN_K;
+    // piece i of stage s: in bounds (k's tail zero-filled) and its source
+    auto source = [&](int s, int i) { return w + (int64_t)min(row0 + chain_piece_row(tid, i), n - 1) * k
+                                             + min(s * CHAIN_K + chain_piece_chunk(tid, i) * 8, k - 8); };
+    auto in_k = [&](int s, int i) { return s * CHAIN_K + chain_piece_chunk(tid, i) * 8 < k; };
+    auto slot = [&](int s, int i) { return ring + (s % CHAIN_STAGES) * CHAIN_STAGE
+                                           + chain_piece_row(tid, i) * CHAIN_ROW + chain_piece_chunk(tid, i) * 8; };
+    allow_dependents_launch();
+    uint4 early[CHAIN_EARLY][CHAIN_PIECES];
+#pragma unroll
+    for (int s = 0; s < CHAIN_EARLY; ++s)
+#pragma unroll
+        for (int i = 0; i < CHAIN_PIECES; ++i)
+            early[s][i] = s < stages && in_k(s, i) ? load_streaming(source(s, i)) : make_uint4(0, 0, 0, 0);
+    grid_dependency_wait();
+#pragma unroll
+    for (int s = 0; s < CHAIN_EARLY; ++s)
+#pragma unroll
+        for (int i = 0; i < CHAIN_PIECES; ++i) *reinterpret_cast<uint4*>(slot(s, i)) = early[s][i];
+    auto fetch = [&](int s) {  // stage s into its slot, a commit group (empty past the last stage)
+        if (s < stages) {
+#pragma unroll
+            for (int i = 0; i < CHAIN_PIECES; ++i) cp_async16(slot(s, i), source(s, i), in_k(s, i));
+        }
+        cp_async_commit();
+    };
+    for (int s = CHAIN_EARLY; s < CHAIN_STAGES - 1; ++s) fetch(s);
+
+    // Stage s's fragments: A by ldmatrix (lane l gives row l % 16 of the tile at k-offset 8 (l / 16): a0..a3 as
+    // the mma takes them), B from x row g: k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step.
+    const bf16* x_row = x + (int64_t)min(g, m - 1) * k + 2 * t;
+    uint32_t a[2][CHAIN_STEPS][4], b[2][CHAIN_STEPS][2];
+    auto load_a = [&](int s, uint32_t (&af)[CHAIN_STEPS][4]) {
+        const bf16* base = ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane & 15) * CHAIN_ROW + (lane >> 4) * 8;
+#pragma unroll
+        for (int j = 0; j < CHAIN_STEPS; ++j) ldmatrix_x4(af[j], base + 16 * j);
+    };
+    auto load_b = [&](int s, uint32_t (&bf)[CHAIN_STEPS][2]) {
+#pragma unroll
+        for (int j = 0; j < CHAIN_STEPS; ++j) {
+            const int k0 = min(s * CHAIN_K + 16 * j, k - 16);  // past k: any in-bounds step (not multiplied)
+            bf[j][0] = *reinterpret_cast<const uint32_t*>(x_row + k0);
+            bf[j][1] = *reinterpret_cast<const uint32_t*>(x_row + k0 + 8);
+        }
+    };
+    __syncthreads();  // the early stages' stores are visible to warp 0
+    if (chain) {
+        load_b(0, b[0]);
+        load_a(0, a[0]);
+    }
+    float c[4] = {};
+    // Stage s: every warp copies stage s + CHAIN_STAGES - 1 into the slot stage s - 1 left (warp 0 read it by
+    // ldmatrix before the last barrier) and waits for stage s + 1; then warp 0 loads stage s + 1's fragments into
+    // one pair of buffers and runs stage s's mmas from the other. The pairs alternate by stage, two stages an
+    // iteration, so that the buffers stay in registers.
+    auto run = [&](int s, const uint32_t (&af)[CHAIN_STEPS][4], const uint32_t (&bf)[CHAIN_STEPS][2],
+                   uint32_t (&an)[CHAIN_STEPS][4], uint32_t (&bn)[CHAIN_STEPS][2]) {
+        fetch(s + CHAIN_STAGES - 1);
+        cp_async_wait<CHAIN_STAGES - 2>();  // stage s + 1 has landed (this thread's copies) ...
+        __syncthreads();                     // ... and every thread's
+        if (!chain) return;
+        if (s + 1 < stages) {
+            load_b(s + 1, bn);
+            load_a(s + 1, an);
+        }
+        const int steps = (k - s * CHAIN_K) / 16;
+        if (steps >= CHAIN_STEPS) {
+#pragma unroll
+            for (int j = 0; j < CHAIN_STEPS; ++j) mma_bf16(c, af[j], bf[j][0], bf[j][1]);
+        } else {  // k's last, partial stage
+#pragma unroll
+            for (int j = 0; j < CHAIN_STEPS; ++j)
+                if (j < steps) mma_bf16(c, af[j], bf[j][0], bf[j][1]);
+        }
+    };
+    for (int s = 0; s < stages; s += 2) {
+        run(s, a[0], b[0], a[1], b[1]);
+        if (s + 1 < stages) run(s + 1, a[1], b[1], a[0], b[0]);
+    }
+    if (!chain) return;
+    // c: (row g, x row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    if constexpr (std::is_same<Act, Ungated>::value) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = row0 + g + 8 * (j >> 1), col = 2 * t + (j & 1);
+            if (row < n && col < m) store_out(out + (int64_t)col * n + row, c[j], accumulate);
+        }
+    } else {  // rows g: unit g's gate, g + 8: its up
+        const int unit = row0 / 2 + g;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = 2 * t + j;
+            if (unit < n / 2 && col < m) store_out(out + (int64_t)col * (n / 2) + unit, gated<Act>(c[j], c[j + 2]), 0);
+        }
+    }
+}
+
+// The kernels: bf16 or float32 out (optionally adding to it), and the gated MLP's two activations
+#if KEEPS(gemv_chain_bf16)
+extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS)
+gemv_chain_bf16(bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate) {
+    gemv_chain<bf16, Ungated>(out, x, w, m, n, k, accumulate);
+}
+#endif
+#if KEEPS(gemv_chain_f32)
+extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS)
+gemv_chain_f32(float* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate) {
+    gemv_chain<float, Ungated>(out, x, w, m, n, k, accumulate);
+}
+#endif
+#define GEMV_CHAIN_GATED(NAME, ACT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * CHAIN_WARPS)                                                  \
+    gemv_##NAME##_chain(bf16* out, const bf16* x, const bf16* w, int m, int n, int k) {                            \
+        gemv_chain<bf16, ACT>(out, x, w, m, n, k, 0);                                                              \
+    }
+#if KEEPS(gemv_swiglu_chain)
+GEMV_CHAIN_GATED(swiglu, Silu)
+#endif
+#if KEEPS(gemv_geglu_chain)
+GEMV_CHAIN_GATED(geglu, GeluTanh)
+#endif
