@@ -175,7 +175,7 @@ def test_chain_gemv_rows_are_cublas_rows(cuda, invariant_linear, n, k, form):
 
     whole = product(rows)
     for m in CHAIN_ROWS:
-        assert linear.uses_chain_gemv(m, k)
+        assert linear.uses_chain_gemv(m, n, k)
         assert np.array_equal(product(m), whole[:m]), f"rows 0..{m - 1} differ at m = {m}"
     for allocation in (x, w, gate_up):
         allocation.free()
