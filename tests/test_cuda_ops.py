@@ -1331,3 +1331,14 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
         blas.gemm_scaled(DeviceTensor(300, BF16, (8, 32)), DeviceTensor(100, E4M3, (8, 64)), w, 6)
     assert not cublas.Cublas(0, 4096, 1 << 20, invariant=True).gemm_scaled(DeviceTensor(300, BF16, (8, 32)), x, w, 6)
     blas.close()
+
+
+def test_gemv_chain_declares_its_ring_as_dynamic_shared_memory():
+    """gemv_chain's four kernels ask for CHAIN_STAGES stages of 16 weight rows of CHAIN_K + 8 bf16 (cuda/gemv_chain.cu's
+    ring), within an H100/H200 block's most; no other kernel outside moe.cu asks for any."""
+    from tinyvllm.backends.cuda.ops import CHAIN_K, CHAIN_STAGES
+
+    shared = {name: sig.shared_bytes for name, sig in SIGNATURES.items() if sig.shared_bytes and sig.file != "moe"}
+    ring = CHAIN_STAGES * 16 * (CHAIN_K + 8) * 2
+    assert shared == dict.fromkeys(["gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"], ring)
+    assert ring <= 227 * 1024
