@@ -23,6 +23,8 @@ accumulator, so a row's result is the same whatever the other rows and however m
 pick per row count, and on small m they cut k into parts summed afterwards, a different order of additions for the
 same row. Other split-free algorithms mostly add in the same order, but not all (bench/gemm_order.py; the
 heuristics' own choice per row count broke a row's bits at n = 1000, k = 4096), so one algorithm serves every m.
+For up to 8 rows linear.py may run gemv_chain instead, our GEMV in that walk's order, on the shapes where
+CudaForward found it to give the algorithm's bits.
 """
 
 from __future__ import annotations
