@@ -167,8 +167,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--m", default="1,2,4,8")
-    parser.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
-    parser.add_argument("--invariant", action="store_true", help="gemv_chain against the pinned cuBLAS algorithm")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
+    kind.add_argument("--invariant", action="store_true", help="gemv_chain against the pinned cuBLAS algorithm")
     args = parser.parse_args()
     ms = [int(m) for m in args.m.split(",")]
     device = Device(0)
