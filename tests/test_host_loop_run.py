@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from tinyvllm import SamplingParams
+from tinyvllm.engine import logprob_buffer
 from tinyvllm.engine.persistent_batch import CAPACITY, DecodeRun
+from tinyvllm.logprobs import FlatLogprobs
 
 from helpers import llm_for
 
@@ -223,3 +225,40 @@ def test_run_commits_before_a_cached_block_is_evicted(tiny_model_dir, seed):
         results.append((completions(outputs), dict(engine.block_manager.cached), engine.block_manager.block_hashes,
                         engine.block_manager.num_hit_tokens))
     assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_run_buffers_logprobs_in_blocks(tiny_model_dir, monkeypatch, seed):
+    """Every row asks for logprobs (k 0-3, some with a stop string, some aborted, preemptions in a small cache);
+    with a slot's buffer of 3 positions the run passes most entries on in blocks, when a buffer fills, when a row
+    leaves and before a row's token is looked at alone: the entries and cumulative logprobs are the engine's
+    without the run, and each completion has one entry per token (stop tokens looked at alone included)."""
+    monkeypatch.setattr(logprob_buffer, "LOGPROB_CHUNK", 3)
+    rng = np.random.default_rng(seed)
+    plan, aborts = {}, {}
+    for i in range(12):
+        kw = {"max_tokens": int(rng.integers(5, 40)), "temperature": float(rng.choice([0.0, 0.8])), "seed": i,
+              "ignore_eos": bool(rng.random() < 0.5), "logprobs": i % 4}
+        if i % 3 == 0:
+            kw["stop"] = ["ab", "x"]
+        prompt = rng.integers(3, 300, int(rng.integers(2, 20))).tolist()
+        plan.setdefault(int(rng.integers(0, 20)), []).append((f"r{i}", prompt, SamplingParams(**kw)))
+        if i % 5 == 0:
+            aborts.setdefault(int(rng.integers(5, 30)), []).append(f"r{i}")
+    # a row whose stop tokens are most of the vocabulary: once it has joined, the others' tokens are often looked
+    # at alone (a possible stop token), between tokens the run buffers
+    plan.setdefault(0, []).append(("s", [3, 4, 5], SamplingParams(max_tokens=30, stop_token_ids=list(range(3, 250)),
+                                                                   min_tokens=2)))
+    results, blocks = [], []
+    for with_run in (False, True):
+        _, engine, _ = engine_for(tiny_model_dir, with_run, num_kv_blocks=24)
+        if with_run:
+            record = engine.run.logprobs.record
+            engine.run.logprobs.record = lambda *a: blocks.append(len(out := record(*a))) or out
+        outputs, _ = drive(engine, plan, aborts)
+        results.append(completions(outputs))
+        for out in outputs.values():
+            for c in out.outputs if out.request_id != "s" else ():
+                assert isinstance(c.logprobs, FlatLogprobs) and len(c.logprobs) == len(c.token_ids)
+    assert results[1] == results[0]
+    assert sum(blocks) >= 3, "no buffer filled"

@@ -8,7 +8,8 @@ from tinyvllm import SamplingParams
 from tinyvllm.backends.base import Batch, Logprobs, QueuedStep, SamplerOutput
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.engine.output_processor import InFlightStep, OutputProcessor, logprob_dicts
+from tinyvllm.engine.output_processor import InFlightStep, OutputProcessor
+from tinyvllm.logprobs import logprob_dicts
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from tinyvllm.outputs import RequestMetrics
@@ -161,7 +162,7 @@ def test_a_sequence_finished_before_its_step_is_read_is_skipped(tokenizer):
 def test_logprob_entries_match_one_dict_per_row(seed):
     """The batched entries equal {top ids: values (-inf left out), token: its logprob} made row by row, for any k
     (each row its own, at most the arrays' width), forbidden (-inf) tops and NaN, rows in any order."""
-    from tinyvllm.engine.output_processor import logprob_entries
+    from tinyvllm.logprobs import logprob_entries
 
     rng = np.random.default_rng(seed)
     n, width = 40, 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -26,8 +27,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     # One dict per generated token: {token_id: Logprob} for the sampled token and the top-`logprobs` tokens. LLM's
-    # outputs hold Logprob objects; the engine's own (LLMEngine.step(), what the job layer reads) hold plain floats.
-    logprobs: list[dict[int, Logprob]] | list[dict[int, float]] | None = None
+    # outputs hold Logprob objects; the engine's own (LLMEngine.step(), what the job layer reads) hold plain floats
+    # in a FlatLogprobs (tinyvllm/logprobs.py: a list to its readers, kept as arrays until read).
+    logprobs: list[dict[int, Logprob]] | Sequence[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # With a structured_outputs constraint: whether the output is complete (matches it in full); False when it ran

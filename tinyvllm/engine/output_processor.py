@@ -4,7 +4,6 @@ that is given to it."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from tinyvllm.engine.persistent_batch import DecodeRun, FastRows
 from tinyvllm.engine.scheduler import ScheduledStep
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
+from tinyvllm.logprobs import logprob_dicts, logprob_entries
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.tokenizer import decode_continuations
 
@@ -107,6 +107,7 @@ class OutputProcessor:
             if i in may_stop:  # attached: its token is in the run already; only the stop rules and logprobs are left
                 slot, index = int(fast.slots[i]), launched.index(i)
                 self.run.catch_up_text(slot, index)
+                self.run.flush_logprobs(slot)  # its entries so far come before this one
                 self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, entries[i])
                 self.run.text_mask[slot] = -2 if self.run.has_text[slot] else -1  # its text's state: looked at next
                 continue
@@ -197,19 +198,14 @@ class OutputProcessor:
     def _take_texts(self, seqs: list[Sequence], rows: np.ndarray, fast: FastRows, tokens: np.ndarray,
                     first: list[int], logprobs: Logprobs | None) -> list[int]:
         """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output):
-        their logprob entries, then their stop strings; the rows a stop string ends (their text cut, their stop
-        reason set). A token whose bytes hold no stop string's last character cannot end a match: its text is
-        added later, with the row's next token that may (DecodeRun.catch_up_text), or when the row leaves."""
+        their logprobs (buffered by the run), then their stop strings; the rows a stop string ends (their text cut,
+        their stop reason set). A token whose bytes hold no stop string's last character cannot end a match: its text
+        is added later, with the row's next token that may (DecodeRun.catch_up_text), or when the row leaves."""
         run = self.run
         slots, lengths = fast.slots[rows], fast.sample_index[rows] + 1
-        with_logprobs = rows[run.has_logprobs[slots]].tolist()
-        if with_logprobs:
-            taken = [first[i] for i in with_logprobs]
-            for i, token, entry in zip(with_logprobs, taken, logprob_entries(
-                    logprobs, with_logprobs, taken, [seqs[i].params.logprobs for i in with_logprobs])):
-                seq = seqs[i]
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token]
+        with_logprobs = run.has_logprobs[slots]
+        if with_logprobs.any():
+            run.record_logprobs(slots[with_logprobs], rows[with_logprobs], tokens[with_logprobs], logprobs)
         text = run.has_text[slots]
         mask = run.text_mask[slots]
         deferred = text & (mask >= 0) & ~run.text_held[slots] & (lengths - 1 > run.look_after[slots])
@@ -367,51 +363,3 @@ def _stop_found(seq: Sequence, delta: str, look: bool) -> bool:
     seq.text = seq.text[:pos + len(stop) if seq.params.include_stop_str_in_output else pos]
     seq.finish_reason, seq.stop_reason = "stop", stop
     return True
-
-
-def logprob_dicts(logprobs: Logprobs, token_ids, k: int, first_row: int = 0) -> list[dict[int, float]]:
-    """{token: logprob} per token, from rows first_row.. of `logprobs`: the actual token's and the top-k (k of this
-    request, the batch may have more) that a logits processor or constraint left possible (fewer than k when it
-    forbade the rest)."""
-    n = len(token_ids)
-    return logprob_entries(logprobs, list(range(first_row, first_row + n)), np.asarray(token_ids).tolist(), [k] * n)
-
-
-def logprob_entries(logprobs: Logprobs, rows: list[int], token_ids: list[int], ks: list[int]) -> list[dict[int, float]]:
-    """{token: logprob} of one token at each of `rows` (ks[i] top logprobs for row i; see logprob_dicts), from one
-    copy of the arrays (take: about a quarter of fancy indexing's time on a few hundred rows)."""
-    if not rows:
-        return []
-    k, where = max(ks), np.asarray(rows)
-    top_ids = logprobs.top_ids.take(where, 0)[:, :k]
-    top_array = logprobs.top_logprobs.take(where, 0)[:, :k]
-    own = logprobs.token_logprobs.take(where).tolist()
-    if min(ks) == k and (top_array > -np.inf).all():  # each row's k entries, none forbidden (nor NaN)
-        return _full_entries(k, top_ids, top_array, token_ids, own)
-    out = []
-    for ids, values, n, token, lp in zip(top_ids.tolist(), top_array.tolist(), ks, token_ids, own):
-        pairs = zip(ids, values) if n == k else zip(ids[:n], values[:n])
-        entry = {t: v for t, v in pairs if v > -math.inf}
-        entry[token] = lp
-        out.append(entry)
-    return out
-
-
-def _full_entries(k: int, top_ids: np.ndarray, top: np.ndarray, token_ids: list[int],
-                  own: list[float]) -> list[dict[int, float]]:
-    """The entries of rows with all k top logprobs ([rows, k] arrays), the token's last (dict literals from the
-    columns for the usual small k: no list per row)."""
-    if k == 0:
-        return [{token: lp} for token, lp in zip(token_ids, own)]
-    if k == 1:
-        return [{t: v, token: lp}
-                for t, v, token, lp in zip(top_ids[:, 0].tolist(), top[:, 0].tolist(), token_ids, own)]
-    if k == 2:
-        (t0, t1), (v0, v1) = top_ids.T.tolist(), top.T.tolist()
-        return [{a: x, b: y, token: lp} for a, b, x, y, token, lp in zip(t0, t1, v0, v1, token_ids, own)]
-    out = []
-    for ids, values, token, lp in zip(top_ids.tolist(), top.tolist(), token_ids, own):
-        entry = dict(zip(ids, values))
-        entry[token] = lp
-        out.append(entry)
-    return out

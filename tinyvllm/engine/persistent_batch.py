@@ -4,12 +4,15 @@ leave, so that a steady-state decode step is scheduled, prepared and read withou
 A running sequence joins once it decodes and needs nothing the arrays do not hold (`eligible`). It leaves when it
 finishes, is aborted, is about to reach its length limit, or when a step needs the scheduler's full path: too few
 free blocks or too little budget for every decode (preemption decides then, and none joins for block_size steps),
-or a decode that cannot join (then every row leaves, and none joins again while that decode runs). The attached rows are the step's first rows, in
-arrival order, as the scheduler orders decodes; prompt chunks and new sequences follow them.
+or a decode that cannot join (then every row leaves, and none joins again while that decode runs). The attached
+rows are the step's first rows, in arrival order, as the scheduler orders decodes; prompt chunks and new sequences
+follow them.
 
 While a sequence is attached, four of its fields are stale and the run holds them: num_computed_tokens,
 num_pending, sample_row and the tail of token_ids (the run buffers the tokens from `base` on, the pending ones
-included). write_back() brings the fields up to date, read_in() takes them back; everything else stays live.
+included). write_back() brings the fields up to date, read_in() takes them back; everything else stays live. The
+rows' sampled-token logprobs gather in a LogprobBuffer and reach the sequences in blocks (at write_back, or when a
+slot's buffer fills): until then an attached sequence's `logprobs` and `cumulative_logprob` lack them.
 
 The prefix-cache commits of the blocks that attached rows fill are logged in the order the output processor would
 make them, and made (flush_commits) before anything else reads or writes the prefix cache: an admission's lookup,
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.backends.base import LogitsProcessing
+from tinyvllm.backends.base import LogitsProcessing, Logprobs
+from tinyvllm.engine.logprob_buffer import LogprobBuffer
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 CAPACITY = 256  # tokens a row buffers before its known ones are moved into its token_ids
@@ -86,6 +90,7 @@ class DecodeRun:
         for name, dtype in ARRAYS.items():
             setattr(self, name, np.zeros(0, dtype))
         self.buf = np.zeros((0, CAPACITY), np.int32)
+        self.logprobs = LogprobBuffer()
         self.count = 0
         self.stop_mask = np.zeros(vocab_size, np.bool_)  # tokens that may stop some row: checked one by one
         self.eos_token_ids, self._eos_marked = eos_token_ids, set()  # the engine's set (its parts share it)
@@ -112,6 +117,8 @@ class DecodeRun:
         self.trow[slot], self.max_len[slot], self.arrival[slot] = row, seq.max_len, seq.arrival_index
         self.check[slot] = seq.logprobs is not None or seq.detokenizer is not None
         self.has_logprobs[slot], self.has_text[slot] = seq.logprobs is not None, seq.detokenizer is not None
+        if seq.logprobs is not None:
+            self.logprobs.start(slot, seq.params.logprobs)
         self.deferred[slot] = 0
         self.look_after[slot] = seq.num_prompt_tokens + seq.params.min_tokens
         self.has_processors[slot] = seq.processors is not None
@@ -153,6 +160,25 @@ class DecodeRun:
         seq.sample_row = int(self.sample_row[slot])
         self.base[slot] = self.ctx[slot]
         self.catch_up_text(slot, int(self.ctx[slot] - self.pending[slot]))
+        self.flush_logprobs(slot)
+
+    def record_logprobs(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, logprobs: Logprobs) -> None:
+        """The logprobs of the tokens just read for these attached slots (row rows[i] of the step's `logprobs`),
+        buffered; a slot whose buffer fills passes them on."""
+        for slot in self.logprobs.record(slots, rows, token_ids, logprobs).tolist():
+            self.flush_logprobs(slot)
+
+    def flush_logprobs(self, slot: int) -> None:
+        """The slot's buffered logprobs to its sequence: a block of entries, and their sum in its cumulative
+        logprob (added one by one in order, as the output processor adds an entry's)."""
+        taken = self.logprobs.take(slot) if self.has_logprobs[slot] else None
+        if taken is not None:
+            seq = self.seqs[slot]
+            seq.logprobs.add_block(*taken)
+            total = seq.cumulative_logprob
+            for value in taken[1].tolist():
+                total += value
+            seq.cumulative_logprob = total
 
     def catch_up_text(self, slot: int, upto: int) -> None:
         """Add the text of the row's deferred tokens (those before position `upto`) to its sequence's text."""

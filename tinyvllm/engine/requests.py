@@ -16,6 +16,7 @@ from tinyvllm.engine.request_processors import RequestProcessors, request_proces
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
+from tinyvllm.logprobs import FlatLogprobs
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer
@@ -116,7 +117,7 @@ class RequestAdmission:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                                      params.skip_special_tokens)
         if params.logprobs is not None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
+            seq.logprobs, seq.cumulative_logprob = FlatLogprobs(), 0.0
         if params.prompt_logprobs is not None and index == 0:
             seq.prompt_logprobs = [None]  # the first token has no prefix to be predicted from
         group.seqs.append(seq)

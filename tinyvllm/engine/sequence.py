@@ -12,6 +12,7 @@ from tinyvllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tinyvllm.engine.request_processors import RequestProcessors
     from tinyvllm.engine.structured_outputs import OutputConstraint
+    from tinyvllm.logprobs import FlatLogprobs
     from tinyvllm.tokenizer import IncrementalDetokenizer
 
 
@@ -55,7 +56,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: FlatLogprobs | None = None  # one {token_id: logprob} per output token
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None  # text token by token, only to find stop strings
