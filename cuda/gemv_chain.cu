@@ -14,8 +14,7 @@
 //   4-byte pieces of row g per step) come from global memory through L1, which every block of the SM shares;
 // - the first CHAIN_EARLY stages of w are loaded into registers before the wait for the previous kernel, which
 //   writes x (programmatic dependent launch; read-only loads, which test_pdl.py lets go first), and stored to the
-//   ring after it; what an accumulating product adds to (the residual stream) is read right after that wait, not
-//   after the chain, where its latency showed in ncu's stall samples.
+//   ring after it.
 // Gated (Act not Ungated: SwiGLU, GeGLU), w's rows come interleaved as for gemv (8 units' gate rows, then their up
 // rows), so a lane holds a unit's gate and up sums and applies the activation as gemv_kernel.cuh's gated() does.
 //
@@ -40,9 +39,6 @@ __device__ __forceinline__ int chain_piece_chunk(int tid, int i) {
     return (tid + 32 * CHAIN_WARPS * i) % (CHAIN_K / 8);
 }
 
-__device__ __forceinline__ float load_out(const float* p) { return *p; }
-__device__ __forceinline__ float load_out(const bf16* p) { return __bfloat162float(*p); }
-
 // Launch: grid ceil(n / 16), block 32 * CHAIN_WARPS, dynamic shared memory CHAIN_STAGES * CHAIN_STAGE bf16.
 // 1 <= m <= 8, k % 16 == 0, x and w 16-byte aligned; gated: n % 16 == 0.
 template <typename T, class Act>
@@ -66,17 +62,6 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
         for (int i = 0; i < CHAIN_PIECES; ++i)
             early[s][i] = s < stages && in_k(s, i) ? load_streaming(source(s, i)) : make_uint4(0, 0, 0, 0);
     grid_dependency_wait();
-    // what an accumulating product adds to, read now rather than after the chain (the kernel before wrote it)
-    float prior[4] = {};
-    if constexpr (std::is_same<Act, Ungated>::value) {
-        if (chain && accumulate) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int row = row0 + g + 8 * (j >> 1), col = 2 * t + (j & 1);
-                if (row < n && col < m) prior[j] = load_out(out + (int64_t)col * n + row);
-            }
-        }
-    }
 #pragma unroll
     for (int s = 0; s < CHAIN_EARLY; ++s)
 #pragma unroll
@@ -147,7 +132,7 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int row = row0 + g + 8 * (j >> 1), col = 2 * t + (j & 1);
-            if (row < n && col < m) store_out(out + (int64_t)col * n + row, accumulate ? prior[j] + c[j] : c[j], 0);
+            if (row < n && col < m) store_out(out + (int64_t)col * n + row, c[j], accumulate);
         }
     } else {  // rows g: unit g's gate, g + 8: its up
         const int unit = row0 / 2 + g;
