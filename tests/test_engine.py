@@ -336,3 +336,22 @@ def test_block_hash_is_sha256_of_the_parent_and_the_token_ids_as_int32():
     ids = [7, -1, 2**31 - 1]
     assert block_hash(first, ids) == hashlib.sha256(first + struct.pack("<3i", *ids)).digest()
     assert block_hash(first, [1, 2]) != block_hash(b"", [1, 2])
+
+
+@pytest.mark.parametrize("prompt,bad", [([5, -1, 7, 100000], -1), ([5, 6, 100000, -2], 100000),
+                                        ([np.int64(4), 3.0], None)])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_by_the_first(tiny_model_dir, prompt, bad):
+    """A token-id prompt with ids outside the vocabulary gets an error output naming the first of them; numpy ints
+    and integral floats are taken as ints."""
+    engine = llm_for(tiny_model_dir).llm_engine
+    vocab = engine.requests.vocab_size
+    assert engine.add_request("r", prompt, SamplingParams(max_tokens=2)) == (
+        None if bad is None else f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+    outputs = []
+    while engine.has_unfinished_requests() or not outputs:
+        outputs += engine.step()
+    error = outputs[0].error
+    if bad is None:
+        assert error is None and outputs[0].prompt_token_ids == [4, 3]
+    else:
+        assert error == f"prompt token id {bad} is outside the vocabulary (size {vocab})"

@@ -87,3 +87,13 @@ def test_gumbel_noise_is_finite_for_every_hash():
     assert np.all(np.isfinite(noise))
     top = (np.float32((1 << 23) - 1) + np.float32(0.5)) * np.float32(1.0 / (1 << 23))
     assert top < 1 and np.isfinite(-np.log(-np.log(top)))
+
+
+def test_seed_key_is_mix32_of_the_seeds_halves():
+    """seed_key (Python ints) gives numpy mix32's bits: mix32(lo ^ mix32(hi ^ 0x9E3779B9)), over random 64-bit
+    seeds and the edges."""
+    rng = np.random.default_rng(3)
+    seeds = [0, 1, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, (1 << 64) - 1, *rng.integers(0, 1 << 63, 500).tolist()]
+    for seed in seeds:
+        lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32 & 0xFFFFFFFF)
+        assert sampler.seed_key(seed) == int(sampler.mix32(lo ^ sampler.mix32(hi ^ np.uint32(0x9E3779B9))))

@@ -27,9 +27,19 @@ def mix32(x: np.ndarray) -> np.ndarray:
 
 
 def seed_key(seed: int) -> int:
-    """A request's 32-bit sampling key, from its 64-bit seed (computed once, at arrival)."""
-    lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF)
-    return int(mix32(lo ^ mix32(hi ^ np.uint32(0x9E3779B9))))
+    """A request's 32-bit sampling key, from its 64-bit seed (computed once, at arrival):
+    mix32(lo ^ mix32(hi ^ 0x9E3779B9)) of its low and high 32 bits, on Python ints (a tenth of numpy's time on one
+    value; the same bits)."""
+    return _mix32_int((seed & 0xFFFFFFFF) ^ _mix32_int(((seed >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9))
+
+
+def _mix32_int(x: int) -> int:
+    """mix32 of one value in [0, 2^32)."""
+    x ^= x >> 16
+    x = x * 0x85EBCA6B & 0xFFFFFFFF
+    x ^= x >> 13
+    x = x * 0xC2B2AE35 & 0xFFFFFFFF
+    return x ^ x >> 16
 
 
 def step_keys(seed_keys: np.ndarray, output_indices: np.ndarray) -> np.ndarray:

@@ -89,10 +89,10 @@ class RequestAdmission:
                 raise ValueError("empty prompt")
             token_ids = self.tokenizer.encode_prompt(prompt, templated=templated)
         else:
-            token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            token_ids = list(map(int, prompt))
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+                bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
         if not token_ids:
             raise ValueError("empty prompt")
         return token_ids
