@@ -13,7 +13,8 @@ from tinyvllm.logprobs import FlatLogprobs, logprob_entries
 def random_rows(rng, n: int, k: int) -> tuple[np.ndarray, Logprobs]:
     top = rng.standard_normal((n, k)).astype(np.float32)
     top[rng.random((n, k)) < 0.1] = -np.inf  # forbidden by a logits processor: left out of the entry
-    ids = rng.integers(0, 50, (n, k)).astype(np.int32)  # small ids: the sampled token often among them
+    # distinct ids a position, as top-k gives them; few of them: the sampled token often among them
+    ids = np.array([rng.choice(50, k, replace=False) for _ in range(n)], np.int32).reshape(n, k)
     return rng.integers(0, 50, n).astype(np.int32), Logprobs(rng.standard_normal(n).astype(np.float32), ids, top)
 
 
@@ -67,3 +68,35 @@ def test_the_buffer_keeps_its_positions_when_it_grows(monkeypatch):
             np.testing.assert_array_equal(top_ids[i], rows.top_ids[row, :k])
             np.testing.assert_array_equal(top[i], rows.top_logprobs[row, :k])
         assert buf.take(slot) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_writers_columns_from_blocks_are_those_of_the_dicts(seed):
+    """The job writer's logprobs / top_logprobs columns made from a FlatLogprobs' arrays equal those made from its
+    dicts: forbidden (-inf) top entries, the token among the top k or not, tied values, k = 0..4, a NaN (the
+    dicts' path), a repeated top id (the same), blocks between appended dicts."""
+    from tinyvllm.io.writer import _logprob_columns, _logprob_value, _top
+
+    rng = np.random.default_rng(seed)
+    flat, token_ids = FlatLogprobs(), []
+    for part in range(6):
+        k, n = int(rng.integers(0, 5)), int(rng.integers(1, 7))
+        tokens, rows = random_rows(rng, n, k)
+        rows.top_logprobs[:] = -np.sort(-rows.top_logprobs, 1)  # most likely first, as the kernels give them
+        rows.top_logprobs[rng.random((n, k)) < 0.2] = rows.top_logprobs.flat[0] if k else 0  # ties
+        if k and rng.random() < 0.5:  # the token among its top k
+            rows.top_ids[0, int(rng.integers(k))] = tokens[0]
+        if seed == 7 and part == 2 and k:
+            rows.top_logprobs[0, 0] = np.nan
+        if seed == 6 and part == 0 and k > 1:  # a repeated id (not from top-k; the dicts' path)
+            rows.top_ids[0, 1] = rows.top_ids[0, 0]
+        token_ids += tokens.tolist()
+        if part % 3 == 1:
+            for entry in logprob_entries(rows, list(range(n)), tokens.tolist(), [k] * n):
+                flat.append(entry)
+        else:
+            flat.add_block(tokens, rows.token_logprobs, rows.top_ids, rows.top_logprobs, k)
+    got = _logprob_columns(token_ids, flat)
+    entries = list(FlatLogprobs(flat))  # the dicts
+    want = ([_logprob_value(d.get(t)) for t, d in zip(token_ids, entries)], [_top(d) for d in entries])
+    assert got == want

@@ -25,7 +25,7 @@ class LogprobRows(Protocol):
     top_logprobs: np.ndarray  # float32 [N, k]
 
 
-class _Block:
+class LogprobBlock:
     """n positions' arrays: as LogprobRows, with the tokens sampled there and the request's k."""
 
     __slots__ = ("token_logprobs", "top_ids", "top_logprobs", "token_ids", "k")
@@ -47,14 +47,14 @@ class FlatLogprobs(MutableSequence):
 
     def __init__(self, entries: Iterable[dict[int, float]] = ()) -> None:
         self._entries: list[dict[int, float]] = list(entries)
-        self._added: list[_Block | list[dict[int, float]]] = []
+        self._added: list[LogprobBlock | list[dict[int, float]]] = []
         self._num_added = 0
 
     def add_block(self, token_ids: np.ndarray, token_logprobs: np.ndarray, top_ids: np.ndarray,
                   top_logprobs: np.ndarray, k: int) -> None:
         """Append n entries from arrays (the caller's copies, not to be changed after): the sampled tokens [n],
         their logprobs [n], the top ids and logprobs [n, >= k], as logprob_entries reads them with this k."""
-        self._added.append(_Block(token_ids, token_logprobs, top_ids, top_logprobs, k))
+        self._added.append(LogprobBlock(token_ids, token_logprobs, top_ids, top_logprobs, k))
         self._num_added += len(token_ids)
 
     def append(self, value: dict[int, float]) -> None:
@@ -73,6 +73,13 @@ class FlatLogprobs(MutableSequence):
                 self._entries += part if isinstance(part, list) else part.entries()
             self._added, self._num_added = [], 0
         return self._entries
+
+    def parts(self) -> Iterator[list[dict[int, float]] | LogprobBlock]:
+        """The entries in order as they are held, lists of dicts and blocks of arrays, none made into dicts: for a
+        reader that takes the arrays as they come (the job writer's columns)."""
+        if self._entries:
+            yield self._entries
+        yield from self._added
 
     def __len__(self) -> int:
         return len(self._entries) + self._num_added

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from tinyvllm.config import INT32_MAX, Setting, settings
 from tinyvllm.errors import JobError
+from tinyvllm.logprobs import FlatLogprobs, LogprobBlock
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -189,8 +190,7 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
     rec.update({name: getattr(metrics, name) if metrics else None for name in LATENCIES})
     if ok and comp.logprobs is not None:
         rec["cumulative_logprob"] = comp.cumulative_logprob
-        rec["logprobs"] = [_logprob_value(d.get(t)) for t, d in zip(comp.token_ids, comp.logprobs)]
-        rec["top_logprobs"] = [_top(d) for d in comp.logprobs]
+        rec["logprobs"], rec["top_logprobs"] = _logprob_columns(comp.token_ids, comp.logprobs)
     if ok and out.prompt_logprobs is not None:
         rec["prompt_logprobs"] = [_logprob_value(d.get(t)) if d is not None else None
                                   for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
@@ -202,6 +202,45 @@ def output_record(index: int, row_id: str, prompt: str | list[int] | None,
         rec["completions_cumulative_logprobs"] = [c.cumulative_logprob for c in comps]
     rec.update(extras or {})
     return rec
+
+
+def _logprob_columns(token_ids: list[int], entries) -> tuple[list, list]:
+    """A completion's `logprobs` (each token's own) and `top_logprobs` (_top of each entry) columns; the blocks of
+    the engine's FlatLogprobs straight from their arrays (_block_columns), without a dict per token."""
+    parts = entries.parts() if isinstance(entries, FlatLogprobs) else [entries]
+    values, tops, start = [], [], 0
+    for part in parts:
+        columns = _block_columns(part) if isinstance(part, LogprobBlock) else None
+        if columns is None:
+            part = part.entries() if isinstance(part, LogprobBlock) else part
+            columns = ([_logprob_value(d.get(t)) for t, d in zip(token_ids[start:], part)], [_top(d) for d in part])
+        values += columns[0]
+        tops += columns[1]
+        start += len(columns[1])
+    return values, tops
+
+
+def _block_columns(block: LogprobBlock) -> tuple[list, list] | None:
+    """_logprob_columns of a block's positions from its arrays: the entries its dicts would hold (the top k not
+    forbidden, the token's own value in place of its top one, the token last if not among them), most likely first,
+    ties in that order (a stable sort, as _top's); None where a value is NaN or the token's is infinite (_top's
+    order of those is Python's sort's) or a position repeats a top id (its dict keeps one), for the dicts' path."""
+    own, tokens = block.token_logprobs, block.token_ids
+    ids, top = block.top_ids[:, :block.k], block.top_logprobs[:, :block.k]
+    if (np.isnan(top).any() or not np.isfinite(own).all()
+            or (block.k > 1 and (np.diff(np.sort(ids, 1), axis=1) == 0).any())):
+        return None
+    kept = top > -np.inf
+    in_top = kept & (ids == tokens[:, None])
+    present = np.concatenate([kept, ~in_top.any(1, keepdims=True)], 1)
+    all_ids = np.concatenate([ids, tokens[:, None]], 1)
+    all_values = np.concatenate([np.where(in_top, own[:, None], top), own[:, None]], 1)
+    order = np.argsort(np.where(present, -all_values, np.inf), axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(all_ids, order, 1).tolist()
+    sorted_values = np.take_along_axis(all_values, order, 1).tolist()
+    tops = [[{"token_id": t, "logprob": v} for t, v in zip(row_ids[:n], row_values[:n])]
+            for row_ids, row_values, n in zip(sorted_ids, sorted_values, present.sum(1).tolist())]
+    return own.tolist(), tops
 
 
 def _logprob_value(entry: Logprob | float | None) -> float | None:
