@@ -46,10 +46,11 @@ def snapshot(batch) -> dict:
 
 def random_params(rng, reference_text: str) -> SamplingParams:
     """Greedy or seeded sampling, with some of: a stop string, a stop token, logprobs, penalties, n = 2,
-    min_tokens, a bad word (a row that cannot join the run), prompt logprobs, allowed_token_ids, logit_bias."""
+    min_tokens, a bad word (a row that cannot join the run), prompt logprobs, allowed_token_ids, logit_bias, a
+    structured output (a regex, a choice or a JSON schema)."""
     kw = {"max_tokens": int(rng.integers(1, 40)), "temperature": float(rng.choice([0.0, 0.8])),
           "seed": int(rng.integers(1000)), "ignore_eos": bool(rng.random() < 0.5)}
-    roll = rng.random(10)
+    roll = rng.random(11)
     if roll[0] < 0.25 and len(reference_text) > 4:
         start = int(rng.integers(0, len(reference_text) - 3))
         kw["stop"] = [reference_text[start: start + 2]]
@@ -71,7 +72,14 @@ def random_params(rng, reference_text: str) -> SamplingParams:
         kw["allowed_token_ids"] = rng.choice(np.arange(3, 300), 40, replace=False).tolist()
     if roll[9] < 0.15:
         kw["logit_bias"] = {int(rng.integers(3, 300)): 3.0, int(rng.integers(3, 300)): -100.0}
+    if roll[10] < 0.25:
+        kw["structured_outputs"] = STRUCTURED[int(rng.integers(len(STRUCTURED)))]
     return SamplingParams(**kw)
+
+
+STRUCTURED = [{"regex": "(ab|cd)[0-9]{2,12}"}, {"choice": ["yes", "no way", "maybe so"]},
+              {"json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                        "required": ["a", "b"], "additionalProperties": False}}]
 
 
 def drive(engine, plan, aborts) -> dict:

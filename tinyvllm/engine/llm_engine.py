@@ -187,6 +187,8 @@ class LLMEngine:
                                                               self.penalty_slots)
         constrained = [num_fast + i for i, (seq, sampled) in enumerate(zip(seqs, samples))
                        if sampled and seq.constraint]
+        if num_fast:  # the run's rows all sample
+            constrained = np.flatnonzero(self.run.constrained[fast.slots]).tolist() + constrained
         if constrained:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)
             batch.bitmask_rows[constrained] = np.arange(len(constrained))
@@ -238,7 +240,8 @@ class LLMEngine:
         constrained = []
         for seq, row in zip(launched.step.seqs, rows):
             if row >= 0:
-                assert seq.is_finished or seq.num_pending == 1, "all its tokens but this step's are read"
+                pending = seq.num_pending if seq.run_slot < 0 else int(self.run.pending[seq.run_slot])
+                assert seq.is_finished or pending == 1, "all its tokens but this step's are read"
                 if seq.is_finished:
                     bitmask[row] = -1
                 else:

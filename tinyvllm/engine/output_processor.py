@@ -93,21 +93,25 @@ class OutputProcessor:
             unattached, looked_at, stoppable = self.run.read(fast, sampled[:num_fast, 0])
             if len(looked_at) or len(unattached) or len(sampled) > num_fast:  # a steady decode needs none
                 first = sampled[:, 0].tolist()
-            if len(looked_at):  # rows only a stop string can end: read together, then those it ends one by one
-                plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
-                hits = set(self._take_texts(step.seqs, plain, fast, sampled[plain, 0], first, result.logprobs))
-                may_stop = set(stoppable.tolist())
-                entries = self._look_ahead(step.seqs, stoppable.tolist(), first, result.logprobs)
+            if len(looked_at):
+                hits, may_stop = self._look_at(step.seqs, fast, looked_at, stoppable, first, result, advance)
+                entries = self._look_ahead(step.seqs, sorted(may_stop), first, result.logprobs)
             rows = [*sorted({*unattached.tolist(), *may_stop, *hits}), *range(num_fast, len(sampled))]
         for i in rows:
             seq = step.seqs[i]
             if i in hits:  # attached: its token is in the run and its text cut already
+                if seq.constraint is not None:
+                    self.structured_outputs.take(seq.constraint, first[i])  # for `complete`, as _take
                 self._end(seq, launched.index(i) + 1, now, ended)
                 continue
             if i in may_stop:  # attached: its token is in the run already; only the stop rules and logprobs are left
                 slot, index = int(fast.slots[i]), launched.index(i)
                 self.run.catch_up_text(slot, index)
                 self.run.flush_logprobs(slot)  # its entries so far come before this one
+                if seq.constraint is not None and seq.constraint.done:  # as _read_row: this token is dropped
+                    seq.finish_reason = "stop"
+                    self._end(seq, index, now, ended)
+                    continue
                 self._take(seq, first[i], index + 1, result.logprobs, i, now, ended, advance, entries[i])
                 self.run.text_mask[slot] = -2 if self.run.has_text[slot] else -1  # its text's state: looked at next
                 continue
@@ -121,6 +125,20 @@ class OutputProcessor:
         if ended:
             self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
+
+    def _look_at(self, seqs: list[Sequence], fast: FastRows, looked_at: np.ndarray, stoppable: np.ndarray,
+                 first: list[int], result: SamplerOutput, advance: list[tuple[OutputConstraint, int]]
+                 ) -> tuple[set[int], set[int]]:
+        """The run's rows whose tokens need a look: those only a stop string can end are read together
+        (_take_texts), their structured outputs' constraints given their tokens in `advance`; return the rows a
+        stop string ended and those left to read one by one (`stoppable`: a stop token, EOS or the length limit
+        may end them, or their constraint is done)."""
+        plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
+        may_stop = set(stoppable.tolist())
+        constrained = plain[self.run.constrained[fast.slots[plain]]].tolist()
+        hits = set(self._take_texts(seqs, plain, fast, result.sampled_token_ids[plain, 0], first, result.logprobs))
+        advance += [(seqs[i].constraint, first[i]) for i in constrained if i not in hits]
+        return hits, may_stop
 
     @staticmethod
     def _look_ahead(seqs: list[Sequence], rows: list[int], tokens: list[int],

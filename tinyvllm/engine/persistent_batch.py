@@ -46,6 +46,7 @@ ARRAYS = {
     # end a match
     "text_mask": np.int64, "look_after": np.int64, "deferred": np.int64, "text_held": np.bool_,
     "has_logprobs": np.bool_, "has_text": np.bool_,
+    "constrained": np.bool_,  # a structured output: each token is looked at alone (its constraint takes it)
 }
 
 
@@ -60,11 +61,12 @@ class FastRows:
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether a decoding sequence can join: no structured output, no completions left to fork, and logits
-    processors that stay the same from step to step (allowed_token_ids, logit_bias, single-token bad words,
-    penalties with their slot; min_tokens once reached; no bad word of several tokens)."""
+    """Whether a decoding sequence can join: no completions left to fork, and logits processors that stay the
+    same from step to step (allowed_token_ids, logit_bias, single-token bad words, penalties with their slot;
+    min_tokens once reached; no bad word of several tokens). A structured output's mask changes every step, but
+    it is the constraint's, not the processors'."""
     proc = seq.processors
-    return (seq.constraint is None and not seq.forks_left
+    return (not seq.forks_left
             and (proc is None or (not proc.bad_sequences and (not proc.penalties or seq.penalty_slot >= 0)
                                   and (not len(proc.min_tokens_ban) or min_tokens_out(seq)))))
 
@@ -115,7 +117,8 @@ class DecodeRun:
         self.held[slot], self.live[slot] = True, False
         row = self.batch_rows.row(seq)
         self.trow[slot], self.max_len[slot], self.arrival[slot] = row, seq.max_len, seq.arrival_index
-        self.check[slot] = seq.logprobs is not None or seq.detokenizer is not None
+        self.constrained[slot] = seq.constraint is not None
+        self.check[slot] = seq.logprobs is not None or seq.detokenizer is not None or self.constrained[slot]
         self.has_logprobs[slot], self.has_text[slot] = seq.logprobs is not None, seq.detokenizer is not None
         if seq.logprobs is not None:
             self.logprobs.start(slot, seq.params.logprobs)
@@ -344,7 +347,8 @@ class DecodeRun:
     def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Read the step's tokens of the rows still attached; return the rows read one by one instead (attached no
         longer), the rows whose tokens need a look one by one (logprobs, stop strings, a possible stop token, the
-        length limit), and those of them that a stop token, EOS or the length limit may end."""
+        length limit, a structured output), and those of them that a stop token, EOS or the length limit may end or
+        whose constraint is done."""
         slots = fast.slots
         valid = self.gen[slots] == fast.gens
         rows = np.flatnonzero(valid)
@@ -354,10 +358,22 @@ class DecodeRun:
         if self.eos_token_ids != self._eos_marked:
             self._mark_stops(self.eos_token_ids)
             self._eos_marked = set(self.eos_token_ids)
-        if self.block_manager.enable_prefix_caching:
-            self._log_commits(held)
         may_stop = self.stop_mask[tokens] | (index + 1 >= self.max_len[held])
+        done = self._constraints_done(held)  # these end without the token, before their blocks are committed
+        if self.block_manager.enable_prefix_caching:
+            self._log_commits(held if done is None else held[~done])
+        if done is not None:
+            may_stop |= done
         return np.flatnonzero(~valid), rows[self.check[held] | may_stop], rows[may_stop]
+
+    def _constraints_done(self, slots: np.ndarray) -> np.ndarray | None:
+        """Which of the slots hold a structured output whose constraint is done (None: no slot has one)."""
+        constrained = np.flatnonzero(self.constrained[slots])
+        if not len(constrained):
+            return None
+        done = np.zeros(len(slots), np.bool_)
+        done[constrained] = [self.seqs[slot].constraint.done for slot in slots[constrained].tolist()]
+        return done
 
     def _log_commits(self, slots: np.ndarray) -> None:
         full = np.minimum(self.computed[slots], self.ctx[slots] - self.pending[slots]) // self.block_size
