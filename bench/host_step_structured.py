@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    for name in ("seqs", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: at least 1")
     llm = LLM(dummy_model("tiny"), backend="numpy", max_num_seqs=args.seqs, max_model_len=MAX_MODEL_LEN,
               num_kv_blocks=args.seqs * MAX_MODEL_LEN // 16)
     engine = llm.llm_engine

@@ -215,10 +215,11 @@ class OutputProcessor:
 
     def _take_texts(self, seqs: list[Sequence], rows: np.ndarray, fast: FastRows, tokens: np.ndarray,
                     first: list[int], logprobs: Logprobs | None) -> list[int]:
-        """_take() of attached rows' tokens that no stop token, EOS or length limit can end (no structured output):
-        their logprobs (buffered by the run), then their stop strings; the rows a stop string ends (their text cut,
-        their stop reason set). A token whose bytes hold no stop string's last character cannot end a match: its text
-        is added later, with the row's next token that may (DecodeRun.catch_up_text), or when the row leaves."""
+        """_take() of attached rows' tokens that no stop token, EOS, length limit or done constraint can end: their
+        logprobs (buffered by the run), then their stop strings (a structured output's token goes to its constraint
+        after, in _look_at); the rows a stop string ends (their text cut, their stop reason set). A token whose
+        bytes hold no stop string's last character cannot end a match: its text is added later, with the row's next
+        token that may (DecodeRun.catch_up_text), or when the row leaves."""
         run = self.run
         slots, lengths = fast.slots[rows], fast.sample_index[rows] + 1
         with_logprobs = run.has_logprobs[slots]

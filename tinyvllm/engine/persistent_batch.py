@@ -46,7 +46,7 @@ ARRAYS = {
     # end a match
     "text_mask": np.int64, "look_after": np.int64, "deferred": np.int64, "text_held": np.bool_,
     "has_logprobs": np.bool_, "has_text": np.bool_,
-    "constrained": np.bool_,  # a structured output: each token is looked at alone (its constraint takes it)
+    "constrained": np.bool_,  # a structured output: each token is looked at (its constraint takes it)
 }
 
 
@@ -346,9 +346,9 @@ class DecodeRun:
 
     def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Read the step's tokens of the rows still attached; return the rows read one by one instead (attached no
-        longer), the rows whose tokens need a look one by one (logprobs, stop strings, a possible stop token, the
-        length limit, a structured output), and those of them that a stop token, EOS or the length limit may end or
-        whose constraint is done."""
+        longer), the rows whose tokens need a look (logprobs, stop strings, a possible stop token, the length limit,
+        a structured output), and those of them that a stop token, EOS or the length limit may end or whose
+        constraint is done (read one by one)."""
         slots = fast.slots
         valid = self.gen[slots] == fast.gens
         rows = np.flatnonzero(valid)
