@@ -82,28 +82,42 @@ __device__ int block_argmax(float v, int i, float* scratch, int* scratch_i) {
     return i;
 }
 
+// A histogram's 256 bins, once per lane index: the high digits of a row's keys fall in a few bins (logits and
+// probabilities share their sign and most of their exponent bits), and atomics of one shared bin queue one behind
+// another: with one copy, a pass of 4 over a 49,152-token row took ~100 us (bench/sampling.py). Lane l adds into
+// copy l, whose bins start 257 words apart, so a warp's 32 atomics hit 32 addresses, mostly in different banks.
+constexpr int HIST_COPIES = 32, HIST_STRIDE = 257;
+
 // Radix select: the largest key t such that the total weight of the elements with key >= t reaches `target`.
 // F gives key(v) (uint32, ordered like the values) and weight(v) (> 0 to count) of an element of the row x, from
 // its logit v. Per 8-bit digit, high first: a histogram of weights by digit among the elements matching the chosen
-// prefix, then warp 0 scans the digits from 255 down for the first at which `above` (the weight of elements above
-// the prefix) plus the running sum reaches the target. If rounding keeps the target out of reach, digit 0 keeps
-// the whole range.
-// Shared memory: hist [256], result [2].
+// prefix (per lane index, then the copies summed in copy order into copy 0), then warp 0 scans the digits from 255
+// down for the first at which `above` (the weight of elements above the prefix) plus the running sum reaches the
+// target. If rounding keeps the target out of reach, digit 0 keeps the whole range.
+// Shared memory: hist [HIST_COPIES * HIST_STRIDE], result [2].
 template <class F>
 __device__ uint32_t radix_select(const F& f, const float* x, int n, float target, float* hist, uint32_t* result) {
     uint32_t prefix = 0;
     float above = 0.f;
+    float* mine = hist + (threadIdx.x & 31) * HIST_STRIDE;
     for (int shift = 24; shift >= 0; shift -= 8) {
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
-        for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0.f;
+        for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) hist[d] = 0.f;
         __syncthreads();
         row_loop(x, n, [&](int, float v) {
             const uint32_t k = f.key(v);
             if ((k & hi_mask) == prefix) {
                 const float w = f.weight(v);
-                if (w > 0.f) atomicAdd(&hist[(k >> shift) & 255], w);
+                if (w > 0.f) atomicAdd(&mine[(k >> shift) & 255], w);
             }
         });
+        __syncthreads();
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) {  // bin d of every copy, into copy 0's
+            float sum = 0.f;
+#pragma unroll 8
+            for (int c = 0; c < HIST_COPIES; ++c) sum += hist[c * HIST_STRIDE + d];
+            hist[d] = sum;
+        }
         __syncthreads();
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
@@ -178,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
            const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
            const uint32_t* __restrict__ noise_keys) {
     pdl_begin();
-    __shared__ float scratch[32], hist[256];
+    __shared__ float scratch[32], hist[HIST_COPIES * HIST_STRIDE];
     __shared__ int scratch_i[32];
     __shared__ uint32_t result[2];
     const int row = blockIdx.x;
@@ -247,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
              const float* __restrict__ logits, const int* __restrict__ token_ids, int vocab, int k) {
     pdl_begin();
-    __shared__ float scratch[32], hist[256];
+    __shared__ float scratch[32], hist[HIST_COPIES * HIST_STRIDE];
     __shared__ uint32_t result[2];
     __shared__ int ids_s[MAX_TOP_LOGPROBS], ties_s[MAX_TOP_LOGPROBS], count_s[2];
     const int row = blockIdx.x;

@@ -500,6 +500,46 @@ def test_logprobs_match_numpy(cuda, ops, num_rows, k):
         np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-4)
 
 
+def tied_logits(rng, num_rows, vocab):
+    """Logits of 8 values, 0 to 3.5, with 3 higher ones per row: the radix selects' histograms gather in a few bins
+    and a row's k-th largest value is shared by thousands of tokens."""
+    logits = rng.integers(0, 8, (num_rows, vocab)).astype(np.float32) * 0.5
+    for row in logits:
+        row[rng.choice(vocab, 3, replace=False)] = [5.0, 4.5, 4.5]
+    return logits
+
+
+@pytest.mark.parametrize("num_rows,k", [(1, 20), (65, 5)])
+def test_logprobs_of_tied_logits_match_numpy(cuda, ops, num_rows, k):
+    gpu, rng = Gpu(cuda), np.random.default_rng(100 + k)
+    vocab = 49152
+    logits = tied_logits(rng, num_rows, vocab)
+    tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
+    token_lp = gpu.poisoned(num_rows, np.float32)
+    top_ids, top_lp = gpu.poisoned((num_rows, k), np.int32), gpu.poisoned((num_rows, k), np.float32)
+    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k)
+    ref = sampler.gather_logprobs(logits, tokens, k)
+    ids = gpu.get(top_ids, (num_rows, k), np.int32)
+    rows = np.arange(num_rows)[:, None]
+    # ties at the k-th value may be broken either way: the values, in order, and distinct ids are what is fixed
+    assert all(len(set(row)) == k for row in ids.tolist())
+    np.testing.assert_array_equal(logits[rows, ids], logits[rows, ref.top_ids])
+    np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-5)
+    np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32), ref.token_logprobs, atol=1e-5)
+
+
+def test_sample_of_tied_logits_matches_numpy_sampler(cuda, ops):
+    gpu, rng = Gpu(cuda), np.random.default_rng(7)
+    num_rows, vocab = 128, 49152
+    logits = tied_logits(rng, num_rows, vocab)
+    params = sampling_rows(rng, num_rows)
+    out = gpu.poisoned(num_rows, np.int32)
+    ops.sample(out, gpu.put(logits), num_rows, vocab, gpu.put(params.temperature), gpu.put(params.top_p),
+               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
+    got, ref = gpu.get(out, num_rows, np.int32), sampler.sample(logits, params)
+    assert int((got != ref).sum()) <= num_rows // 64  # only float ties at a filter boundary may differ
+
+
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 14, 2), (257, 128, 16, 8)])
 def test_add_qkv_bias(cuda, ops, tokens, head_dim, heads, kv_heads):
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens + heads)
