@@ -254,17 +254,20 @@ struct LogitKeys {  // count the tokens, keyed by logit
 
 // Log-softmax of the raw logits: token_lp[row] = logprob of token_ids[row]; top_ids / top_lp [N, k] the k most
 // likely tokens in descending order (ties at the k-th value broken arbitrarily, as argpartition does).
-// Launch: grid (N), block NTHREADS; k <= MAX_TOP_LOGPROBS. The k-th largest logit comes from the radix select; the
-// (fewer than k) larger ones and enough ties are gathered in shared memory and sorted by one thread.
+// Launch: grid (R), block NTHREADS; k <= MAX_TOP_LOGPROBS. Block b takes row rows[b] (rows null: row b), so that a
+// step computes the rows that ask for logprobs alone; the others' outputs are left as they were. The k-th largest
+// logit comes from the radix select; the (fewer than k) larger ones and enough ties are gathered in shared memory
+// and sorted by one thread.
 #if KEEPS(logprobs)
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
-             const float* __restrict__ logits, const int* __restrict__ token_ids, int vocab, int k) {
+             const float* __restrict__ logits, const int* __restrict__ token_ids, const int* __restrict__ rows,
+             int vocab, int k) {
     pdl_begin();
     __shared__ float scratch[32], hist[HIST_COPIES * HIST_STRIDE];
     __shared__ uint32_t result[2];
     __shared__ int ids_s[MAX_TOP_LOGPROBS], ties_s[MAX_TOP_LOGPROBS], count_s[2];
-    const int row = blockIdx.x;
+    const int row = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
     const float* x = logits + (int64_t)row * vocab;
     float m = -INFINITY;
     row_loop(x, vocab, [&](int, float v) { m = fmaxf(m, v); });

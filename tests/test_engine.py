@@ -302,6 +302,10 @@ def test_batch_rows_follow_growth_replacement_and_release():
         for name, (dtype, value) in BatchRows.FIELDS.items():
             np.testing.assert_array_equal(tables.fields[name][rows], np.array([value(s) for s in batch], dtype))
         assert tables.fields["sampling_key"][rows].tolist() == [s.sampling_key for s in batch]
+        fields, asked = tables.gather_fields(rows), [i for i, s in enumerate(batch) if s.params.logprobs is not None]
+        assert fields["num_logprobs"] == max((batch[i].params.logprobs for i in asked), default=-1)
+        some = 0 < len(asked) < len(batch)  # the rows asking logprobs are listed only when not every row asks
+        assert (fields["logprob_rows"].tolist() if some else fields["logprob_rows"]) == (asked if some else None)
         # a throwaway instance (as build_batch makes without one) on the same sequences: their rows elsewhere are
         # no claim on its rows
         np.testing.assert_array_equal(BatchRows().gather(batch[::-1])[1], want[::-1])

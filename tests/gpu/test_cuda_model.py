@@ -111,7 +111,9 @@ def test_logits_and_logprobs_match_numpy(cuda, cuda_backend, name, layers):
     top_agree = np.mean(got.prompt_logprobs[1].top_ids[:, 0] == want.prompt_logprobs[1].top_ids[:, 0])
     assert got.prompt_logprobs[1].top_ids.shape == want.prompt_logprobs[1].top_ids.shape == (99, 5)
     assert lp_diff < 0.1 and top_agree > 0.9
-    assert np.abs(got.logprobs.token_logprobs - want.logprobs.token_logprobs).max() < 0.1
+    asked = [0, 1]  # the third row asks no logprobs: the backend leaves its row unset (logprob_rows)
+    assert got.logprobs is not None and batch.sampling.logprob_rows.tolist() == asked
+    assert np.abs(got.logprobs.token_logprobs[asked] - want.logprobs.token_logprobs[asked]).max() < 0.1
 
     agree = [np.mean(got.last_token_ids == want.last_token_ids)]
     decode_errors, decode_agree, tokens = decode_against_numpy(cuda, ours, ref, seqs, want.last_token_ids, bm)
@@ -344,6 +346,26 @@ def test_batching_gives_the_same_greedy_outputs_as_alone(model_dir):
     print(f"REPORT batching: requests identical to alone: continuous {same_c:.3f}, static {same_s:.3f}; "
           f"logprob margins where they diverge {np.round(margins, 4).tolist()}")
     assert all(m < 0.1 for m in margins)
+
+
+def test_logprobs_of_some_rows_equal_those_of_every_row(model_dir):
+    """Where only some rows ask logprobs the backend computes theirs alone (SamplingBatch.logprob_rows): the same
+    batches give those rows the same logprobs, bit for bit, as when every row asks, and the same tokens."""
+    rng = np.random.default_rng(12)
+    prompts = random_prompts(rng, 10, 49152, 3, 60)
+    every = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    some = [every if i % 3 == 1 else SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            for i in range(len(prompts))]
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024)
+    want, got = llm.generate(prompts, every), llm.generate(prompts, some)
+    llm.backend.close()
+
+    def entries(output):
+        return [{t: lp.logprob for t, lp in d.items()} for d in output.outputs[0].logprobs]
+
+    assert token_ids(got) == token_ids(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (entries(g) == entries(w)) if i % 3 == 1 else g.outputs[0].logprobs is None
 
 
 def test_running_one_step_ahead_stops_exactly(model_dir):

@@ -500,6 +500,26 @@ def test_logprobs_match_numpy(cuda, ops, num_rows, k):
         np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-4)
 
 
+def test_logprobs_of_listed_rows_leave_the_others(cuda, ops):
+    gpu, rng = Gpu(cuda), np.random.default_rng(11)
+    num_rows, vocab, k = 40, 49152, 3
+    logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 4
+    tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
+    listed = np.sort(rng.choice(num_rows, 13, replace=False)).astype(np.int32)[::-1].copy()  # any order
+    token_lp = gpu.poisoned(num_rows, np.float32)
+    top_ids, top_lp = gpu.poisoned((num_rows, k), np.int32), gpu.poisoned((num_rows, k), np.float32)
+    before = gpu.get(top_ids, (num_rows, k), np.int32)
+    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), len(listed), vocab, k,
+                 gpu.put(listed))
+    ref = sampler.gather_logprobs(logits[listed], tokens[listed], k)
+    ids = gpu.get(top_ids, (num_rows, k), np.int32)
+    np.testing.assert_array_equal(ids[listed], ref.top_ids)
+    np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32)[listed], ref.top_logprobs, atol=1e-4)
+    np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32)[listed], ref.token_logprobs, atol=1e-4)
+    others = np.setdiff1d(np.arange(num_rows), listed)
+    np.testing.assert_array_equal(ids[others], before[others])
+
+
 def tied_logits(rng, num_rows, vocab):
     """Logits of 8 values, 0 to 3.5, with 3 higher ones per row: the radix selects' histograms gather in a few bins
     and a row's k-th largest value is shared by thousands of tokens."""

@@ -47,10 +47,12 @@ class BatchRows:
         return rows, self.block_tables[rows, :width]
 
     def gather_fields(self, rows: np.ndarray) -> dict:
-        """The FIELDS of these rows, with the most logprobs asked (num_logprobs) and the rows asking prompt
-        logprobs (prompt_logprob_rows)."""
+        """The FIELDS of these rows, with the most logprobs asked (num_logprobs), the rows asking logprobs when only
+        some do (logprob_rows, else None) and the rows asking prompt logprobs (prompt_logprob_rows)."""
         fields = {name: values[rows] for name, values in self.fields.items()}
         fields["num_logprobs"] = int(fields["logprobs"].max())
+        asked = fields["logprobs"] >= 0
+        fields["logprob_rows"] = np.flatnonzero(asked).astype(np.int32) if 0 < asked.sum() < len(rows) else None
         fields["prompt_logprob_rows"] = np.flatnonzero(fields["prompt_logprobs"]).tolist()
         return fields
 
@@ -152,7 +154,7 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     sampling = SamplingBatch(
         temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"], min_p=fields["min_p"],
         noise_keys=step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"]),
-        num_logprobs=fields["num_logprobs"],
+        num_logprobs=fields["num_logprobs"], logprob_rows=fields["logprob_rows"],
     )
     targets = _prompt_logprob_targets(seqs, starts, ends, fields)
     num_prompt_logprobs = max((seqs[i].params.prompt_logprobs for i in targets), default=0)

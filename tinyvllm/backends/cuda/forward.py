@@ -624,10 +624,11 @@ class CudaForward:
         """Sample one token per sequence from the logits of its sample_hidden row (compute_logits first)."""
         self.sample_logits(num_seqs, inp, out, proc, proc.ptr("last_tokens"), masks)
 
-    def logprobs(self, n: int, token_ids: int, k: int, out: Buffers) -> None:
-        """Logprobs of token_ids (device int32 [n]) and the top k of the last n rows of logits, into out."""
+    def logprobs(self, n: int, token_ids: int, k: int, out: Buffers, rows: int = 0) -> None:
+        """Logprobs of token_ids (device int32, a row each) and the top k of n rows of logits, into out: rows
+        0..n-1, or (rows: device int32 [n]) those rows."""
         self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf.logits.ptr,
-                          token_ids, n, self.config.vocab_size, k)
+                          token_ids, n, self.config.vocab_size, k, rows)
 
     def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
         """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""

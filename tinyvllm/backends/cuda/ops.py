@@ -530,11 +530,14 @@ class Ops:
                     noise_keys)
 
     @kernel("sampling", "float* token_lp, int* top_ids, float* top_lp, const float* logits, const int* token_ids, "
-                        "int vocab, int k")
+                        "const int* rows, int vocab, int k")
     def logprobs(self, token_lp: int, top_ids: int, top_lp: int, logits: int, token_ids: int, num_rows: int,
-                 vocab: int, k: int) -> None:
+                 vocab: int, k: int, rows: int = 0) -> None:
+        """Logprobs of num_rows rows of logits: rows 0.. or (rows: device int32 [num_rows]) those rows, written at
+        their own row of the outputs."""
         _require(0 <= k <= MAX_TOP_LOGPROBS, f"logprobs: k = {k} not in 0..{MAX_TOP_LOGPROBS}")
-        self.launch("logprobs", (num_rows,), SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, vocab, k)
+        self.launch("logprobs", (num_rows,), SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, rows,
+                    vocab, k)
 
     @kernel("gemv", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
             "gemv_f32", "gemv_f32_pipelined")

@@ -290,6 +290,7 @@ class CudaBackend(Backend):
         self.out = Staging(self.device, {"ids": (s, np.int32), "token_lp": (t, np.float32),
                                          "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
                                          "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
+        self.lp_rows = Staging(self.device, {"rows": (s, np.int32)})  # the rows asking logprobs, when not all do
         self.out_copy = 0  # the host copy of `out` the next step downloads into
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
@@ -368,12 +369,7 @@ class CudaBackend(Backend):
         """Queue the step on the stream and return at once (unless prompt logprobs are asked: they are read back
         chunk by chunk); its result() waits for this step alone and reads its output. With bitmask rows, the
         forward is queued up to the logits; the sampling is queued by sample(), after the masks."""
-        if batch.num_seqs > self.max_seqs:
-            raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_seqs}")
-        if batch.block_tables.shape[1] > self.max_blocks:
-            raise ValueError(f"block table of {batch.block_tables.shape[1]} blocks exceeds max_model_len")
-        if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
-            raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
+        self._check(batch)
         n, k = batch.num_seqs, batch.sampling.num_logprobs
         prefill = batch.max_query_len > 1  # else one token per sequence: the decode graphs (one sampled row each)
         out, copy = self.out, self.out_copy
@@ -382,6 +378,7 @@ class CudaBackend(Backend):
             self._copy_blocks(batch.block_copies)
         rows = n if prefill else next(b for b in self.buckets if b >= n)
         self._stage_processing(batch, rows)
+        lp_rows, lp_ptr = self._stage_logprob_rows(batch.sampling, n)
         deferred = batch.bitmask_rows is not None
         if prefill:
             prompt_lps = self._prefill(batch, copy)
@@ -399,7 +396,7 @@ class CudaBackend(Backend):
                 self.forward.sample_logits(rows, self.decode_in, out, self.proc, self.decode_in.ptr("token_ids"),
                                            masks)
             if k >= 0:
-                self.forward.logprobs(n, out.ptr("ids"), k, out)
+                self.forward.logprobs(lp_rows, out.ptr("ids"), k, out, lp_ptr)
                 self._download_logprobs(n, k, copy)
             out.download(self.stream, "ids", n, copy)
             ready.record(self.stream)
@@ -438,6 +435,27 @@ class CudaBackend(Backend):
         masks["bitmask_rows"][len(bitmask_rows): rows] = -1
         num_masks = int(bitmask_rows.max()) + 1
         return masks, masks["bitmask"][: num_masks * words].reshape(num_masks, words)
+
+    def _check(self, batch: Batch) -> None:
+        """Refuse a batch beyond what the buffers were sized for."""
+        if batch.num_seqs > self.max_seqs:
+            raise ValueError(f"batch of {batch.num_seqs} sequences exceeds max_num_seqs={self.max_seqs}")
+        if batch.block_tables.shape[1] > self.max_blocks:
+            raise ValueError(f"block table of {batch.block_tables.shape[1]} blocks exceeds max_model_len")
+        if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
+
+    def _stage_logprob_rows(self, sampling: SamplingBatch, n: int) -> tuple[int, int]:
+        """The rows whose logprobs the step computes: (n, 0) for rows 0..n-1, or, where only some ask
+        (SamplingBatch.logprob_rows; the others' rows of the outputs are left as they were), their count and their
+        list uploaded. The upload goes before the step's forward, so that the next step finds the buffer free."""
+        rows = sampling.logprob_rows
+        if sampling.num_logprobs < 0 or rows is None:
+            return n, 0
+        self.lp_rows.wait()
+        self.lp_rows["rows"][: len(rows)] = rows
+        self.lp_rows.upload(self.stream, "rows", len(rows))
+        return len(rows), self.lp_rows.ptr("rows")
 
     def _download_logprobs(self, n: int, k: int, copy: int) -> None:
         """Queue the copy of n rows of logprobs (top k) into host copy `copy` of the outputs."""
