@@ -2,7 +2,9 @@
 
     python bench/sampling.py [--runs 30] [--rows 1,8,128,512] [--vocab 49152,128256]
 
-For each vocabulary (SmolLM2's 49,152, Llama 3's 128,256) and row count, on float32 logits of N(0, 9): `sample`
+For each vocabulary (SmolLM2's 49,152, Llama 3's 128,256) and row count, on float32 logits of N(0, 9), a block a
+row and (up to SAMPLING_SPLIT_ROWS rows) a cluster of SAMPLING_SPLIT blocks a row ("split", as the engine runs them
+unless batch_invariant): `sample`
 greedy, at temperature 1 with top-p 0.9 and with top-k 50 (the radix selects), and `logprobs` with k = 0 (the
 sampled token's own: two passes over the row), 2 and 20 (the radix select and the gather). Times are medians of
 --runs single launches (bench/gemv.py's Timer: each behind a spin kernel, so launch latency is not timed); beside
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gemv import Timer, copy_rate  # noqa: E402
 
 from tinyvllm.backends.cuda.device import Device  # noqa: E402
+from tinyvllm.backends.cuda.ops import SAMPLING_SPLIT_ROWS  # noqa: E402
 
 SAMPLE_MODES = {"greedy": (0.0, 1.0, 0), "top-p 0.9": (1.0, 0.9, 0), "top-k 50": (1.0, 1.0, 50)}
 LOGPROB_KS = (0, 2, 20)
@@ -38,15 +41,16 @@ def time_vocab(ops, timer: Timer, vocab: int, row_counts: list[int], rate: float
                      zip(mode, (np.float32, np.float32, np.int32))] for name, mode in SAMPLE_MODES.items()}
     min_p, keys = cuda.to_device(np.zeros(rows, np.float32)), cuda.to_device(np.arange(rows, dtype=np.uint32))
     print(f"vocab {vocab}")
-    for n in row_counts:
-        cells = [f"rows {n:4d}: a read {n * vocab * 4 / (rate / 2) * 1e6:7.1f} us"]
+    forms = [(n, split) for n in row_counts for split in (False, True) if not split or n <= SAMPLING_SPLIT_ROWS]
+    for n, split in forms:
+        cells = [f"rows {n:4d}{' split' if split else '      '}: a read {n * vocab * 4 / (rate / 2) * 1e6:7.1f} us"]
         for name, (t, p, k) in params.items():
             us = timer.median_us(lambda i: ops.sample(int(out), int(logits), n, vocab, int(t), int(p), int(k),
-                                                      int(min_p), int(keys)))
+                                                      int(min_p), int(keys), row_split=split))
             cells.append(f"sample {name} {us:7.1f}")
         for k in LOGPROB_KS:
             us = timer.median_us(lambda i: ops.logprobs(int(token_lp), int(top_ids), int(top_lp), int(logits),
-                                                        int(ids), n, vocab, k))
+                                                        int(ids), n, vocab, k, row_split=split))
             cells.append(f"logprobs k={k} {us:7.1f}")
         print("  " + "; ".join(cells))
     for array in (logits, ids, token_lp, top_ids, top_lp, out, min_p, keys, *sum(params.values(), [])):

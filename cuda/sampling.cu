@@ -8,13 +8,24 @@
 // a 256-bin histogram of the next 8 bits among the elements that match the digits chosen so far, pin the threshold
 // down exactly. 4 passes instead of the ~31 of a bisection, and exact where a bisection on values is not.
 //
-// A block reads its row in passes of ROW_UNROLL loads per thread in flight (row_loop): at batch 1 one block is all
-// there is, and a pass of one load per thread at a time would wait out ~125 L2 round trips for a greedy token of a
-// 128k vocabulary (docs/PERFORMANCE.md, Decisions: "Small kernels keep their loads in flight together").
+// A block reads its part of a row in passes of ROW_UNROLL loads per thread in flight (row_loop): a pass of one load
+// per thread at a time would wait out one L2 round trip per 1,024 elements (~125 for a greedy token of a 128k
+// vocabulary on one block; docs/PERFORMANCE.md, Decisions: "Small kernels keep their loads in flight together").
 //
-// Compiled with -DNTHREADS (threads per block: one block per row) and -DMAX_TOP_LOGPROBS (the most top logprobs per
-// row), from backends/cuda/ops.py, which also launches the kernels.
+// A row is one block's (`sample`, `logprobs`), or, for a few rows, ROW_SPLIT blocks' (`sample_split`,
+// `logprobs_split`): a thread-block cluster whose blocks each take a contiguous part of the row and combine their
+// reductions and histograms through distributed shared memory, every block the same values in rank order. One block
+// a row leaves the GPU's other SMs idle at batch 1 (a 128k-token row took 270 us of top-p on one SM); split, a pass
+// has fewer loads per thread to wait for. The two orders of adding give other bits, so the batch-invariant mode
+// keeps one block a row (ops.py chooses).
+//
+// Compiled with -DNTHREADS (threads per block), -DMAX_TOP_LOGPROBS (the most top logprobs per row) and -DROW_SPLIT
+// (blocks per row when split), from backends/cuda/ops.py, which also launches the kernels.
+#include <cooperative_groups.h>
+
 #include "common.cuh"
+
+namespace cg = cooperative_groups;
 
 // MurmurHash3's finalizer (sampler.mix32).
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
@@ -36,23 +47,68 @@ __device__ __forceinline__ float gumbel(uint32_t key, int token) {
 
 constexpr int ROW_UNROLL = 8;  // loads of the row each thread has in flight (16 spill registers at 1024 threads)
 
-// f(i, x[i]) for this thread's elements i = threadIdx.x + j * blockDim.x of the row x[0, n), ROW_UNROLL loads
+// This block's part of a row of n and, with SPLIT > 1, the cluster of the row's blocks: rank r takes the r-th of
+// SPLIT contiguous parts; at(p, r) is p in block r's shared memory; sync() is the cluster's barrier.
+template <int SPLIT>
+struct RowPart {
+    const float* x;  // the whole row
+    int begin, end, rank;
+    __device__ RowPart(const float* row, int n) : x(row) {
+        rank = SPLIT == 1 ? 0 : (int)cg::this_cluster().block_rank();
+        const int chunk = (n + SPLIT - 1) / SPLIT;
+        begin = min(n, rank * chunk);
+        end = min(n, begin + chunk);
+    }
+    __device__ void sync() const {
+        if constexpr (SPLIT > 1) cg::this_cluster().sync();
+    }
+    template <class T>
+    __device__ T* at(T* p, int r) const {
+        if constexpr (SPLIT > 1) return cg::this_cluster().map_shared_rank(p, r);
+        return p;
+    }
+};
+
+// f(i, x[i]) for this thread's elements i = begin + threadIdx.x + j * blockDim.x of the part, ROW_UNROLL loads
 // issued before the first call. x is written by the kernel before (PDL): plain loads, issued after the wait.
-template <class F>
-__device__ __forceinline__ void row_loop(const float* x, int n, F&& f) {
-    for (int base = threadIdx.x; base < n; base += blockDim.x * ROW_UNROLL) {
+template <int SPLIT, class F>
+__device__ __forceinline__ void row_loop(const RowPart<SPLIT>& part, F&& f) {
+    for (int base = part.begin + threadIdx.x; base < part.end; base += blockDim.x * ROW_UNROLL) {
         float v[ROW_UNROLL];
 #pragma unroll
         for (int u = 0; u < ROW_UNROLL; ++u) {
             const int i = base + u * blockDim.x;
-            if (i < n) asm volatile("ld.global.f32 %0, [%1];" : "=f"(v[u]) : "l"(x + i));
+            if (i < part.end) asm volatile("ld.global.f32 %0, [%1];" : "=f"(v[u]) : "l"(part.x + i));
         }
 #pragma unroll
         for (int u = 0; u < ROW_UNROLL; ++u) {
             const int i = base + u * blockDim.x;
-            if (i < n) f(i, v[u]);
+            if (i < part.end) f(i, v[u]);
         }
     }
+}
+
+// The row's shared memory for its reductions.
+struct RowScratch {
+    float v[32];
+    int i[32];
+    float part_v;  // this block's share, read by the row's other blocks
+    int part_i;
+};
+
+// Op over the whole row, returned to every thread of its blocks: each block's, then the blocks' in rank order.
+template <class Op, int SPLIT>
+__device__ float row_reduce(const RowPart<SPLIT>& part, float v, RowScratch& s) {
+    v = block_reduce<Op>(v, s.v);
+    if constexpr (SPLIT > 1) {
+        if (threadIdx.x == 0) s.part_v = v;
+        part.sync();
+        v = Op::identity();
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) v = Op::apply(v, *part.at(&s.part_v, r));
+        part.sync();  // every block has read the shares before any writes its next
+    }
+    return v;
 }
 
 // Block-wide argmax; ties go to the smallest index, as numpy's argmax. Every thread gets the index.
@@ -63,22 +119,39 @@ __device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi)
     }
 }
 
-__device__ int block_argmax(float v, int i, float* scratch, int* scratch_i) {
+// The block's (v, i) argmax, to every thread.
+__device__ void block_argmax(float& v, int& i, RowScratch& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         argmax_merge(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
     __syncthreads();
     if (lane == 0) {
-        scratch[warp] = v;
-        scratch_i[warp] = i;
+        s.v[warp] = v;
+        s.i[warp] = i;
     }
     __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : -INFINITY;
-    i = lane < (int)(blockDim.x >> 5) ? scratch_i[lane] : 0x7fffffff;
+    v = lane < (int)(blockDim.x >> 5) ? s.v[lane] : -INFINITY;
+    i = lane < (int)(blockDim.x >> 5) ? s.i[lane] : 0x7fffffff;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         argmax_merge(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+}
+
+// The row's argmax index, to every thread of its blocks.
+template <int SPLIT>
+__device__ int row_argmax(const RowPart<SPLIT>& part, float v, int i, RowScratch& s) {
+    block_argmax(v, i, s);
+    if constexpr (SPLIT > 1) {
+        if (threadIdx.x == 0) {
+            s.part_v = v;
+            s.part_i = i;
+        }
+        part.sync();
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) argmax_merge(v, i, *part.at(&s.part_v, r), *part.at(&s.part_i, r));
+        part.sync();
+    }
     return i;
 }
 
@@ -88,23 +161,65 @@ __device__ int block_argmax(float v, int i, float* scratch, int* scratch_i) {
 // copy l, whose bins start 257 words apart, so a warp's 32 atomics hit 32 addresses, mostly in different banks.
 constexpr int HIST_COPIES = 32, HIST_STRIDE = 257;
 
-// Radix select: the largest key t such that the total weight of the elements with key >= t reaches `target`.
-// F gives key(v) (uint32, ordered like the values) and weight(v) (> 0 to count) of an element of the row x, from
-// its logit v. Per 8-bit digit, high first: a histogram of weights by digit among the elements matching the chosen
-// prefix (per lane index, then the copies summed in copy order into copy 0), then warp 0 scans the digits from 255
-// down for the first at which `above` (the weight of elements above the prefix) plus the running sum reaches the
-// target. If rounding keeps the target out of reach, digit 0 keeps the whole range.
-// Shared memory: hist [HIST_COPIES * HIST_STRIDE], result [2].
-template <class F>
-__device__ uint32_t radix_select(const F& f, const float* x, int n, float target, float* hist, uint32_t* result) {
+// The radix select's shared memory: the per-lane histograms (copy 0 ends up holding the block's sums), the row's
+// bins summed over its blocks (SPLIT > 1), the digit chosen and the weight above it.
+struct RadixScratch {
+    float hist[HIST_COPIES * HIST_STRIDE];
+    float merged[256];
+    uint32_t result[2];
+};
+
+// Warp 0: the highest digit of `bins` at which `above` plus the weight of the digits from 255 down to it reaches
+// `target` (digit 0 if rounding keeps it out of reach), into result: the digit, and the weight above it.
+__device__ void pick_digit(const float* bins, float above, float target, uint32_t* result) {
+    const int lane = threadIdx.x;
+    float c[8], total = 0.f;  // this lane's digits: 255 - 8 lane - j, j = 0..7 (descending)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        c[j] = bins[255 - 8 * lane - j];
+        total += c[j];
+    }
+    float incl = total;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    float run = above + incl - total, before = 0.f;
+    int hit = -1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (hit < 0 && run + c[j] >= target) {
+            hit = j;
+            before = run;
+        }
+        run += c[j];
+    }
+    const uint32_t ballot = __ballot_sync(0xffffffffu, hit >= 0);
+    if (ballot == 0 && lane == 0) {
+        result[0] = 0;
+        result[1] = __float_as_uint(above);
+    } else if (ballot != 0 && lane == __ffs(ballot) - 1) {
+        result[0] = 255 - 8 * lane - hit;
+        result[1] = __float_as_uint(before);
+    }
+}
+
+// Radix select: the largest key t such that the total weight of the row's elements with key >= t reaches `target`.
+// F gives key(v) (uint32, ordered like the values) and weight(v) (> 0 to count) of an element, from its logit v.
+// Per 8-bit digit, high first: a histogram of weights by digit among the elements matching the chosen prefix (per
+// lane index, the copies summed in copy order into copy 0; with SPLIT > 1 the blocks' copy 0 summed in rank order),
+// from which warp 0 picks the digit (pick_digit). Every block of the row picks the same.
+template <class F, int SPLIT>
+__device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, float target, RadixScratch& s) {
     uint32_t prefix = 0;
     float above = 0.f;
-    float* mine = hist + (threadIdx.x & 31) * HIST_STRIDE;
+    float* mine = s.hist + (threadIdx.x & 31) * HIST_STRIDE;
     for (int shift = 24; shift >= 0; shift -= 8) {
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
-        for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) hist[d] = 0.f;
+        for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) s.hist[d] = 0.f;
         __syncthreads();
-        row_loop(x, n, [&](int, float v) {
+        row_loop(part, [&](int, float v) {
             const uint32_t k = f.key(v);
             if ((k & hi_mask) == prefix) {
                 const float w = f.weight(v);
@@ -115,46 +230,27 @@ __device__ uint32_t radix_select(const F& f, const float* x, int n, float target
         for (int d = threadIdx.x; d < 256; d += blockDim.x) {  // bin d of every copy, into copy 0's
             float sum = 0.f;
 #pragma unroll 8
-            for (int c = 0; c < HIST_COPIES; ++c) sum += hist[c * HIST_STRIDE + d];
-            hist[d] = sum;
+            for (int c = 0; c < HIST_COPIES; ++c) sum += s.hist[c * HIST_STRIDE + d];
+            s.hist[d] = sum;
         }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x;
-            float c[8], total = 0.f;  // this lane's digits: 255 - 8 lane - j, j = 0..7 (descending)
+        const float* bins = s.hist;
+        if constexpr (SPLIT > 1) {
+            part.sync();
+            for (int d = threadIdx.x; d < 256; d += blockDim.x) {
+                float sum = 0.f;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                c[j] = hist[255 - 8 * lane - j];
-                total += c[j];
+                for (int r = 0; r < SPLIT; ++r) sum += part.at(s.hist, r)[d];
+                s.merged[d] = sum;
             }
-            float incl = total;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            float run = above + incl - total, before = 0.f;
-            int hit = -1;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (hit < 0 && run + c[j] >= target) {
-                    hit = j;
-                    before = run;
-                }
-                run += c[j];
-            }
-            const uint32_t ballot = __ballot_sync(0xffffffffu, hit >= 0);
-            if (ballot == 0 && lane == 0) {
-                result[0] = 0;
-                result[1] = __float_as_uint(above);
-            } else if (ballot != 0 && lane == __ffs(ballot) - 1) {
-                result[0] = 255 - 8 * lane - hit;
-                result[1] = __float_as_uint(before);
-            }
+            part.sync();  // every block has read the others' bins before any clears its own
+            bins = s.merged;
+        } else {
+            __syncthreads();
         }
+        if (threadIdx.x < 32) pick_digit(bins, above, target, s.result);
         __syncthreads();
-        prefix |= result[0] << shift;
-        above = __uint_as_float(result[1]);
+        prefix |= s.result[0] << shift;
+        above = __uint_as_float(s.result[1]);
     }
     return prefix;
 }
@@ -184,60 +280,74 @@ struct TopPWeights {  // the probability mass of the tokens that survived top-k 
 };
 
 // One token per row: argmax when temperature == 0; otherwise keep the tokens with p >= max(k-th largest p (top-k),
-// top-p threshold, min_p * max p) and take argmax(x / T + gumbel(noise_keys[row], token)) over them.
-// Launch: grid (S), block NTHREADS: one row per block; every pass re-reads the row (L2-resident for small batches).
-#if KEEPS(sample)
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-    sample(int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
-           const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
-           const uint32_t* __restrict__ noise_keys) {
+// top-p threshold, min_p * max p) and take argmax(x / T + gumbel(noise_keys[row], token)) over them. Every pass
+// re-reads the row (L2-resident for small batches).
+template <int SPLIT>
+__device__ void sample_row(int* out, const float* logits, int vocab, const float* temperature, const float* top_p,
+                           const int* top_k, const float* min_p, const uint32_t* noise_keys) {
     pdl_begin();
-    __shared__ float scratch[32], hist[HIST_COPIES * HIST_STRIDE];
-    __shared__ int scratch_i[32];
-    __shared__ uint32_t result[2];
-    const int row = blockIdx.x;
-    const float* x = logits + (int64_t)row * vocab;
+    __shared__ RowScratch scratch;
+    __shared__ RadixScratch radix;
+    const int row = blockIdx.x / SPLIT;
+    const RowPart<SPLIT> part(logits + (int64_t)row * vocab, vocab);
     const float t = temperature[row];
     if (!(t > 0.f)) {
         float best = -INFINITY;
         int best_i = 0x7fffffff;
-        row_loop(x, vocab, [&](int i, float v) { argmax_merge(best, best_i, v, i); });
-        best_i = block_argmax(best, best_i, scratch, scratch_i);
-        if (threadIdx.x == 0) out[row] = best_i;
+        row_loop(part, [&](int i, float v) { argmax_merge(best, best_i, v, i); });
+        best_i = row_argmax(part, best, best_i, scratch);
+        if (threadIdx.x == 0 && part.rank == 0) out[row] = best_i;
         return;
     }
     Probs p{t, -INFINITY, 0.f};
     float m = -INFINITY;
-    row_loop(x, vocab, [&](int, float v) { m = fmaxf(m, p.scaled(v)); });
-    p.max = block_reduce<Max>(m, scratch);
+    row_loop(part, [&](int, float v) { m = fmaxf(m, p.scaled(v)); });
+    p.max = row_reduce<Max>(part, m, scratch);
     float z = 0.f;
-    row_loop(x, vocab, [&](int, float v) { z += expf(p.scaled(v) - p.max); });
-    p.log_z = logf(block_reduce<Sum>(z, scratch));
+    row_loop(part, [&](int, float v) { z += expf(p.scaled(v) - p.max); });
+    p.log_z = logf(row_reduce<Sum>(part, z, scratch));
 
     float threshold = 0.f;
     const int k = top_k[row];
-    if (k > 0 && k < vocab)
-        threshold = __uint_as_float(radix_select(TopKWeights{p}, x, vocab, (float)k, hist, result));
+    if (k > 0 && k < vocab) threshold = __uint_as_float(radix_select(TopKWeights{p}, part, (float)k, radix));
     if (top_p[row] < 1.f) {
         float mass = 0.f;
-        row_loop(x, vocab, [&](int, float v) {
+        row_loop(part, [&](int, float v) {
             const float q = p(v);
             mass += q >= threshold ? q : 0.f;
         });
-        const float target = top_p[row] * block_reduce<Sum>(mass, scratch);
-        threshold = fmaxf(threshold,
-                          __uint_as_float(radix_select(TopPWeights{p, threshold}, x, vocab, target, hist, result)));
+        const float target = top_p[row] * row_reduce<Sum>(part, mass, scratch);
+        threshold = fmaxf(threshold, __uint_as_float(radix_select(TopPWeights{p, threshold}, part, target, radix)));
     }
     if (min_p[row] > 0.f) threshold = fmaxf(threshold, min_p[row] * expf(-p.log_z));
 
     const uint32_t key = noise_keys[row];
     float best = -INFINITY;
     int best_i = 0x7fffffff;
-    row_loop(x, vocab, [&](int i, float v) {
+    row_loop(part, [&](int i, float v) {
         if (p(v) >= threshold) argmax_merge(best, best_i, p.scaled(v) + gumbel(key, i), i);
     });
-    best_i = block_argmax(best, best_i, scratch, scratch_i);
-    if (threadIdx.x == 0) out[row] = best_i;
+    best_i = row_argmax(part, best, best_i, scratch);
+    if (threadIdx.x == 0 && part.rank == 0) out[row] = best_i;
+}
+
+// Launch: grid (S), block NTHREADS: a block a row.
+#if KEEPS(sample)
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    sample(int* __restrict__ out, const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
+           const float* __restrict__ top_p, const int* __restrict__ top_k, const float* __restrict__ min_p,
+           const uint32_t* __restrict__ noise_keys) {
+    sample_row<1>(out, logits, vocab, temperature, top_p, top_k, min_p, noise_keys);
+}
+#endif
+
+// Launch: grid (S * ROW_SPLIT), block NTHREADS: a cluster of ROW_SPLIT blocks a row.
+#if KEEPS(sample_split)
+extern "C" __global__ void __cluster_dims__(ROW_SPLIT, 1, 1) __launch_bounds__(NTHREADS)
+    sample_split(int* __restrict__ out, const float* __restrict__ logits, int vocab,
+                 const float* __restrict__ temperature, const float* __restrict__ top_p, const int* __restrict__ top_k,
+                 const float* __restrict__ min_p, const uint32_t* __restrict__ noise_keys) {
+    sample_row<ROW_SPLIT>(out, logits, vocab, temperature, top_p, top_k, min_p, noise_keys);
 }
 #endif
 
@@ -252,62 +362,102 @@ struct LogitKeys {  // count the tokens, keyed by logit
     __device__ float weight(float) const { return 1.f; }
 };
 
+// The top-k candidates a block found in its part: ids above the k-th largest key (fewer than k in the whole row),
+// and up to k ids at it.
+struct TopCandidates {
+    int above[MAX_TOP_LOGPROBS], ties[MAX_TOP_LOGPROBS], num_above, num_ties;
+};
+
+// Thread 0 of the row's first block: the row's k ids, from every block's candidates in rank order (those above the
+// k-th key, then ties until k), sorted by descending logit, then ascending id.
+template <int SPLIT>
+__device__ void top_ids_of(const RowPart<SPLIT>& part, TopCandidates& c, int k, int* ids) {
+    int n = 0;
+    for (int r = 0; r < SPLIT; ++r) {
+        const TopCandidates& other = *part.at(&c, r);
+        for (int j = 0; j < other.num_above; ++j) ids[n++] = other.above[j];
+    }
+    for (int r = 0; r < SPLIT && n < k; ++r) {
+        const TopCandidates& other = *part.at(&c, r);
+        for (int j = 0; j < min(other.num_ties, k) && n < k; ++j) ids[n++] = other.ties[j];
+    }
+    const float* x = part.x;
+    for (int a = 1; a < k; ++a) {  // insertion sort
+        const int id = ids[a];
+        int b = a - 1;
+        while (b >= 0 && (x[ids[b]] < x[id] || (x[ids[b]] == x[id] && ids[b] > id))) {
+            ids[b + 1] = ids[b];
+            --b;
+        }
+        ids[b + 1] = id;
+    }
+}
+
 // Log-softmax of the raw logits: token_lp[row] = logprob of token_ids[row]; top_ids / top_lp [N, k] the k most
 // likely tokens in descending order (ties at the k-th value broken arbitrarily, as argpartition does).
-// Launch: grid (R), block NTHREADS; k <= MAX_TOP_LOGPROBS. Block b takes row rows[b] (rows null: row b), so that a
-// step computes the rows that ask for logprobs alone; the others' outputs are left as they were. The k-th largest
-// logit comes from the radix select; the (fewer than k) larger ones and enough ties are gathered in shared memory
-// and sorted by one thread.
+// k <= MAX_TOP_LOGPROBS. Row rows[b] (rows null: row b) is the b-th row's (block's, or cluster's), so that a step
+// computes the rows that ask for logprobs alone; the others' outputs are left as they were. The k-th largest logit
+// comes from the radix select; the (fewer than k) larger ones and enough ties are gathered in shared memory and
+// sorted by one thread (top_ids_of).
+template <int SPLIT>
+__device__ void logprobs_row(float* token_lp, int* top_ids, float* top_lp, const float* logits, const int* token_ids,
+                             const int* rows, int vocab, int k) {
+    pdl_begin();
+    __shared__ RowScratch scratch;
+    __shared__ RadixScratch radix;
+    __shared__ TopCandidates candidates;
+    __shared__ int ids[MAX_TOP_LOGPROBS];
+    const int row = rows != nullptr ? rows[blockIdx.x / SPLIT] : blockIdx.x / SPLIT;
+    const RowPart<SPLIT> part(logits + (int64_t)row * vocab, vocab);
+    const bool first = threadIdx.x == 0 && part.rank == 0;
+    float m = -INFINITY;
+    row_loop(part, [&](int, float v) { m = fmaxf(m, v); });
+    m = row_reduce<Max>(part, m, scratch);
+    float z = 0.f;
+    row_loop(part, [&](int, float v) { z += expf(v - m); });
+    const float log_z = logf(row_reduce<Sum>(part, z, scratch));
+    if (first) token_lp[row] = (part.x[token_ids[row]] - m) - log_z;
+    if (k == 0) return;
+
+    if (threadIdx.x == 0) candidates.num_above = candidates.num_ties = 0;
+    const uint32_t kth = radix_select(LogitKeys{}, part, (float)k, radix);  // (its barriers order the line above)
+    row_loop(part, [&](int i, float v) {
+        const uint32_t key = ordered_key(v);
+        if (key > kth) {
+            candidates.above[atomicAdd(&candidates.num_above, 1)] = i;  // fewer than k by the choice of kth
+        } else if (key == kth) {
+            const int slot = atomicAdd(&candidates.num_ties, 1);
+            if (slot < k) candidates.ties[slot] = i;
+        }
+    });
+    if constexpr (SPLIT > 1) part.sync();  // every block's candidates are in
+    else __syncthreads();
+    if (first) {
+        top_ids_of(part, candidates, k, ids);
+        for (int j = 0; j < k; ++j) {
+            top_ids[(int64_t)row * k + j] = ids[j];
+            top_lp[(int64_t)row * k + j] = (part.x[ids[j]] - m) - log_z;
+        }
+    }
+    part.sync();  // the first block has read the others' candidates before they exit
+}
+
+// Launch: grid (R), block NTHREADS: a block a row.
 #if KEEPS(logprobs)
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     logprobs(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
              const float* __restrict__ logits, const int* __restrict__ token_ids, const int* __restrict__ rows,
              int vocab, int k) {
-    pdl_begin();
-    __shared__ float scratch[32], hist[HIST_COPIES * HIST_STRIDE];
-    __shared__ uint32_t result[2];
-    __shared__ int ids_s[MAX_TOP_LOGPROBS], ties_s[MAX_TOP_LOGPROBS], count_s[2];
-    const int row = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
-    const float* x = logits + (int64_t)row * vocab;
-    float m = -INFINITY;
-    row_loop(x, vocab, [&](int, float v) { m = fmaxf(m, v); });
-    m = block_reduce<Max>(m, scratch);
-    float z = 0.f;
-    row_loop(x, vocab, [&](int, float v) { z += expf(v - m); });
-    const float log_z = logf(block_reduce<Sum>(z, scratch));
-    if (threadIdx.x == 0) {
-        token_lp[row] = (x[token_ids[row]] - m) - log_z;
-        count_s[0] = count_s[1] = 0;
-    }
-    if (k == 0) return;
+    logprobs_row<1>(token_lp, top_ids, top_lp, logits, token_ids, rows, vocab, k);
+}
+#endif
 
-    const uint32_t kth = radix_select(LogitKeys{}, x, vocab, (float)k, hist, result);
-    row_loop(x, vocab, [&](int i, float v) {
-        const uint32_t key = ordered_key(v);
-        if (key > kth) {
-            ids_s[atomicAdd(&count_s[0], 1)] = i;  // fewer than k by the choice of kth
-        } else if (key == kth) {
-            const int slot = atomicAdd(&count_s[1], 1);
-            if (slot < k) ties_s[slot] = i;
-        }
-    });
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int n = count_s[0];
-        for (int j = 0; n < k; ++j) ids_s[n++] = ties_s[j];
-        for (int a = 1; a < k; ++a) {  // insertion sort, descending logit, then ascending id
-            const int id = ids_s[a];
-            int b = a - 1;
-            while (b >= 0 && (x[ids_s[b]] < x[id] || (x[ids_s[b]] == x[id] && ids_s[b] > id))) {
-                ids_s[b + 1] = ids_s[b];
-                --b;
-            }
-            ids_s[b + 1] = id;
-        }
-        for (int j = 0; j < k; ++j) {
-            top_ids[(int64_t)row * k + j] = ids_s[j];
-            top_lp[(int64_t)row * k + j] = (x[ids_s[j]] - m) - log_z;
-        }
-    }
+// Launch: grid (R * ROW_SPLIT), block NTHREADS: a cluster of ROW_SPLIT blocks a row.
+#if KEEPS(logprobs_split)
+extern "C" __global__ void __cluster_dims__(ROW_SPLIT, 1, 1) __launch_bounds__(NTHREADS)
+    logprobs_split(float* __restrict__ token_lp, int* __restrict__ top_ids, float* __restrict__ top_lp,
+                   const float* __restrict__ logits, const int* __restrict__ token_ids, const int* __restrict__ rows,
+                   int vocab, int k) {
+    logprobs_row<ROW_SPLIT>(token_lp, top_ids, top_lp, logits, token_ids, rows, vocab, k);
 }
 #endif

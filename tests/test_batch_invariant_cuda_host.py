@@ -39,6 +39,10 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
     names = [name for name, _, _ in recorder.launches]
     assert not any(name.startswith(("attention_prefill", "attention_combine"))
                    or name.startswith("gemv") and "chain" not in name for name in names), names
+    # sampling and logprobs a block a row, at 3 rows too (a row split over a cluster adds in another order)
+    forward.logprobs(3, buffers.ptr("ids"), 2, buffers)
+    sampling = [(name, grid) for name, grid, _ in recorder.launches if name.startswith(("sample", "logprobs"))]
+    assert sampling == [("sample", (3,)), ("logprobs", (3,))]
     attention = [(name, grid, block, args) for (name, grid, block), args in zip(recorder.launches, recorder.args)
                  if name.startswith("attention_decode")]
     assert len(attention) == forward.config.num_hidden_layers

@@ -13,7 +13,8 @@ from tinyvllm.backends.cuda import ops
 from tinyvllm.backends.cuda.ops import DEFINES, SIGNATURES, Ops
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
-KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(([^)]*)\)')
+KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__cluster_dims__\([^)]*\)\s*)?(?:__launch_bounds__\([^)]*\)\s*)?'
+                    r'([\w#]+)\s*\(([^)]*)\)')
 
 
 def declared_kernels(file: str) -> dict[str, str]:
@@ -77,7 +78,8 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
     headers = " ".join(p.read_text() for p in sorted(CUDA_DIR.glob("*.cuh")))
     for path in sorted(CUDA_DIR.glob("*.cu")):
         source = path.read_text().replace("\\\n", " ")
-        kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
+        kernels = function_bodies(source, r'extern "C" __global__ void\s+(?:__cluster_dims__\([^)]*\)\s*)?'
+                                          r'(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)')
         templates = function_bodies(source + headers, r"template <[^>]*>\s*__device__ void\s+(\w+)")
         assert kernels, path
         for name, body in kernels.items():
@@ -689,8 +691,10 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     per_layer = ["rms_norm", "gemv_bf16", *(["add_qkv_bias"] if architecture == "Qwen2ForCausalLM" else []), rope,
                  f"attention_decode_{fp8}d64_r8", "attention_combine", "gemv_f32", "rms_norm", "gemv_swiglu_bf16",
                  "gemv_f32"]
+    # 4 rows: each sampled by a cluster of SAMPLING_SPLIT blocks
     assert decode == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32",
-                      "apply_logits_processors", "sample", "count_tokens"]
+                      "apply_logits_processors", "sample_split", "count_tokens"]
+    assert recorder.launches[decode.index("sample_split")][1] == (4 * ops.SAMPLING_SPLIT,)
     rope_args = next(a for (name, _, _), a in zip(recorder.launches, recorder.args) if name == rope)
     layer = forward.layers[0]
     norms = (layer.q_norm.ptr, layer.k_norm.ptr, config.rms_norm_eps) if layer.q_norm is not None else (0, 0, 0.0)
@@ -747,7 +751,7 @@ def test_forward_runs_the_gemma_and_phi3_layer_ops(forward_module, architecture)
                      "gemv_f32", "rms_norm", "gemv_swiglu_bf16", "gemv_f32"]
     cap = ["soft_cap"] * (architecture == "Gemma2ForCausalLM")
     assert names == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm", "gemv_f32", *cap,
-                     "apply_logits_processors", "sample", "count_tokens"]
+                     "apply_logits_processors", "sample_split", "count_tokens"]
     args = {name: a for (name, _, _), a in zip(recorder.launches, recorder.args)}
     assert args["embedding"][-1] == (8.0 if gemma else 1.0)  # sqrt(hidden 64)
     assert args["rms_norm"][-1] == (1.0 if gemma else 0.0)
@@ -799,7 +803,7 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
                  "quantize_fp8_values",
                  "gemv_fp8_f32"]
     assert [name for name, _, _ in recorder.launches] == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm",
-                                                          "gemv_f32", "apply_logits_processors", "sample",
+                                                          "gemv_f32", "apply_logits_processors", "sample_split",
                                                           "count_tokens"]
     recorder.launches.clear()
     forward.prefill(10, buffers, buffers, 3, 2)
@@ -931,9 +935,11 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
     model = load_model(make_model_dir(head_dim=64))
     device = FakeDevice(TypedRecorder())
     backend, names = serve_every_feature(runner, model, engine_config_for(model, graphs), device, graphs is not None)
-    assert names.count("sample") >= 3 and any(name.startswith("attention_prefill") for name in names)
+    sampled = [name for name in names if name in ("sample", "sample_split")]
+    assert len(sampled) >= 3 and any(name.startswith("attention_prefill") for name in names)
     assert any(name.startswith("attention_decode") for name in names)
-    assert {"logprobs", "copy_blocks", "fill_token_slots", "apply_logits_processors"} <= set(names)
+    assert {"copy_blocks", "fill_token_slots", "apply_logits_processors"} <= set(names)
+    assert {"logprobs", "logprobs_split"} & set(names)
     assert set(names) <= set(device.prepared)  # start-up built every kernel the steps launched
     if graphs is not None:
         assert sorted(backend.graphs) == backend.buckets and any(graph.launches for graph in FakeGraph.made)

@@ -469,14 +469,16 @@ def sampling_rows(rng, num_rows, first_mode=0):
         noise_keys=rng.integers(0, 2**32, num_rows, dtype=np.uint64).astype(np.uint32))
 
 
-@pytest.mark.parametrize("num_rows,vocab", [(1, 128256), (64, 128256), (257, 49152)])
-def test_sample_matches_numpy_sampler(cuda, ops, num_rows, vocab):
+# row_split: up to SAMPLING_SPLIT_ROWS rows, each row's sampling split over a cluster of blocks (sample_split)
+@pytest.mark.parametrize("num_rows,vocab,row_split", [(1, 128256, False), (64, 128256, True), (257, 49152, True),
+                                                      (1, 128256, True), (16, 49152, True)])
+def test_sample_matches_numpy_sampler(cuda, ops, num_rows, vocab, row_split):
     gpu, rng = Gpu(cuda), np.random.default_rng(num_rows)
     logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 3
     params = sampling_rows(rng, num_rows, first_mode=5 if num_rows == 1 else 0)  # alone: every filter at once
     out = gpu.poisoned(num_rows, np.int32)
     ops.sample(out, gpu.put(logits), num_rows, vocab, gpu.put(params.temperature), gpu.put(params.top_p),
-               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
+               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys), row_split=row_split)
     got = gpu.get(out, num_rows, np.int32)
     ref = sampler.sample(logits, params)
     mismatches = int((got != ref).sum())
@@ -484,15 +486,16 @@ def test_sample_matches_numpy_sampler(cuda, ops, num_rows, vocab):
     assert mismatches <= num_rows // 64  # only float ties at a filter boundary may differ
 
 
-@pytest.mark.parametrize("num_rows,k", [(1, 0), (37, 5), (257, 20)])
-def test_logprobs_match_numpy(cuda, ops, num_rows, k):
+@pytest.mark.parametrize("num_rows,k,row_split", [(1, 0, False), (37, 5, True), (257, 20, False), (1, 20, True),
+                                                   (9, 64, True)])
+def test_logprobs_match_numpy(cuda, ops, num_rows, k, row_split):
     gpu, rng = Gpu(cuda), np.random.default_rng(k)
     vocab = 128256
     logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 4
     tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
     token_lp = gpu.poisoned(num_rows, np.float32)
     top_ids, top_lp = gpu.poisoned((num_rows, max(k, 1)), np.int32), gpu.poisoned((num_rows, max(k, 1)), np.float32)
-    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k)
+    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k, row_split=row_split)
     ref = sampler.gather_logprobs(logits, tokens, k)
     np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32), ref.token_logprobs, atol=1e-4)
     if k:
@@ -500,7 +503,8 @@ def test_logprobs_match_numpy(cuda, ops, num_rows, k):
         np.testing.assert_allclose(gpu.get(top_lp, (num_rows, k), np.float32), ref.top_logprobs, atol=1e-4)
 
 
-def test_logprobs_of_listed_rows_leave_the_others(cuda, ops):
+@pytest.mark.parametrize("row_split", [False, True])
+def test_logprobs_of_listed_rows_leave_the_others(cuda, ops, row_split):
     gpu, rng = Gpu(cuda), np.random.default_rng(11)
     num_rows, vocab, k = 40, 49152, 3
     logits = rng.standard_normal((num_rows, vocab), dtype=np.float32) * 4
@@ -510,7 +514,7 @@ def test_logprobs_of_listed_rows_leave_the_others(cuda, ops):
     top_ids, top_lp = gpu.poisoned((num_rows, k), np.int32), gpu.poisoned((num_rows, k), np.float32)
     before = gpu.get(top_ids, (num_rows, k), np.int32)
     ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), len(listed), vocab, k,
-                 gpu.put(listed))
+                 gpu.put(listed), row_split=row_split)
     ref = sampler.gather_logprobs(logits[listed], tokens[listed], k)
     ids = gpu.get(top_ids, (num_rows, k), np.int32)
     np.testing.assert_array_equal(ids[listed], ref.top_ids)
@@ -529,15 +533,15 @@ def tied_logits(rng, num_rows, vocab):
     return logits
 
 
-@pytest.mark.parametrize("num_rows,k", [(1, 20), (65, 5)])
-def test_logprobs_of_tied_logits_match_numpy(cuda, ops, num_rows, k):
+@pytest.mark.parametrize("num_rows,k,row_split", [(1, 20, True), (65, 5, False), (3, 64, True)])
+def test_logprobs_of_tied_logits_match_numpy(cuda, ops, num_rows, k, row_split):
     gpu, rng = Gpu(cuda), np.random.default_rng(100 + k)
     vocab = 49152
     logits = tied_logits(rng, num_rows, vocab)
     tokens = rng.integers(0, vocab, num_rows).astype(np.int32)
     token_lp = gpu.poisoned(num_rows, np.float32)
     top_ids, top_lp = gpu.poisoned((num_rows, k), np.int32), gpu.poisoned((num_rows, k), np.float32)
-    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k)
+    ops.logprobs(token_lp, top_ids, top_lp, gpu.put(logits), gpu.put(tokens), num_rows, vocab, k, row_split=row_split)
     ref = sampler.gather_logprobs(logits, tokens, k)
     ids = gpu.get(top_ids, (num_rows, k), np.int32)
     rows = np.arange(num_rows)[:, None]
@@ -548,16 +552,17 @@ def test_logprobs_of_tied_logits_match_numpy(cuda, ops, num_rows, k):
     np.testing.assert_allclose(gpu.get(token_lp, num_rows, np.float32), ref.token_logprobs, atol=1e-5)
 
 
-def test_sample_of_tied_logits_matches_numpy_sampler(cuda, ops):
+@pytest.mark.parametrize("num_rows,row_split", [(128, False), (16, True)])
+def test_sample_of_tied_logits_matches_numpy_sampler(cuda, ops, num_rows, row_split):
     gpu, rng = Gpu(cuda), np.random.default_rng(7)
-    num_rows, vocab = 128, 49152
+    vocab = 49152
     logits = tied_logits(rng, num_rows, vocab)
     params = sampling_rows(rng, num_rows)
     out = gpu.poisoned(num_rows, np.int32)
     ops.sample(out, gpu.put(logits), num_rows, vocab, gpu.put(params.temperature), gpu.put(params.top_p),
-               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys))
+               gpu.put(params.top_k), gpu.put(params.min_p), gpu.put(params.noise_keys), row_split=row_split)
     got, ref = gpu.get(out, num_rows, np.int32), sampler.sample(logits, params)
-    assert int((got != ref).sum()) <= num_rows // 64  # only float ties at a filter boundary may differ
+    assert int((got != ref).sum()) <= max(1, num_rows // 64)  # only float ties at a filter boundary may differ
 
 
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 14, 2), (257, 128, 16, 8)])

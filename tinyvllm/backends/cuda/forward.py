@@ -17,7 +17,8 @@ whatever the row count, or at up to 8 rows gemv_chain, which adds in that algori
 _chain_shapes checked (linear.py, cublas.py); a decode step's attention is attention_decode's batch-invariant form:
 the context in one part, its online softmax over attention_prefill's key tiles (multiples of its BLOCK_N from key
 0), the same additions in the same order as that position gets in a prefill, a prefill chunk or a recomputation
-after preemption. The other kernels already treat each row alone. The MoE kernels choose their path by the batch,
+after preemption; sampling and logprobs keep a block a row (not split over a cluster at small batches: another
+order of adding). The other kernels already treat each row alone. The MoE kernels choose their path by the batch,
 so an expert model is refused.
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
@@ -574,7 +575,7 @@ class CudaForward:
                                          proc.ptr("allowed_ptr"), proc.ptr("allowed_ids"), proc.ptr("bias_ptr"),
                                          proc.ptr("bias"))
         self.ops.sample(out.ptr("ids"), b.logits.ptr, n, vocab, inp.ptr("temperature"), inp.ptr("top_p"),
-                        inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"))
+                        inp.ptr("top_k"), inp.ptr("min_p"), inp.ptr("noise_keys"), row_split=not self.invariant)
         self.ops.count_tokens(b.token_counts.ptr, vocab, out.ptr("ids"), proc.ptr("count_slots"), n)
 
     def decode(self, n: int, inp: Buffers, out: Buffers, proc: Buffers, sample: bool = True) -> None:
@@ -628,7 +629,7 @@ class CudaForward:
         """Logprobs of token_ids (device int32, a row each) and the top k of n rows of logits, into out: rows
         0..n-1, or (rows: device int32 [n]) those rows."""
         self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf.logits.ptr,
-                          token_ids, n, self.config.vocab_size, k, rows)
+                          token_ids, n, self.config.vocab_size, k, rows, row_split=not self.invariant)
 
     def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
         """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""

@@ -30,7 +30,11 @@ DECODE_WIDE_WARPS = 1
 DECODE_MIN_SPLIT_TILES = 4
 NORM_CHUNKS = 2  # rms_norm: most 8-entry chunks of a row per thread (held in registers)
 MAX_THREADS = 1024  # threads per block the GPU allows
-SAMPLING_THREADS = 1024  # sample, logprobs: threads per block (one block per row)
+SAMPLING_THREADS = 1024  # sample, logprobs: threads per block
+# sample_split, logprobs_split: blocks a row (a thread-block cluster, 8 at most portably), for batches of up to
+# SAMPLING_SPLIT_ROWS rows, whose clusters fit the GPU at once (an H100's GPCs hold two each)
+SAMPLING_SPLIT = 8
+SAMPLING_SPLIT_ROWS = 16
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
@@ -56,7 +60,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
                          "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
-    "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS},
+    "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS, "ROW_SPLIT": SAMPLING_SPLIT},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "gemv_chain": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL, "CHAIN_WARPS": CHAIN_WARPS, "CHAIN_K": CHAIN_K,
@@ -113,6 +117,14 @@ def kernel(file: str, params: str, *names: str, shared: Callable[[str], int] | N
             SIGNATURES[name] = Signature(file, params, shared(name) if shared else 0)
         return launcher
     return declare
+
+
+def _sampling_grid(name: str, num_rows: int, row_split: bool) -> tuple[str, tuple[int]]:
+    """sample's or logprobs' instance and grid: a block a row, or, where splitting is allowed and there are at most
+    SAMPLING_SPLIT_ROWS rows, the `_split` instance's cluster of SAMPLING_SPLIT blocks a row (cuda/sampling.cu)."""
+    if row_split and num_rows <= SAMPLING_SPLIT_ROWS:
+        return f"{name}_split", (num_rows * SAMPLING_SPLIT,)
+    return name, (num_rows,)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -523,21 +535,23 @@ class Ops:
                     *(kv_scales or ()))
 
     @kernel("sampling", "int* out, const float* logits, int vocab, const float* temperature, const float* top_p, "
-                        "const int* top_k, const float* min_p, const uint32_t* noise_keys")
+                        "const int* top_k, const float* min_p, const uint32_t* noise_keys", "sample", "sample_split")
     def sample(self, out: int, logits: int, num_rows: int, vocab: int, temperature: int, top_p: int, top_k: int,
-               min_p: int, noise_keys: int) -> None:
-        self.launch("sample", (num_rows,), SAMPLING_THREADS, out, logits, vocab, temperature, top_p, top_k, min_p,
-                    noise_keys)
+               min_p: int, noise_keys: int, row_split: bool = False) -> None:
+        """A token per row. row_split: a row may be split over blocks (_sampling_grid), which adds in another order
+        (not batch-invariant)."""
+        name, grid = _sampling_grid("sample", num_rows, row_split)
+        self.launch(name, grid, SAMPLING_THREADS, out, logits, vocab, temperature, top_p, top_k, min_p, noise_keys)
 
     @kernel("sampling", "float* token_lp, int* top_ids, float* top_lp, const float* logits, const int* token_ids, "
-                        "const int* rows, int vocab, int k")
+                        "const int* rows, int vocab, int k", "logprobs", "logprobs_split")
     def logprobs(self, token_lp: int, top_ids: int, top_lp: int, logits: int, token_ids: int, num_rows: int,
-                 vocab: int, k: int, rows: int = 0) -> None:
+                 vocab: int, k: int, rows: int = 0, row_split: bool = False) -> None:
         """Logprobs of num_rows rows of logits: rows 0.. or (rows: device int32 [num_rows]) those rows, written at
-        their own row of the outputs."""
+        their own row of the outputs; row_split as sample's."""
         _require(0 <= k <= MAX_TOP_LOGPROBS, f"logprobs: k = {k} not in 0..{MAX_TOP_LOGPROBS}")
-        self.launch("logprobs", (num_rows,), SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, rows,
-                    vocab, k)
+        name, grid = _sampling_grid("logprobs", num_rows, row_split)
+        self.launch(name, grid, SAMPLING_THREADS, token_lp, top_ids, top_lp, logits, token_ids, rows, vocab, k)
 
     @kernel("gemv", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int split, int accumulate",
             "gemv_f32", "gemv_f32_pipelined")
