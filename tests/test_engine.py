@@ -276,14 +276,15 @@ def test_batch_rows_follow_growth_replacement_and_release():
     and row count), a table replaced after preemption (also a shorter one), rows released and reused, and other
     instances gathering the same sequences; and the sampling fields of a row are those of the sequence holding it,
     also after the row went to another sequence."""
-    from tinyvllm.engine.model_inputs import BatchRows
+    from tinyvllm.engine.model_inputs import BatchRows, _noise_keys
     from tinyvllm.engine.sequence import Sequence
     from tinyvllm.outputs import RequestMetrics
 
     rng = np.random.default_rng(0)
 
     def sequence(i, prompt, **kw):
-        params = SamplingParams(temperature=float(rng.random()), top_p=float(rng.uniform(0.1, 1)),
+        temperature = 0.0 if i % 5 == 0 else float(rng.random())  # every fifth greedy
+        params = SamplingParams(temperature=temperature, top_p=float(rng.uniform(0.1, 1)),
                                 top_k=int(rng.integers(0, 50)), min_p=float(rng.random() / 2),
                                 logprobs=None if i % 3 else int(rng.integers(0, 5)),
                                 prompt_logprobs=None if i % 4 else 1)
@@ -306,6 +307,12 @@ def test_batch_rows_follow_growth_replacement_and_release():
         assert fields["num_logprobs"] == max((batch[i].params.logprobs for i in asked), default=-1)
         some = 0 < len(asked) < len(batch)  # the rows asking logprobs are listed only when not every row asks
         assert (fields["logprob_rows"].tolist() if some else fields["logprob_rows"]) == (asked if some else None)
+        # noise keys: step_keys where the row samples at random; 0 for greedy rows, which draw no noise
+        lengths = np.array([len(s.token_ids) + 3 for s in batch])
+        keys = _noise_keys(fields, lengths)
+        drawn = sampler.step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"])
+        random = np.array([s.params.temperature > 0 for s in batch])
+        assert (keys[random] == drawn[random]).all() and not keys[~random].any()
         # a throwaway instance (as build_batch makes without one) on the same sequences: their rows elsewhere are
         # no claim on its rows
         np.testing.assert_array_equal(BatchRows().gather(batch[::-1])[1], want[::-1])

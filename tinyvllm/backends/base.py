@@ -23,7 +23,7 @@ class SamplingBatch:
     top_p: np.ndarray  # float32 [S]; 1 = off
     top_k: np.ndarray  # int32 [S]; 0 = off
     min_p: np.ndarray  # float32 [S]; 0 = off
-    noise_keys: np.ndarray  # uint32 [S]: hash of (request seed, output index); drives the sampling noise
+    noise_keys: np.ndarray  # uint32 [S]: hash of (request seed, output index); drives the sampling noise (greedy: 0)
     num_logprobs: int = -1  # top logprobs wanted per sampled token (max over the batch); -1 = none, 0 = its own only
     # int32: the rows that want logprobs when only some do (None: every row or none); a backend may leave the other
     # rows of SamplerOutput.logprobs unset (the cuda backend computes these rows alone)

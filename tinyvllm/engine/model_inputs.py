@@ -48,12 +48,14 @@ class BatchRows:
 
     def gather_fields(self, rows: np.ndarray) -> dict:
         """The FIELDS of these rows, with the most logprobs asked (num_logprobs), the rows asking logprobs when only
-        some do (logprob_rows, else None) and the rows asking prompt logprobs (prompt_logprob_rows)."""
+        some do (logprob_rows, else None), the rows asking prompt logprobs (prompt_logprob_rows) and those that
+        sample at random (random_rows: temperature > 0)."""
         fields = {name: values[rows] for name, values in self.fields.items()}
         fields["num_logprobs"] = int(fields["logprobs"].max())
         asked = fields["logprobs"] >= 0
         fields["logprob_rows"] = np.flatnonzero(asked).astype(np.int32) if 0 < asked.sum() < len(rows) else None
         fields["prompt_logprob_rows"] = np.flatnonzero(fields["prompt_logprobs"]).tolist()
+        fields["random_rows"] = np.flatnonzero(fields["temperature"] > 0)
         return fields
 
     def rows(self, seqs: list[Sequence]) -> tuple[list[int], int]:
@@ -153,7 +155,7 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     fields = run.fields(step.fast) if num_fast == n else batch_rows.gather_fields(rows)
     sampling = SamplingBatch(
         temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"], min_p=fields["min_p"],
-        noise_keys=step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"]),
+        noise_keys=_noise_keys(fields, lengths),
         num_logprobs=fields["num_logprobs"], logprob_rows=fields["logprob_rows"],
     )
     targets = _prompt_logprob_targets(seqs, starts, ends, fields)
@@ -163,6 +165,18 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     return Batch(max_query_len, token_ids, positions, slot_mapping, query_start_loc, ends.astype(np.int32),
                  block_tables, sampling, targets, num_prompt_logprobs, token_sources, block_copies=copies,
                  logits_indices=query_start_loc[1:] - 1, num_lookahead_slots=lookahead)
+
+
+def _noise_keys(fields: dict, lengths: np.ndarray) -> np.ndarray:
+    """Each row's noise key for the token it samples (step_keys of its request's key and the token's output index);
+    0 for a greedy row, which draws no noise (most batches: no key is made at all)."""
+    random = fields["random_rows"]
+    if len(random) == len(lengths):
+        return step_keys(fields["sampling_key"], lengths - fields["num_prompt_tokens"])
+    keys = np.zeros(len(lengths), np.uint32)
+    if len(random):
+        keys[random] = step_keys(fields["sampling_key"][random], lengths[random] - fields["num_prompt_tokens"][random])
+    return keys
 
 
 def _row_inputs(seqs: list[Sequence], query_lens: np.ndarray, batch_rows: BatchRows) -> tuple[np.ndarray, ...]:

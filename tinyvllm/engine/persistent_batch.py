@@ -323,11 +323,14 @@ class DecodeRun:
         slots = fast.slots
         starts, lengths = self.computed[slots], self.ctx[slots]
         pending = self.pending[slots] > 0
-        cols = lengths - 1 - self.base[slots]
-        tokens = np.where(pending, PENDING_TOKEN, self.buf[slots, np.maximum(cols, 0)]).astype(np.int32)
-        for i in np.flatnonzero(~pending & (cols < 0)).tolist():  # a known last token already in token_ids
-            tokens[i] = self.seqs[slots[i]].token_ids[lengths[i] - 1]
-        sources = np.where(pending, self.sample_row[slots], -1).astype(np.int32)
+        if pending.all():  # the steady state, one step ahead: every row's input is the token in flight
+            tokens, sources = np.full(len(slots), PENDING_TOKEN, np.int32), self.sample_row[slots].astype(np.int32)
+        else:
+            cols = lengths - 1 - self.base[slots]
+            tokens = np.where(pending, PENDING_TOKEN, self.buf[slots, np.maximum(cols, 0)]).astype(np.int32)
+            for i in np.flatnonzero(~pending & (cols < 0)).tolist():  # a known last token already in token_ids
+                tokens[i] = self.seqs[slots[i]].token_ids[lengths[i] - 1]
+            sources = np.where(pending, self.sample_row[slots], -1).astype(np.int32)
         return self.trow[slots], self.nblocks[slots], starts, lengths, tokens, sources
 
     def advance(self, fast: FastRows) -> None:
