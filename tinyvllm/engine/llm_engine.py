@@ -187,7 +187,7 @@ class LLMEngine:
                                                               self.penalty_slots)
         constrained = [num_fast + i for i, (seq, sampled) in enumerate(zip(seqs, samples))
                        if sampled and seq.constraint]
-        if num_fast:  # the run's rows all sample
+        if num_fast and self.run.constrained.any():  # the run's rows all sample
             constrained = np.flatnonzero(self.run.constrained[fast.slots]).tolist() + constrained
         if constrained:
             batch.bitmask_rows = np.full(len(step.seqs), -1, np.int32)

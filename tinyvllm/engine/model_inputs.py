@@ -144,7 +144,9 @@ def build_batch(step: ScheduledStep, block_size: int, batch_rows: BatchRows | No
     # A token still being sampled by the previous step (the engine runs one step ahead) is read on the backend
     # from that step's sampled ids: token_sources gives the row there, -1 where token_ids holds the token.
     token_sources = None
-    if (sources >= 0).any():
+    if max_query_len == 1:  # a token per row: the rows' sources as they are
+        token_sources = sources.astype(np.int32, copy=False) if (sources >= 0).any() else None
+    elif (sources >= 0).any():
         token_sources = np.full(len(token_ids), -1, np.int32)
         token_sources[query_start_loc[1:] - 1] = sources
     seq_index = np.repeat(np.arange(n), query_lens) if max_query_len > 1 else np.arange(n)
