@@ -48,6 +48,17 @@ def test_arg_format_follows_the_c_types():
     assert SIGNATURES["attention_decode_d128_r16"].arg_format == "PPPPPPPPPfiiiiiif"
 
 
+def test_sampling_splits_a_row_over_a_cluster_only_for_small_batches_that_allow_it():
+    split, most = ops.SAMPLING_SPLIT, ops.SAMPLING_SPLIT_ROWS
+    for name in ("sample", "logprobs"):
+        assert SIGNATURES[f"{name}_split"].params == SIGNATURES[name].params
+        assert ops._sampling_grid(name, 1, True) == (f"{name}_split", (split,))
+        assert ops._sampling_grid(name, most, True) == (f"{name}_split", (most * split,))
+        assert ops._sampling_grid(name, most + 1, True) == (name, (most + 1,))
+        assert ops._sampling_grid(name, 1, False) == (name, (1,))  # the batch-invariant mode: a block a row
+    assert DEFINES["sampling"]["ROW_SPLIT"] == split
+
+
 def function_bodies(source: str, head: str) -> dict[str, str]:
     """{name: body} of the functions whose declaration matches `head` (a regular expression ending at the name)."""
     bodies = {}
