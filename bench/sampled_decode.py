@@ -15,18 +15,30 @@ import time
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.benchmark import dummy_model
+from tinyvllm.model.dummy import PRESETS
 
 MODES = {"greedy": dict(temperature=0), "T 0.8, top-p 0.9": dict(temperature=0.8, top_p=0.9, seed=1),
          "greedy, 5 logprobs": dict(temperature=0, logprobs=5),
          "T 0.8, top-p 0.9, 5 logprobs": dict(temperature=0.8, top_p=0.9, seed=1, logprobs=5)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("tokens", "runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: at least 1")
+    unknown = [p for p in args.presets.split(",") if p not in PRESETS]
+    if unknown:
+        parser.error(f"--presets: {', '.join(unknown)} not among {', '.join(sorted(PRESETS))}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     prompt = [list(range(1, 257))]
     for preset in args.presets.split(","):
         llm = LLM(dummy_model(preset), backend="cuda", max_num_seqs=16, max_model_len=2048)

@@ -19,19 +19,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pycuda.driver as cuda
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gemv import Timer, copy_rate  # noqa: E402
-
-from tinyvllm.backends.cuda.device import Device  # noqa: E402
-from tinyvllm.backends.cuda.ops import SAMPLING_SPLIT_ROWS  # noqa: E402
+from tinyvllm.backends.cuda.ops import SAMPLING_SPLIT_ROWS
 
 SAMPLE_MODES = {"greedy": (0.0, 1.0, 0), "top-p 0.9": (1.0, 0.9, 0), "top-k 50": (1.0, 1.0, 50)}
 LOGPROB_KS = (0, 2, 20)
 
 
-def time_vocab(ops, timer: Timer, vocab: int, row_counts: list[int], rate: float) -> None:
+def time_vocab(ops, timer, vocab: int, row_counts: list[int], rate: float) -> None:
+    import pycuda.driver as cuda
+
     rows = max(row_counts)
     rng = np.random.default_rng(vocab)
     logits = cuda.to_device(rng.standard_normal((rows, vocab), dtype=np.float32) * 3)
@@ -57,19 +54,44 @@ def time_vocab(ops, timer: Timer, vocab: int, row_counts: list[int], rate: float
         array.free()
 
 
-def main() -> None:
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive integers (argparse's type: anything else is its one-line error)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, comma-separated")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--rows", default="1,8,128,512")
-    parser.add_argument("--vocab", default="49152,128256")
-    args = parser.parse_args()
+    parser.add_argument("--rows", type=positive_ints, default=[1, 8, 128, 512])
+    parser.add_argument("--vocab", type=positive_ints, default=[49152, 128256])
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()  # before the GPU is touched: a bad value gets argparse's one line
+    import pycuda.driver as cuda
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gemv import Timer, copy_rate
+
+    from tinyvllm.backends.cuda.device import Device
+
     device = Device(0)
     stream = device.stream()
     ops, timer = device.ops(stream), Timer(stream, args.runs)
     rate = copy_rate(timer)
     print(f"{cuda.Device(0).name()}: copy rate {rate / 1e9:.0f} GB/s; median of {args.runs} launches, us")
-    for vocab in map(int, args.vocab.split(",")):
-        time_vocab(ops, timer, vocab, [int(r) for r in args.rows.split(",")], rate)
+    for vocab in args.vocab:
+        time_vocab(ops, timer, vocab, args.rows, rate)
     device.close()
 
 
