@@ -3,7 +3,7 @@
 //
 // Top-k and top-p need the k-th largest probability and the probability at which the sorted cumulative mass
 // reaches top_p. Both are "the largest threshold t such that the weight of the elements >= t reaches a target"
-// (weight 1 for top-k, the probability itself for top-p), found without sorting the 128k-entry row by a radix
+// (weight 1 for top-k, the probability in fixed point for top-p), found without sorting the 128k-entry row by a radix
 // select: float bit patterns of non-negative values sort like the values, so 4 passes over the row, each building
 // a 256-bin histogram of the next 8 bits among the elements that match the digits chosen so far, pin the threshold
 // down exactly. 4 passes instead of the ~31 of a bisection, and exact where a bisection on values is not.
@@ -161,31 +161,42 @@ __device__ int row_argmax(const RowPart<SPLIT>& part, float v, int i, RowScratch
 // copy l, whose bins start 257 words apart, so a warp's 32 atomics hit 32 addresses, mostly in different banks.
 constexpr int HIST_COPIES = 32, HIST_STRIDE = 257;
 
+// Weights are integers, so that a histogram's sums are exact whatever order its atomics land in (warps sharing a
+// copy add in the order they get there): the same row gives the same threshold in any batch and any run. Top-k and
+// the logprobs count tokens (weight 1); top-p weighs a token by its probability in fixed point, q * 2^31 rounded
+// (sampler.MASS_SCALE; a row's total stays below 2^32: sum q = 1 up to rounding, plus half a unit a token).
+constexpr float MASS_SCALE = 2147483648.f;
+
 // The radix select's shared memory: the per-lane histograms (copy 0 ends up holding the block's sums), the row's
-// bins summed over its blocks (SPLIT > 1), the digit chosen and the weight above it.
+// bins summed over its blocks (SPLIT > 1), and pick_digit's result: the digit chosen, the weight above it, the
+// target.
 struct RadixScratch {
-    float hist[HIST_COPIES * HIST_STRIDE];
-    float merged[256];
-    uint32_t result[2];
+    uint32_t hist[HIST_COPIES * HIST_STRIDE];
+    uint32_t merged[256];
+    uint32_t result[3];
 };
 
 // Warp 0: the highest digit of `bins` at which `above` plus the weight of the digits from 255 down to it reaches
-// `target` (digit 0 if rounding keeps it out of reach), into result: the digit, and the weight above it.
-__device__ void pick_digit(const float* bins, float above, float target, uint32_t* result) {
+// `target` (digit 0 if it is out of reach), into result: the digit, the weight above it, and the target. With
+// `fraction` > 0 the target is instead ceil(fraction x the bins' total): on the first pass, which bins every weight,
+// that fraction of the row's total weight.
+__device__ void pick_digit(const uint32_t* bins, uint32_t above, uint32_t target, float fraction, uint32_t* result) {
     const int lane = threadIdx.x;
-    float c[8], total = 0.f;  // this lane's digits: 255 - 8 lane - j, j = 0..7 (descending)
+    uint32_t c[8], total = 0;  // this lane's digits: 255 - 8 lane - j, j = 0..7 (descending)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         c[j] = bins[255 - 8 * lane - j];
         total += c[j];
     }
-    float incl = total;
+    uint32_t incl = total;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, incl, o);
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o) incl += y;
     }
-    float run = above + incl - total, before = 0.f;
+    if (fraction > 0.f)
+        target = (uint32_t)ceil((double)fraction * (double)__shfl_sync(0xffffffffu, incl, 31));
+    uint32_t run = above + incl - total, before = 0;
     int hit = -1;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -196,48 +207,50 @@ __device__ void pick_digit(const float* bins, float above, float target, uint32_
         run += c[j];
     }
     const uint32_t ballot = __ballot_sync(0xffffffffu, hit >= 0);
+    if (lane == 0) result[2] = target;
     if (ballot == 0 && lane == 0) {
         result[0] = 0;
-        result[1] = __float_as_uint(above);
+        result[1] = above;
     } else if (ballot != 0 && lane == __ffs(ballot) - 1) {
         result[0] = 255 - 8 * lane - hit;
-        result[1] = __float_as_uint(before);
+        result[1] = before;
     }
 }
 
-// Radix select: the largest key t such that the total weight of the row's elements with key >= t reaches `target`.
-// F gives key(v) (uint32, ordered like the values) and weight(v) (> 0 to count) of an element, from its logit v.
-// Per 8-bit digit, high first: a histogram of weights by digit among the elements matching the chosen prefix (per
-// lane index, the copies summed in copy order into copy 0; with SPLIT > 1 the blocks' copy 0 summed in rank order),
-// from which warp 0 picks the digit (pick_digit). Every block of the row picks the same.
+// Radix select: the largest key t such that the total weight of the row's elements with key >= t reaches `target`
+// (fraction > 0: ceil(fraction x the row's total weight); pick_digit). F gives key(v) (uint32, ordered like the
+// values) and weight(v) (uint32, > 0 to count) of an element, from its logit v. Per 8-bit digit, high first: a
+// histogram of weights by digit among the elements matching the chosen prefix (per lane index, the copies summed
+// into copy 0; with SPLIT > 1 the blocks' copy 0 summed), from which warp 0 picks the digit. Every block of the row
+// picks the same.
 template <class F, int SPLIT>
-__device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, float target, RadixScratch& s) {
-    uint32_t prefix = 0;
-    float above = 0.f;
-    float* mine = s.hist + (threadIdx.x & 31) * HIST_STRIDE;
+__device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, uint32_t target, float fraction,
+                                 RadixScratch& s) {
+    uint32_t prefix = 0, above = 0;
+    uint32_t* mine = s.hist + (threadIdx.x & 31) * HIST_STRIDE;
     for (int shift = 24; shift >= 0; shift -= 8) {
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
-        for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) s.hist[d] = 0.f;
+        for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) s.hist[d] = 0;
         __syncthreads();
         row_loop(part, [&](int, float v) {
             const uint32_t k = f.key(v);
             if ((k & hi_mask) == prefix) {
-                const float w = f.weight(v);
-                if (w > 0.f) atomicAdd(&mine[(k >> shift) & 255], w);
+                const uint32_t w = f.weight(v);
+                if (w > 0) atomicAdd(&mine[(k >> shift) & 255], w);
             }
         });
         __syncthreads();
         for (int d = threadIdx.x; d < 256; d += blockDim.x) {  // bin d of every copy, into copy 0's
-            float sum = 0.f;
+            uint32_t sum = 0;
 #pragma unroll 8
             for (int c = 0; c < HIST_COPIES; ++c) sum += s.hist[c * HIST_STRIDE + d];
             s.hist[d] = sum;
         }
-        const float* bins = s.hist;
+        const uint32_t* bins = s.hist;
         if constexpr (SPLIT > 1) {
             part.sync();
             for (int d = threadIdx.x; d < 256; d += blockDim.x) {
-                float sum = 0.f;
+                uint32_t sum = 0;
 #pragma unroll
                 for (int r = 0; r < SPLIT; ++r) sum += part.at(s.hist, r)[d];
                 s.merged[d] = sum;
@@ -247,10 +260,11 @@ __device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, float t
         } else {
             __syncthreads();
         }
-        if (threadIdx.x < 32) pick_digit(bins, above, target, s.result);
+        if (threadIdx.x < 32) pick_digit(bins, above, target, shift == 24 ? fraction : 0.f, s.result);
         __syncthreads();
         prefix |= s.result[0] << shift;
-        above = __uint_as_float(s.result[1]);
+        above = s.result[1];
+        target = s.result[2];
     }
     return prefix;
 }
@@ -266,16 +280,16 @@ struct Probs {  // of a logit v
 struct TopKWeights {  // count the tokens, keyed by probability
     Probs p;
     __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
-    __device__ float weight(float) const { return 1.f; }
+    __device__ uint32_t weight(float) const { return 1; }
 };
 
 struct TopPWeights {  // the probability mass of the tokens that survived top-k (p >= cutoff)
     Probs p;
     float cutoff;
     __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
-    __device__ float weight(float v) const {
+    __device__ uint32_t weight(float v) const {
         const float q = p(v);
-        return q >= cutoff ? q : 0.f;
+        return q >= cutoff ? __float2uint_rn(q * MASS_SCALE) : 0;
     }
 };
 
@@ -309,16 +323,10 @@ __device__ void sample_row(int* out, const float* logits, int vocab, const float
 
     float threshold = 0.f;
     const int k = top_k[row];
-    if (k > 0 && k < vocab) threshold = __uint_as_float(radix_select(TopKWeights{p}, part, (float)k, radix));
-    if (top_p[row] < 1.f) {
-        float mass = 0.f;
-        row_loop(part, [&](int, float v) {
-            const float q = p(v);
-            mass += q >= threshold ? q : 0.f;
-        });
-        const float target = top_p[row] * row_reduce<Sum>(part, mass, scratch);
-        threshold = fmaxf(threshold, __uint_as_float(radix_select(TopPWeights{p, threshold}, part, target, radix)));
-    }
+    if (k > 0 && k < vocab) threshold = __uint_as_float(radix_select(TopKWeights{p}, part, k, 0.f, radix));
+    if (top_p[row] < 1.f)  // the mass that reaches top_p of the top-k survivors' (pick_digit's fraction)
+        threshold = fmaxf(threshold,
+                          __uint_as_float(radix_select(TopPWeights{p, threshold}, part, 0, top_p[row], radix)));
     if (min_p[row] > 0.f) threshold = fmaxf(threshold, min_p[row] * expf(-p.log_z));
 
     const uint32_t key = noise_keys[row];
@@ -359,7 +367,7 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
 
 struct LogitKeys {  // count the tokens, keyed by logit
     __device__ uint32_t key(float v) const { return ordered_key(v); }
-    __device__ float weight(float) const { return 1.f; }
+    __device__ uint32_t weight(float) const { return 1; }
 };
 
 // The top-k candidates a block found in its part: ids above the k-th largest key (fewer than k in the whole row),
@@ -420,7 +428,7 @@ __device__ void logprobs_row(float* token_lp, int* top_ids, float* top_lp, const
     if (k == 0) return;
 
     if (threadIdx.x == 0) candidates.num_above = candidates.num_ties = 0;
-    const uint32_t kth = radix_select(LogitKeys{}, part, (float)k, radix);  // (its barriers order the line above)
+    const uint32_t kth = radix_select(LogitKeys{}, part, k, 0.f, radix);  // (its barriers order the line above)
     row_loop(part, [&](int i, float v) {
         const uint32_t key = ordered_key(v);
         if (key > kth) {

@@ -97,3 +97,44 @@ def test_seed_key_is_mix32_of_the_seeds_halves():
     for seed in seeds:
         lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32 & 0xFFFFFFFF)
         assert sampler.seed_key(seed) == int(sampler.mix32(lo ^ sampler.mix32(hi ^ np.uint32(0x9E3779B9))))
+
+
+def exact_top_p_keep(row, top_p):
+    """Which tokens top-p keeps, by a loop over Python integers: weights q * 2^31 rounded, most likely first, until
+    they reach ceil(top_p x their total); ties with the last token needed stay in."""
+    weights = [int(np.rint(float(q) * sampler.MASS_SCALE)) for q in row]
+    target = int(np.ceil(float(top_p) * sum(weights)))
+    reached = 0
+    for i in sorted(range(len(row)), key=lambda i: -row[i]):
+        reached += weights[i]
+        if reached >= target:
+            return row >= row[i]
+    return row >= 0
+
+
+def test_top_p_sums_its_weights_exactly():
+    # 0.5, 0.25, 0.25 - 2^-13, then 4096 distinct tokens in [2^-26, 2^-25): summed in float32 in descending order,
+    # the running total stops growing at 1 - 2^-13 (each tiny token is less than half a unit of it), so a float
+    # cumsum never reaches top_p = 1 - 2^-14 of the total and keeps every token; the fixed-point weights reach it
+    # partway through the tiny ones.
+    tiny = (2.0 ** -26 * (1 + np.arange(4096)[::-1] / 4096)).astype(np.float32)
+    row = np.concatenate([np.array([0.5, 0.25, 0.25 - 2 ** -13], np.float32), tiny])
+    top_p = np.float32(1 - 2 ** -14)
+    threshold = sampler.top_p_threshold(row[None], np.array([top_p]))[0]
+    keep = row >= threshold
+    np.testing.assert_array_equal(keep, exact_top_p_keep(row, top_p))
+    assert 3 < keep.sum() < len(row)
+    order = np.sort(row)[::-1]
+    assert np.cumsum(order, dtype=np.float32)[-1] < top_p  # the float32 sum that would keep every token
+
+
+def test_top_p_threshold_matches_exact_integer_loop():
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((40, 500)) * rng.uniform(0.3, 4, (40, 1))).astype(np.float32)
+    logits[::5, :50] = 2.0  # ties at the top
+    probs = np.exp(sampler.log_softmax(logits))
+    top_p = rng.uniform(0.05, 0.99, 40).astype(np.float32)
+    threshold = sampler.top_p_threshold(probs, top_p)
+    for row in range(40):
+        np.testing.assert_array_equal(probs[row] >= threshold[row], exact_top_p_keep(probs[row], top_p[row]))
+    assert (sampler.top_p_threshold(probs, np.ones(40, np.float32)) == 0).all()

@@ -15,6 +15,7 @@ from collections.abc import Sequence as SequenceABC
 from tinyvllm.version import __version__
 from tinyvllm.backends import create_backend
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.gc_scope import engine_run_gc
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.inputs import PromptType
 from tinyvllm.model.loader import LoadedModel, load_model
@@ -158,7 +159,8 @@ class LLM:
                 error = self.llm_engine.add_request(ids[-1], prompt, params, prompt_is_templated=templated)
                 if error is not None and not error_outputs:
                     raise ValueError(f"prompt {index}: {error}")
-            outputs = self._complete(ids, use_tqdm)
+            with engine_run_gc():
+                outputs = self._complete(ids, use_tqdm)
         except BaseException:  # a bad prompt, Ctrl-C, a device error: the next call starts with an empty engine
             self.llm_engine.abort_request(ids)
             raise

@@ -565,6 +565,37 @@ def test_sample_of_tied_logits_matches_numpy_sampler(cuda, ops, num_rows, row_sp
     assert int((got != ref).sum()) <= max(1, num_rows // 64)  # only float ties at a filter boundary may differ
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_sample_of_a_row_is_the_same_in_any_batch(cuda, ops, tied):
+    """Top-k and top-p histograms add integer weights, so a row's token is the same alone, anywhere in a batch and
+    run after run (one block a row, the batch-invariant mode's form), and equal to the numpy sampler's."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(21 + tied)
+    num_rows, vocab = 96, 49152
+    logits = tied_logits(rng, num_rows, vocab) if tied else rng.standard_normal((num_rows, vocab), np.float32) * 3
+    params = SamplingBatch(
+        temperature=rng.uniform(0.5, 1.5, num_rows).astype(np.float32),
+        top_p=rng.uniform(0.3, 0.99, num_rows).astype(np.float32),
+        top_k=np.where(np.arange(num_rows) % 3 == 0, 500, 0).astype(np.int32),
+        min_p=np.zeros(num_rows, np.float32), noise_keys=rng.integers(0, 2**32, num_rows, np.uint64).astype(np.uint32))
+
+    def run(rows):
+        rows = np.asarray(rows)
+        out = gpu.poisoned(len(rows), np.int32)
+        ops.sample(out, gpu.put(logits[rows]), len(rows), vocab, gpu.put(params.temperature[rows]),
+                   gpu.put(params.top_p[rows]), gpu.put(params.top_k[rows]), gpu.put(params.min_p[rows]),
+                   gpu.put(params.noise_keys[rows]), row_split=False)
+        return gpu.get(out, len(rows), np.int32)
+
+    first = run(np.arange(num_rows))
+    for _ in range(3):
+        np.testing.assert_array_equal(run(np.arange(num_rows)), first)
+    order = rng.permutation(num_rows)
+    np.testing.assert_array_equal(run(order), first[order])
+    for row in (0, 37, 95):
+        np.testing.assert_array_equal(run([row]), first[row:row + 1])
+    assert int((first != sampler.sample(logits, params)).sum()) <= 1  # probabilities' last bits may differ
+
+
 @pytest.mark.parametrize("tokens,head_dim,heads,kv_heads", [(1, 64, 14, 2), (257, 128, 16, 8)])
 def test_add_qkv_bias(cuda, ops, tokens, head_dim, heads, kv_heads):
     gpu, rng = Gpu(cuda), np.random.default_rng(tokens + heads)

@@ -94,19 +94,29 @@ def filtered_logits(logits: np.ndarray, params: SamplingBatch) -> np.ndarray:
         keep &= probs >= kth[:, None]
     # top-p: the smallest set of most likely tokens whose mass reaches top_p (among the top-k survivors).
     if np.any(params.top_p < 1):
-        masked = np.where(keep, probs, 0.0)
-        order = -np.sort(-masked, axis=-1)
-        mass_before = np.cumsum(order, axis=-1) - order
-        total = masked.sum(axis=-1, keepdims=True)
-        # the threshold is the probability of the last token needed to reach top_p of the surviving mass
-        needed = mass_before < params.top_p[:, None] * total
-        threshold = np.where(needed, order, np.inf).min(axis=-1)
-        threshold = np.where(params.top_p < 1, threshold, 0.0)  # rounding in cumsum must not trim top_p = 1
-        keep &= masked >= threshold[:, None]
+        keep &= probs >= top_p_threshold(np.where(keep, probs, 0.0).astype(np.float32), params.top_p)[:, None]
     # min-p: drop tokens less likely than min_p times the most likely one.
     if np.any(params.min_p > 0):
         keep &= probs >= (params.min_p[:, None] * probs.max(axis=-1, keepdims=True))
     return np.where(keep, scaled, -np.inf)
+
+
+# Top-p weighs a token by its probability in fixed point, q * 2^31 rounded to the nearest integer, as
+# cuda/sampling.cu does: integer sums are exact in any order, so a row's threshold does not depend on how the GPU's
+# histogram atomics interleave.
+MASS_SCALE = 2.0 ** 31
+
+
+def top_p_threshold(masked: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Per row of probabilities (float32, 0 where top-k removed a token): the probability of the last token, most
+    likely first, needed for the weights to reach ceil(top_p x their total); 0 where top_p is 1."""
+    weights = np.rint(masked.astype(np.float64) * MASS_SCALE).astype(np.int64)
+    order = np.argsort(-masked, axis=-1, kind="stable")
+    reached = np.cumsum(np.take_along_axis(weights, order, axis=-1), axis=-1)
+    target = np.ceil(top_p.astype(np.float64) * reached[:, -1])
+    last = (reached < target[:, None]).sum(axis=-1)  # the weights reach the target at this position
+    threshold = np.take_along_axis(masked, order, axis=-1)[np.arange(len(masked)), np.minimum(last, masked.shape[1] - 1)]
+    return np.where(top_p < 1, threshold, 0.0).astype(np.float32)
 
 
 def sample(logits: np.ndarray, params: SamplingBatch) -> np.ndarray:

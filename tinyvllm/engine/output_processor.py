@@ -328,6 +328,10 @@ class OutputProcessor:
             self.pass_on_forks(seq)
         if not group.done:
             return None
+        # No cycle left (sequence <-> group): reference counting frees the request once its output is dropped,
+        # where a cycle would wait for a full collection (gc_scope.py)
+        for done in group.seqs:
+            done.group = None
         first = group.seqs[0]
         metrics = first.metrics
         if len(group.seqs) > 1:  # the request's span: from its arrival to its last completion

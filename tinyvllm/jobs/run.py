@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tinyvllm.config import SettingError
+from tinyvllm.engine.gc_scope import engine_run_gc
 from tinyvllm.engine.structured_outputs import check_constraint
 from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
@@ -148,20 +149,24 @@ class RowPipeline:
             producer = threading.Thread(target=self._produce, args=(rows,), name="tinyvllm-prepare", daemon=True)
             producer.start()
         try:
-            exhausted = False
-            while not self.stopped():
-                if not exhausted:
-                    exhausted = self._admit_ready()
-                if self.in_flight:
-                    self._step()
-                elif exhausted:
-                    return
+            with engine_run_gc():
+                self._loop()
         finally:
             self.cancelled.set()
             if producer is not None:
                 producer.join()
             if self.worker is not None:
                 self.worker.close()
+
+    def _loop(self) -> None:
+        exhausted = False
+        while not self.stopped():
+            if not exhausted:
+                exhausted = self._admit_ready()
+            if self.in_flight:
+                self._step()
+            elif exhausted:
+                return
 
     def _start_worker(self, rows: Iterable[Row]) -> PrepareWorker | None:
         """A worker preparing a job's rows, if the job asks for one and one starts (else one line says why not)."""
