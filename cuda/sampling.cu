@@ -169,15 +169,16 @@ constexpr float MASS_SCALE = 2147483648.f;
 
 // The radix select's shared memory: the per-lane histograms (copy 0 ends up holding the block's sums), the row's
 // bins summed over its blocks (SPLIT > 1), and pick_digit's result: the digit chosen, the weight above it, the
-// target.
+// target, the digit's own weight (after the last pass: the weight above the key found, and at it).
 struct RadixScratch {
     uint32_t hist[HIST_COPIES * HIST_STRIDE];
     uint32_t merged[256];
-    uint32_t result[3];
+    uint32_t result[4];
 };
 
 // Warp 0: the highest digit of `bins` at which `above` plus the weight of the digits from 255 down to it reaches
-// `target` (digit 0 if it is out of reach), into result: the digit, the weight above it, and the target. With
+// `target` (digit 0 if it is out of reach), into result: the digit, the weight above it, the target and the
+// digit's weight. With
 // `fraction` > 0 the target is instead ceil(fraction x the bins' total): on the first pass, which bins every weight,
 // that fraction of the row's total weight.
 __device__ void pick_digit(const uint32_t* bins, uint32_t above, uint32_t target, float fraction, uint32_t* result) {
@@ -196,30 +197,33 @@ __device__ void pick_digit(const uint32_t* bins, uint32_t above, uint32_t target
     }
     if (fraction > 0.f)
         target = (uint32_t)ceil((double)fraction * (double)__shfl_sync(0xffffffffu, incl, 31));
-    uint32_t run = above + incl - total, before = 0;
+    uint32_t run = above + incl - total, before = 0, at = 0;
     int hit = -1;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         if (hit < 0 && run + c[j] >= target) {
             hit = j;
             before = run;
+            at = c[j];
         }
         run += c[j];
     }
     const uint32_t ballot = __ballot_sync(0xffffffffu, hit >= 0);
     if (lane == 0) result[2] = target;
-    if (ballot == 0 && lane == 0) {
+    if (ballot == 0 && lane == 31) {  // digit 0 (lane 31's last)
         result[0] = 0;
         result[1] = above;
+        result[3] = c[7];
     } else if (ballot != 0 && lane == __ffs(ballot) - 1) {
         result[0] = 255 - 8 * lane - hit;
         result[1] = before;
+        result[3] = at;
     }
 }
 
 // Radix select: the largest key t such that the total weight of the row's elements with key >= t reaches `target`
-// (fraction > 0: ceil(fraction x the row's total weight); pick_digit). F gives key(v) (uint32, ordered like the
-// values) and weight(v) (uint32, > 0 to count) of an element, from its logit v. Per 8-bit digit, high first: a
+// (fraction > 0: ceil(fraction x the row's total weight); pick_digit). F gives key(i, v) (uint32) and weight(i, v)
+// (uint32, > 0 to count) of element i, of logit v. Per 8-bit digit, high first: a
 // histogram of weights by digit among the elements matching the chosen prefix (per lane index, the copies summed
 // into copy 0; with SPLIT > 1 the blocks' copy 0 summed), from which warp 0 picks the digit. Every block of the row
 // picks the same.
@@ -232,10 +236,10 @@ __device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, uint32_
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
         for (int d = threadIdx.x; d < HIST_COPIES * HIST_STRIDE; d += blockDim.x) s.hist[d] = 0;
         __syncthreads();
-        row_loop(part, [&](int, float v) {
-            const uint32_t k = f.key(v);
+        row_loop(part, [&](int i, float v) {
+            const uint32_t k = f.key(i, v);
             if ((k & hi_mask) == prefix) {
-                const uint32_t w = f.weight(v);
+                const uint32_t w = f.weight(i, v);
                 if (w > 0) atomicAdd(&mine[(k >> shift) & 255], w);
             }
         });
@@ -279,15 +283,15 @@ struct Probs {  // of a logit v
 
 struct TopKWeights {  // count the tokens, keyed by probability
     Probs p;
-    __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
-    __device__ uint32_t weight(float) const { return 1; }
+    __device__ uint32_t key(int, float v) const { return __float_as_uint(p(v)); }
+    __device__ uint32_t weight(int, float) const { return 1; }
 };
 
 struct TopPWeights {  // the probability mass of the tokens that survived top-k (p >= cutoff)
     Probs p;
     float cutoff;
-    __device__ uint32_t key(float v) const { return __float_as_uint(p(v)); }
-    __device__ uint32_t weight(float v) const {
+    __device__ uint32_t key(int, float v) const { return __float_as_uint(p(v)); }
+    __device__ uint32_t weight(int, float v) const {
         const float q = p(v);
         return q >= cutoff ? __float2uint_rn(q * MASS_SCALE) : 0;
     }
@@ -366,8 +370,14 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
 }
 
 struct LogitKeys {  // count the tokens, keyed by logit
-    __device__ uint32_t key(float v) const { return ordered_key(v); }
-    __device__ uint32_t weight(float) const { return 1; }
+    __device__ uint32_t key(int, float v) const { return ordered_key(v); }
+    __device__ uint32_t weight(int, float) const { return 1; }
+};
+
+struct TiedIds {  // count the tokens whose logit's key is `kth`, keyed so that smaller ids come first
+    uint32_t kth;
+    __device__ uint32_t key(int i, float) const { return ~(uint32_t)i; }
+    __device__ uint32_t weight(int, float v) const { return ordered_key(v) == kth ? 1 : 0; }
 };
 
 // The top-k candidates a block found in its part: ids above the k-th largest key (fewer than k in the whole row),
@@ -402,11 +412,12 @@ __device__ void top_ids_of(const RowPart<SPLIT>& part, TopCandidates& c, int k, 
 }
 
 // Log-softmax of the raw logits: token_lp[row] = logprob of token_ids[row]; top_ids / top_lp [N, k] the k most
-// likely tokens in descending order (ties at the k-th value broken arbitrarily, as argpartition does).
-// k <= MAX_TOP_LOGPROBS. Row rows[b] (rows null: row b) is the b-th row's (block's, or cluster's), so that a step
-// computes the rows that ask for logprobs alone; the others' outputs are left as they were. The k-th largest logit
-// comes from the radix select; the (fewer than k) larger ones and enough ties are gathered in shared memory and
-// sorted by one thread (top_ids_of).
+// likely tokens, by descending logit, then ascending id; of the tokens tied at the k-th largest logit, those of the
+// smallest ids (sampler.top_logprob_ids). k <= MAX_TOP_LOGPROBS. Row rows[b] (rows null: row b) is the b-th row's
+// (block's, or cluster's), so that a step computes the rows that ask for logprobs alone; the others' outputs are left
+// as they were. The k-th largest logit comes from the radix select, with the counts above and at it; where more
+// tokens tie at it than the k needs, a second select over the tied ones finds the largest id to take. The (fewer
+// than k) larger ones and the ties taken are gathered in shared memory and sorted by one thread (top_ids_of).
 template <int SPLIT>
 __device__ void logprobs_row(float* token_lp, int* top_ids, float* top_lp, const float* logits, const int* token_ids,
                              const int* rows, int vocab, int k) {
@@ -429,11 +440,14 @@ __device__ void logprobs_row(float* token_lp, int* top_ids, float* top_lp, const
 
     if (threadIdx.x == 0) candidates.num_above = candidates.num_ties = 0;
     const uint32_t kth = radix_select(LogitKeys{}, part, k, 0.f, radix);  // (its barriers order the line above)
+    const uint32_t above = radix.result[1], tied = radix.result[3];      // (the next select's barriers: read first)
+    const uint32_t last_id = above + tied > (uint32_t)k ? ~radix_select(TiedIds{kth}, part, k - above, 0.f, radix)
+                                                        : 0xffffffffu;
     row_loop(part, [&](int i, float v) {
         const uint32_t key = ordered_key(v);
         if (key > kth) {
             candidates.above[atomicAdd(&candidates.num_above, 1)] = i;  // fewer than k by the choice of kth
-        } else if (key == kth) {
+        } else if (key == kth && (uint32_t)i <= last_id) {  // k - above ties in all
             const int slot = atomicAdd(&candidates.num_ties, 1);
             if (slot < k) candidates.ties[slot] = i;
         }

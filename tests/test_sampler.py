@@ -138,3 +138,21 @@ def test_top_p_threshold_matches_exact_integer_loop():
     for row in range(40):
         np.testing.assert_array_equal(probs[row] >= threshold[row], exact_top_p_keep(probs[row], top_p[row]))
     assert (sampler.top_p_threshold(probs, np.ones(40, np.float32)) == 0).all()
+
+
+def test_top_logprob_ids_take_the_smallest_ids_of_a_tie():
+    # row 0: 9.0 once, then 5.0 at ids 3, 7, 11, 20 (k = 3 takes 3 and 7); row 1: no ties; row 2: all equal
+    logits = np.zeros((3, 24), np.float32)
+    logits[0, [3, 7, 11, 20]] = 5.0
+    logits[0, 15] = 9.0
+    logits[1] = np.random.default_rng(9).permutation(24).astype(np.float32)
+    ids = sampler.top_logprob_ids(logits, 3)
+    np.testing.assert_array_equal(ids[0], [15, 3, 7])
+    np.testing.assert_array_equal(ids[1], np.argsort(-logits[1])[:3])
+    np.testing.assert_array_equal(ids[2], [0, 1, 2])
+    # the same row among others, anywhere: the same ids
+    many = np.repeat(logits[:1], 5, 0)
+    many[1:4, 0] = np.float32([1.0, 2.0, 3.0])  # other rows differ below the top
+    assert (sampler.top_logprob_ids(many, 3) == ids[0]).all()
+    lp = sampler.gather_logprobs(logits, np.zeros(3, np.int64), 3)
+    np.testing.assert_array_equal(lp.top_ids, ids)

@@ -137,13 +137,23 @@ def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, k: int) -> Logpro
     logp = log_softmax(logits)
     rows = np.arange(len(token_ids))
     if k > 0:
-        top_ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+        top_ids = top_logprob_ids(logits, k)
         top_lp = np.take_along_axis(logp, top_ids, axis=-1)
-        order = np.argsort(-top_lp, axis=-1, kind="stable")
-        top_ids, top_lp = np.take_along_axis(top_ids, order, -1), np.take_along_axis(top_lp, order, -1)
     else:
         top_ids, top_lp = np.zeros((len(rows), 0), np.int32), np.zeros((len(rows), 0), np.float32)
     return Logprobs(logp[rows, token_ids].astype(np.float32), top_ids.astype(np.int32), top_lp.astype(np.float32))
+
+
+def top_logprob_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the ids of the k largest logits by descending logit, then ascending id; of the tokens tied at the
+    k-th largest, those of the smallest ids. One answer whatever the batch, on either backend (cuda/sampling.cu's
+    logprobs picks the same)."""
+    kth = -np.partition(-logits, k - 1, axis=-1)[:, k - 1:k]
+    above, tied = logits > kth, logits == kth
+    taken = above | (tied & (np.cumsum(tied, axis=-1) <= k - above.sum(axis=-1, keepdims=True)))
+    ids = np.argsort(~taken, axis=-1, kind="stable")[:, :k]  # the k taken, ascending
+    order = np.argsort(-np.take_along_axis(logits, ids, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, axis=-1)
 
 
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows: np.ndarray) -> None:
