@@ -178,9 +178,8 @@ struct RadixScratch {
 
 // Warp 0: the highest digit of `bins` at which `above` plus the weight of the digits from 255 down to it reaches
 // `target` (digit 0 if it is out of reach), into result: the digit, the weight above it, the target and the
-// digit's weight. With
-// `fraction` > 0 the target is instead ceil(fraction x the bins' total): on the first pass, which bins every weight,
-// that fraction of the row's total weight.
+// digit's weight. With `fraction` > 0 the target is instead ceil(fraction x the bins' total): on the first pass,
+// which bins every weight, that fraction of the row's total weight.
 __device__ void pick_digit(const uint32_t* bins, uint32_t above, uint32_t target, float fraction, uint32_t* result) {
     const int lane = threadIdx.x;
     uint32_t c[8], total = 0;  // this lane's digits: 255 - 8 lane - j, j = 0..7 (descending)
@@ -223,10 +222,9 @@ __device__ void pick_digit(const uint32_t* bins, uint32_t above, uint32_t target
 
 // Radix select: the largest key t such that the total weight of the row's elements with key >= t reaches `target`
 // (fraction > 0: ceil(fraction x the row's total weight); pick_digit). F gives key(i, v) (uint32) and weight(i, v)
-// (uint32, > 0 to count) of element i, of logit v. Per 8-bit digit, high first: a
-// histogram of weights by digit among the elements matching the chosen prefix (per lane index, the copies summed
-// into copy 0; with SPLIT > 1 the blocks' copy 0 summed), from which warp 0 picks the digit. Every block of the row
-// picks the same.
+// (uint32, > 0 to count) of element i, of logit v. Per 8-bit digit, high first: a histogram of weights by digit
+// among the elements matching the chosen prefix (per lane index, the copies summed into copy 0; with SPLIT > 1 the
+// blocks' copy 0 summed), from which warp 0 picks the digit. Every block of the row picks the same.
 template <class F, int SPLIT>
 __device__ uint32_t radix_select(const F& f, const RowPart<SPLIT>& part, uint32_t target, float fraction,
                                  RadixScratch& s) {
