@@ -72,3 +72,16 @@ def test_finished_requests_hold_no_cycles(tiny_model_dir, n):
         gc.garbage.clear()
         gc.enable()
     assert left == []  # freed by reference counting as each request finished
+
+
+def test_objects_the_caller_froze_stay_frozen(thresholds):
+    held = [[i] for i in range(100)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen >= len(held)
+        with engine_run_gc():
+            assert gc.get_freeze_count() == frozen and gc.get_threshold()[2] == OLDEST_THRESHOLD
+        assert gc.get_freeze_count() == frozen and gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.unfreeze()

@@ -11,7 +11,8 @@ What the engine makes needs no collector to be freed: a finished request's objec
 (output_processor breaks the one between a request's sequences and their group), so they go by reference counting.
 
 Runs may nest or overlap (threads): the first to enter freezes and sets the threshold, the last to leave restores
-both.
+both. A process that froze objects itself (gc.freeze before the run) keeps them frozen: the run then freezes
+nothing, since gc.unfreeze would release the caller's objects too.
 """
 
 from __future__ import annotations
@@ -26,22 +27,26 @@ OLDEST_THRESHOLD = 100  # gen1 collections between two full ones during a run (C
 _lock = threading.Lock()
 _runs = 0
 _saved: tuple[int, int, int] | None = None
+_froze = False  # whether the first run froze the heap (nothing was frozen before it)
 
 
 @contextmanager
 def engine_run_gc() -> Iterator[None]:
-    global _runs, _saved
+    global _runs, _saved, _froze
     with _lock:
         _runs += 1
         if _runs == 1:
             _saved = gc.get_threshold()
             gc.set_threshold(_saved[0], _saved[1], max(_saved[2], OLDEST_THRESHOLD))
-            gc.freeze()
+            _froze = gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
     try:
         yield
     finally:
         with _lock:
             _runs -= 1
             if _runs == 0:
-                gc.unfreeze()
+                if _froze:
+                    gc.unfreeze()
                 gc.set_threshold(*_saved)
