@@ -115,7 +115,8 @@ def top_p_threshold(masked: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     reached = np.cumsum(np.take_along_axis(weights, order, axis=-1), axis=-1)
     target = np.ceil(top_p.astype(np.float64) * reached[:, -1])
     last = (reached < target[:, None]).sum(axis=-1)  # the weights reach the target at this position
-    threshold = np.take_along_axis(masked, order, axis=-1)[np.arange(len(masked)), np.minimum(last, masked.shape[1] - 1)]
+    at = np.minimum(last, masked.shape[1] - 1)[:, None]
+    threshold = np.take_along_axis(np.take_along_axis(masked, order, axis=-1), at, axis=-1)[:, 0]
     return np.where(top_p < 1, threshold, 0.0).astype(np.float32)
 
 

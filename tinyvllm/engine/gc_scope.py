@@ -32,6 +32,7 @@ _froze = False  # whether the first run froze the heap (nothing was frozen befor
 
 @contextmanager
 def engine_run_gc() -> Iterator[None]:
+    """For the length of the with-block: the heap frozen and full collections rarer (the module's docstring)."""
     global _runs, _saved, _froze
     with _lock:
         _runs += 1

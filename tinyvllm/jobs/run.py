@@ -159,6 +159,7 @@ class RowPipeline:
                 self.worker.close()
 
     def _loop(self) -> None:
+        """Admit the rows that are ready and step the engine until every row is emitted, or stopped()."""
         exhausted = False
         while not self.stopped():
             if not exhausted:
