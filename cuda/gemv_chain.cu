@@ -7,9 +7,11 @@
 // A block owns a 16-row weight tile (w the A operand; x^T the B operand, whose 8 columns are the m <= 8 rows of x;
 // columns past m read row m - 1 and are not stored). Its warp 0 runs the chain, k / 16 dependent mmas; all
 // CHAIN_WARPS warps stream w through a ring of CHAIN_STAGES stages of CHAIN_K columns in shared memory (cp.async),
-// so that warp 0's issue slots go to the chain. The pace is set per step and per stage, not by the copies: on an
-// H100 2, 4 or 8 warps ran alike, and fewer, longer stages were faster (docs/PERFORMANCE.md; ops.py's constants),
-// which leaves a GEMV of few tiles (Llama-3.2-1B's O and down: 128) slower than cuBLAS. Around the chain:
+// so that warp 0's issue slots go to the chain. The pace is set by warp 0, not by the copies or the tensor core: on
+// an H100 2, 4 or 8 warps ran alike, fewer, longer stages were faster (docs/PERFORMANCE.md; ops.py's constants), and
+// a step takes ~110 cycles against 24 for a dependent mma (bench/mma_chain.py): warp 0 waits at each stage's barrier
+// and on the stage's fragments and issues their addressing. That leaves a GEMV of few tiles (Llama-3.2-1B's O and
+// down: 128) slower than cuBLAS. Around the chain:
 // - the A fragments of stage s + 1 are loaded (ldmatrix) before stage s's mmas run, and x's B fragments (two
 //   4-byte pieces of row g per step) come from global memory through L1, which every block of the SM shares;
 // - the first CHAIN_EARLY stages of w are loaded into registers before the wait for the previous kernel, which
