@@ -349,6 +349,30 @@ def test_block_hash_is_sha256_of_the_parent_and_the_token_ids_as_int32():
     assert block_hash(first, [1, 2]) != block_hash(b"", [1, 2])
 
 
+@pytest.mark.parametrize("prompt,error", [
+    ([5, 1.5, 7], "prompt token id 1.5 is not an integer"),  # not truncated to 1
+    ([5, np.float32(2.25)], "prompt token id 2.25 is not an integer"),
+    ([5, "3"], "prompt token id '3' is not an integer"),
+    ([5, None], "prompt token id None is not an integer"),
+    (4, "a prompt is text or a list of token ids, not int"),
+    (b"ab", "a prompt is text or a list of token ids, not bytes"),
+])
+def test_prompt_token_ids_that_are_not_integers_are_refused(tiny_model_dir, prompt, error):
+    """A token id must be an integer (or an integral float): any other is refused in one line, never truncated."""
+    engine = llm_for(tiny_model_dir).llm_engine
+    assert engine.add_request("r", prompt, SamplingParams(max_tokens=2)) == error
+    assert [out.error for out in engine.step()] == [error]
+
+
+def test_prompt_token_ids_keep_their_values():
+    """Ints, numpy ints, bools and integral floats become the same ints, from a list, a tuple or an array."""
+    from tinyvllm.engine.requests import _token_ids
+
+    assert _token_ids([3, np.int64(4), True, 5.0, np.float64(6.0)]) == [3, 4, 1, 5, 6]
+    assert _token_ids((7, 8)) == [7, 8] == _token_ids(np.array([7, 8], np.int32))
+    assert all(type(t) is int for t in _token_ids(np.array([7, 8.0])))
+
+
 @pytest.mark.parametrize("prompt,bad", [([5, -1, 7, 100000], -1), ([5, 6, 100000, -2], 100000),
                                         ([np.int64(4), 3.0], None)])
 def test_prompt_token_ids_outside_the_vocabulary_are_refused_by_the_first(tiny_model_dir, prompt, bad):

@@ -4,6 +4,7 @@ first Sequence, and the forks of its other n - 1 completions."""
 from __future__ import annotations
 
 import hashlib
+import operator
 import time
 from operator import attrgetter
 
@@ -23,6 +24,30 @@ from tinyvllm.tokenizer import IncrementalDetokenizer
 
 
 FORKS_LEFT = attrgetter("forks_left")
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt of token ids as ints: integers (numpy's too) as they are, integral floats (3.0) as their ints.
+    ValueError: an id that is neither (1.5, "3"), or a prompt that is no sequence of ids."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+    try:
+        return list(map(operator.index, prompt))  # the common case, at C speed
+    except TypeError:
+        pass
+    if not hasattr(prompt, "__iter__"):
+        raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+    ids = []
+    for token in prompt:
+        if isinstance(token, (float, np.floating)) and float(token).is_integer():
+            ids.append(int(token))
+        else:
+            try:
+                ids.append(operator.index(token))
+            except TypeError:
+                shown = repr(token) if isinstance(token, (str, bytes)) else str(token)
+                raise ValueError(f"prompt token id {shown} is not an integer") from None
+    return ids
 
 
 class RequestAdmission:
@@ -89,7 +114,7 @@ class RequestAdmission:
                 raise ValueError("empty prompt")
             token_ids = self.tokenizer.encode_prompt(prompt, templated=templated)
         else:
-            token_ids = list(map(int, prompt))
+            token_ids = _token_ids(prompt)
             if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
                 bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
                 raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
