@@ -39,6 +39,8 @@ def test_every_sampling_field_is_declared_and_reaches_rows_flags_and_job_files()
     ({"stop_token_ids": [-1]}, "invalid stop_token_ids=[-1]: must be a list of integers in [0, 2147483647]"),
     ({"logit_bias": {"3": 101}}, "invalid logit_bias={3: 101.0}: must map token ids to numbers in [-100, 100]"),
     ({"logit_bias": {-3: 1}}, "invalid logit_bias={-3: 1.0}: must map token ids"),
+    ({"logit_bias": {1.5: 1}}, "invalid logit_bias={1.5: 1}: must map token ids to numbers"),  # not truncated to 1
+    ({"logit_bias": {"2.5": 1}}, "invalid logit_bias={'2.5': 1}: must map token ids to numbers"),
     ({"allowed_token_ids": []}, "invalid allowed_token_ids=[]: must be a non-empty list of token ids"),
     ({"bad_words": ["ok", " "]}, "invalid bad_words=['ok', ' ']: must be a list of words, not blanks"),
     ({"ignore_eos": 1}, "invalid ignore_eos=1: must be true or false"),
@@ -57,6 +59,7 @@ def test_declared_types_are_normalized():
     assert params.temperature == 0.0 and isinstance(params.temperature, float) and isinstance(params.top_p, float)
     assert params.stop == ["\n"] and params.stop_token_ids == [3] and params.top_k == 0
     assert params.logit_bias == {7: 1.0}
+    assert SamplingParams(logit_bias={3.0: 1, True: 2, "4": 3}).logit_bias == {3: 1.0, 1: 2.0, 4: 3.0}
     assert SamplingParams().stop is not SamplingParams().stop  # a list default is copied per instance
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as json_module
+import operator
 from dataclasses import asdict, dataclass, fields, replace
 
 from tinyvllm.config import INT32_MAX, check_settings, setting, settings
@@ -14,6 +15,18 @@ TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-2, 1e6
 
 MAX_N = 256  # completions per prompt
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _token_id(key) -> int:
+    """A logit_bias key as a token id: an integer, its decimal text (JSON's keys) or an integral float; ValueError or
+    TypeError for any other (1.5 is refused, not truncated)."""
+    if isinstance(key, str):
+        return int(key)
+    if isinstance(key, float):
+        if not key.is_integer():
+            raise ValueError(key)
+        return int(key)
+    return operator.index(key)
 
 
 @dataclass
@@ -162,7 +175,7 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:  # JSON gives string keys ({"50256": -100}), as OpenAI's API does
             try:
-                self.logit_bias = {int(t): v for t, v in dict(self.logit_bias).items()}
+                self.logit_bias = {_token_id(t): v for t, v in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
                 raise ValueError(f"invalid logit_bias={self.logit_bias!r:.40}: must map token ids to numbers") \
                     from None
