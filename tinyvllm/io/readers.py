@@ -588,6 +588,9 @@ def _prompt_or_messages(prompt: object, messages: object,
         return prompt, None
     if isinstance(prompt, list) and not prompt:
         raise BadRow("prompt is empty")
+    if isinstance(prompt, list):
+        bad = next(t for t in prompt if not isinstance(t, int) or isinstance(t, bool))
+        raise BadRow(f"prompt token ids must be integers, got {json.dumps(bad, default=repr)[:40]}")
     raise BadRow(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
