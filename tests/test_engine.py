@@ -371,6 +371,7 @@ def test_prompt_token_ids_keep_their_values():
     assert _token_ids([3, np.int64(4), True, 5.0, np.float64(6.0)]) == [3, 4, 1, 5, 6]
     assert _token_ids((7, 8)) == [7, 8] == _token_ids(np.array([7, 8], np.int32))
     assert all(type(t) is int for t in _token_ids(np.array([7, 8.0])))
+    assert _token_ids(iter([1, 2.0])) == [1, 2]  # an iterator, read once, through the careful path
 
 
 @pytest.mark.parametrize("prompt,bad", [([5, -1, 7, 100000], -1), ([5, 6, 100000, -2], 100000),

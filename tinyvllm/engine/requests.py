@@ -29,14 +29,14 @@ FORKS_LEFT = attrgetter("forks_left")
 def _token_ids(prompt) -> list[int]:
     """A prompt of token ids as ints: integers (numpy's too) as they are, integral floats (3.0) as their ints.
     ValueError: an id that is neither (1.5, "3"), or a prompt that is no sequence of ids."""
-    if isinstance(prompt, (bytes, bytearray)):
+    if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        prompt = list(prompt)  # an iterator is read once
     try:
         return list(map(operator.index, prompt))  # the common case, at C speed
     except TypeError:
         pass
-    if not hasattr(prompt, "__iter__"):
-        raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
     ids = []
     for token in prompt:
         if isinstance(token, (float, np.floating)) and float(token).is_integer():
