@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import operator
 import time
-from operator import attrgetter
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer
 
 
-FORKS_LEFT = attrgetter("forks_left")
+FORKS_LEFT = operator.attrgetter("forks_left")
 
 
 def _token_ids(prompt) -> list[int]:
