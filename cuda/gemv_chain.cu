@@ -4,19 +4,15 @@
 // has the same bits from this kernel at batch 1..8 as from cuBLAS in a batch of 500, and the invariant mode keeps a
 // GEMV at decode. gemv_kernel.cuh's kernels split k among warps and permute it inside each mma: other bits.
 //
-// A block owns a 16-row weight tile (w the A operand; x^T the B operand, whose 8 columns are the m <= 8 rows of x;
-// columns past m read row m - 1 and are not stored). Its warp 0 runs the chain, k / 16 dependent mmas; all
-// CHAIN_WARPS warps stream w through a ring of CHAIN_STAGES stages of CHAIN_K columns in shared memory (cp.async),
-// so that warp 0's issue slots go to the chain. The pace is set by warp 0, not by the copies or the tensor core: on
-// an H100 2, 4 or 8 warps ran alike, fewer, longer stages were faster (docs/PERFORMANCE.md; ops.py's constants), and
-// a step takes ~110 cycles against 24 for a dependent mma (bench/mma_chain.py): warp 0 waits at each stage's barrier
-// and on the stage's fragments and issues their addressing. That leaves a GEMV of few tiles (Llama-3.2-1B's O and
-// down: 128) slower than cuBLAS. Around the chain:
-// - the A fragments of stage s + 1 are loaded (ldmatrix) before stage s's mmas run, and x's B fragments (two
-//   4-byte pieces of row g per step) come from global memory through L1, which every block of the SM shares;
-// - the first CHAIN_EARLY stages of w are loaded into registers before the wait for the previous kernel, which
-//   writes x (programmatic dependent launch; read-only loads, which test_pdl.py lets go first), and stored to the
-//   ring after it.
+// Every warp runs a chain of its own: one 16-row weight tile (w the A operand; x^T the B operand, whose 8 columns are
+// the m <= 8 rows of x; columns past m read row m - 1 and are not stored), k / 16 dependent mmas. A dependent mma
+// takes ~24 cycles (bench/mma_chain.py), so a chain is fed, not computed: the warp streams its tile through a ring of
+// CHAIN_STAGES stages of CHAIN_K columns in shared memory of its own (cp.async), waits only for its own copies (no
+// block barrier), and loads stage s + 1's fragments (A by ldmatrix, x's B from global memory through L1, which the
+// SM's warps share) before it runs stage s's mmas. A block is 1 to CHAIN_WARPS warps (the launcher spreads few tiles
+// over the SMs a warp a block). The first CHAIN_EARLY stages of w are loaded into registers before the wait for the
+// previous kernel, which writes x (programmatic dependent launch; read-only loads, which test_pdl.py lets go first),
+// and stored to the ring after it.
 // Gated (Act not Ungated: SwiGLU, GeGLU), w's rows come interleaved as for gemv (8 units' gate rows, then their up
 // rows), so a lane holds a unit's gate and up sums and applies the activation as gemv_kernel.cuh's gated() does.
 //
@@ -28,41 +24,44 @@ constexpr int CHAIN_STEPS = CHAIN_K / 16;            // mmas per stage
 constexpr int CHAIN_ROW = CHAIN_K + 8;               // a row of a stage in bf16 (16 bytes of padding: ldmatrix
                                                      // reads 8 rows without bank conflicts)
 constexpr int CHAIN_STAGE = 16 * CHAIN_ROW;          // a stage in bf16
-constexpr int CHAIN_PIECES = 16 * CHAIN_K / 8 / (32 * CHAIN_WARPS);  // 16-byte pieces of a stage per thread
-static_assert(CHAIN_K % 16 == 0 && CHAIN_PIECES >= 1 && 16 * CHAIN_K / 8 % (32 * CHAIN_WARPS) == 0,
-              "a stage is whole mmas and whole 16-byte pieces per thread");
+constexpr int CHAIN_CHUNKS = CHAIN_K / 8;            // 16-byte chunks of a row in a stage
+constexpr int CHAIN_PIECES = 16 * CHAIN_CHUNKS / 32; // a lane's chunks of a stage: a chunk of every 32 / CHUNKS rows
+static_assert(CHAIN_K % 16 == 0 && 32 % CHAIN_CHUNKS == 0, "a stage is whole mmas; a warp copies whole rows");
 static_assert(1 <= CHAIN_EARLY && CHAIN_EARLY < CHAIN_STAGES - 1, "stage 0 is early; the ring keeps some stages");
 
-// Thread `tid`'s piece i of a stage: row r of the tile, 16-byte chunk c of its CHAIN_K columns.
-__device__ __forceinline__ int chain_piece_row(int tid, int i) {
-    return (tid + 32 * CHAIN_WARPS * i) / (CHAIN_K / 8);
-}
-__device__ __forceinline__ int chain_piece_chunk(int tid, int i) {
-    return (tid + 32 * CHAIN_WARPS * i) % (CHAIN_K / 8);
-}
-
-// Launch: grid ceil(n / 16), block 32 * CHAIN_WARPS, dynamic shared memory CHAIN_STAGES * CHAIN_STAGE bf16.
-// 1 <= m <= 8, k % 16 == 0, x and w 16-byte aligned; gated: n % 16 == 0.
+// Launch: grid ceil(n / 16 / warps), block 32 * warps (warps <= CHAIN_WARPS), dynamic shared memory warps *
+// CHAIN_STAGES * CHAIN_STAGE bf16. 1 <= m <= 8, k % 16 == 0, x and w 16-byte aligned; gated: n % 16 == 0.
 template <typename T, class Act>
 __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __restrict__ w, int m, int n, int k,
                            int accumulate) {
-    extern __shared__ __align__(16) bf16 ring[];
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, row0 = blockIdx.x * 16;
-    const bool chain = tid < 32;  // warp 0
-    const int stages = (k + CHAIN_K - 1) / CHAIN_K;
-    // piece i of stage s: in bounds (k's tail zero-filled) and its source
-    auto source = [&](int s, int i) { return w + (int64_t)min(row0 + chain_piece_row(tid, i), n - 1) * k
-                                             + min(s * CHAIN_K + chain_piece_chunk(tid, i) * 8, k - 8); };
-    auto in_k = [&](int s, int i) { return s * CHAIN_K + chain_piece_chunk(tid, i) * 8 < k; };
-    auto slot = [&](int s, int i) { return ring + (s % CHAIN_STAGES) * CHAIN_STAGE
-                                           + chain_piece_row(tid, i) * CHAIN_ROW + chain_piece_chunk(tid, i) * 8; };
+    extern __shared__ __align__(16) bf16 rings[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
     allow_dependents_launch();
+    if (row0 >= n) {  // the last block's spare warps
+        grid_dependency_wait();
+        return;
+    }
+    bf16* const ring = rings + warp * CHAIN_STAGES * CHAIN_STAGE;
+    const int stages = (k + CHAIN_K - 1) / CHAIN_K;
+    // the lane's chunk of a row (the same in each of its pieces) and the first of its rows; piece i is 32 / CHUNKS
+    // rows further
+    const int chunk = lane % CHAIN_CHUNKS, lane_row = lane / CHAIN_CHUNKS;
+    constexpr int PIECE_ROWS = 32 / CHAIN_CHUNKS;
+    const bf16* rows[CHAIN_PIECES];
+#pragma unroll
+    for (int i = 0; i < CHAIN_PIECES; ++i) rows[i] = w + (int64_t)min(row0 + lane_row + PIECE_ROWS * i, n - 1) * k;
+    auto in_k = [&](int s) { return s * CHAIN_K + chunk * 8 < k; };  // past k: zero-filled
+    auto source = [&](int s, int i) { return rows[i] + min(s * CHAIN_K + chunk * 8, k - 8); };
+    auto slot = [&](int s, int i) {
+        return ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane_row + PIECE_ROWS * i) * CHAIN_ROW + chunk * 8;
+    };
     uint4 early[CHAIN_EARLY][CHAIN_PIECES];
 #pragma unroll
     for (int s = 0; s < CHAIN_EARLY; ++s)
 #pragma unroll
         for (int i = 0; i < CHAIN_PIECES; ++i)
-            early[s][i] = s < stages && in_k(s, i) ? load_streaming(source(s, i)) : make_uint4(0, 0, 0, 0);
+            early[s][i] = s < stages && in_k(s) ? load_streaming(source(s, i)) : make_uint4(0, 0, 0, 0);
     grid_dependency_wait();
 #pragma unroll
     for (int s = 0; s < CHAIN_EARLY; ++s)
@@ -70,8 +69,9 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
         for (int i = 0; i < CHAIN_PIECES; ++i) *reinterpret_cast<uint4*>(slot(s, i)) = early[s][i];
     auto fetch = [&](int s) {  // stage s into its slot, a commit group (empty past the last stage)
         if (s < stages) {
+            const bool in = in_k(s);
 #pragma unroll
-            for (int i = 0; i < CHAIN_PIECES; ++i) cp_async16(slot(s, i), source(s, i), in_k(s, i));
+            for (int i = 0; i < CHAIN_PIECES; ++i) cp_async16(slot(s, i), source(s, i), in);
         }
         cp_async_commit();
     };
@@ -94,22 +94,19 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
             bf[j][1] = *reinterpret_cast<const uint32_t*>(x_row + k0 + 8);
         }
     };
-    __syncthreads();  // the early stages' stores are visible to warp 0
-    if (chain) {
-        load_b(0, b[0]);
-        load_a(0, a[0]);
-    }
+    __syncwarp();  // the early stages' stores are visible to the warp
+    load_b(0, b[0]);
+    load_a(0, a[0]);
     float c[4] = {};
-    // Stage s: every warp copies stage s + CHAIN_STAGES - 1 into the slot stage s - 1 left (warp 0 read it by
-    // ldmatrix before the last barrier) and waits for stage s + 1; then warp 0 loads stage s + 1's fragments into
-    // one pair of buffers and runs stage s's mmas from the other. The pairs alternate by stage, two stages an
-    // iteration, so that the buffers stay in registers.
+    // Stage s: the warp copies stage s + CHAIN_STAGES - 1 into the slot stage s - 1 left (read by ldmatrix before
+    // the last __syncwarp) and waits for stage s + 1; then it loads stage s + 1's fragments into one pair of buffers
+    // and runs stage s's mmas from the other. The pairs alternate by stage, two stages an iteration, so that the
+    // buffers stay in registers.
     auto run = [&](int s, const uint32_t (&af)[CHAIN_STEPS][4], const uint32_t (&bf)[CHAIN_STEPS][2],
                    uint32_t (&an)[CHAIN_STEPS][4], uint32_t (&bn)[CHAIN_STEPS][2]) {
         fetch(s + CHAIN_STAGES - 1);
-        cp_async_wait<CHAIN_STAGES - 2>();  // stage s + 1 has landed (this thread's copies) ...
-        __syncthreads();                     // ... and every thread's
-        if (!chain) return;
+        cp_async_wait<CHAIN_STAGES - 2>();  // stage s + 1 has landed (this lane's copies) ...
+        __syncwarp();                        // ... and every lane's
         if (s + 1 < stages) {
             load_b(s + 1, bn);
             load_a(s + 1, an);
@@ -128,7 +125,6 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
         run(s, a[0], b[0], a[1], b[1]);
         if (s + 1 < stages) run(s + 1, a[1], b[1], a[0], b[0]);
     }
-    if (!chain) return;
     // c: (row g, x row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
     if constexpr (std::is_same<Act, Ungated>::value) {
 #pragma unroll

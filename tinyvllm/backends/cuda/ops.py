@@ -38,13 +38,11 @@ SAMPLING_SPLIT_ROWS = 16
 MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory lists)
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
-CHAIN_WARPS = 4  # gemv_chain_*: warps per block (one 16-row tile): one runs the mma chain, all stream weights
-# gemv_chain_*: k per stage of the block's ring (512 bytes of each of its 16 weight rows), the ring's stages and
-# those loaded before the wait for the previous kernel. Measured on an H100 (docs/PERFORMANCE.md): 256 x 6 against
-# 128 x 12 and 64 x 16, O 11.4 against 13.1 and 17.2 us, down 28.5 against 37.7 and 54.9 (512 needs more registers
-# than there are: 8x slower); 2, 4 or 8 warps the same
-CHAIN_K = 256
-CHAIN_STAGES = 6
+CHAIN_WARPS = 4  # gemv_chain_*: most warps per block, each the mma chain of one 16-row tile
+# gemv_chain_*: k per stage of a warp's ring (256 bytes of each of its 16 weight rows), the ring's stages and those
+# loaded before the wait for the previous kernel (docs/PERFORMANCE.md, batch-invariant mode)
+CHAIN_K = 128
+CHAIN_STAGES = 4
 CHAIN_EARLY = 2
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
@@ -73,8 +71,9 @@ DEFINES: dict[str, dict[str, int]] = {
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
-# gemv_chain and its gated forms: a block's ring of weight stages in shared memory, rows padded by 16 bytes
-CHAIN_SHARED_BYTES = CHAIN_STAGES * GEMV_TILE_ROWS * (CHAIN_K + VECTOR) * 2
+# gemv_chain and its gated forms: a warp's ring of weight stages in shared memory, rows padded by 16 bytes
+CHAIN_WARP_SHARED_BYTES = CHAIN_STAGES * GEMV_TILE_ROWS * (CHAIN_K + VECTOR) * 2
+CHAIN_SHARED_BYTES = CHAIN_WARPS * CHAIN_WARP_SHARED_BYTES
 MMA_K = 16  # the mma's k: gemv_chain_*'s k is a multiple of it
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
@@ -580,9 +579,13 @@ class Ops:
         self._gemv_chain(f"gemv_{activation}_chain", out, x, w, m, n, k)
 
     def _gemv_chain(self, name: str, out: int, x: int, w: int, m: int, n: int, k: int, *accumulate: int) -> None:
+        """A warp a 16-row tile; blocks of CHAIN_WARPS warps, or fewer when the tiles would not fill the SMs."""
         _require(0 < m <= GEMV_MAX_ROWS, f"{name}: m = {m} rows (1 to {GEMV_MAX_ROWS})")
         _require(k % MMA_K == 0 and k >= MMA_K, f"{name}: k {k} is not a multiple of {MMA_K} (the mma's k)")
-        self.launch(name, (-(-n // GEMV_TILE_ROWS),), CHAIN_WARPS * 32, out, x, w, m, n, k, *accumulate)
+        tiles = -(-n // GEMV_TILE_ROWS)
+        warps = max(1, min(CHAIN_WARPS, tiles // self.num_sms)) if self.num_sms else CHAIN_WARPS
+        self.launch(name, (-(-tiles // warps),), warps * 32, out, x, w, m, n, k, *accumulate,
+                    shared_bytes=warps * CHAIN_WARP_SHARED_BYTES)
 
     @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16",
             "gemv_swiglu_bf16_pipelined")
