@@ -491,7 +491,8 @@ class CudaForward:
     def _chain_shapes(self) -> set[tuple[int, int]]:
         """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows run as gemv_chain: those of more
         16-row tiles than the GPU has SMs (with fewer, a warp an SM runs each chain too slowly: cuBLAS's pinned
-        algorithm is the faster, docs/PERFORMANCE.md), where the chain gives the bits of that algorithm (_chain_matches)."""
+        algorithm is the faster, docs/PERFORMANCE.md), where the chain gives the bits of that algorithm
+        (_chain_matches)."""
         weights = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if w is not None}
         weights[self.lm_head.shape] = self.lm_head
