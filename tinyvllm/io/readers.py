@@ -570,6 +570,11 @@ def _checked_chat_options(options: dict) -> dict:
     return options
 
 
+def _is_token_id(value: object) -> bool:
+    """A JSON integer (true and false are not ids)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _prompt_or_messages(prompt: object, messages: object,
                         refuse) -> tuple[str | list[int] | None, list[dict] | None]:
     if prompt is not None and messages is not None:
@@ -582,14 +587,14 @@ def _prompt_or_messages(prompt: object, messages: object,
         if not prompt:
             raise BadRow("prompt is empty")
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(map(_is_token_id, prompt)):
         if min(prompt) < 0:
             raise BadRow("prompt token ids must be >= 0")
         return prompt, None
     if isinstance(prompt, list) and not prompt:
         raise BadRow("prompt is empty")
     if isinstance(prompt, list):
-        bad = next(t for t in prompt if not isinstance(t, int) or isinstance(t, bool))
+        bad = next(t for t in prompt if not _is_token_id(t))
         raise BadRow(f"prompt token ids must be integers, got {json.dumps(bad, default=repr)[:40]}")
     raise BadRow(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
