@@ -10,14 +10,14 @@
 // CHAIN_STAGES stages of CHAIN_K columns in shared memory of its own (cp.async), waits only for its own copies (no
 // block barrier), and loads stage s + 1's fragments (A by ldmatrix, x's B from global memory through L1, which the
 // SM's warps share) before it runs stage s's mmas. A block is 1 to CHAIN_WARPS warps (the launcher spreads few tiles
-// over the SMs a warp a block). The first CHAIN_EARLY stages of w are loaded into registers before the wait for the
-// previous kernel, which writes x (programmatic dependent launch; read-only loads, which test_pdl.py lets go first),
-// and stored to the ring after it.
+// over the SMs a warp a block). The ring's first CHAIN_STAGES - 1 stages are copied before the wait for the previous
+// kernel, which writes x (programmatic dependent launch): cp.async of weights, which no kernel writes (test_pdl.py
+// lets them go first and checks that they do). Loads into registers there would not do: ptxas moves them below the
+// wait, where their values are used.
 // Gated (Act not Ungated: SwiGLU, GeGLU), w's rows come interleaved as for gemv (8 units' gate rows, then their up
 // rows), so a lane holds a unit's gate and up sums and applies the activation as gemv_kernel.cuh's gated() does.
 //
-// Compiled with -DCHAIN_WARPS, -DCHAIN_K, -DCHAIN_STAGES and -DCHAIN_EARLY from backends/cuda/ops.py, which also
-// launches it.
+// Compiled with -DCHAIN_WARPS, -DCHAIN_K and -DCHAIN_STAGES from backends/cuda/ops.py, which also launches it.
 #include "gemv_kernel.cuh"
 
 constexpr int CHAIN_STEPS = CHAIN_K / 16;            // mmas per stage
@@ -27,7 +27,7 @@ constexpr int CHAIN_STAGE = 16 * CHAIN_ROW;          // a stage in bf16
 constexpr int CHAIN_CHUNKS = CHAIN_K / 8;            // 16-byte chunks of a row in a stage
 constexpr int CHAIN_PIECES = 16 * CHAIN_CHUNKS / 32; // a lane's chunks of a stage: a chunk of every 32 / CHUNKS rows
 static_assert(CHAIN_K % 16 == 0 && 32 % CHAIN_CHUNKS == 0, "a stage is whole mmas; a warp copies whole rows");
-static_assert(1 <= CHAIN_EARLY && CHAIN_EARLY < CHAIN_STAGES - 1, "stage 0 is early; the ring keeps some stages");
+static_assert(CHAIN_STAGES >= 3, "the ring holds the stage multiplied, the next one's fragments and one in flight");
 
 // Launch: grid ceil(n / 16 / warps), block 32 * warps (warps <= CHAIN_WARPS), dynamic shared memory warps *
 // CHAIN_STAGES * CHAIN_STAGE bf16. 1 <= m <= 8, k % 16 == 0, x and w 16-byte aligned; gated: n % 16 == 0.
@@ -56,17 +56,6 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
     auto slot = [&](int s, int i) {
         return ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane_row + PIECE_ROWS * i) * CHAIN_ROW + chunk * 8;
     };
-    uint4 early[CHAIN_EARLY][CHAIN_PIECES];
-#pragma unroll
-    for (int s = 0; s < CHAIN_EARLY; ++s)
-#pragma unroll
-        for (int i = 0; i < CHAIN_PIECES; ++i)
-            early[s][i] = s < stages && in_k(s) ? load_streaming(source(s, i)) : make_uint4(0, 0, 0, 0);
-    grid_dependency_wait();
-#pragma unroll
-    for (int s = 0; s < CHAIN_EARLY; ++s)
-#pragma unroll
-        for (int i = 0; i < CHAIN_PIECES; ++i) *reinterpret_cast<uint4*>(slot(s, i)) = early[s][i];
     auto fetch = [&](int s) {  // stage s into its slot, a commit group (empty past the last stage)
         if (s < stages) {
             const bool in = in_k(s);
@@ -75,7 +64,8 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
         }
         cp_async_commit();
     };
-    for (int s = CHAIN_EARLY; s < CHAIN_STAGES - 1; ++s) fetch(s);
+    for (int s = 0; s < CHAIN_STAGES - 1; ++s) fetch(s);  // weights only: no kernel writes them
+    grid_dependency_wait();
 
     // Stage s's fragments: A by ldmatrix (lane l gives row l % 16 of the tile at k-offset 8 (l / 16): a0..a3 as
     // the mma takes them), B from x row g: k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step.
@@ -94,7 +84,8 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
             bf[j][1] = *reinterpret_cast<const uint32_t*>(x_row + k0 + 8);
         }
     };
-    __syncwarp();  // the early stages' stores are visible to the warp
+    cp_async_wait<CHAIN_STAGES - 2>();  // stage 0 has landed (this lane's copies) ...
+    __syncwarp();                        // ... and every lane's
     load_b(0, b[0]);
     load_a(0, a[0]);
     float c[4] = {};

@@ -113,6 +113,27 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(devic
         assert sum(map(is_weight_load, before)) == 2 * GEMV_UNROLL, (name, before)
 
 
+def before_main_wait(instructions: list[tuple[str, str]]) -> list[str]:
+    """The global accesses before a function's last wait in program order: a kernel whose spare warps wait and exit
+    early has its main path's wait last (the first one is theirs)."""
+    waits = [i for i, (opcode, _) in enumerate(instructions) if opcode == "ACQBULK"]
+    return [op + mods for op, mods in instructions[:waits[-1]] if op in GLOBAL_OPS] if waits else []
+
+
+def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
+    """gemv_chain's ring gets its first CHAIN_STAGES - 1 stages of weights by cp.async before the wait, so that they
+    overlap the previous kernel (loads into registers there were moved below the wait by ptxas), and nothing else
+    global goes first on that path."""
+    from tinyvllm.backends.cuda.ops import CHAIN_K, CHAIN_STAGES
+
+    kernels = machine_code(device, tmp_path)["gemv_chain"]
+    assert set(kernels) == {"gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"}
+    pieces = 16 * CHAIN_K // 8 // 32  # a lane's 16-byte chunks of a stage of 16 rows
+    for name, instructions in kernels.items():
+        before = before_main_wait(instructions)
+        assert len(before) == (CHAIN_STAGES - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
+
+
 def test_the_check_sees_a_hoisted_load():
     """The parser on a made-up listing: a load above ACQBULK is found, one below is not."""
     sass = """
@@ -125,3 +146,20 @@ def test_the_check_sees_a_hoisted_load():
     [(name, instructions)] = functions(sass).items()
     assert name == "k"
     assert global_accesses_before_wait(instructions) == (True, ["LDG.E.128.CONSTANT"])
+
+
+def test_accesses_are_listed_before_the_main_paths_wait():
+    """A spare warp's early wait comes first in program order; the accesses listed are those before the last one."""
+    sass = """
+        Function : k
+        /*0000*/              @!P0 BRA `(.L_x_1) ;
+        /*0010*/                   ACQBULK ;
+        /*0020*/                   EXIT ;
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64], !P0 ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R3+0x220], desc[UR6][R6.64], !P0 ;
+        /*0050*/                   ACQBULK ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R3+0x440], desc[UR6][R8.64], !P0 ;
+    """
+    [(name, instructions)] = functions(sass).items()
+    assert before_main_wait(instructions) == ["LDGSTS.E.BYPASS.128"] * 2
+    assert before_main_wait(instructions[:3]) == []

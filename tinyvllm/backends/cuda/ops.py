@@ -39,11 +39,10 @@ MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory 
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
 CHAIN_WARPS = 4  # gemv_chain_*: most warps per block, each the mma chain of one 16-row tile
-# gemv_chain_*: k per stage of a warp's ring (256 bytes of each of its 16 weight rows), the ring's stages and those
-# loaded before the wait for the previous kernel (docs/PERFORMANCE.md, batch-invariant mode)
+# gemv_chain_*: k per stage of a warp's ring (256 bytes of each of its 16 weight rows) and the ring's stages, all but
+# one copied before the wait for the previous kernel (docs/PERFORMANCE.md, batch-invariant mode)
 CHAIN_K = 128
 CHAIN_STAGES = 4
-CHAIN_EARLY = 2
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
@@ -62,7 +61,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "gemv_chain": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL, "CHAIN_WARPS": CHAIN_WARPS, "CHAIN_K": CHAIN_K,
-                   "CHAIN_STAGES": CHAIN_STAGES, "CHAIN_EARLY": CHAIN_EARLY},
+                   "CHAIN_STAGES": CHAIN_STAGES},
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
             "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
