@@ -90,11 +90,11 @@ class OutputProcessor:
         first = sampled[:, 0].tolist() if fast is None else []
         if fast is not None:
             num_fast = len(fast.slots)
-            unattached, looked_at, stoppable = self.run.read(fast, sampled[:num_fast, 0])
+            unattached, looked_at, stoppable, plain = self.run.read(fast, sampled[:num_fast, 0])
             if len(looked_at) or len(unattached) or len(sampled) > num_fast:  # a steady decode needs none
                 first = sampled[:, 0].tolist()
             if len(looked_at):
-                hits, may_stop = self._look_at(step.seqs, fast, looked_at, stoppable, first, result, advance)
+                hits, may_stop = self._look_at(step.seqs, fast, plain, stoppable, first, result, advance)
                 entries = self._look_ahead(step.seqs, sorted(may_stop), first, result.logprobs)
             rows = [*sorted({*unattached.tolist(), *may_stop, *hits}), *range(num_fast, len(sampled))]
         for i in rows:
@@ -126,14 +126,13 @@ class OutputProcessor:
             self._detokenize(ended)
         return [output for seq in ended if (output := self._finish(seq)) is not None]
 
-    def _look_at(self, seqs: list[Sequence], fast: FastRows, looked_at: np.ndarray, stoppable: np.ndarray,
+    def _look_at(self, seqs: list[Sequence], fast: FastRows, plain: np.ndarray, stoppable: np.ndarray,
                  first: list[int], result: SamplerOutput, advance: list[tuple[OutputConstraint, int]]
                  ) -> tuple[set[int], set[int]]:
-        """The run's rows whose tokens need a look: those only a stop string can end are read together
+        """The run's rows whose tokens need a look: those only a stop string can end (`plain`) are read together
         (_take_texts), their structured outputs' constraints given their tokens in `advance`; return the rows a
         stop string ended and those left to read one by one (`stoppable`: a stop token, EOS or the length limit
         may end them, or their constraint is done)."""
-        plain = np.setdiff1d(looked_at, stoppable, assume_unique=True)
         may_stop = set(stoppable.tolist())
         constrained = plain[self.run.constrained[fast.slots[plain]]].tolist()
         hits = set(self._take_texts(seqs, plain, fast, result.sampled_token_ids[plain, 0], first, result.logprobs))

@@ -347,11 +347,11 @@ class DecodeRun:
         self.pending[slots] += 1
         self.sample_row[slots] = np.arange(len(slots))
 
-    def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, fast: FastRows, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Read the step's tokens of the rows still attached; return the rows read one by one instead (attached no
         longer), the rows whose tokens need a look (logprobs, stop strings, a possible stop token, the length limit,
-        a structured output), and those of them that a stop token, EOS or the length limit may end or whose
-        constraint is done (read one by one)."""
+        a structured output), those of them that a stop token, EOS or the length limit may end or whose constraint
+        is done (read one by one), and the others (read together): each in row order."""
         slots = fast.slots
         valid = self.gen[slots] == fast.gens
         rows = np.flatnonzero(valid)
@@ -367,7 +367,8 @@ class DecodeRun:
             self._log_commits(held if done is None else held[~done])
         if done is not None:
             may_stop |= done
-        return np.flatnonzero(~valid), rows[self.check[held] | may_stop], rows[may_stop]
+        check = self.check[held]
+        return np.flatnonzero(~valid), rows[check | may_stop], rows[may_stop], rows[check & ~may_stop]
 
     def _constraints_done(self, slots: np.ndarray) -> np.ndarray | None:
         """Which of the slots hold a structured output whose constraint is done (None: no slot has one)."""
