@@ -5,14 +5,15 @@
 // GEMV at decode. gemv_kernel.cuh's kernels split k among warps and permute it inside each mma: other bits.
 //
 // Every warp runs a chain of its own: one 16-row weight tile (w the A operand; x^T the B operand, whose 8 columns are
-// the m <= 8 rows of x; columns past m read row m - 1 and are not stored), k / 16 dependent mmas. A dependent mma
-// takes ~24 cycles (bench/mma_chain.py), so a chain is fed, not computed: the warp streams its tile through a ring of
-// CHAIN_STAGES stages of CHAIN_K columns in shared memory of its own (cp.async), waits only for its own copies (no
-// block barrier), and loads stage s + 1's fragments (A by ldmatrix, x's B from global memory through L1, which the
-// SM's warps share) before it runs stage s's mmas. A block is 1 to CHAIN_WARPS warps (the launcher spreads few tiles
-// over the SMs a warp a block). The ring's first CHAIN_STAGES - 1 stages are copied before the wait for the previous
-// kernel, which writes x (programmatic dependent launch): cp.async of weights, which no kernel writes (test_pdl.py
-// lets them go first and checks that they do). Loads into registers there would not do: ptxas moves them below the
+// the m <= 8 rows of x; columns past m are zeros and are not stored), k / 16 dependent mmas. A dependent mma takes ~24
+// cycles (bench/mma_chain.py), so a chain is fed, not computed: the warp streams its tile and x through a ring of
+// CHAIN_STAGES stages of CHAIN_K columns in shared memory of its own (cp.async; a stage is the tile's 16 rows, then
+// x's 8), waits only for its own copies (no block barrier), and loads stage s + 1's fragments (both by ldmatrix)
+// before it runs stage s's mmas: no global load waits in the chain, whose pace is its cost at few tiles an SM. A
+// block is 1 to CHAIN_WARPS warps (the launcher spreads few tiles over the SMs a warp a block). The ring's first
+// CHAIN_STAGES - 1 stages of weights are copied before the wait for the previous kernel, which writes x
+// (programmatic dependent launch): cp.async of weights, which no kernel writes (test_pdl.py lets them go first and
+// checks that they do); their x rows after it. Loads into registers there would not do: ptxas moves them below the
 // wait, where their values are used.
 // Gated (Act not Ungated: SwiGLU, GeGLU), w's rows come interleaved as for gemv (8 units' gate rows, then their up
 // rows), so a lane holds a unit's gate and up sums and applies the activation as gemv_kernel.cuh's gated() does.
@@ -23,7 +24,7 @@
 constexpr int CHAIN_STEPS = CHAIN_K / 16;            // mmas per stage
 constexpr int CHAIN_ROW = CHAIN_K + 8;               // a row of a stage in bf16 (16 bytes of padding: ldmatrix
                                                      // reads 8 rows without bank conflicts)
-constexpr int CHAIN_STAGE = 16 * CHAIN_ROW;          // a stage in bf16
+constexpr int CHAIN_STAGE = 24 * CHAIN_ROW;          // a stage in bf16: 16 weight rows, then x's 8 rows
 constexpr int CHAIN_CHUNKS = CHAIN_K / 8;            // 16-byte chunks of a row in a stage
 constexpr int CHAIN_PIECES = 16 * CHAIN_CHUNKS / 32; // a lane's chunks of a stage: a chunk of every 32 / CHUNKS rows
 static_assert(CHAIN_K % 16 == 0 && 32 % CHAIN_CHUNKS == 0, "a stage is whole mmas; a warp copies whole rows");
@@ -56,32 +57,51 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
     auto slot = [&](int s, int i) {
         return ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane_row + PIECE_ROWS * i) * CHAIN_ROW + chunk * 8;
     };
-    auto fetch = [&](int s) {  // stage s into its slot, a commit group (empty past the last stage)
+    auto fetch_w = [&](int s) {  // stage s's weights into its slot
         if (s < stages) {
             const bool in = in_k(s);
 #pragma unroll
             for (int i = 0; i < CHAIN_PIECES; ++i) cp_async16(slot(s, i), source(s, i), in);
         }
-        cp_async_commit();
     };
-    for (int s = 0; s < CHAIN_STAGES - 1; ++s) fetch(s);  // weights only: no kernel writes them
+    // x's rows (written by the previous kernel: after the wait) below the weights, rows past m zero-filled
+    auto fetch_x = [&](int s) {
+        if (s < stages) {
+#pragma unroll
+            for (int i = 0; i < 8 / PIECE_ROWS; ++i) {
+                const int r = lane_row + PIECE_ROWS * i;
+                const bf16* from = x + (int64_t)min(r, m - 1) * k + min(s * CHAIN_K + chunk * 8, k - 8);
+                cp_async16(slot(s, i) + 16 * CHAIN_ROW, from, r < m && in_k(s));
+            }
+        }
+    };
+    auto fetch = [&](int s) { fetch_w(s); fetch_x(s); cp_async_commit(); };  // a commit group (empty past the last)
+    for (int s = 0; s < CHAIN_STAGES - 1; ++s) {  // weights only before the wait: no kernel writes them
+        fetch_w(s);
+        cp_async_commit();
+    }
     grid_dependency_wait();
+    for (int s = 0; s < CHAIN_STAGES - 1; ++s) {
+        fetch_x(s);
+        cp_async_commit();
+    }
 
-    // Stage s's fragments: A by ldmatrix (lane l gives row l % 16 of the tile at k-offset 8 (l / 16): a0..a3 as
-    // the mma takes them), B from x row g: k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step.
-    const bf16* x_row = x + (int64_t)min(g, m - 1) * k + 2 * t;
+    // Stage s's fragments by ldmatrix: A (lane l gives row l % 16 of the tile at k-offset 8 (l / 16): a0..a3 as
+    // the mma takes them), B (lane l gives x row l % 8 at k-offset 8 (l / 8): b0, b1 of two steps; lane g + 4t then
+    // holds x row g at k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step, as the mma takes them).
     uint32_t a[2][CHAIN_STEPS][4], b[2][CHAIN_STEPS][2];
     auto load_a = [&](int s, uint32_t (&af)[CHAIN_STEPS][4]) {
         const bf16* base = ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane & 15) * CHAIN_ROW + (lane >> 4) * 8;
 #pragma unroll
         for (int j = 0; j < CHAIN_STEPS; ++j) ldmatrix_x4(af[j], base + 16 * j);
     };
-    auto load_b = [&](int s, uint32_t (&bf)[CHAIN_STEPS][2]) {
+    auto load_b = [&](int s, uint32_t (&bf)[CHAIN_STEPS][2]) {  // x's B fragments, two steps an ldmatrix
+        const bf16* base = ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (16 + (lane & 7)) * CHAIN_ROW + (lane >> 3) * 8;
 #pragma unroll
-        for (int j = 0; j < CHAIN_STEPS; ++j) {
-            const int k0 = min(s * CHAIN_K + 16 * j, k - 16);  // past k: any in-bounds step (not multiplied)
-            bf[j][0] = *reinterpret_cast<const uint32_t*>(x_row + k0);
-            bf[j][1] = *reinterpret_cast<const uint32_t*>(x_row + k0 + 8);
+        for (int j = 0; j < CHAIN_STEPS; j += 2) {
+            uint32_t r[4];
+            ldmatrix_x4(r, base + 16 * j);
+            bf[j][0] = r[0], bf[j][1] = r[1], bf[j + 1][0] = r[2], bf[j + 1][1] = r[3];
         }
     };
     cp_async_wait<CHAIN_STAGES - 2>();  // stage 0 has landed (this lane's copies) ...

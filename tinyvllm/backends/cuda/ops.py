@@ -70,8 +70,9 @@ DEFINES: dict[str, dict[str, int]] = {
 
 GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B operand); any m <= 8 costs the same
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
-# gemv_chain and its gated forms: a warp's ring of weight stages in shared memory, rows padded by 16 bytes
-CHAIN_WARP_SHARED_BYTES = CHAIN_STAGES * GEMV_TILE_ROWS * (CHAIN_K + VECTOR) * 2
+# gemv_chain and its gated forms: a warp's ring of stages (16 weight rows, then x's 8) in shared memory, rows padded
+# by 16 bytes
+CHAIN_WARP_SHARED_BYTES = CHAIN_STAGES * (GEMV_TILE_ROWS + GEMV_MAX_ROWS) * (CHAIN_K + VECTOR) * 2
 CHAIN_SHARED_BYTES = CHAIN_WARPS * CHAIN_WARP_SHARED_BYTES
 MMA_K = 16  # the mma's k: gemv_chain_*'s k is a multiple of it
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
