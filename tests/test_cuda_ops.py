@@ -1351,13 +1351,13 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
 
 
 def test_gemv_chain_declares_its_ring_as_dynamic_shared_memory():
-    """gemv_chain's four kernels ask for CHAIN_WARPS rings of CHAIN_STAGES stages of 16 weight rows of CHAIN_K + 8
-    bf16 (cuda/gemv_chain.cu: a ring a warp), within an H100/H200 block's most; no other kernel outside moe.cu asks
-    for any."""
+    """gemv_chain's four kernels ask for CHAIN_WARPS rings of CHAIN_STAGES stages of 16 weight rows and 8 rows of x,
+    each of CHAIN_K + 8 bf16 (cuda/gemv_chain.cu: a ring a warp), within an H100/H200 block's most; no other kernel
+    outside moe.cu asks for any."""
     from tinyvllm.backends.cuda.ops import CHAIN_K, CHAIN_STAGES, CHAIN_WARPS
 
     shared = {name: sig.shared_bytes for name, sig in SIGNATURES.items() if sig.shared_bytes and sig.file != "moe"}
-    ring = CHAIN_STAGES * 16 * (CHAIN_K + 8) * 2
+    ring = CHAIN_STAGES * (16 + 8) * (CHAIN_K + 8) * 2
     assert shared == dict.fromkeys(["gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"],
                                    CHAIN_WARPS * ring)
     assert CHAIN_WARPS * ring <= 227 * 1024
@@ -1373,4 +1373,4 @@ def test_gemv_chain_spreads_its_tiles_over_the_sms(recorder, n, num_sms, warps):
     Ops(recorder, None, num_sms=num_sms).gemv_chain(1, 2, 3, 1, n, 2048, False, False)
     tiles = -(-n // 16)
     assert recorder.launches == [("gemv_chain_bf16", (-(-tiles // warps),), (32 * warps, 1, 1))]
-    assert recorder.shared == [warps * CHAIN_STAGES * 16 * (CHAIN_K + 8) * 2]
+    assert recorder.shared == [warps * CHAIN_STAGES * (16 + 8) * (CHAIN_K + 8) * 2]  # weight rows, x rows
