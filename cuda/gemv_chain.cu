@@ -28,6 +28,7 @@ constexpr int CHAIN_STAGE = 24 * CHAIN_ROW;          // a stage in bf16: 16 weig
 constexpr int CHAIN_CHUNKS = CHAIN_K / 8;            // 16-byte chunks of a row in a stage
 constexpr int CHAIN_PIECES = 16 * CHAIN_CHUNKS / 32; // a lane's chunks of a stage: a chunk of every 32 / CHUNKS rows
 static_assert(CHAIN_K % 16 == 0 && 32 % CHAIN_CHUNKS == 0, "a stage is whole mmas; a warp copies whole rows");
+static_assert(CHAIN_STEPS % 2 == 0, "a stage's mmas in two halves: copies and the wait, then loads");
 static_assert(CHAIN_STAGES >= 3, "the ring holds the stage multiplied, the next one's fragments and one in flight");
 
 // Launch: grid ceil(n / 16 / warps), block 32 * warps (warps <= CHAIN_WARPS), dynamic shared memory warps *
@@ -57,85 +58,85 @@ __device__ void gemv_chain(T* __restrict__ out, const bf16* x, const bf16* __res
     auto slot = [&](int s, int i) {
         return ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane_row + PIECE_ROWS * i) * CHAIN_ROW + chunk * 8;
     };
-    auto fetch_w = [&](int s) {  // stage s's weights into its slot
-        if (s < stages) {
-            const bool in = in_k(s);
-#pragma unroll
-            for (int i = 0; i < CHAIN_PIECES; ++i) cp_async16(slot(s, i), source(s, i), in);
+    // copy i of stage s (CHAIN_COPIES a lane): weight pieces, then x's rows below them, rows past m zero-filled;
+    // past k (and past the last stage) zero-filled, reading nothing
+    constexpr int X_PIECES = 8 / PIECE_ROWS, CHAIN_COPIES = CHAIN_PIECES + X_PIECES;
+    auto copy = [&](int s, int i) {
+        if (i < CHAIN_PIECES) {
+            cp_async16(slot(s, i), source(s, i), in_k(s));
+        } else {
+            const int r = lane_row + PIECE_ROWS * (i - CHAIN_PIECES);
+            const bf16* from = x + (int64_t)min(r, m - 1) * k + min(s * CHAIN_K + chunk * 8, k - 8);
+            cp_async16(slot(s, i - CHAIN_PIECES) + 16 * CHAIN_ROW, from, r < m && in_k(s));
         }
     };
-    // x's rows (written by the previous kernel: after the wait) below the weights, rows past m zero-filled
-    auto fetch_x = [&](int s) {
-        if (s < stages) {
-#pragma unroll
-            for (int i = 0; i < 8 / PIECE_ROWS; ++i) {
-                const int r = lane_row + PIECE_ROWS * i;
-                const bf16* from = x + (int64_t)min(r, m - 1) * k + min(s * CHAIN_K + chunk * 8, k - 8);
-                cp_async16(slot(s, i) + 16 * CHAIN_ROW, from, r < m && in_k(s));
-            }
-        }
-    };
-    auto fetch = [&](int s) { fetch_w(s); fetch_x(s); cp_async_commit(); };  // a commit group (empty past the last)
     for (int s = 0; s < CHAIN_STAGES - 1; ++s) {  // weights only before the wait: no kernel writes them
-        fetch_w(s);
+#pragma unroll
+        for (int i = 0; i < CHAIN_PIECES; ++i) copy(s, i);
         cp_async_commit();
     }
     grid_dependency_wait();
-    for (int s = 0; s < CHAIN_STAGES - 1; ++s) {
-        fetch_x(s);
+    for (int s = 0; s < CHAIN_STAGES - 1; ++s) {  // x, which the previous kernel writes
+#pragma unroll
+        for (int i = CHAIN_PIECES; i < CHAIN_COPIES; ++i) copy(s, i);
         cp_async_commit();
     }
 
     // Stage s's fragments by ldmatrix: A (lane l gives row l % 16 of the tile at k-offset 8 (l / 16): a0..a3 as
     // the mma takes them), B (lane l gives x row l % 8 at k-offset 8 (l / 8): b0, b1 of two steps; lane g + 4t then
-    // holds x row g at k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step, as the mma takes them).
+    // holds x row g at k {2t, 2t + 1} and {2t + 8, 2t + 9} of each step, as the mma takes them). Load i of a stage:
+    // B's CHAIN_STEPS / 2 first (two steps each), then A's CHAIN_STEPS.
+    constexpr int CHAIN_LOADS = CHAIN_STEPS / 2 + CHAIN_STEPS;
     uint32_t a[2][CHAIN_STEPS][4], b[2][CHAIN_STEPS][2];
-    auto load_a = [&](int s, uint32_t (&af)[CHAIN_STEPS][4]) {
-        const bf16* base = ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (lane & 15) * CHAIN_ROW + (lane >> 4) * 8;
-#pragma unroll
-        for (int j = 0; j < CHAIN_STEPS; ++j) ldmatrix_x4(af[j], base + 16 * j);
-    };
-    auto load_b = [&](int s, uint32_t (&bf)[CHAIN_STEPS][2]) {  // x's B fragments, two steps an ldmatrix
-        const bf16* base = ring + (s % CHAIN_STAGES) * CHAIN_STAGE + (16 + (lane & 7)) * CHAIN_ROW + (lane >> 3) * 8;
-#pragma unroll
-        for (int j = 0; j < CHAIN_STEPS; j += 2) {
+    auto load = [&](int s, int i, uint32_t (&af)[CHAIN_STEPS][4], uint32_t (&bf)[CHAIN_STEPS][2]) {
+        const bf16* stage = ring + (s % CHAIN_STAGES) * CHAIN_STAGE;
+        if (i < CHAIN_STEPS / 2) {
             uint32_t r[4];
-            ldmatrix_x4(r, base + 16 * j);
-            bf[j][0] = r[0], bf[j][1] = r[1], bf[j + 1][0] = r[2], bf[j + 1][1] = r[3];
+            ldmatrix_x4(r, stage + (16 + (lane & 7)) * CHAIN_ROW + (lane >> 3) * 8 + 32 * i);
+            bf[2 * i][0] = r[0], bf[2 * i][1] = r[1], bf[2 * i + 1][0] = r[2], bf[2 * i + 1][1] = r[3];
+        } else {
+            const int j = i - CHAIN_STEPS / 2;
+            ldmatrix_x4(af[j], stage + (lane & 15) * CHAIN_ROW + (lane >> 4) * 8 + 16 * j);
         }
     };
     cp_async_wait<CHAIN_STAGES - 2>();  // stage 0 has landed (this lane's copies) ...
     __syncwarp();                        // ... and every lane's
-    load_b(0, b[0]);
-    load_a(0, a[0]);
+#pragma unroll
+    for (int i = 0; i < CHAIN_LOADS; ++i) load(0, i, a[0], b[0]);
     float c[4] = {};
-    // Stage s: the warp copies stage s + CHAIN_STAGES - 1 into the slot stage s - 1 left (read by ldmatrix before
-    // the last __syncwarp) and waits for stage s + 1; then it loads stage s + 1's fragments into one pair of buffers
-    // and runs stage s's mmas from the other. The pairs alternate by stage, two stages an iteration, so that the
-    // buffers stay in registers.
+    // Stage s: its mmas, each waiting for the one before, with the stage's other work spread between them, so that
+    // the warp issues it while an mma runs: in the first half, the copies of stage s + CHAIN_STAGES - 1 into the
+    // slot stage s - 1 left (read by ldmatrix before the last __syncwarp), then the wait for stage s + 1; in the
+    // second half, stage s + 1's fragments into the other pair of buffers. The pairs alternate by stage, two stages
+    // an iteration, so that the buffers stay in registers.
+    constexpr int HALF = CHAIN_STEPS / 2;
     auto run = [&](int s, const uint32_t (&af)[CHAIN_STEPS][4], const uint32_t (&bf)[CHAIN_STEPS][2],
                    uint32_t (&an)[CHAIN_STEPS][4], uint32_t (&bn)[CHAIN_STEPS][2]) {
-        fetch(s + CHAIN_STAGES - 1);
-        cp_async_wait<CHAIN_STAGES - 2>();  // stage s + 1 has landed (this lane's copies) ...
-        __syncwarp();                        // ... and every lane's
-        if (s + 1 < stages) {
-            load_b(s + 1, bn);
-            load_a(s + 1, an);
-        }
-        const int steps = (k - s * CHAIN_K) / 16;
-        if (steps >= CHAIN_STEPS) {
+        const int steps = (k - s * CHAIN_K) / 16;  // < CHAIN_STEPS: k's last, partial stage
 #pragma unroll
-            for (int j = 0; j < CHAIN_STEPS; ++j) mma_bf16(c, af[j], bf[j][0], bf[j][1]);
-        } else {  // k's last, partial stage
+        for (int j = 0; j < CHAIN_STEPS; ++j) {
+            if (j < steps) mma_bf16(c, af[j], bf[j][0], bf[j][1]);
+            if (j < HALF) {
 #pragma unroll
-            for (int j = 0; j < CHAIN_STEPS; ++j)
-                if (j < steps) mma_bf16(c, af[j], bf[j][0], bf[j][1]);
+                for (int i = j * CHAIN_COPIES / HALF; i < (j + 1) * CHAIN_COPIES / HALF; ++i)
+                    copy(s + CHAIN_STAGES - 1, i);
+                if (j == HALF - 1) {
+                    cp_async_commit();
+                    cp_async_wait<CHAIN_STAGES - 2>();  // stage s + 1 has landed (this lane's copies) ...
+                    __syncwarp();                        // ... and every lane's
+                }
+            } else {  // past the last stage: stale fragments, never multiplied
+#pragma unroll
+                for (int i = (j - HALF) * CHAIN_LOADS / HALF; i < (j - HALF + 1) * CHAIN_LOADS / HALF; ++i)
+                    load(s + 1, i, an, bn);
+            }
         }
     };
     for (int s = 0; s < stages; s += 2) {
         run(s, a[0], b[0], a[1], b[1]);
         if (s + 1 < stages) run(s + 1, a[1], b[1], a[0], b[0]);
     }
+    cp_async_wait<0>();  // the zero-filling copies past the last stage
     // c: (row g, x row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
     if constexpr (std::is_same<Act, Ungated>::value) {
 #pragma unroll
