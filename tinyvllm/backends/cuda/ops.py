@@ -39,8 +39,9 @@ MAX_TOP_LOGPROBS = 64  # logprobs: most top logprobs per row (its shared-memory 
 GEMV_WARPS = 8  # gemv: warps per block
 GEMV_UNROLL = 8  # gemv: 16-byte loads per row (two rows) and of x that a lane has in flight
 CHAIN_WARPS = 4  # gemv_chain_*: most warps per block, each the mma chain of one 16-row tile
-# gemv_chain_*: k per stage of a warp's ring (256 bytes of each of its 16 weight rows) and the ring's stages, all but
-# one copied before the wait for the previous kernel (docs/PERFORMANCE.md, batch-invariant mode)
+# gemv_chain_*: k per stage of a warp's ring (256 bytes of each of its 16 weight rows and of x's 8) and the ring's
+# stages; the weights of all but one are copied before the wait for the previous kernel, x's rows after it
+# (docs/PERFORMANCE.md, batch-invariant mode)
 CHAIN_K = 128
 CHAIN_STAGES = 4
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
