@@ -12,6 +12,9 @@ C++ writing, so on a GPU host, where the main thread is the bottleneck, it adds 
 time of each phase of the job path per row (phases nest: the engine's step holds the detokenization; a row's
 preparation holds the chat template; with no device to wait for, the threads' phases include waits for the GIL).
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
+--timeline prints, for the engine's run and the job's (uninstrumented) one, where the wall goes by engine step: the
+first step's start, the window of full batches (97.5% of max_num_seqs or more running) and its mean step interval
+against its median (the steps' hiccups), the sequences a step runs on average, and the time after the last step.
 --device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
 token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
 the main thread for the GIL while it would wait for the device, as on a GPU host.
@@ -126,6 +129,37 @@ def timed(owner, name: str, label: str | None = None) -> None:
     setattr(owner, name, generator if inspect.isgeneratorfunction(inner) else wrapper)
 
 
+class StepTimeline:
+    """LLMEngine.step wrapped to note each step's start and how many sequences run after it, from start() on."""
+
+    def __init__(self, full: int) -> None:
+        self.full, self.steps, self.start_s = full, [], 0.0
+        inner = LLMEngine.step
+
+        def step(engine):
+            started = time.perf_counter()
+            outputs = inner(engine)
+            self.steps.append((started, len(engine.scheduler.running)))
+            return outputs
+
+        LLMEngine.step = step
+
+    def start(self) -> None:
+        self.steps, self.start_s = [], time.perf_counter()
+
+    def report(self, name: str, end_s: float) -> None:
+        """One line: where the wall from start() to end_s went, by step."""
+        starts = np.array([t for t, _ in self.steps]) - self.start_s
+        running = np.array([n for _, n in self.steps])
+        full = np.flatnonzero(running >= self.full)
+        window = np.diff(starts[full[0]:full[-1] + 1]) if len(full) > 1 else np.zeros(1)
+        print(f"{name}: {len(starts)} steps, the first at {1e3 * starts[0]:.0f} ms; full batches from "
+              f"{1e3 * starts[full[0]] if len(full) else 0:.0f} to {1e3 * starts[full[-1]] if len(full) else 0:.0f} "
+              f"ms, a step every {1e3 * window.mean():.2f} ms there (median {1e3 * np.median(window):.2f}); "
+              f"{running.mean():.0f} sequences a step; {1e3 * (end_s - self.start_s - starts[-1]):.0f} ms after "
+              "the last step's start", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4000)
@@ -136,6 +170,7 @@ def main() -> None:
     parser.add_argument("--device-us", type=float, help="device time per sequence of a step (default: none)")
     parser.add_argument("--prepare-workers", type=int, choices=(0, 1), help="the job's prepare_workers "
                         "(default: the job's default)")
+    parser.add_argument("--timeline", action="store_true", help="where each run's wall goes, by engine step")
     args = parser.parse_args()
 
     # the one place the model is left out
@@ -155,13 +190,18 @@ def main() -> None:
     pa.array([1])  # pyarrow imports pandas at its first list conversion (~0.3 s, once): not part of a row's cost
     reset_prefix_cache = llm.llm_engine.block_manager.reset_prefix_cache  # each run starts cold, as in J1
     reset_prefix_cache()
+    timeline = StepTimeline(max(1, int(0.975 * args.max_num_seqs))) if args.timeline else None
+    if timeline:
+        timeline.start()
     cpu = time.thread_time()
     engine = run_workload(llm, requests)
     engine_cpu = time.thread_time() - cpu
+    if timeline:
+        timeline.report("engine", time.perf_counter())
     print(f"engine, token ids: {engine['wall_s']:.2f} s = {1e6 * engine['wall_s'] / len(rows):.0f} us/row "
           f"({engine['output_tokens']} tokens); main thread CPU {1e6 * engine_cpu / len(rows):.0f} us/row")
 
-    def run_job(profiler: cProfile.Profile | None = None) -> tuple[float, float, dict]:
+    def run_job(profiler: cProfile.Profile | None = None, instrumented: bool = False) -> tuple[float, float, dict]:
         with tempfile.TemporaryDirectory() as tmp:
             source = Path(tmp) / "j1.jsonl"
             source.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -169,13 +209,18 @@ def main() -> None:
                             sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
                             quiet=True, prepare_workers=args.prepare_workers)
             reset_prefix_cache()
+            if timeline and not instrumented:
+                timeline.start()
             start, cpu = time.perf_counter(), time.thread_time()
             if profiler:
                 profiler.enable()
             summary = job_run.run_job(cfg, job_run.LocalExecutor(llm))
             if profiler:
                 profiler.disable()
-            return time.perf_counter() - start, time.thread_time() - cpu, summary
+            end = time.perf_counter()
+            if timeline and not instrumented:
+                timeline.report("job", end)
+            return end - start, time.thread_time() - cpu, summary
 
     wall, job_cpu, summary = run_job()  # uninstrumented: the wall
     for name in ("apply_chat_template", "encode_prompts"):
@@ -194,7 +239,7 @@ def main() -> None:
     timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
     timed(job_run.RowPipeline, "_produce", PRODUCER)
     profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # the main thread's CPU time
-    run_job(profiler)
+    run_job(profiler, instrumented=True)
     finalize = TOTAL["finalize (merge pieces into the output)"]
     print(f"job, text rows:    {wall:.2f} s = {1e6 * wall / len(rows):.0f} us/row ({summary['output_tokens']} tokens), "
           f"of which finalize {finalize:.2f} s; main thread CPU {1e6 * job_cpu / len(rows):.0f} us/row")
