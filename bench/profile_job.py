@@ -14,7 +14,9 @@ preparation holds the chat template; with no device to wait for, the threads' ph
 --stop gives every row a stop string (token-by-token detokenization); --cprofile prints the top functions by own time.
 --timeline prints, for the engine's run and the job's (uninstrumented) one, where the wall goes by engine step: the
 first step's start, the window of full batches (97.5% of max_num_seqs or more running) and its mean step interval
-against its median (the steps' hiccups), the sequences a step runs on average, and the time after the last step.
+against its median (the steps' hiccups), the gaps of over 1 ms there between one step's return and the next one's
+call (the job's work between steps, which the device waits for once it exceeds a step's device time less the
+engine's own host time), the sequences a step runs on average, and the time after the last step.
 --device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
 token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
 the main thread for the GIL while it would wait for the device, as on a GPU host.
@@ -130,7 +132,8 @@ def timed(owner, name: str, label: str | None = None) -> None:
 
 
 class StepTimeline:
-    """LLMEngine.step wrapped to note each step's start and how many sequences run after it, from start() on."""
+    """LLMEngine.step wrapped to note each step's start and end and how many sequences run after it, from start()
+    on."""
 
     def __init__(self, full: int) -> None:
         self.full, self.steps, self.start_s = full, [], 0.0
@@ -139,7 +142,7 @@ class StepTimeline:
         def step(engine):
             started = time.perf_counter()
             outputs = inner(engine)
-            self.steps.append((started, len(engine.scheduler.running)))
+            self.steps.append((started, time.perf_counter(), len(engine.scheduler.running)))
             return outputs
 
         LLMEngine.step = step
@@ -149,15 +152,18 @@ class StepTimeline:
 
     def report(self, name: str, end_s: float) -> None:
         """One line: where the wall from start() to end_s went, by step."""
-        starts = np.array([t for t, _ in self.steps]) - self.start_s
-        running = np.array([n for _, n in self.steps])
+        starts, ends, running = (np.array(column) for column in zip(*self.steps))
+        starts, ends = starts - self.start_s, ends - self.start_s
         full = np.flatnonzero(running >= self.full)
-        window = np.diff(starts[full[0]:full[-1] + 1]) if len(full) > 1 else np.zeros(1)
+        first, last = (full[0], full[-1]) if len(full) > 1 else (0, 0)
+        window = np.diff(starts[first:last + 1]) if last > first else np.zeros(1)
+        gaps = starts[first + 1:last + 1] - ends[first:last]  # between a step's return and the next one's call
+        long_gaps = gaps[gaps > 1e-3]
         print(f"{name}: {len(starts)} steps, the first at {1e3 * starts[0]:.0f} ms; full batches from "
-              f"{1e3 * starts[full[0]] if len(full) else 0:.0f} to {1e3 * starts[full[-1]] if len(full) else 0:.0f} "
-              f"ms, a step every {1e3 * window.mean():.2f} ms there (median {1e3 * np.median(window):.2f}); "
-              f"{running.mean():.0f} sequences a step; {1e3 * (end_s - self.start_s - starts[-1]):.0f} ms after "
-              "the last step's start", flush=True)
+              f"{1e3 * starts[first]:.0f} to {1e3 * starts[last]:.0f} ms, a step every {1e3 * window.mean():.2f} ms "
+              f"there (median {1e3 * np.median(window):.2f}), {len(long_gaps)} gaps of over 1 ms between steps "
+              f"({1e3 * long_gaps.sum():.0f} ms); {running.mean():.0f} sequences a step; "
+              f"{1e3 * (end_s - self.start_s - starts[-1]):.0f} ms after the last step's start", flush=True)
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "profile_job.py"
 LINE = re.compile(r"^(engine|job): (\d+) steps, the first at (\d+) ms; full batches from (\d+) to (\d+) ms, a step "
-                  r"every ([\d.]+) ms there \(median ([\d.]+)\); (\d+) sequences a step; (-?\d+) ms after", re.M)
+                  r"every ([\d.]+) ms there \(median ([\d.]+)\), (\d+) gaps of over 1 ms between steps \((\d+) ms\); "
+                  r"(\d+) sequences a step; (-?\d+) ms after", re.M)
 
 
 def test_profile_job_timeline():
@@ -18,9 +19,9 @@ def test_profile_job_timeline():
     assert out.returncode == 0, out.stderr
     lines = {m.group(1): m.groups()[1:] for m in LINE.finditer(out.stdout)}
     assert set(lines) == {"engine", "job"}, out.stdout
-    for name, (steps, first, full_from, full_to, mean, median, seqs, after) in lines.items():
+    for name, (steps, first, full_from, full_to, mean, median, gaps, gap_ms, seqs, after) in lines.items():
         # 48 rows of 6 tokens at 16 a step: at least 48 * 6 / 16 = 18 steps, and no step runs more than 16
         assert int(steps) >= 18 and 1 <= int(seqs) <= 16, (name, out.stdout)
         assert int(first) <= int(full_from) <= int(full_to) and float(mean) > 0 and float(median) > 0
-        assert int(after) >= 0
+        assert int(after) >= 0 and (int(gaps) > 0 or int(gap_ms) == 0)
     assert "job, text rows:" in out.stdout and "phases of the job path" in out.stdout
