@@ -95,7 +95,7 @@ class DeviceLikeBackend(InstantBackend):
             time.sleep(max(0.0, end - time.perf_counter()))
             return queued.result()
 
-        return QueuedStep(result, queued.bitmask, queued.sample)
+        return QueuedStep(result, queued.bitmask, queued.sample, lambda: time.perf_counter() >= end)
 
 
 def timed(owner, name: str, label: str | None = None) -> None:

@@ -375,10 +375,15 @@ def test_prompt_token_ids_keep_their_values():
 
 
 @pytest.mark.parametrize("prompt,bad", [([5, -1, 7, 100000], -1), ([5, 6, 100000, -2], 100000),
-                                        ([np.int64(4), 3.0], None)])
+                                        ([np.int64(4), 3.0], None), (np.array([4, 3], np.int32), None),
+                                        (np.array([5, -1, 7, 100000], np.int32), -1),
+                                        (np.array([5, 6, 100000, -2], np.int64), 100000),
+                                        (np.array([5, 6, 7, 100000], np.uint32), 100000),
+                                        (np.array([9, 4, 8, 3], np.int16)[1::2], None)])
 def test_prompt_token_ids_outside_the_vocabulary_are_refused_by_the_first(tiny_model_dir, prompt, bad):
     """A token-id prompt with ids outside the vocabulary gets an error output naming the first of them; numpy ints
-    and integral floats are taken as ints."""
+    and integral floats are taken as ints; integer arrays (a job's worker sends int32 ones), strided too, are
+    checked in one reduction with the same outcome."""
     engine = llm_for(tiny_model_dir).llm_engine
     vocab = engine.requests.vocab_size
     assert engine.add_request("r", prompt, SamplingParams(max_tokens=2)) == (
@@ -391,3 +396,19 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_by_the_first(tiny_m
         assert error is None and outputs[0].prompt_token_ids == [4, 3]
     else:
         assert error == f"prompt token id {bad} is outside the vocabulary (size {vocab})"
+
+
+def test_device_busy_follows_the_queued_step(tiny_model_dir):
+    """LLMEngine.device_busy() is what the step queued last says of itself: busy while its done() is False, not
+    once it is True, and not where the backend cannot tell (done None) or nothing is queued."""
+    engine = llm_for(tiny_model_dir).llm_engine
+    assert not engine.device_busy()  # nothing queued
+    engine.add_request("r", [4, 3], SamplingParams(max_tokens=8))
+    engine.step()
+    queued = engine._in_flight.queued
+    assert queued.done is None and not engine.device_busy()  # the numpy backend runs a step at once
+    finished = [False]
+    queued.done = lambda: finished[0]
+    assert engine.device_busy()
+    finished[0] = True
+    assert not engine.device_busy()

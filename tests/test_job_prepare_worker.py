@@ -5,6 +5,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -19,8 +20,8 @@ GREEDY = ("--temperature", "0", "--max-tokens", "3", "--piece-rows", "7", "--max
 
 
 def rows(n: int = 40) -> list:
-    """Plain and chat rows, per-row overrides, and bad rows of each kind: unparseable, a bad field, a chat option
-    on a plain prompt, more max_tokens than the context."""
+    """Plain, chat and token-id rows, per-row overrides, and bad rows of each kind: unparseable, a bad field, a
+    chat option on a plain prompt, more max_tokens than the context, a token id outside the vocabulary."""
     out = []
     for i in range(n):
         if i % 9 == 4:
@@ -29,6 +30,8 @@ def rows(n: int = 40) -> list:
             out.append({"prompt": f"p{i}", "add_generation_prompt": False})
         elif i % 9 == 6:
             out.append({"prompt": f"p{i}", "max_tokens": 1 << 20})
+        elif i % 9 == 7:  # token ids: they cross as JSON, the engine checks them (16's are outside the vocabulary)
+            out.append({"prompt": [5, 100000] if i == 16 else [4 + i % 5, 3]})
         elif i % 3 == 0:
             out.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"chat {i} about words"}],
                         "temperature": 0.5, "seed": i})
@@ -78,7 +81,27 @@ def test_outputs_are_the_same_with_and_without_the_worker(tiny_model_dir, tmp_pa
     assert results(with_worker) == results(without)
     errors = dict(zip(with_worker.column("row").to_pylist(), with_worker.column("error").to_pylist()))
     assert all(errors[i] is not None for i in range(40) if i % 9 in (4, 5, 6)) and errors[40] is not None
-    assert sum(e is not None for e in errors.values()) == 3 * 4 + 1  # and the line that is not JSON
+    assert "outside the vocabulary" in errors[16]
+    assert sum(e is not None for e in errors.values()) == 3 * 4 + 2  # and the line that is not JSON
+
+
+def test_token_ids_cross_packed_exactly():
+    """The ids of tokenized text rows cross as one int32 frame and come back as each row's own array; rows whose
+    prompt was ids keep them in the JSON; a frame that does not match the rows' counts is refused."""
+    items = [[0, None, {}, None, None, None, None, "a", False, [7, 8, 9]],
+             [1, None, {}, None, "bad row", None, None, None, None, None],
+             [2, None, {}, None, None, None, None, None, False, [1, 2.0, -3]],
+             [3, None, {}, None, None, None, None, "b", True, []],
+             [4, None, {}, None, None, None, None, "c", True, [2 ** 31 - 1, 0]]]
+    sent = [list(item) for item in items]
+    frame = prepare.pack_ids(sent)
+    assert [item[9] for item in sent] == [3, None, [1, 2.0, -3], 0, 2]
+    back = prepare.unpack_ids(sent, np.frombuffer(frame, np.int32))
+    for got, want in zip(back, items):
+        assert type(got[9]) is type(want[9]) if want[7] is None else isinstance(got[9], np.ndarray)
+        assert list(got[9] if got[9] is not None else []) == list(want[9] or [])
+    with pytest.raises(RuntimeError, match="sent 4 token ids for rows holding 5"):
+        prepare.unpack_ids([list(items[0])[:9] + [2], list(items[4])[:9] + [3]], np.zeros(4, np.int32))
 
 
 def test_the_worker_by_default_only_for_large_jobs(tiny_model_dir, tmp_path, started, monkeypatch):

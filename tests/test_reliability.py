@@ -410,6 +410,14 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
+    engine_config = SimpleNamespace(max_num_seqs=4)
+
+    def get_num_waiting_requests(self) -> int:
+        return len(self.waiting)
+
+    def device_busy(self) -> bool:  # as a backend that cannot tell: admission stops at max_num_seqs waiting
+        return False
+
 
 def test_the_worker_reads_rows_and_hands_them_over_in_order(tmp_path):
     """complete_rows takes the rows on its worker thread (a reader parses the input there) and hands each over in row
@@ -446,6 +454,35 @@ def test_the_worker_reads_rows_and_hands_them_over_in_order(tmp_path):
     with pytest.raises(JobError, match="after row 299"):
         complete_rows(llm, rows(600, fail_after=300), SamplingParams(max_tokens=4), cfg, emit, max_in_flight=1000)
     assert {r["row"] for r in emitted} >= {i for i in range(300) if i % 5 == 2}  # the error rows before it
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_rows_join_while_the_device_runs_once_a_batch_waits(tmp_path, busy):
+    """Once max_num_seqs requests wait, the job admits more only while the device still runs its queued step: with
+    a device that has always finished (or a backend that cannot tell), every step finds at most max_num_seqs
+    waiting though more rows are ready; with a busy one, rows keep joining up to max_in_flight. Each row is
+    emitted once, in admission order, either way."""
+    engine = FakeEngine()
+    engine.device_busy = lambda: busy
+    seen = []
+    fake_step = engine.step
+
+    def step():
+        seen.append(len(engine.waiting))
+        time.sleep(0.005)  # the producer has every row ready by the next admission
+        return fake_step()
+
+    engine.step = step
+    llm = SimpleNamespace(llm_engine=engine, engine_config=SimpleNamespace(max_model_len=64), tokenizer=None)
+    cfg = JobConfig(tmp_path / "in.jsonl", tmp_path / "out.parquet")
+    emitted = []
+    rows = (Row(i, str(i), prompt=[i]) for i in range(60))
+    complete_rows(llm, rows, SamplingParams(max_tokens=4), cfg, emitted.append, max_in_flight=16)
+    assert sorted(r["row"] for r in emitted) == list(range(60)) == engine.added and sum(seen) == 60
+    if busy:
+        assert max(seen) == 16
+    else:
+        assert max(seen) == engine.engine_config.max_num_seqs == 4
 
 
 def test_commits_run_on_their_own_thread_and_their_errors_reach_the_caller(tmp_path, monkeypatch):

@@ -387,6 +387,23 @@ def test_running_one_step_ahead_stops_exactly(model_dir):
         assert m == f[: f.index(f[3]) + 1] if i % 2 == 0 else len(m) == 20
 
 
+def test_device_busy_ends_with_the_queued_step(model_dir):
+    """The cuda backend's steps tell whether the GPU has finished them (QueuedStep.done, a query of the step's
+    event): once the step queued last has been read, the engine no longer reports the device busy."""
+    llm = LLM(model_dir, backend="cuda", max_num_seqs=8, num_kv_blocks=256, max_model_len=1024)
+    engine = llm.llm_engine
+    engine.add_request("r", list(range(3, 300)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    queued = engine._in_flight.queued
+    assert queued.done is not None
+    queued.result()
+    assert queued.done() and not engine.device_busy()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.device_busy()
+    llm.backend.close()
+
+
 def test_prefix_caching_and_chunked_prefill_keep_outputs(model_dir):
     rng = np.random.default_rng(6)
     shared = rng.integers(3, 49152, 48).tolist()  # three full blocks of 16 shared by every prompt

@@ -169,11 +169,15 @@ class QueuedStep:
 
     A step with bitmask rows has queued only its forward: the caller fills `bitmask` (int32 [C, ceil(V / 32)]; bit
     t % 32 of word t // 32 of row c allows token t for the rows whose bitmask_rows is c) while the forward runs, then
-    calls sample(), before submitting the next step."""
+    calls sample(), before submitting the next step.
+
+    done(), where the backend can tell, says without waiting whether the device has finished what is queued of the
+    step (None: it cannot tell; the caller assumes it has)."""
 
     result: Callable[[], SamplerOutput]
     bitmask: np.ndarray | None = None
     sample: Callable[[], None] | None = None
+    done: Callable[[], bool] | None = None
 
 
 class Backend(ABC):

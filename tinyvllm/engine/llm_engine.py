@@ -122,6 +122,17 @@ class LLMEngine:
         return (bool(self._rejected) or self.scheduler.has_unfinished() or self._in_flight is not None
                 or self._unread is not None)
 
+    def get_num_waiting_requests(self) -> int:
+        """Sequences queued and not yet scheduled (preempted ones included)."""
+        return len(self.scheduler.waiting)
+
+    def device_busy(self) -> bool:
+        """Whether the device is still running the step queued last, as far as the backend can tell: host work done
+        before the next step() (admitting requests) then delays nothing. False once it has finished (the device
+        waits for the next step()), with no step queued, or where the backend cannot tell."""
+        queued = None if self._in_flight is None else self._in_flight.queued
+        return queued is not None and queued.done is not None and not queued.done()
+
     def _release(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out: its blocks, penalty slot and batch row."""
         if self.run is not None:

@@ -30,6 +30,9 @@ def request_processors(params: SamplingParams, tokenizer, eos_token_ids: set[int
                        vocab_size: int) -> RequestProcessors | None:
     """None when the request asks for no logits processing (the common case costs nothing per step).
     ValueError names a token id outside the vocabulary."""
+    if not (params.logit_bias or params.bad_words or params.min_tokens > 0 or params.allowed_token_ids
+            or params.has_penalties):
+        return None  # what follows would find nothing to do
     bias = dict(params.logit_bias or {})
     bad_sequences = []
     for word in params.bad_words or []:

@@ -28,6 +28,8 @@ FORKS_LEFT = operator.attrgetter("forks_left")
 def _token_ids(prompt) -> list[int]:
     """A prompt of token ids as ints: integers (numpy's too) as they are, integral floats (3.0) as their ints.
     ValueError: an id that is neither (1.5, "3"), or a prompt that is no sequence of ids."""
+    if _integer_array(prompt):
+        return prompt.tolist()  # a job's worker sends its rows' ids so
     if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
     if not isinstance(prompt, (list, tuple, np.ndarray)):
@@ -114,7 +116,7 @@ class RequestAdmission:
             token_ids = self.tokenizer.encode_prompt(prompt, templated=templated)
         else:
             token_ids = _token_ids(prompt)
-            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            if _any_outside(prompt, token_ids, self.vocab_size):
                 bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
                 raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
         if not token_ids:
@@ -177,6 +179,20 @@ class RequestAdmission:
             self.scheduler.add(self.new_sequence(group, len(group.seqs), seq.params, seq.processors,
                                                  RequestMetrics(arrival_time=group.arrival_time)))
             seq.forks_left -= 1
+
+
+def _integer_array(prompt) -> bool:
+    return isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu"
+
+
+def _any_outside(prompt, token_ids: list[int], vocab_size: int) -> bool:
+    """Whether an id is outside [0, vocab_size); an integer array's found in one reduction (read as unsigned, a
+    negative id is beyond any vocabulary)."""
+    if not token_ids:
+        return False
+    if _integer_array(prompt):
+        return int(prompt.view(f"u{prompt.itemsize}").max()) >= vocab_size
+    return min(token_ids) < 0 or max(token_ids) >= vocab_size
 
 
 def _rejected(request_id: str, prompt: str | None, token_ids: list[int], metrics: RequestMetrics,

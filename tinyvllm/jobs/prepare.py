@@ -4,10 +4,12 @@ process of its own that reads, renders and tokenizes a job's rows ahead of the e
 Why a process: parsing rows, rendering the chat template and tokenizing is Python that holds the GIL (~0.2 ms a
 row), and on a GPU host the engine's own Python step loop is the bottleneck: on a thread of the engine's process
 each microsecond of it can delay the engine. The worker runs it in its own interpreter; the engine's thread takes
-the prepared rows off a pipe (~10 us a row: decoding, the row's SamplingParams).
+the prepared rows off a pipe (decoding, the row's SamplingParams), one row at a time as it admits them.
 
 What crosses the pipes are plain values as bytes (jobs/wire.py: JSON, with tuples, bytes and what a Parquet input's
 carried columns hold, datetimes and decimals, tagged): nothing is pickled, so a message builds no object but those.
+The token ids of a batch's text rows follow its message as one int32 frame (pack_ids): the engine checks an int32
+array's ids in one reduction, where JSON would cost its thread ~0.1 us a token to decode.
 The worker gets the job's settings and the tokenizer as data (PrepareSpec: its tokenizer.json text and special
 tokens), so it tokenizes as the LLM's own tokenizer does, however that was loaded (a probe text is checked at
 start); it reads the input itself, skipping the rows already committed.
@@ -22,6 +24,7 @@ however it dies, leaves no worker behind; close() waits for it (no zombie).
 
 from __future__ import annotations
 
+import array
 import collections
 import copy
 import hashlib
@@ -34,6 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+import numpy as np
 
 from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io.readers import InputOptions, Row, read_rows
@@ -260,7 +265,12 @@ class PrepareWorker:
                     return None
                 continue
             self._receive()
-        return self.items.popleft()
+        item = self.items.popleft()
+        if type(item) is list:  # a row as sent: made into its item when taken, so a batch costs no step at once
+            index, row_id, columns, ignored, error, overrides, *prepared = item
+            return self.complete(Row(index, row_id, overrides=overrides, ignored_fields=ignored, columns=columns,
+                                     error=error), *prepared)
+        return item
 
     def _receive(self) -> None:
         try:
@@ -269,19 +279,25 @@ class PrepareWorker:
             raise JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the "
                            "rows committed are kept: run the same command again to resume") from None
         if kind == "rows":
+            packed = self._recv_ids()
             try:
                 send(self.tx, len(body[0]))  # acknowledged: the worker may send as many more
             except OSError:  # it is gone: the next receive() says so
                 pass
-            self.items.extend(self.complete(Row(index, row_id, overrides=overrides, ignored_fields=ignored,
-                                                columns=columns, error=error), *prepared)
-                              for index, row_id, columns, ignored, error, overrides, *prepared in body[0])
+            self.items.extend(unpack_ids(body[0], packed))
         elif kind == "end":
             self.items.append(END)
         elif kind == "error":
             self.items.append(ERRORS[body[0]](body[1]))
         else:
             self.items.append(RuntimeError(f"the row preparation worker failed:\n{body[0]}"))
+
+    def _recv_ids(self) -> np.ndarray:
+        try:
+            return np.frombuffer(self.rx.recv_bytes(), np.int32)
+        except EOFError:
+            raise JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the "
+                           "rows committed are kept: run the same command again to resume") from None
 
     def close(self) -> None:
         """Stop the worker (closing its pipes ends it) and wait for it."""
@@ -381,5 +397,33 @@ class _Worker:
     def _send(self, items: list[list]) -> None:
         while self.unacked and self.unacked + len(items) > PREPARE_AHEAD:
             self.unacked -= receive(self.rx)
+        packed = pack_ids(items)
         send(self.tx, ("rows", items))
+        self.tx.send_bytes(packed)
         self.unacked += len(items)
+
+
+# ---- the rows' token ids on the pipe ----
+
+def pack_ids(items: list[list]) -> bytes:
+    """The token ids of the rows whose text the worker tokenized, as one int32 buffer (the message's second frame);
+    each such row's ids field becomes their count. Decoding ids from JSON costs the engine's thread ~0.1 us a token,
+    taking them from the buffer a few us a row. Ids that came as the row's prompt stay in the JSON as they are, for
+    the engine to check."""
+    ids = array.array("i")
+    for item in items:
+        if item[7] is not None:  # a text prompt: the tokenizer's ids
+            ids.extend(item[9])
+            item[9] = len(item[9])
+    return ids.tobytes()
+
+
+def unpack_ids(items: list[list], packed: np.ndarray) -> list[list]:
+    """pack_ids undone: each counted ids field becomes the row's slice of `packed` (int32)."""
+    start = 0
+    for item in items:
+        if item[7] is not None:
+            item[9], start = packed[start:start + item[9]], start + item[9]
+    if start != len(packed):
+        raise RuntimeError(f"the row preparation worker sent {len(packed)} token ids for rows holding {start}")
+    return items

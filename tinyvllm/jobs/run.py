@@ -186,9 +186,10 @@ class RowPipeline:
     # ---- the engine's thread ----
 
     def _admit_ready(self) -> bool:
-        """Admit every row that is ready, up to max_in_flight; wait for one only when the engine has nothing else to
-        do. True once the producer has no rows left; raises the error the producer met."""
-        while len(self.in_flight) < self.max_in_flight:
+        """Admit the rows that are ready, up to max_in_flight, until the engine has a batch's worth waiting and its
+        device has run out of work (`_admitted_enough`); wait for a row only when the engine has nothing else to do.
+        True once the producer has no rows left; raises the error the producer met."""
+        while len(self.in_flight) < self.max_in_flight and not self._admitted_enough():
             item = self._next(block=not self.in_flight)
             if item is None:
                 return False
@@ -198,6 +199,14 @@ class RowPipeline:
                 raise item
             self._admit(*item)
         return False
+
+    def _admitted_enough(self) -> bool:
+        """Whether the next step would be delayed by admitting more, and does not need more: the device has finished
+        the step queued last (or the backend cannot tell) and max_num_seqs sequences wait, so the next step's
+        batch is the same. Rows then join in the device's shadow, a few each step, not hundreds at once in the
+        device's idle time when a batch's worth of sequences finish together."""
+        return (self.engine.get_num_waiting_requests() >= self.engine.engine_config.max_num_seqs
+                and not self.engine.device_busy())
 
     def _next(self, block: bool):
         """The next item, (row, prepared), _END or an exception; None if none is ready (block: wait for one)."""

@@ -413,14 +413,16 @@ class CudaBackend(Backend):
 
         if not deferred:
             sample()
-            return QueuedStep(wait)
+            return QueuedStep(wait, done=ready.query)
         masks, bitmask = self._stage_bitmask_rows(batch.bitmask_rows, rows)
 
         def sample_with_masks() -> None:
             masks.upload(self.stream, "bitmask", bitmask.size)
             sample(masks)
 
-        return QueuedStep(wait, bitmask, sample_with_masks)
+        # done() before sample_with_masks(): the event is that of an earlier step (finished), so the forward counts as
+        # done; the device waits for the masks anyway.
+        return QueuedStep(wait, bitmask, sample_with_masks, ready.query)
 
     def _stage_bitmask_rows(self, bitmask_rows: np.ndarray, rows: int) -> tuple[Staging, np.ndarray]:
         """Stage the rows' bitmask indices (padding rows: -1) and hand out the host bitmask for the caller to fill:
