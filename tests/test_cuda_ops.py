@@ -505,6 +505,9 @@ class FakeDriver:
         def synchronize(self):
             pass
 
+        def query(self):
+            return True
+
     class Memcpy2D:
         def set_src_device(self, address):
             assert isinstance(address, int)
