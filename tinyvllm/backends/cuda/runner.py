@@ -16,6 +16,7 @@ outputs come back through one of two host copies, so they stay readable after st
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -376,7 +377,7 @@ class CudaBackend(Backend):
         self.out_copy ^= 1
         if batch.block_copies is not None:
             self._copy_blocks(batch.block_copies)
-        rows = n if prefill else next(b for b in self.buckets if b >= n)
+        rows = n if prefill else self._bucket(n)
         self._stage_processing(batch, rows)
         lp_rows, lp_ptr = self._stage_logprob_rows(batch.sampling, n)
         deferred = batch.bitmask_rows is not None
@@ -483,11 +484,15 @@ class CudaBackend(Backend):
             inp[name][:n] = getattr(sampling, name)
             inp[name][n:total] = pad
 
+    def _bucket(self, num_seqs: int) -> int:
+        """The decode graph's batch size that holds num_seqs rows: the least bucket at least as large."""
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+
     def _decode(self, batch: Batch, sample: bool) -> None:
         """Queue a decode step: through sampling, or (sample=False) up to the logits. A bucket's graph not captured
         yet runs eagerly while the capture thread takes it, or (no thread) is captured now and replayed (the
         forward-only graphs always so)."""
-        bucket = next(b for b in self.buckets if b >= batch.num_seqs)  # eager pads too: graph and eager agree
+        bucket = self._bucket(batch.num_seqs)  # eager pads too: graph and eager agree
         self._stage_decode(batch, bucket)
         graphs = self.graphs if sample else self.forward_graphs
         graph = graphs.get(bucket) if self.use_graphs else None
