@@ -198,6 +198,7 @@ class TimedEvent:
     def __init__(self, event, phases: Phases, timeline: Timeline | None) -> None:
         self.event, self.timeline = event, timeline
         self.synchronize = phases.timed("  wait for sampled ids", event.synchronize)
+        self.query = event.query  # the engine asks whether the device is busy (QueuedStep.done); not a wait
 
     def record(self, stream) -> None:
         if self.timeline is not None:

@@ -101,6 +101,21 @@ def test_timeline_marks_first_launch_replay_and_end(profile_host):
     assert times["replays_ms"] == []
 
 
+def test_timed_event_answers_for_the_event_it_wraps(profile_host):
+    """The runner asks its output event both to wait (timed as a phase) and whether the device is still busy
+    (QueuedStep.done, for the job's admission): the wrapper answers both as the event does."""
+    state = {"done": False, "waits": 0}
+    event = SimpleNamespace(query=lambda: state["done"], synchronize=lambda: state.update(waits=state["waits"] + 1),
+                            record=lambda stream: None)
+    phases = profile_host.Phases()
+    timed = profile_host.TimedEvent(event, phases, None)
+    assert timed.query() is False
+    state["done"] = True
+    assert timed.query() is True and "wait for sampled ids" not in phases.current
+    timed.synchronize()
+    assert state["waits"] == 1 and phases.current["wait for sampled ids"] > 0
+
+
 def test_runs_on_the_numpy_backend(profile_host, tmp_path, capsys):
     out = tmp_path / "host.json"
     results = profile_host.main(["--backend", "numpy", "--dummy-weights", "tiny", "--batch", "3", "--steps", "4",
