@@ -2,6 +2,7 @@
 answers at once, so what is left is the host's work alone (runs on a CPU; no weights are made).
 
     python bench/profile_job.py [--rows 4000] [--max-tokens 128] [--stop STRING] [--cprofile] [--device-us US]
+                                [--backend cuda --dummy-weights smollm2-135m]
 
 Times J1's requests as token ids through LLM.generate, then the same rows as a job through the CLI's runner (run_job,
 in process), and prints both walls, their difference per row, the main thread's CPU time per row in each (on a GPU
@@ -20,6 +21,8 @@ engine's own host time), the sequences a step runs on average, and the time afte
 --device-us makes each step take time as on a GPU (US microseconds per sequence, plus a tenth of that per prefill
 token; steps queue back to back and the host waits for one without the GIL): then the job's threads compete with
 the main thread for the GIL while it would wait for the device, as on a GPU host.
+--backend runs the model instead, on random weights of --dummy-weights' shapes: J1's profile on a GPU (with
+--timeline, the job's step interval, gaps, ramp and tail against the engine's on the same device).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import tinyvllm.engine.output_processor as output_module
 import tinyvllm.llm
 from tinyvllm import LLM
 from tinyvllm.backends.base import Backend, QueuedStep, SamplerOutput
-from tinyvllm.benchmark import Request, make_j1_rows, run_workload
+from tinyvllm.benchmark import Request, bench_llm, make_j1_rows, run_workload
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.io import readers, writer
 from tinyvllm.jobs import run as job_run
@@ -166,6 +169,22 @@ class StepTimeline:
               f"{1e3 * (end_s - self.start_s - starts[-1]):.0f} ms after the last step's start", flush=True)
 
 
+def make_llm(args: argparse.Namespace) -> LLM:
+    """The LLM both runs use: with --backend, random weights of --dummy-weights on that backend (its graphs
+    captured before the runs); else the 1B's shapes with the model left out (InstantBackend, or DeviceLikeBackend
+    with --device-us)."""
+    if args.backend:
+        llm = bench_llm(None, args.dummy_weights, ["J1"], backend=args.backend, max_num_seqs=args.max_num_seqs)
+        llm.backend.finish_startup()
+        return llm
+    # the one place the model is left out
+    tinyvllm.llm.create_backend = InstantBackend if args.device_us is None else \
+        (lambda model, config: DeviceLikeBackend(model, config, args.device_us * 1e-6))
+    config = llama_3_2_1b_config()
+    model = LoadedModel(config, {}, text_tokenizer(config.vocab_size), "dummy:llama-3.2-1b")
+    return LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4000)
@@ -177,15 +196,15 @@ def main() -> None:
     parser.add_argument("--prepare-workers", type=int, choices=(0, 1), help="the job's prepare_workers "
                         "(default: the job's default)")
     parser.add_argument("--timeline", action="store_true", help="where each run's wall goes, by engine step")
+    parser.add_argument("--backend", choices=("numpy", "cuda"), help="a real backend on random weights of "
+                        "--dummy-weights instead of a stand-in for the model (default: none)")
+    parser.add_argument("--dummy-weights", default="smollm2-135m", help="the preset --backend runs")
     args = parser.parse_args()
+    if args.backend and args.device_us is not None:
+        parser.error("--device-us stands in for a device: not with --backend")
 
-    # the one place the model is left out
-    tinyvllm.llm.create_backend = InstantBackend if args.device_us is None else \
-        (lambda model, config: DeviceLikeBackend(model, config, args.device_us * 1e-6))
-    config = llama_3_2_1b_config()
-    model = LoadedModel(config, {}, text_tokenizer(config.vocab_size), "dummy:llama-3.2-1b")
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
-    tokenizer = llm.tokenizer
+    llm = make_llm(args)
+    model, tokenizer = llm.model, llm.tokenizer
     rows = make_j1_rows(args.rows)
     if args.stop:
         for row in rows:

@@ -25,3 +25,16 @@ def test_profile_job_timeline():
         assert int(first) <= int(full_from) <= int(full_to) and float(mean) > 0 and float(median) > 0
         assert int(after) >= 0 and (int(gaps) > 0 or int(gap_ms) == 0)
     assert "job, text rows:" in out.stdout and "phases of the job path" in out.stdout
+
+
+def test_profile_job_on_a_backend_runs_the_model():
+    """--backend runs random weights through the engine and the job alike (on a GPU: J1's own profile); --device-us,
+    the stand-in for a device, is refused beside it in one usage line."""
+    argv = [sys.executable, str(SCRIPT), "--rows", "8", "--max-tokens", "3", "--max-num-seqs", "4",
+            "--prepare-workers", "0", "--timeline", "--backend", "numpy", "--dummy-weights", "tiny"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = {m.group(1): m.groups()[1:] for m in LINE.finditer(out.stdout)}
+    assert set(lines) == {"engine", "job"} and "(24 tokens)" in out.stdout, out.stdout
+    refused = subprocess.run(argv + ["--device-us", "5"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--device-us stands in for a device" in refused.stderr.splitlines()[-1]
