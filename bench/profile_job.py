@@ -185,7 +185,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
     return LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -202,7 +202,49 @@ def main() -> None:
     args = parser.parse_args()
     if args.backend and args.device_us is not None:
         parser.error("--device-us stands in for a device: not with --backend")
+    return args
 
+
+def time_the_phases() -> None:
+    """Wrap each phase of the job path (timed())."""
+    for name in ("apply_chat_template", "encode_prompts"):
+        timed(Tokenizer, name)
+    timed(_ByteDetokenizer, "add", "detokenize (incremental, stop strings: byte table)")
+    timed(_WindowDetokenizer, "add", "detokenize (incremental, stop strings: tokenizer window)")
+    timed(output_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
+    timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
+    timed(job_run, "output_record", "output_record")
+    timed(readers, "_jsonl_records", "read + json.loads")
+    timed(readers, "_rows", "read + parse rows (all)")
+    timed(writer.PartsWriter, "_start_commit", "Parquet commit: hand over (guard)")
+    timed(writer.PartsWriter, "_commit_piece", COMMIT)
+    timed(writer.PartsWriter, "finalize", "finalize (merge pieces into the output)")
+    timed(LLMEngine, "add_request", "engine.add_request (tokenize inside)")
+    timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
+    timed(job_run.RowPipeline, "_produce", PRODUCER)
+
+
+def report(num_rows: int, wall: float, job_cpu: float, summary: dict, engine: dict, engine_cpu: float) -> None:
+    """The job's wall and CPU against the engine's, per row, and each phase's CPU (TOTAL)."""
+    finalize = TOTAL["finalize (merge pieces into the output)"]
+    print(f"job, text rows:    {wall:.2f} s = {1e6 * wall / num_rows:.0f} us/row ({summary['output_tokens']} tokens), "
+          f"of which finalize {finalize:.2f} s; main thread CPU {1e6 * job_cpu / num_rows:.0f} us/row")
+    print(f"main thread CPU, job - engine, to the last commit: {1e6 * (job_cpu - finalize - engine_cpu) / num_rows:.0f}"
+          " us/row")
+    extra = wall - finalize - engine["wall_s"]
+    print(f"job - engine, to the last commit: {1e6 * extra / num_rows:.0f} us/row = "
+          f"{1e6 * extra / summary['output_tokens']:.2f} us/output token")
+    # What holds the GIL: the engine's thread is the bottleneck on a GPU host, so this adds to the wall there.
+    threads = TOTAL[PRODUCER] + TOTAL[COMMIT] + job_cpu - finalize - engine_cpu
+    print(f"the job's own CPU in its Python threads (producer + commit + the main thread's extra): "
+          f"{1e6 * threads / num_rows:.0f} us/row")
+    print("phases of the job path, inclusive CPU time per row, and the threads they ran on:")
+    for name, seconds in sorted(TOTAL.items(), key=lambda item: -item[1]):
+        print(f"  {name:<45} {1e6 * seconds / num_rows:9.1f} us  {'+'.join(sorted(THREADS[name]))}")
+
+
+def main() -> None:
+    args = parse_args()
     llm = make_llm(args)
     model, tokenizer = llm.model, llm.tokenizer
     rows = make_j1_rows(args.rows)
@@ -248,38 +290,10 @@ def main() -> None:
             return end - start, time.thread_time() - cpu, summary
 
     wall, job_cpu, summary = run_job()  # uninstrumented: the wall
-    for name in ("apply_chat_template", "encode_prompts"):
-        timed(Tokenizer, name)
-    timed(_ByteDetokenizer, "add", "detokenize (incremental, stop strings: byte table)")
-    timed(_WindowDetokenizer, "add", "detokenize (incremental, stop strings: tokenizer window)")
-    timed(output_module, "decode_continuations", "detokenize (once, at the end, a batch a step)")
-    timed(job_run, "prepare_request", "prepare_request (overrides, chat template)")
-    timed(job_run, "output_record", "output_record")
-    timed(readers, "_jsonl_records", "read + json.loads")
-    timed(readers, "_rows", "read + parse rows (all)")
-    timed(writer.PartsWriter, "_start_commit", "Parquet commit: hand over (guard)")
-    timed(writer.PartsWriter, "_commit_piece", COMMIT)
-    timed(writer.PartsWriter, "finalize", "finalize (merge pieces into the output)")
-    timed(LLMEngine, "add_request", "engine.add_request (tokenize inside)")
-    timed(LLMEngine, "step", "engine.step (detokenize at the end inside)")
-    timed(job_run.RowPipeline, "_produce", PRODUCER)
+    time_the_phases()
     profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # the main thread's CPU time
     run_job(profiler, instrumented=True)
-    finalize = TOTAL["finalize (merge pieces into the output)"]
-    print(f"job, text rows:    {wall:.2f} s = {1e6 * wall / len(rows):.0f} us/row ({summary['output_tokens']} tokens), "
-          f"of which finalize {finalize:.2f} s; main thread CPU {1e6 * job_cpu / len(rows):.0f} us/row")
-    print(f"main thread CPU, job - engine, to the last commit: {1e6 * (job_cpu - finalize - engine_cpu) / len(rows):.0f}"
-          " us/row")
-    extra = wall - finalize - engine["wall_s"]
-    print(f"job - engine, to the last commit: {1e6 * extra / len(rows):.0f} us/row = "
-          f"{1e6 * extra / summary['output_tokens']:.2f} us/output token")
-    # What holds the GIL: the engine's thread is the bottleneck on a GPU host, so this adds to the wall there.
-    threads = TOTAL[PRODUCER] + TOTAL[COMMIT] + job_cpu - finalize - engine_cpu
-    print(f"the job's own CPU in its Python threads (producer + commit + the main thread's extra): "
-          f"{1e6 * threads / len(rows):.0f} us/row")
-    print("phases of the job path, inclusive CPU time per row, and the threads they ran on:")
-    for name, seconds in sorted(TOTAL.items(), key=lambda item: -item[1]):
-        print(f"  {name:<45} {1e6 * seconds / len(rows):9.1f} us  {'+'.join(sorted(THREADS[name]))}")
+    report(len(rows), wall, job_cpu, summary, engine, engine_cpu)
     if profiler:
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
