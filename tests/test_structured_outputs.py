@@ -170,6 +170,34 @@ def test_constraints_keep_n_seeds_preemption_and_stops(tiny_model_dir):
     assert cut.structured_output_complete is False
 
 
+def test_matchers_grouped_by_family_give_the_same_outputs(tiny_model_dir, monkeypatch):
+    """With several llguidance worker threads, new sequences' matchers come from one template per thread in turn
+    and a step hands them over grouped by template (_by_family): every token and logprob as with one thread, and
+    the groups keep each family's own order."""
+    from tinyvllm.engine import structured_outputs as so
+
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, logprobs=2,
+                             structured_outputs={"regex": r"(ab|cd)[0-9]{2,9}"} if s % 2 else {"json": PERSON})
+              for s in range(7)]
+    prompts = [f"Row {i} asks" for i in range(7)]
+
+    def run(cpus: int):
+        monkeypatch.setattr(so.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        llm = llm_for(tiny_model_dir, max_num_seqs=4)
+        assert llm.llm_engine.structured_outputs.num_threads == max(1, cpus - 2)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)], llm
+
+    one, _ = run(2)
+    several, llm = run(5)
+    assert several == one
+    manager = llm.llm_engine.structured_outputs
+    pairs = [(so.OutputConstraint(object(), family), value) for value, family in enumerate([2, 0, 1, 0, 2, 1, 0])]
+    constraints, matchers = manager._by_family(pairs)
+    assert [c.family for c in constraints] == [0, 0, 0, 1, 1, 2, 2]
+    assert [v for _, v in matchers] == [1, 3, 6, 2, 5, 0, 4]
+    assert [m for m, _ in matchers] == [c.matcher for c in constraints]
+
+
 def test_a_constraint_the_argmax_already_meets_changes_nothing(tiny_model_dir):
     """Where the mask allows the greedy token at every step, the constrained output is the unconstrained one."""
     llm = llm_for(tiny_model_dir)

@@ -19,7 +19,7 @@ from tinyvllm.engine.output_processor import InFlightStep, OutputProcessor
 from tinyvllm.engine.persistent_batch import DecodeRun
 from tinyvllm.engine.requests import RequestAdmission
 from tinyvllm.engine.scheduler import ScheduledStep, Scheduler
-from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence
+from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from tinyvllm.engine.structured_outputs import OutputConstraint, StructuredOutputManager
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
@@ -248,13 +248,15 @@ class LLMEngine:
         """The launched step's bitmask, and the constraint whose mask goes in each of its rows (a sequence that has
         finished meanwhile gets every token: its row is dropped)."""
         bitmask, rows = launched.queued.bitmask, launched.batch.bitmask_rows
-        constrained = []
-        for seq, row in zip(launched.step.seqs, rows):
-            if row >= 0:
-                pending = seq.num_pending if seq.run_slot < 0 else int(self.run.pending[seq.run_slot])
-                assert seq.is_finished or pending == 1, "all its tokens but this step's are read"
-                if seq.is_finished:
-                    bitmask[row] = -1
-                else:
-                    constrained.append((seq.constraint, int(row)))
+        where = np.flatnonzero(rows >= 0)
+        run_pending = self.run.pending.tolist() if self.run is not None and len(where) else []
+        seqs, constrained = launched.step.seqs, []
+        for seq, row in zip([seqs[i] for i in where.tolist()], rows[where].tolist()):
+            finished = seq.status is SequenceStatus.FINISHED
+            assert finished or (seq.num_pending if seq.run_slot < 0 else run_pending[seq.run_slot]) == 1, \
+                "all its tokens but this step's are read"
+            if finished:
+                bitmask[row] = -1
+            else:
+                constrained.append((seq.constraint, row))
         return bitmask, constrained

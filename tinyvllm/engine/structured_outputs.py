@@ -135,13 +135,24 @@ class StructuredOutputManager:
         interpreter hands the GIL over every WORKER_SWITCH_INTERVAL instead of every 5 ms."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-structured-outputs")
-        tokens = sorted(tokens, key=lambda pair: pair[0].family)
-        rows = sorted(rows, key=lambda pair: pair[0].family)
+        constraints, tokens = self._by_family(tokens)
+        rows = self._by_family(rows)[1]
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(switch_interval, WORKER_SWITCH_INTERVAL))
-        future = self._worker.submit(self._advance_and_fill, [(c.matcher, t) for c, t in tokens], bitmask,
-                                     [(c.matcher, r) for c, r in rows])
-        return ConstraintWork(future, [c for c, _ in tokens], switch_interval)
+        future = self._worker.submit(self._advance_and_fill, tokens, bitmask, rows)
+        return ConstraintWork(future, constraints, switch_interval)
+
+    def _by_family(self, pairs: list[tuple[OutputConstraint, int]]) -> tuple[list[OutputConstraint],
+                                                                              list[tuple[object, int]]]:
+        """The constraints of (constraint, value) pairs and the (matcher, value) pairs, both grouped by family
+        (the order within a family kept) in one pass."""
+        if self.num_threads == 1:  # one family
+            return [c for c, _ in pairs], [(c.matcher, v) for c, v in pairs]
+        groups: list[list[tuple[OutputConstraint, int]]] = [[] for _ in range(self.num_threads)]
+        for pair in pairs:
+            groups[pair[0].family].append(pair)
+        ordered = [pair for group in groups for pair in group]
+        return [c for c, _ in ordered], [(c.matcher, v) for c, v in ordered]
 
     def finish(self, work: ConstraintWork) -> list[OutputConstraint]:
         """Wait for the work start() began; return the constraints that forbade their token."""
