@@ -102,6 +102,13 @@ def test_product_rows_independent_of_the_batch():
         for pos in {0, t // 2, t - 1}:
             x[pos] = row
             assert np.array_equal(linear(x, w, invariant=True)[pos], alone)
+    # every place in a 16-row batch (a BLAS tile adds its first rows in another order than the rest), and a batch
+    # whose rows start 4 bytes past where the others did
+    x = rng.standard_normal((17, 96), dtype=np.float32).ravel()[1:16 * 96 + 1].reshape(16, 96)
+    for pos in range(16):
+        moved = x.copy() if pos % 2 else x
+        moved[pos] = row
+        assert np.array_equal(linear(moved, w, invariant=True)[pos], alone), pos
     x = rng.standard_normal((5, 96), dtype=np.float32)
     np.testing.assert_allclose(linear(x, w, invariant=True), x @ w.data, rtol=1e-5, atol=1e-5)
 

@@ -63,20 +63,31 @@ class HostWeight:
         return self.data.shape
 
 
-ROW_BLOCK = 16  # batch-invariant products run in blocks of this many rows (the batch padded to a multiple of it)
+ALIGN = 64  # bytes: where an invariant product's row and result sit, whatever the batch's arrays' addresses
 
 
 def product(x: np.ndarray, data: np.ndarray, invariant: bool = False) -> np.ndarray:
     """x [T, in] @ data [in, out]. invariant: each row's result the same whatever the other rows and however many:
-    the rows padded to a multiple of ROW_BLOCK and each block one product of the same shape, so that BLAS takes
-    the same path (kernel, tiles, threads) for every block and a row's sums run in one order wherever it sits;
-    one product over all T rows picks its path by T (a GEMV for one row, other tiles and edge kernels for others)."""
+    each row is a product of its own (a vector times the matrix), read from and written to buffers at the same
+    alignment every time, so BLAS takes one path for it wherever it sits. One product over several rows does not
+    give that: a BLAS kernel adds a row's sums in an order that depends on the row's place in its tile (OpenBLAS's
+    Haswell SGEMM: the first 6 rows of a 16-row product in one order, the rest in another)."""
     if not invariant:
         return x @ data
-    t = len(x)
-    padded = np.zeros((-(-t // ROW_BLOCK) * ROW_BLOCK, x.shape[1]), np.float32)
-    padded[:t] = x
-    return (padded.reshape(-1, ROW_BLOCK, x.shape[1]) @ data).reshape(-1, data.shape[1])[:t]
+    row, result = _aligned(x.shape[1]), _aligned(data.shape[1])
+    out = np.empty((len(x), data.shape[1]), np.float32)
+    for i in range(len(x)):
+        row[:] = x[i]
+        np.matmul(row, data, out=result)
+        out[i] = result
+    return out
+
+
+def _aligned(n: int) -> np.ndarray:
+    """A new float32 vector of n at an ALIGN-byte boundary."""
+    raw = np.empty(n + ALIGN // 4, np.float32)
+    start = (-raw.ctypes.data % ALIGN) // 4
+    return raw[start:start + n]
 
 
 def _matmul_float32(x: np.ndarray, w: HostWeight, invariant: bool) -> np.ndarray:
