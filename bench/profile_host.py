@@ -7,8 +7,9 @@
 --steps steady-state decode steps (every sequence decoding), timed once as they are and once profiled; --mixed
 gives every fourth of them a stop string that never matches, 2 logprobs and presence/frequency penalties
 (benchmark.MIXED_SAMPLING, as bench/host_step.py --mixed).
---workloads: W1 and W3 (bench's requests), and J1-like (--j1-rows requests of a 24-token shared prefix and ~176
-random tokens, 128 out, greedy: J1's shape as token ids), each through llm.generate, profiled from first step to last.
+--workloads: W1, W3 and W6 (bench's requests; W6 under its JSON schema: the masks' phases too), and J1-like
+(--j1-rows requests of a 24-token shared prefix and ~176 random tokens, 128 out, greedy: J1's shape as token ids),
+each through llm.generate, profiled from first step to last.
 
 Per engine step (median, p90, in ms) it reports the host time of each phase: the whole engine step, the scheduler,
 the model-input build (_prepare, with build_batch inside it), the backend's submit and inside it the staging of the
@@ -56,9 +57,13 @@ PHASES = {
     "result (wait + read)": None,  # each step's QueuedStep.result, wrapped at submit
     "  wait for sampled ids": None,  # the output event's synchronize
     "output processing": ("llm_engine.output_processor", "process"),
+    "masks: rows": ("llm_engine", "_bitmask_rows"),  # structured outputs (W6): which rows of a step get a mask
+    "masks: start worker": ("llm_engine.structured_outputs", "start"),
+    "masks: wait for worker": ("llm_engine.structured_outputs", "finish"),  # the matchers fed, the masks filled
 }
 GRAPH_LAUNCH = "    graph launch"
-ENGINE_PARTS = ("schedule", "prepare", "submit", "result (wait + read)", "output processing")  # of the engine step
+ENGINE_PARTS = ("schedule", "prepare", "submit", "result (wait + read)", "output processing", "masks: rows",
+                "masks: start worker", "masks: wait for worker")  # of the engine step, none inside another
 ENGINE_OTHER = "engine other"
 PRINTED = {name.strip(): name for name in (*PHASES, GRAPH_LAUNCH)}  # as printed: indented under its caller
 
@@ -374,16 +379,17 @@ def workload(args, llm, name: str) -> dict:
     from tinyvllm import SamplingParams
     requests = workload_requests(name, llm.model_config.vocab_size, args.scale, args.j1_rows)
     prompts = [r.prompt_token_ids for r in requests]
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **r.sampling) for r in requests]
+    outputs = []
     if name == "W3":
         def run():
             for prompt, p in zip(prompts, params):
-                llm.generate([prompt], p, use_tqdm=False)
+                outputs.extend(llm.generate([prompt], p, use_tqdm=False))
     else:
         def run():
-            llm.generate(prompts, params, use_tqdm=False)
+            outputs.extend(llm.generate(prompts, params, use_tqdm=False))
     phases, device, missing, wall = profiled(llm, run)
-    out_tokens = sum(r.max_tokens for r in requests)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)  # W6's rows end where their JSON does
     return {"requests": len(requests), "output_tokens": out_tokens, "wall_s": wall, "out_tok_s": out_tokens / wall,
             "phases_not_found": missing, **report(phases, device)}
 
@@ -399,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed", action="store_true",
                         help="steady decode with a stop string, logprobs and penalties on every fourth row")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--workloads", default="", help="any of W1,W3,J1 (J1-like: token ids, J1's shape)")
+    parser.add_argument("--workloads", default="", help="any of W1,W3,W6,J1 (J1-like: token ids, J1's shape)")
     parser.add_argument("--scale", type=float, default=1.0, help="the workloads' counts and lengths scaled")
     parser.add_argument("--j1-rows", type=int, default=20000)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized by memory)")
@@ -410,9 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--batch {args.batch!r}: comma-separated integers")
     args.workload_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(args.workload_names) - {"W1", "W3", "J1"})
+    unknown = sorted(set(args.workload_names) - {"W1", "W3", "W6", "J1"})
     if unknown:
-        parser.error(f"--workloads: unknown {', '.join(unknown)} (choose from W1, W3, J1)")
+        parser.error(f"--workloads: unknown {', '.join(unknown)} (choose from W1, W3, W6, J1)")
     for name in ("steps", "prompt_len", "j1_rows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")

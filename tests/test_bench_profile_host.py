@@ -133,6 +133,20 @@ def test_runs_on_the_numpy_backend(profile_host, tmp_path, capsys):
     assert "== workload W3" in capsys.readouterr().out
 
 
+def test_w6_times_the_masks_phases_on_the_numpy_backend(profile_host):
+    """W6 runs its rows under the JSON schema: the masks' phases are timed (inside the engine step, beside its other
+    parts), and the output tokens are those generated (rows end where their JSON does)."""
+    pytest.importorskip("llguidance")
+    results = profile_host.main(["--backend", "numpy", "--dummy-weights", "tiny", "--batch", "", "--workloads", "W6",
+                                 "--scale", "0.02"])
+    w6 = results["workloads"]["W6"]
+    host = w6["decode"]["host_ms"]
+    assert {"masks: rows", "masks: start worker", "masks: wait for worker"} <= set(host)
+    parts = sum(host[name]["mean"] for name in profile_host.ENGINE_PARTS if name in host)
+    assert parts <= host["engine step"]["mean"] * 1.001 + 1e-6, "the parts are inside the step, none twice"
+    assert 0 < w6["output_tokens"] <= w6["requests"] * 13  # 256 x 0.02 tokens at most each
+
+
 def test_mixed_gives_every_fourth_row_the_stop_string_logprobs_and_penalties(profile_host, monkeypatch):
     from tinyvllm.benchmark import MIXED_SAMPLING
     seen = []
