@@ -185,7 +185,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
     return LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=4096)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -199,7 +199,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=("numpy", "cuda"), help="a real backend on random weights of "
                         "--dummy-weights instead of a stand-in for the model (default: none)")
     parser.add_argument("--dummy-weights", default="smollm2-135m", help="the preset --backend runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.backend and args.device_us is not None:
         parser.error("--device-us stands in for a device: not with --backend")
     return args
