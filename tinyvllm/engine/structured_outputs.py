@@ -72,7 +72,7 @@ class StructuredOutputManager:
     A matcher copied from another shares its lexer's lazily built states, behind a lock: copies of one template
     cannot be worked on in parallel (measured on the H200: 512 copies of one template filled no faster on 15
     threads than on one). So each grammar keeps one template per worker thread, new sequences are copied from them
-    in turn, and a step hands each worker the matchers of few templates (sorted by template)."""
+    in turn, and a step hands each worker the matchers of few templates (grouped by template, `_by_family`)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
