@@ -7,6 +7,7 @@ import pytest
 
 from tinyvllm import SamplingParams
 from tinyvllm.engine import logprob_buffer
+from tinyvllm.engine import persistent_batch
 from tinyvllm.engine.persistent_batch import CAPACITY, DecodeRun
 from tinyvllm.logprobs import FlatLogprobs
 
@@ -165,11 +166,14 @@ def test_run_matches_the_engine_without_it(tiny_model_dir, seed, config, num_kv_
     assert fast.run.count == 0 and not fast.run.log
 
 
-def test_run_holds_steady_decodes_and_buffers_past_its_capacity(tiny_model_dir):
+@pytest.mark.parametrize("per_step", [0, 1, 32])
+def test_run_holds_steady_decodes_and_buffers_past_its_capacity(tiny_model_dir, monkeypatch, per_step):
     """A long greedy decode of a few sequences is held by the run (its steps' rows attached) and outlasts the
-    buffer's capacity (its known tokens are moved into token_ids), with the outputs of the engine without it."""
+    buffer's capacity (its known tokens are moved into token_ids: a few rows a step once past 3/4 of it, every
+    full one at once; per_step 0: only full ones), with the outputs of the engine without it."""
+    monkeypatch.setattr(persistent_batch, "COMPACT_PER_STEP", per_step)
     params = SamplingParams(max_tokens=CAPACITY + 40, temperature=0, ignore_eos=True)
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
     outs = []
     for with_run in (True, False):
         llm = llm_for(tiny_model_dir, max_model_len=CAPACITY + 64)
@@ -187,7 +191,7 @@ def test_run_holds_steady_decodes_and_buffers_past_its_capacity(tiny_model_dir):
                 attached.append(engine.run.count)
         outs.append(done)
         if with_run:
-            assert isinstance(engine.run, DecodeRun) and attached.count(2) >= CAPACITY
+            assert isinstance(engine.run, DecodeRun) and attached.count(3) >= CAPACITY
     assert outs[0] == outs[1] and all(len(ids) == CAPACITY + 40 for ids in outs[0].values())
 
 

@@ -31,6 +31,7 @@ from tinyvllm.engine.logprob_buffer import LogprobBuffer
 from tinyvllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 CAPACITY = 256  # tokens a row buffers before its known ones are moved into its token_ids
+COMPACT_PER_STEP = 32  # rows past 3/4 of their buffer compacted a step (besides full ones)
 
 # per-slot arrays: name -> dtype
 ARRAYS = {
@@ -336,8 +337,13 @@ class DecodeRun:
     def advance(self, fast: FastRows) -> None:
         """The rows advanced as if the step had run: one computed token more, a pending one at the end."""
         slots = fast.slots
-        if (self.ctx[slots] - self.base[slots]).max() >= CAPACITY:
-            for slot in slots[self.ctx[slots] - self.base[slots] >= CAPACITY // 2].tolist():
+        fill = self.ctx[slots] - self.base[slots]
+        due = np.flatnonzero(fill >= CAPACITY * 3 // 4)
+        if len(due):
+            # a few a step (rows that joined together fill up together), and every full one: its next token has no room
+            take = fill[due] >= CAPACITY
+            take[:COMPACT_PER_STEP] = True
+            for slot in slots[due[take]].tolist():
                 self.compact(slot)
         lengths = self.ctx[slots]
         self.buf[slots, lengths - self.base[slots]] = PENDING_TOKEN
