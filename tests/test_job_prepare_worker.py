@@ -260,3 +260,46 @@ def test_a_column_the_pipes_cannot_carry_keeps_the_rows_in_process(tiny_model_di
     assert not started
     assert result.stderr.count("preparing the rows in this process") == 1
     assert "'stamp'" in result.stderr
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """The worker processes started ahead of their jobs (WorkerProcess.start), kept to check who took and ended them."""
+    processes = []
+    start = prepare.WorkerProcess.start.__func__
+
+    def keep(cls):
+        process = start(cls)
+        processes.append(process)
+        return process
+
+    monkeypatch.setattr(prepare.WorkerProcess, "start", classmethod(keep))
+    return processes
+
+
+def test_the_worker_process_starts_while_the_model_loads(tiny_model_dir, tmp_path, started, ahead, monkeypatch):
+    """A job that will use a worker starts its process before the model loads (it imports meanwhile), and the
+    worker takes that one: one process a job, waited for at the end; a job that will not use one starts none."""
+    from tinyvllm.jobs import run as job_run
+
+    order = []
+    load = job_run.load_llm
+    monkeypatch.setattr(job_run, "load_llm", lambda cfg: (order.append(len(ahead)), load(cfg))[1])
+    src = job_input(tmp_path)
+    ok_run(tiny_model_dir, src, tmp_path / "a.parquet", *GREEDY, "--prepare-workers", "0")
+    assert not ahead and not started
+    out = ok_run(tiny_model_dir, src, tmp_path / "b.parquet", *GREEDY, "--prepare-workers", "1")
+    assert order == [0, 1], "started before the second job's model loaded"
+    assert len(ahead) == 1 and len(started) == 1 and started[0].process is ahead[0]
+    assert ahead[0].proc.returncode == 0
+    assert out.column("row").to_pylist() == list(range(41))
+
+
+def test_a_worker_process_no_worker_takes_is_stopped(tiny_model_dir, tmp_path, started, ahead):
+    """A process started ahead for rows that then stay in this process (a column the pipes cannot carry) is
+    stopped and waited for when the job ends."""
+    src = typed_parquet(tmp_path, {"stamp": pa.array(range(12), pa.timestamp("ns"))})
+    result = run(tiny_model_dir, src, tmp_path / "out.parquet", *GREEDY, "--prepare-workers", "1")
+    assert result.exit_code == 0, result.output
+    assert not started and len(ahead) == 1
+    assert not ahead[0].taken and ahead[0].proc.returncode is not None

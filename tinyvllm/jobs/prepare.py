@@ -211,31 +211,22 @@ class PrepareWorker:
     prepared), from what the worker sent: the row (its error, if reading it failed), why preparing it failed
     (None: it did not), its text (None: a prompt of token ids), whether it was templated, and its token ids."""
 
-    def __init__(self, proc: subprocess.Popen, rx: Connection, tx: Connection, complete: Callable) -> None:
-        self.proc, self.rx, self.tx, self.complete = proc, rx, tx, complete
+    def __init__(self, process: WorkerProcess, complete: Callable) -> None:
+        self.process, self.proc, self.rx, self.tx = process, process.proc, process.rx, process.tx
+        self.complete = complete
         self.items: collections.deque = collections.deque()
 
     @classmethod
-    def start(cls, spec: PrepareSpec, tokenizer, complete: Callable) -> PrepareWorker:
-        """A worker running, its tokenizer checked against `tokenizer`; WorkerUnavailable says why not."""
+    def start(cls, spec: PrepareSpec, tokenizer, complete: Callable,
+              process: WorkerProcess | None = None) -> PrepareWorker:
+        """A worker running, its tokenizer checked against `tokenizer`; WorkerUnavailable says why not. `process`:
+        one started ahead (WorkerProcess.start, while the model loaded), else one is started now."""
         unsendable = unsendable_column(spec)
         if unsendable:
             raise WorkerUnavailable(unsendable)
-        to_parent, to_child = os.pipe(), os.pipe()  # (read end, write end) each
-        root = str(Path(__file__).resolve().parents[2])  # this tinyvllm's, whatever sys.path the worker gets
-        code = (f"import sys; sys.path.insert(0, {root!r}); from tinyvllm.jobs.prepare import worker_main; "
-                f"worker_main({to_child[0]}, {to_parent[1]})")
-        try:
-            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child[0], to_parent[1]),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except (OSError, ValueError) as e:  # no executable, no processes left, a sandbox that forbids them
-            for fd in (*to_parent, *to_child):
-                os.close(fd)
-            raise WorkerUnavailable(f"cannot start a process: {e}") from None
-        os.close(to_child[0])  # the worker's ends: its own copies are open in it
-        os.close(to_parent[1])
-        worker = cls(proc, Connection(to_parent[0], writable=False), Connection(to_child[1], readable=False),
-                     complete)
+        process = process if process is not None else WorkerProcess.start()
+        process.taken = True  # this worker stops it now
+        worker = cls(process, complete)
         try:
             worker._handshake(spec, tokenizer)
         except BaseException:
@@ -301,6 +292,42 @@ class PrepareWorker:
 
     def close(self) -> None:
         """Stop the worker (closing its pipes ends it) and wait for it."""
+        self.process.stop()
+
+
+class WorkerProcess:
+    """A worker's process and pipes, started before its rows are known (it imports meanwhile, then waits for its
+    PrepareSpec): a job starts one while its model loads. close() stops it unless a PrepareWorker took it."""
+
+    def __init__(self, proc: subprocess.Popen, rx: Connection, tx: Connection) -> None:
+        self.proc, self.rx, self.tx = proc, rx, tx
+        self.taken = False
+
+    @classmethod
+    def start(cls) -> WorkerProcess:
+        """WorkerUnavailable if no process can start."""
+        to_parent, to_child = os.pipe(), os.pipe()  # (read end, write end) each
+        root = str(Path(__file__).resolve().parents[2])  # this tinyvllm's, whatever sys.path the worker gets
+        code = (f"import sys; sys.path.insert(0, {root!r}); from tinyvllm.jobs.prepare import worker_main; "
+                f"worker_main({to_child[0]}, {to_parent[1]})")
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child[0], to_parent[1]),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except (OSError, ValueError) as e:  # no executable, no processes left, a sandbox that forbids them
+            for fd in (*to_parent, *to_child):
+                os.close(fd)
+            raise WorkerUnavailable(f"cannot start a process: {e}") from None
+        os.close(to_child[0])  # the worker's ends: its own copies are open in it
+        os.close(to_parent[1])
+        return cls(proc, Connection(to_parent[0], writable=False), Connection(to_child[1], readable=False))
+
+    def close(self) -> None:
+        """Stop it if no worker took it (that worker stops it)."""
+        if not self.taken:
+            self.stop()
+
+    def stop(self) -> None:
+        """Close its pipes (which ends it) and wait for it; again: nothing."""
         self.tx.close()
         self.rx.close()
         try:

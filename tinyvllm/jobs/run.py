@@ -48,7 +48,8 @@ from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals, check_not_busy
 from tinyvllm.jobs.prepare import END as _END
 from tinyvllm.jobs.prepare import (PREPARE_AHEAD, PREPARE_BATCH, WORKER_MIN_ROWS, PrepareSpec, PrepareWorker,
-                                   WorkerUnavailable, readable, row_params, row_prompt, tokenizer_spec)
+                                   WorkerProcess, WorkerUnavailable, readable, row_params, row_prompt,
+                                   tokenizer_spec)
 from tinyvllm.jobs.prepare import row_seed as _row_seed  # noqa: F401 (tests set seeds against it)
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -175,7 +176,8 @@ class RowPipeline:
         if not isinstance(rows, PendingRows) or workers == 0 or (workers is None and rows.count < WORKER_MIN_ROWS):
             return None
         try:
-            worker = PrepareWorker.start(rows.spec(self.llm.tokenizer), self.llm.tokenizer, self._from_worker)
+            worker = PrepareWorker.start(rows.spec(self.llm.tokenizer), self.llm.tokenizer, self._from_worker,
+                                         rows.take_worker_process())
         except WorkerUnavailable as e:
             tqdm.write(f"warning: preparing the rows in this process: the worker process did not start ({e})",
                        file=sys.stderr)
@@ -345,7 +347,11 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
         check_not_busy(cfg.output)
         stamp = resume.input_stamp(cfg.input)  # before the hash: a change while hashing shows at the first commit
         job = resume.job_identity(cfg, defaults)
+        ahead = None
         if resume.work_to_do(cfg, job, total):
+            ahead = _worker_ahead(cfg, executor, total)
+            if ahead is not None:
+                stack.callback(ahead.close)  # if no worker took it
             executor.start(cfg)
         _make_output_dir(cfg.output)
         lock, signals = stack.enter_context(OutputLock(cfg.output)), stack.enter_context(StopSignals())
@@ -361,9 +367,23 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                                "before: restore it and run the same command again, or pass --overwrite to start over")
 
         job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=summary is not None)
+        job_run.worker_process = ahead
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
         return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
+
+
+def _worker_ahead(cfg: JobConfig, executor, total: int) -> WorkerProcess | None:
+    """A row-preparation worker's process started now, so that it imports while the model loads, where the job's
+    rows will likely be prepared by one (RowPipeline._start_worker decides: a job of WORKER_MIN_ROWS rows or more,
+    unless prepare_workers says); None otherwise, or if none starts (_start_worker tries again and says why)."""
+    if not isinstance(executor, LocalExecutor) or cfg.prepare_workers == 0 or (
+            cfg.prepare_workers is None and total < WORKER_MIN_ROWS):
+        return None
+    try:
+        return WorkerProcess.start()
+    except WorkerUnavailable:
+        return None
 
 
 class _JobRun:
@@ -385,6 +405,7 @@ class _JobRun:
         self.errors: dict[int, str] = {}  # row -> error, of the error rows this run emitted
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
+        self.worker_process: WorkerProcess | None = None  # started ahead for the rows' worker (_worker_ahead)
 
     def _take_out_errors(self, from_output: bool) -> None:
         """--retry-errors: take the error rows out of the committed pieces (and first the finished output's rows
@@ -490,6 +511,11 @@ class PendingRows:
 
     def noted(self, row: Row) -> None:
         self.job_run.noted(row)
+
+    def take_worker_process(self) -> WorkerProcess | None:
+        """The worker process started ahead for these rows, if any (once: whoever takes it stops it)."""
+        process, self.job_run.worker_process = self.job_run.worker_process, None
+        return process
 
 
 def _runs_and_errors(pieces: list[Path]) -> tuple[int, Counter]:
