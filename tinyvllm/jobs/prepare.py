@@ -12,7 +12,8 @@ The token ids of a batch's text rows follow its message as one int32 frame (pack
 array's ids in one reduction, where JSON would cost its thread ~0.1 us a token to decode.
 The worker gets the job's settings and the tokenizer as data (PrepareSpec: its tokenizer.json text and special
 tokens), so it tokenizes as the LLM's own tokenizer does, however that was loaded (a probe text is checked at
-start); it reads the input itself, skipping the rows already committed.
+start); it reads the input itself, skipping the rows already committed. Its process starts before the job's model
+loads (WorkerProcess: the interpreter and its imports, ~0.3 s, overlap the load) and waits there for the spec.
 
 Order and exactly-once: the worker sends the rows in input order, error rows in place, then an end message (or the
 error reading raised); the engine's thread admits and emits them in that order, as it does the in-process
