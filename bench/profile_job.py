@@ -245,7 +245,10 @@ def report(num_rows: int, wall: float, job_cpu: float, summary: dict, engine: di
 
 def main() -> None:
     args = parse_args()
-    llm = make_llm(args)
+    try:
+        llm = make_llm(args)
+    except ValueError as e:  # an unknown --dummy-weights preset
+        sys.exit(f"profile_job.py: {e}")
     model, tokenizer = llm.model, llm.tokenizer
     rows = make_j1_rows(args.rows)
     if args.stop:

@@ -38,3 +38,6 @@ def test_profile_job_on_a_backend_runs_the_model():
     assert set(lines) == {"engine", "job"} and "(24 tokens)" in out.stdout, out.stdout
     refused = subprocess.run(argv + ["--device-us", "5"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--device-us stands in for a device" in refused.stderr.splitlines()[-1]
+    unknown = subprocess.run(argv[:-1] + ["nope"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 1 and unknown.stderr.splitlines() == [
+        unknown.stderr.splitlines()[-1]] and "nope" in unknown.stderr

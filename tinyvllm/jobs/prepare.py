@@ -224,6 +224,8 @@ class PrepareWorker:
         one started ahead (WorkerProcess.start, while the model loaded), else one is started now."""
         unsendable = unsendable_column(spec)
         if unsendable:
+            if process is not None:
+                process.close()  # not needed: it does not wait for the job's end
             raise WorkerUnavailable(unsendable)
         process = process if process is not None else WorkerProcess.start()
         process.taken = True  # this worker stops it now
@@ -268,8 +270,7 @@ class PrepareWorker:
         try:
             kind, *body = receive(self.rx)
         except EOFError:
-            raise JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the "
-                           "rows committed are kept: run the same command again to resume") from None
+            raise self._exited() from None
         if kind == "rows":
             packed = self._recv_ids()
             try:
@@ -288,8 +289,11 @@ class PrepareWorker:
         try:
             return np.frombuffer(self.rx.recv_bytes(), np.int32)
         except EOFError:
-            raise JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the "
-                           "rows committed are kept: run the same command again to resume") from None
+            raise self._exited() from None
+
+    def _exited(self) -> JobError:
+        return JobError(f"the row preparation worker exited unexpectedly (exit code {self.proc.wait()}); the rows "
+                        "committed are kept: run the same command again to resume")
 
     def close(self) -> None:
         """Stop the worker (closing its pipes ends it) and wait for it."""

@@ -366,8 +366,8 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                 raise JobError(f"input {cfg.input} changed while the job ran; stopped, keeping the rows committed "
                                "before: restore it and run the same command again, or pass --overwrite to start over")
 
-        job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=summary is not None)
-        job_run.worker_process = ahead
+        job_run = _JobRun(cfg, columns, total, signals, before_commit, job, retry_output=summary is not None,
+                          worker_process=ahead)
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
         return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
@@ -390,7 +390,8 @@ class _JobRun:
     """One run of a job in this process: the pieces writer, the progress bar, and the rows still to do."""
 
     def __init__(self, cfg: JobConfig, columns: pa.Schema, total: int, signals: StopSignals,
-                 before_commit: Callable[[], None], job: dict, retry_output: bool = False) -> None:
+                 before_commit: Callable[[], None], job: dict, retry_output: bool = False,
+                 worker_process: WorkerProcess | None = None) -> None:
         self.cfg, self.columns, self.total, self.signals = cfg, columns, total, signals
         self.started = time.time()
         self.writer = PartsWriter(cfg.output, output_schema(cfg.output_token_ids, columns), self.started, total,
@@ -405,7 +406,7 @@ class _JobRun:
         self.errors: dict[int, str] = {}  # row -> error, of the error rows this run emitted
         # the shown bar comes once the rows are read (the model loaded): a load error prints none
         self.bar = tqdm(disable=True)
-        self.worker_process: WorkerProcess | None = None  # started ahead for the rows' worker (_worker_ahead)
+        self.worker_process = worker_process  # started ahead for the rows' worker (_worker_ahead)
 
     def _take_out_errors(self, from_output: bool) -> None:
         """--retry-errors: take the error rows out of the committed pieces (and first the finished output's rows
