@@ -1,15 +1,17 @@
 """The mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) on the numpy backend against HF transformers (torch
-CPU, float32, eager attention), loaded by both from the same HF model dir; their config and checkpoint names; the
-refusal of FP8 experts. The cuda backend's MoE kernels: tests/gpu/test_moe_kernels.py, test_moe_models.py."""
+CPU, float32, eager attention), loaded by both from the same HF model dir; their config and checkpoint names; FP8
+experts (numpy W8A8 against a torch fake-quant model; an FP8 checkpoint's refusal). The cuda backend's MoE kernels:
+tests/gpu/test_moe_kernels.py, test_moe_models.py; its refusal of FP8 experts: test_moe_cuda_host.py."""
 
 import json
+import types
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from helpers import llm_for, require, run, one_line_error
 
-from tinyvllm import SamplingParams
+from tinyvllm import LLM, SamplingParams
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
 from tinyvllm.model.loader import load_model
@@ -230,14 +232,56 @@ def test_cuda_backend_takes_moe_models(name):
     assert cuda_refusal(tiny_config(**CONFIGS[name]), None) is None
 
 
-def test_fp8_weights_on_a_moe_model_are_refused_in_one_line(tmp_path):
-    from tinyvllm import LLM
-    from tinyvllm.config import SettingError
+def fake_quantize_experts(model):
+    """Each expert layer of HF's model run as W8A8 with the ideal quantizers (test_fp8_weights.py): every expert's
+    gate/up and down rows through e4m3 with a scale per expert and row, each expert's input through e4m3 per token;
+    routers untouched (not nn.Linear, so fake_quantize leaves them too)."""
+    from test_fp8_weights import fq_rows, fq_tokens
 
-    path = model_dir(tmp_path, "olmoe")
-    with pytest.raises(SettingError, match="^invalid quantization='fp8': a mixture-of-experts model's experts have "
-                                           "no FP8 path yet"):
-        LLM(str(path), backend="numpy", quantization="fp8")
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token_idx, slot = torch.where(top_k_index == e)
+            if len(token_idx):
+                gate, up = torch.nn.functional.linear(fq_tokens(hidden_states[token_idx]),
+                                                      self.gate_up_proj[e]).chunk(2, dim=-1)
+                h = torch.nn.functional.linear(fq_tokens(self.act_fn(gate) * up), self.down_proj[e])
+                out.index_add_(0, token_idx, h * top_k_weights[token_idx, slot, None])
+        return out
+
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            with torch.no_grad():
+                experts.gate_up_proj.data = torch.stack([fq_rows(w) for w in experts.gate_up_proj.data])
+                experts.down_proj.data = torch.stack([fq_rows(w) for w in experts.down_proj.data])
+            experts.forward = types.MethodType(forward, experts)
+    return model
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+def test_numpy_w8a8_experts_equal_a_torch_fake_quant_model(tmp_path, name):
+    """quantization="fp8" on the numpy backend quantizes the experts too (per expert and output channel, their inputs
+    per token; the router stays float32): teacher-forced logprobs are HF's model with every decoder linear layer
+    and expert fake-quantized, to well within the quantization's own error (float32 summation order can move an
+    activation across an e4m3 rounding boundary, as test_fp8_weights.py says)."""
+    from test_fp8_weights import fake_quantize
+
+    path = model_dir(tmp_path, name)
+    llm = LLM(str(path), backend="numpy", quantization="fp8", max_model_len=128)
+    experts = [layer.experts_gate_up for layer in llm.backend.layers if layer.experts_gate_up is not None]
+    assert experts and all(w.dtype == "float8_e4m3fn" for w in experts)
+    prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ours = np.concatenate([[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                           for o, p in zip(outs, prompts)])
+    reference = np.concatenate([hf_prompt_logprobs(fake_quantize_experts(fake_quantize(hf_model(path))), p)
+                                for p in prompts])
+    unquantized = np.concatenate([hf_prompt_logprobs(hf_model(path), p) for p in prompts])
+    error, quantization = np.abs(ours - reference).mean(), np.abs(unquantized - reference).mean()
+    assert error < quantization / 5, (error, quantization)
+    assert quantization > 1e-3
 
 
 def test_an_fp8_checkpoint_of_a_moe_model_is_refused_in_one_line():

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.backends.topk import topk
+from tinyvllm.model.fp8 import FP8_DTYPE, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,26 @@ class StackedWeight:
         """float32 experts from [experts, out, in] as model/weights.py packs them."""
         return cls(np.ascontiguousarray(np.swapaxes(w, 1, 2), dtype=np.float32))
 
+    @classmethod
+    def quantized(cls, w: np.ndarray) -> StackedWeight:
+        """e4m3 experts from float [experts, out, in]: each expert's rows quantized as a dense layer's are, one scale
+        per expert and output channel (model/fp8.py quantize_rows)."""
+        rows = [quantize_rows(expert) for expert in w]
+        return cls(np.ascontiguousarray(np.stack([r.codes for r in rows]).swapaxes(1, 2)), FP8_DTYPE,
+                   np.stack([r.scale for r in rows]).astype(np.float32))
+
     @property
     def num_experts(self) -> int:
         return self.data.shape[0]
 
+    @cached_property
+    def experts(self) -> list[HostWeight]:
+        """Each expert's HostWeight, made once (an e4m3 one decodes its values once, at its first product)."""
+        return [HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
+                for e in range(self.num_experts)]
+
     def expert(self, e: int) -> HostWeight:
-        return HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
+        return self.experts[e]
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:

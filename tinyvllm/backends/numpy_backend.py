@@ -251,8 +251,8 @@ def check_weights_fit(config: ModelConfig) -> None:
 
 def host_layer(layer: LayerWeights, quantize: bool = False, norm_offset: float = 0.0) -> LayerWeights[HostWeight]:
     """A packed layer as the forward reads it: matrices as HostWeights [in, out] (an expert layer's stacked experts as
-    StackedWeights [experts, in, out]; an FP8 checkpoint's e4m3 ones as
-    stored, float ones in float32, or in e4m3 with a scale per output channel where `quantize`), vectors as float32
+    StackedWeights [experts, in, out]; an FP8 checkpoint's e4m3 ones as stored, float ones in float32, or in e4m3
+    with a scale per output channel (per expert too) where `quantize`; the router stays float32), vectors as float32
     arrays (the RMSNorm gains plus norm_offset: Gemma's (1 + weight)), the parts its family lacks None."""
 
     def host(name: str, w: Fp8Rows | np.ndarray | None) -> HostWeight | StackedWeight | np.ndarray | None:
@@ -261,7 +261,7 @@ def host_layer(layer: LayerWeights, quantize: bool = False, norm_offset: float =
         if isinstance(w, Fp8Rows):
             return HostWeight.from_fp8(w)
         if w.ndim == 3:  # an expert layer's experts, stacked
-            return StackedWeight.from_rows(w)
+            return StackedWeight.quantized(w) if quantize else StackedWeight.from_rows(w)
         if w.ndim == 2:
             # the router stays float32 (as vLLM keeps it unquantized)
             return HostWeight.from_fp8(quantize_rows(w)) if quantize and name != "router" else HostWeight.from_rows(w)
