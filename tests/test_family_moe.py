@@ -215,12 +215,16 @@ def test_gguf_with_expert_tensors_runs_as_the_hf_dir(tmp_path, name, arch, chang
             np.testing.assert_array_equal(loaded.weights[hf_name], weights[hf_name])
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
-    ours, ref = (llm_for(p).generate(prompts, params) for p in (path, hf_dir))
-    for a, b in zip(ours, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        got = [v.logprob for e in a.prompt_logprobs[1:] for v in e.values()]
-        want = [v.logprob for e in b.prompt_logprobs[1:] for v in e.values()]
-        assert np.allclose(got, want, atol=1e-5)
+    for quantization in (None, "fp8"):  # fp8: the GGUF's experts dequantized at load, then quantized as the dir's
+        llms = [llm_for(p, quantization=quantization) for p in (path, hf_dir)]
+        assert {layer.experts_down.dtype for layer in llms[0].backend.layers if layer.experts_down is not None} == \
+            {"float8_e4m3fn" if quantization else "float32"}
+        ours, ref = (llm.generate(prompts, params) for llm in llms)
+        for a, b in zip(ours, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            got = [v.logprob for e in a.prompt_logprobs[1:] for v in e.values()]
+            want = [v.logprob for e in b.prompt_logprobs[1:] for v in e.values()]
+            assert np.allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
