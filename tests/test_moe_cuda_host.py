@@ -165,6 +165,24 @@ def test_fp8_weights_on_a_moe_model_are_refused_on_cuda(make_model_dir):
         LLM(str(path), backend="cuda", quantization="fp8")
 
 
+def test_fp8_weights_on_a_moe_model_run_on_the_cpu_with_backend_auto(make_model_dir, monkeypatch, caplog):
+    """Where a usable GPU would have taken it, backend auto runs FP8 experts on the numpy backend and says why."""
+    import logging
+
+    import tinyvllm.backends as backends
+    from tinyvllm import LLM
+    from tinyvllm.backends.numpy_backend import NumpyBackend
+
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(backends, "gpu_present", lambda: True)
+    path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32)
+    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
+        llm = LLM(str(path), backend="auto", quantization="fp8")
+    assert isinstance(llm.backend, NumpyBackend)
+    assert "running on the CPU (numpy): the cuda backend's MoE kernels take bf16 experts only" in caplog.text
+
+
 @pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),
                                                         ("olmoe-1b-7b", 2.36, 13.84)])
 def test_moe_presets_floors(preset, active_gb, total_gb):

@@ -50,6 +50,12 @@ def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
     return missing_cuda_kernels(model_config, max_model_len)
 
 
+# quantization="fp8" on a mixture-of-experts model: the numpy backend quantizes its experts; the cuda backend's MoE
+# kernels read bf16 experts only
+MOE_FP8_REFUSAL = ("the cuda backend's MoE kernels take bf16 experts only; FP8 experts run on the numpy backend "
+                   "(backend numpy), or leave quantization unset")
+
+
 def create_backend(model, config: EngineConfig) -> Backend:
     """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
     name = config.backend
@@ -57,16 +63,15 @@ def create_backend(model, config: EngineConfig) -> Backend:
         raise SettingError("invalid quantize_lm_head=True: the LM head is quantized only with FP8 weights "
                            "(quantization='fp8', or an FP8 checkpoint)")
     refusal = cuda_refusal(model.config, config.max_model_len)
-    if config.quantization == "fp8" and model.config.num_experts:
-        refusal = refusal or MOE_FP8_REFUSAL
+    fp8_experts = config.quantization == "fp8" and bool(model.config.num_experts)
     if name == "cuda":
         _refuse_fp8_weights(model)
-        if refusal == MOE_FP8_REFUSAL:
+        if fp8_experts:
             raise SettingError(f"invalid quantization='fp8' with backend cuda: {MOE_FP8_REFUSAL}")
         if refusal:
             raise ValueError(refusal)
     if name == "auto":
-        reason = cuda_unavailable_reason() or refusal
+        reason = cuda_unavailable_reason() or refusal or (MOE_FP8_REFUSAL if fp8_experts else None)
         if reason is not None:  # said out loud only where a GPU was there to be used
             log.log(logging.WARNING if gpu_present() else logging.INFO,
                     "backend auto: running on the CPU (numpy): %s", reason)
@@ -85,12 +90,6 @@ def create_backend(model, config: EngineConfig) -> Backend:
                                "install with `pip install tinyvllm[cuda]` or use --backend numpy") from exc
         return CudaBackend(model, config, use_graphs=not config.enforce_eager)
     raise ValueError(f"unknown backend {name!r}: choose auto, numpy or cuda")
-
-
-# quantization="fp8" on a mixture-of-experts model: the numpy backend quantizes its experts; the cuda backend's MoE
-# kernels read bf16 experts only
-MOE_FP8_REFUSAL = ("the cuda backend's MoE kernels take bf16 experts only; FP8 experts run on the numpy backend "
-                   "(backend numpy), or leave quantization unset")
 
 
 def _refuse_fp8_weights(model) -> None:

@@ -46,9 +46,10 @@ class StackedWeight:
     def quantized(cls, w: np.ndarray) -> StackedWeight:
         """e4m3 experts from float [experts, out, in]: each expert's rows quantized as a dense layer's are, one scale
         per expert and output channel (model/fp8.py quantize_rows)."""
-        rows = [quantize_rows(expert) for expert in w]
-        return cls(np.ascontiguousarray(np.stack([r.codes for r in rows]).swapaxes(1, 2)), FP8_DTYPE,
-                   np.stack([r.scale for r in rows]).astype(np.float32))
+        experts, out, n_in = w.shape
+        rows = quantize_rows(w.reshape(experts * out, n_in))  # a scale per row is one per expert and channel
+        return cls(np.ascontiguousarray(rows.codes.reshape(experts, out, n_in).swapaxes(1, 2)), FP8_DTYPE,
+                   rows.scale.reshape(experts, out))
 
     @property
     def num_experts(self) -> int:
