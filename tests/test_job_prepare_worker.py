@@ -108,7 +108,7 @@ def test_the_worker_by_default_only_for_large_jobs(tiny_model_dir, tmp_path, sta
     src = job_input(tmp_path, 10)
     ok_run(tiny_model_dir, src, tmp_path / "a.parquet", *GREEDY)
     assert not started
-    monkeypatch.setattr("tinyvllm.jobs.run.WORKER_MIN_ROWS", 5)
+    monkeypatch.setattr("tinyvllm.jobs.prepare.WORKER_MIN_ROWS", 5)
     ok_run(tiny_model_dir, src, tmp_path / "b.parquet", *GREEDY)
     assert len(started) == 1
 

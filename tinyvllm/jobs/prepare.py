@@ -57,6 +57,12 @@ END = object()  # the last item of the rows: no rows left
 ERRORS = {cls.__name__: cls for cls in (JobError, JobUsageError)}  # what reading the rows raises on purpose
 
 
+def wants_worker(prepare_workers: int | None, rows: int) -> bool:
+    """Whether a job of `rows` rows to do has them prepared in a worker process: prepare_workers 1, or unset and
+    WORKER_MIN_ROWS rows or more."""
+    return prepare_workers != 0 and (prepare_workers is not None or rows >= WORKER_MIN_ROWS)
+
+
 class WorkerUnavailable(Exception):
     """The worker could not start (the job prepares its rows in process)."""
 

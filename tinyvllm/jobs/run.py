@@ -47,9 +47,9 @@ from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
 from tinyvllm.jobs.guard import OutputLock, StopSignals, check_not_busy
 from tinyvllm.jobs.prepare import END as _END
-from tinyvllm.jobs.prepare import (PREPARE_AHEAD, PREPARE_BATCH, WORKER_MIN_ROWS, PrepareSpec, PrepareWorker,
-                                   WorkerProcess, WorkerUnavailable, readable, row_params, row_prompt,
-                                   tokenizer_spec)
+from tinyvllm.jobs.prepare import (PREPARE_AHEAD, PREPARE_BATCH, PrepareSpec, PrepareWorker, WorkerProcess,
+                                   WorkerUnavailable, readable, row_params, row_prompt, tokenizer_spec,
+                                   wants_worker)
 from tinyvllm.jobs.prepare import row_seed as _row_seed  # noqa: F401 (tests set seeds against it)
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.version import __version__
@@ -172,8 +172,7 @@ class RowPipeline:
 
     def _start_worker(self, rows: Iterable[Row]) -> PrepareWorker | None:
         """A worker preparing a job's rows, if the job asks for one and one starts (else one line says why not)."""
-        workers = self.cfg.prepare_workers
-        if not isinstance(rows, PendingRows) or workers == 0 or (workers is None and rows.count < WORKER_MIN_ROWS):
+        if not isinstance(rows, PendingRows) or not wants_worker(self.cfg.prepare_workers, rows.count):
             return None
         try:
             worker = PrepareWorker.start(rows.spec(self.llm.tokenizer), self.llm.tokenizer, self._from_worker,
@@ -377,8 +376,7 @@ def _worker_ahead(cfg: JobConfig, executor, total: int) -> WorkerProcess | None:
     """A row-preparation worker's process started now, so that it imports while the model loads, where the job's
     rows will likely be prepared by one (RowPipeline._start_worker decides: a job of WORKER_MIN_ROWS rows or more,
     unless prepare_workers says); None otherwise, or if none starts (_start_worker tries again and says why)."""
-    if not isinstance(executor, LocalExecutor) or cfg.prepare_workers == 0 or (
-            cfg.prepare_workers is None and total < WORKER_MIN_ROWS):
+    if not isinstance(executor, LocalExecutor) or not wants_worker(cfg.prepare_workers, total):
         return None
     try:
         return WorkerProcess.start()
