@@ -236,29 +236,34 @@ def test_cuda_backend_takes_moe_models(name):
     assert cuda_refusal(tiny_config(**CONFIGS[name]), None) is None
 
 
-def fake_quantize_experts(model):
+def fake_quantize_experts(model, quantize_weights=True, group=None, input_scale=None):
     """Each expert layer of HF's model run as W8A8 with the ideal quantizers (test_fp8_weights.py): every expert's
-    gate/up and down rows through e4m3 with a scale per expert and row, each expert's input through e4m3 per token;
-    routers untouched (not nn.Linear, so fake_quantize leaves them too)."""
+    gate/up and down rows through e4m3 with a scale per expert and row (unless not quantize_weights: an FP8
+    checkpoint's, already dequantized), each expert's input through e4m3 per token (per token and `group` columns,
+    or with the static input_scale); routers untouched (not nn.Linear, so fake_quantize leaves them too)."""
     from test_fp8_weights import fq_rows, fq_tokens
+
+    def fq(x):
+        return fq_tokens(x, group, input_scale)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for e in range(self.num_experts):
             token_idx, slot = torch.where(top_k_index == e)
             if len(token_idx):
-                gate, up = torch.nn.functional.linear(fq_tokens(hidden_states[token_idx]),
+                gate, up = torch.nn.functional.linear(fq(hidden_states[token_idx]),
                                                       self.gate_up_proj[e]).chunk(2, dim=-1)
-                h = torch.nn.functional.linear(fq_tokens(self.act_fn(gate) * up), self.down_proj[e])
+                h = torch.nn.functional.linear(fq(self.act_fn(gate) * up), self.down_proj[e])
                 out.index_add_(0, token_idx, h * top_k_weights[token_idx, slot, None])
         return out
 
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
-            with torch.no_grad():
-                experts.gate_up_proj.data = torch.stack([fq_rows(w) for w in experts.gate_up_proj.data])
-                experts.down_proj.data = torch.stack([fq_rows(w) for w in experts.down_proj.data])
+            if quantize_weights:
+                with torch.no_grad():
+                    experts.gate_up_proj.data = torch.stack([fq_rows(w) for w in experts.gate_up_proj.data])
+                    experts.down_proj.data = torch.stack([fq_rows(w) for w in experts.down_proj.data])
             experts.forward = types.MethodType(forward, experts)
     return model
 
@@ -288,10 +293,86 @@ def test_numpy_w8a8_experts_equal_a_torch_fake_quant_model(tmp_path, name):
     assert quantization > 1e-3
 
 
-def test_an_fp8_checkpoint_of_a_moe_model_is_refused_in_one_line():
-    from tinyvllm.model.config import ModelConfig
+# an FP8 checkpoint's scheme (test_fp8_checkpoints.SCHEMES) -> the config changes it needs: 128 x 128 blocks need
+# widths of whole blocks (each expert's gate and up a multiple of 128 rows, as vLLM requires too)
+FP8_MOE_SCHEMES = {"fp8-tensor": {}, "fp8-static": {}, "ct-channel": {}, "ct-static": {},
+                   "fp8-block": dict(hidden_size=256, head_dim=64, intermediate_size=128, moe_intermediate_size=128)}
 
-    config = tiny_config(**CONFIGS["olmoe"]).to_hf_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    with pytest.raises(ValueError, match="^unsupported FP8 checkpoint of the mixture-of-experts OlmoeForCausalLM"):
-        ModelConfig.from_hf_dict(config)
+
+@pytest.mark.parametrize("scheme", list(FP8_MOE_SCHEMES))
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+def test_an_fp8_checkpoint_of_a_moe_model_runs_as_a_torch_fake_quant_of_its_codes(tmp_path, name, scheme):
+    """Every expert's gate, up and down stored in e4m3 with scales of their own (the router unquantized) run as
+    stored: the codes are the file's, and teacher-forced logprobs are HF's model of the dequantized weights with
+    every linear layer's and expert's input fake-quantized as the scheme says, to well within the quantization's
+    own error."""
+    from test_fp8_checkpoints import SCHEMES, write_fp8_checkpoint
+    from test_fp8_weights import fake_quantize
+
+    path, cfg, weights, input_scale, group = write_fp8_checkpoint(
+        tmp_path / "fp8", scheme, **{**CONFIGS[name], **FP8_MOE_SCHEMES[scheme]})
+    llm = LLM(str(path), backend="numpy", max_model_len=128)
+    layer = next(layer for layer in llm.backend.layers if layer.experts_gate_up is not None)
+    assert layer.experts_down.dtype == "float8_e4m3fn" and layer.router.dtype == "float32"
+    stored = safetensors_file(path)
+    down = "block_sparse_moe.experts.1.w2" if name == "mixtral" else "mlp.experts.1.down_proj"
+    codes = stored[f"model.layers.0.{down}.weight"].view(torch.uint8).numpy()
+    np.testing.assert_array_equal(layer.experts_down.data[1].T, codes)  # as stored
+    prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    ours = np.concatenate([[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                           for o, p in zip(outs, prompts)])
+    dequantized = hf_model(save_hf_model_dir(tmp_path / "dequantized", cfg, weights))
+    linears = fake_quantize(dequantized, weight_of=lambda n: torch.from_numpy(weights[n]), group=group,
+                            input_scale=None if input_scale is None else lambda _: input_scale)
+    for ignored in SCHEMES[scheme][0].get("ignore", []):  # a layer the checkpoint left float runs as one
+        if ignored.startswith("model.layers.") and ignored + ".weight" in weights:
+            parent, _, child = ignored.rpartition(".")
+            module = linears.get_submodule(parent).get_submodule(child)
+            module.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight), module)
+    reference_model = fake_quantize_experts(linears, quantize_weights=False, group=group, input_scale=input_scale)
+    reference = np.concatenate([hf_prompt_logprobs(reference_model, p) for p in prompts])
+    unquantized = hf_model(save_hf_model_dir(tmp_path / "float", cfg, random_weights(cfg, 6)))  # the file's seed
+    unquantized = np.concatenate([hf_prompt_logprobs(unquantized, p) for p in prompts])
+    error, quantization = np.abs(ours - reference).mean(), np.abs(unquantized - reference).mean()
+    assert error < quantization / 5, (error, quantization)
+
+
+def safetensors_file(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_an_fp8_checkpoint_with_a_float8_router_is_refused_in_one_line(tmp_path):
+    from test_fp8_checkpoints import write_fp8_checkpoint
+    from safetensors.torch import save_file
+
+    path, *_ = write_fp8_checkpoint(tmp_path, "fp8-tensor", **CONFIGS["olmoe"])
+    tensors = safetensors_file(path)
+    router = "model.layers.2.mlp.gate.weight"
+    tensors[router] = tensors[router].to(torch.float8_e4m3fn)
+    tensors["model.layers.2.mlp.gate.weight_scale"] = torch.ones(1)
+    save_file(tensors, str(path / "model.safetensors"))
+    message = f"the router {router} is float8: tinyvllm runs routers unquantized, as vLLM does"
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    one_line_error(run(path, src, tmp_path / "out.parquet"), message)
+
+
+def test_an_fp8_checkpoint_of_a_moe_model_is_refused_on_cuda_and_runs_on_the_cpu_with_auto(tmp_path, monkeypatch):
+    import tinyvllm.backends as backends
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    from tinyvllm.backends.numpy_backend import NumpyBackend
+    from tinyvllm.config import SettingError
+
+    path, *_ = write_fp8_checkpoint(tmp_path, "fp8-tensor", **CONFIGS["mixtral"])
+    with pytest.raises(SettingError, match="^invalid backend cuda: .* is an FP8 checkpoint of a mixture-of-experts "
+                                           "model: the cuda backend's MoE kernels take bf16 experts only"):
+        LLM(str(path), backend="cuda")
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)
+    assert isinstance(LLM(str(path), backend="auto").backend, NumpyBackend)

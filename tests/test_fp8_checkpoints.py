@@ -16,6 +16,7 @@ from tinyvllm import LLM
 from tinyvllm.cli import main
 from tinyvllm.config import SettingError
 from tinyvllm.model.dummy import random_weights, save_hf_model_dir, tiny_config
+from tinyvllm.model.layout import router_weights
 from tinyvllm.model.loader import load_model
 
 torch = require("torch")
@@ -40,9 +41,9 @@ def quantize(w, scale_shape):
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def dequantized(codes, scale):
+def dequantized(codes, scale, blocks: bool):
     out, n_in = codes.shape
-    if scale.dim() == 2 and scale.shape[1] > 1:  # blocks
+    if blocks:
         scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :n_in]
     return codes.float() * (scale if scale.dim() == 2 else scale.reshape(1, 1))
 
@@ -77,18 +78,18 @@ def write_fp8_checkpoint(path, scheme: str, seed: int = 6, kv_scales=UNIT_KV_SCA
     cfg = tiny_config(**{**(BLOCK_CONFIG if scale_shape == "block" else {}), **config})
     weights = random_weights(cfg, seed)
     save_hf_model_dir(path, cfg, weights)
-    tensors, reference = {}, dict(weights)
+    tensors, reference, routers = {}, dict(weights), set(router_weights(cfg))  # routers stay float, as vLLM's do
     for name, w in weights.items():
         w = torch.from_numpy(w)
-        if w.dim() != 2 or not name.startswith("model.layers.") or name.removesuffix(".weight") in quant.get("ignore",
-                                                                                                             []):
-            tensors[name] = w
+        if (w.dim() != 2 or not name.startswith("model.layers.") or name in routers
+                or name.removesuffix(".weight") in quant.get("ignore", [])):
+            tensors[name] = w.clone()  # a tied LM head is the embedding's array: safetensors wants it a copy
             continue
         codes, scale = quantize(w, scale_shape)
         tensors[name], tensors[name.removesuffix("weight") + scale_name] = codes, scale
         if input_scale is not None:
             tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([input_scale])
-        reference[name] = dequantized(codes, scale).numpy()
+        reference[name] = dequantized(codes, scale, scale_shape == "block").numpy()
     for suffix, values in kv_scales.items():
         for i in range(cfg.num_hidden_layers):
             value = values[i] if isinstance(values, list) else values

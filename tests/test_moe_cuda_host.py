@@ -160,8 +160,8 @@ def test_fp8_weights_on_a_moe_model_are_refused_on_cuda(make_model_dir):
 
     path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32)
-    with pytest.raises(SettingError, match="^invalid quantization='fp8' with backend cuda: the cuda backend's MoE "
-                                           "kernels take bf16 experts only"):
+    with pytest.raises(SettingError, match="^invalid backend cuda: quantization='fp8' quantizes the experts: the "
+                                           "cuda backend's MoE kernels take bf16 experts only"):
         LLM(str(path), backend="cuda", quantization="fp8")
 
 
@@ -180,7 +180,8 @@ def test_fp8_weights_on_a_moe_model_run_on_the_cpu_with_backend_auto(make_model_
     with caplog.at_level(logging.WARNING, logger="tinyvllm"):
         llm = LLM(str(path), backend="auto", quantization="fp8")
     assert isinstance(llm.backend, NumpyBackend)
-    assert "running on the CPU (numpy): the cuda backend's MoE kernels take bf16 experts only" in caplog.text
+    assert ("running on the CPU (numpy): quantization='fp8' quantizes the experts: the cuda backend's MoE kernels "
+            "take bf16 experts only") in caplog.text
 
 
 @pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),

@@ -50,10 +50,21 @@ def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
     return missing_cuda_kernels(model_config, max_model_len)
 
 
-# quantization="fp8" on a mixture-of-experts model: the numpy backend quantizes its experts; the cuda backend's MoE
-# kernels read bf16 experts only
+# FP8 experts (quantization="fp8" on a mixture-of-experts model, or an FP8 checkpoint of one): the numpy backend
+# runs them; the cuda backend's MoE kernels read bf16 experts only
 MOE_FP8_REFUSAL = ("the cuda backend's MoE kernels take bf16 experts only; FP8 experts run on the numpy backend "
-                   "(backend numpy), or leave quantization unset")
+                   "(backend numpy)")
+
+
+def fp8_experts_refusal(model, config: EngineConfig) -> str | None:
+    """Why the cuda backend cannot run this model (its FP8 experts), or None."""
+    if not model.config.num_experts:
+        return None
+    if model.config.quantization is not None:
+        return f"{model.source} is an FP8 checkpoint of a mixture-of-experts model: {MOE_FP8_REFUSAL}"
+    if config.quantization == "fp8":
+        return f"quantization='fp8' quantizes the experts: {MOE_FP8_REFUSAL}, or leave quantization unset"
+    return None
 
 
 def create_backend(model, config: EngineConfig) -> Backend:
@@ -63,15 +74,15 @@ def create_backend(model, config: EngineConfig) -> Backend:
         raise SettingError("invalid quantize_lm_head=True: the LM head is quantized only with FP8 weights "
                            "(quantization='fp8', or an FP8 checkpoint)")
     refusal = cuda_refusal(model.config, config.max_model_len)
-    fp8_experts = config.quantization == "fp8" and bool(model.config.num_experts)
+    fp8_experts = fp8_experts_refusal(model, config)
     if name == "cuda":
         _refuse_fp8_weights(model)
         if fp8_experts:
-            raise SettingError(f"invalid quantization='fp8' with backend cuda: {MOE_FP8_REFUSAL}")
+            raise SettingError(f"invalid backend cuda: {fp8_experts}")
         if refusal:
             raise ValueError(refusal)
     if name == "auto":
-        reason = cuda_unavailable_reason() or refusal or (MOE_FP8_REFUSAL if fp8_experts else None)
+        reason = cuda_unavailable_reason() or refusal or fp8_experts
         if reason is not None:  # said out loud only where a GPU was there to be used
             log.log(logging.WARNING if gpu_present() else logging.INFO,
                     "backend auto: running on the CPU (numpy): %s", reason)

@@ -24,18 +24,21 @@ import numpy as np
 
 from tinyvllm.backends.host_weight import HostWeight, linear
 from tinyvllm.backends.topk import topk
-from tinyvllm.model.fp8 import FP8_DTYPE, quantize_rows
+from tinyvllm.model.fp8 import FP8_DTYPE, Fp8Rows, quantize_rows
 
 
 @dataclass(frozen=True)
 class StackedWeight:
     """One layer's experts' weights stacked: data [experts, in, out] in a HostWeight encoding, with scale
-    [experts, out] for an encoding that has one (FP8: per expert and output channel). expert(e) is expert e's
-    HostWeight, a view of its slice."""
+    [experts, out] for an encoding that has one (FP8: per expert and output channel), or [experts, *HostWeight's
+    block scale] with `block` (an FP8 checkpoint's); input_scale: a checkpoint's static activation scale, one for
+    every expert (the largest, as vLLM takes it). expert(e) is expert e's HostWeight, a view of its slice."""
 
     data: np.ndarray
     dtype: str = "float32"
     scale: np.ndarray | None = None
+    block: tuple[int, int] | None = None
+    input_scale: float | None = None
 
     @classmethod
     def from_rows(cls, w: np.ndarray) -> StackedWeight:
@@ -48,8 +51,14 @@ class StackedWeight:
         per expert and output channel (model/fp8.py quantize_rows)."""
         experts, out, n_in = w.shape
         rows = quantize_rows(w.reshape(experts * out, n_in))  # a scale per row is one per expert and channel
-        return cls(np.ascontiguousarray(rows.codes.reshape(experts, out, n_in).swapaxes(1, 2)), FP8_DTYPE,
-                   rows.scale.reshape(experts, out))
+        return cls.from_fp8(Fp8Rows(rows.codes.reshape(experts, out, n_in), rows.scale.reshape(experts, out)))
+
+    @classmethod
+    def from_fp8(cls, w: Fp8Rows) -> StackedWeight:
+        """e4m3 experts from codes [experts, out, in] and their scales (Fp8Rows.by_expert), as stored."""
+        scale = w.scale if w.block is None else np.swapaxes(w.scale, 1, 2)
+        return cls(np.ascontiguousarray(np.swapaxes(w.codes, 1, 2)), FP8_DTYPE,
+                   np.ascontiguousarray(scale, np.float32), w.block, w.input_scale)
 
     @property
     def num_experts(self) -> int:
@@ -58,8 +67,8 @@ class StackedWeight:
     @cached_property
     def experts(self) -> list[HostWeight]:
         """Each expert's HostWeight, made once (an e4m3 one decodes its values once, at its first product)."""
-        return [HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e])
-                for e in range(self.num_experts)]
+        return [HostWeight(self.data[e], self.dtype, None if self.scale is None else self.scale[e], self.block,
+                           self.input_scale) for e in range(self.num_experts)]
 
     def expert(self, e: int) -> HostWeight:
         return self.experts[e]

@@ -22,7 +22,7 @@ from tinyvllm.model.dtypes import e4m3_to_f32, f32_to_e4m3
 from tinyvllm.model.fp8 import Fp8Rows, quantize_rows, stack_rows
 from tinyvllm.model.fp8_checkpoint import Fp8CheckpointWeights
 from tinyvllm.model.kv_scales import kv_cache_scales
-from tinyvllm.model.layout import NORM_FIELDS, row_slices, weight_shapes
+from tinyvllm.model.layout import NORM_FIELDS, ROUTER, row_slices, weight_shapes
 from tinyvllm.model.rope import layer_ropes
 from tinyvllm.model.weights import LayerWeights, pack_weights
 
@@ -259,12 +259,12 @@ def host_layer(layer: LayerWeights, quantize: bool = False, norm_offset: float =
         if w is None:
             return None
         if isinstance(w, Fp8Rows):
-            return HostWeight.from_fp8(w)
+            return StackedWeight.from_fp8(w) if w.codes.ndim == 3 else HostWeight.from_fp8(w)
         if w.ndim == 3:  # an expert layer's experts, stacked
             return StackedWeight.quantized(w) if quantize else StackedWeight.from_rows(w)
         if w.ndim == 2:
             # the router stays float32 (as vLLM keeps it unquantized)
-            return HostWeight.from_fp8(quantize_rows(w)) if quantize and name != "router" else HostWeight.from_rows(w)
+            return HostWeight.from_fp8(quantize_rows(w)) if quantize and name != ROUTER else HostWeight.from_rows(w)
         w = np.asarray(w, dtype=np.float32)
         return w + np.float32(norm_offset) if norm_offset and name in NORM_FIELDS else w
 

@@ -182,9 +182,6 @@ class ModelConfig:
             return
         if self.family.num_experts_key is None:
             raise ValueError(f"{self.architecture} has no experts: num_experts={self.num_experts} in its config")
-        if self.quantization is not None:
-            raise ValueError(f"unsupported FP8 checkpoint of the mixture-of-experts {self.architecture}: its experts "
-                             "have no FP8 path yet")
         for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
             check_dimension(name, getattr(self, name))
         k = self.num_experts_per_tok

@@ -118,10 +118,19 @@ def e4m3_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
 class Fp8Rows:
     """A linear layer's weight [out, in] in e4m3 as a checkpoint stores it: codes and their scales."""
 
-    codes: np.ndarray  # uint8 [out, in]
+    codes: np.ndarray  # uint8 [out, in] ([experts, out, in] for stacked experts: by_expert)
     scale: np.ndarray  # float32 [out] (one per row) or, with `block`, [ceil(out / rows), ceil(in / columns)]
     block: tuple[int, int] | None = None  # (rows, columns) of a block of one scale
     input_scale: float | None = None  # the static activation scale; None: dynamic
+
+    def by_expert(self, num_experts: int) -> Fp8Rows:
+        """A stacked expert layer's rows [num_experts * out, in] (stack_rows of every expert's parts) as codes
+        [num_experts, out, in] with scales [num_experts, out] or, per block, [num_experts, out / rows, in / columns]."""
+        codes = self.codes.reshape(num_experts, -1, self.codes.shape[-1])
+        if self.block is not None and codes.shape[1] % self.block[0]:
+            raise ValueError(f"an expert's weight must have a multiple of the weight block's {self.block[0]} rows")
+        return Fp8Rows(codes, self.scale.reshape(num_experts, -1, *self.scale.shape[1:]), self.block,
+                       self.input_scale)
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight [out, in] the codes stand for."""

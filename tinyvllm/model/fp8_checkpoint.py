@@ -2,7 +2,9 @@
 vLLM reads them: each quantized linear weight is F8_E4M3 in the file, with its `weight_scale` (one per tensor, one
 per row as [out, 1], or, with block scales, [ceil(out / rows), ceil(in / columns)]; fp8's block scales are named
 `weight_scale_inv`, and multiply like the others) and, for static activations, its per-tensor `input_scale`. A
-layer the checkpoint left unquantized (its ignore list) is stored in a float dtype and runs as one. The checkpoint's
+layer the checkpoint left unquantized (its ignore list) is stored in a float dtype and runs as one. A
+mixture-of-experts model's experts are linear layers too (each expert's gate, up and down, with scales of their
+own); its routers must be stored unquantized (as vLLM runs them). The checkpoint's
 KV cache scales (k_scale, v_scale) are read by the loader for the fp8 KV cache (model/kv_scales.py).
 """
 
@@ -15,14 +17,14 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.fp8 import Fp8Rows
-from tinyvllm.model.layout import fp8_scale_names, linear_weights
+from tinyvllm.model.layout import fp8_scale_names, linear_weights, router_weights
 from tinyvllm.model.weights import LazyWeights
 
 
 def scale_names(config: ModelConfig) -> set[str]:
-    """Every scale tensor an FP8 checkpoint of this config may hold beside its weights."""
+    """Every scale tensor an FP8 checkpoint of this config may hold beside its weights (a router's are refused)."""
     out = set()
-    for weight in linear_weights(config):
+    for weight in linear_weights(config) + router_weights(config):
         weight_scales, input_scale = fp8_scale_names(config, weight)
         out |= {*weight_scales, input_scale}
     return out
@@ -38,6 +40,7 @@ class Fp8CheckpointWeights(LazyWeights):
         scales = scale_names(config)
         self.names = [name for name in tensors if name not in scales]
         self.known = set(self.names)
+        self._refuse_quantized_routers(config)
         linear = set(linear_weights(config))
         # quantized weight -> (its weight scale's name, its input scale's name or None)
         self.scales: dict[str, tuple[str, str | None]] = {}
@@ -47,6 +50,14 @@ class Fp8CheckpointWeights(LazyWeights):
             if name not in linear:
                 raise ValueError(f"{source}: tensor {name} is float8 but is no linear layer's weight")
             self.scales[name] = self._scale_of(name, config)
+
+    def _refuse_quantized_routers(self, config: ModelConfig) -> None:
+        for router in router_weights(config):
+            weight_scales, input_scale = fp8_scale_names(config, router)
+            if (router in self.known and self.tensors.entries[router].code == "F8_E4M3"
+                    or any(name in self.tensors for name in (*weight_scales, input_scale))):
+                raise ValueError(f"{self.source}: the router {router} is float8: tinyvllm runs routers unquantized, "
+                                 "as vLLM does")
 
     def _scale_of(self, name: str, config: ModelConfig) -> tuple[str, str | None]:
         """The names of a float8 weight's scales, checked against its shape from the file's header."""

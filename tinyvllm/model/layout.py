@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 
 from tinyvllm.model.config import FAMILIES, ModelConfig
 
+ROUTER = "router"  # the field of an expert layer's router (kept float32 under FP8, as vLLM keeps it)
+
 
 @dataclass(frozen=True)
 class Part:
@@ -153,7 +155,7 @@ def moe_layout(base: Layout, block: str, gate: str, up: str, down: str, norm_sha
             p = replace(p, parts=tuple(replace(part, shape=(shape,)) for part in p.parts))
         layer.append(p)
     moe = (
-        Packed("router", (Part(block + ".gate.weight", "ffn_gate_inp.weight", ("experts", "hidden")),), mlp="moe"),
+        Packed(ROUTER, (Part(block + ".gate.weight", "ffn_gate_inp.weight", ("experts", "hidden")),), mlp="moe"),
         Packed("experts_gate_up", (Part(experts + gate, "ffn_gate_exps.weight", ("expert_intermediate", "hidden")),
                                    Part(experts + up, "ffn_up_exps.weight", ("expert_intermediate", "hidden"))),
                experts=True, mlp="moe"),
@@ -257,13 +259,21 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def linear_weights(config: ModelConfig) -> list[str]:
-    """The HF names of every layer's linear-layer weights (the parts of its matrices), the ones FP8 quantizes."""
+    """The HF names of every layer's linear-layer weights (the parts of its matrices; each expert's), the ones FP8
+    quantizes; not the routers (ROUTER), which run unquantized."""
     layout, names = layout_of(config), []
     for i in range(config.num_hidden_layers):
         prefix = layout.hf_layer.format(i=i)
-        names += [prefix + part.hf for p in layout.layer if present(p, config) for part in p.parts
-                  if len(part.shape) == 2]
+        names += [name for p in layout.layer if present(p, config, i) and p.field != ROUTER for part in p.parts
+                  if len(part.shape) == 2 for name in part_names(p, part, prefix, config)]
     return names
+
+
+def router_weights(config: ModelConfig) -> list[str]:
+    """The HF names of every expert layer's router weight."""
+    layout = layout_of(config)
+    return [layout.hf_layer.format(i=i) + part.hf for i in range(config.num_hidden_layers) for p in layout.layer
+            if p.field == ROUTER and present(p, config, i) for part in p.parts]
 
 
 def fp8_scale_names(config: ModelConfig, weight: str) -> tuple[list[str], str]:

@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.fp8 import Fp8Rows
 from tinyvllm.model.layout import layer_parts, model_parts, stacked_experts
 
 __all__ = ["LayerWeights", "LazyWeights", "ModelWeights", "layer_parts", "pack_weights"]
@@ -94,7 +95,11 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, get: Ca
 
     def pack(field: str, names: list[str]) -> np.ndarray:
         packed = stack(names)
-        return packed.reshape(config.num_experts, -1, packed.shape[-1]) if field in experts else packed
+        if field not in experts:
+            return packed
+        if isinstance(packed, Fp8Rows):
+            return packed.by_expert(config.num_experts)
+        return packed.reshape(config.num_experts, -1, packed.shape[-1])
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(config.num_hidden_layers):
