@@ -325,12 +325,8 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_as_a_torch_fake_quant_of_its_code
                            for o, p in zip(outs, prompts)])
     dequantized = hf_model(save_hf_model_dir(tmp_path / "dequantized", cfg, weights))
     linears = fake_quantize(dequantized, weight_of=lambda n: torch.from_numpy(weights[n]), group=group,
-                            input_scale=None if input_scale is None else lambda _: input_scale)
-    for ignored in SCHEMES[scheme][0].get("ignore", []):  # a layer the checkpoint left float runs as one
-        if ignored.startswith("model.layers.") and ignored + ".weight" in weights:
-            parent, _, child = ignored.rpartition(".")
-            module = linears.get_submodule(parent).get_submodule(child)
-            module.forward = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight), module)
+                            input_scale=None if input_scale is None else lambda _: input_scale,
+                            skip=SCHEMES[scheme][0].get("ignore", ()))
     reference_model = fake_quantize_experts(linears, quantize_weights=False, group=group, input_scale=input_scale)
     reference = np.concatenate([hf_prompt_logprobs(reference_model, p) for p in prompts])
     unquantized = hf_model(save_hf_model_dir(tmp_path / "float", cfg, random_weights(cfg, 6)))  # the file's seed

@@ -72,11 +72,12 @@ def hf_model(config, weights):
     return model
 
 
-def fake_quantize(model, weight_of=None, group=None, input_scale=None):
+def fake_quantize(model, weight_of=None, group=None, input_scale=None, skip=()):
     """Every linear layer of the decoder layers (not the LM head) made a FakeQuantLinear: its weight fq_rows(W), or
-    weight_of(name) (a checkpoint's dequantized weight)."""
+    weight_of(name) (a checkpoint's dequantized weight); those named in `skip` (a checkpoint's ignore list) left as
+    they are."""
     for name, module in list(model.model.layers.named_modules()):
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and f"model.layers.{name}" not in skip:
             full = f"model.layers.{name}.weight"
             w = fq_rows(module.weight.data) if weight_of is None else weight_of(full)
             scale = None if input_scale is None else input_scale(full)
