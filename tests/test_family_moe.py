@@ -359,6 +359,23 @@ def test_an_fp8_checkpoint_with_a_float8_router_is_refused_in_one_line(tmp_path)
     one_line_error(run(path, src, tmp_path / "out.parquet"), message)
 
 
+def test_an_fp8_checkpoint_with_one_expert_left_float_is_refused_in_one_line(tmp_path):
+    """A layer's experts are one stacked tensor: all float8 or none (vLLM's fused MoE takes them so too)."""
+    from test_fp8_checkpoints import write_fp8_checkpoint
+    from safetensors.torch import save_file
+
+    path, *_ = write_fp8_checkpoint(tmp_path, "fp8-tensor", **CONFIGS["olmoe"])
+    tensors = safetensors_file(path)
+    up = "model.layers.0.mlp.experts.3.up_proj.weight"
+    tensors[up] = tensors[up].float() * tensors.pop(up.removesuffix("weight") + "weight_scale")
+    save_file(tensors, str(path / "model.safetensors"))
+    message = ("model.layers.0.mlp.experts.0.gate_proj.weight and the tensors packed with it: the parts of a fused "
+               "projection (q/k/v, gate/up) and a layer's experts must all be float8")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    one_line_error(run(path, src, tmp_path / "out.parquet"), message)
+
+
 def test_an_fp8_checkpoint_of_a_moe_model_is_refused_on_cuda_and_runs_on_the_cpu_with_auto(tmp_path, monkeypatch):
     import tinyvllm.backends as backends
     from test_fp8_checkpoints import write_fp8_checkpoint

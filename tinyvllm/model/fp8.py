@@ -173,8 +173,8 @@ def stack_rows(parts: Sequence[Fp8Rows | np.ndarray]) -> Fp8Rows | np.ndarray:
     if not any(isinstance(p, Fp8Rows) for p in parts):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
     if not all(isinstance(p, Fp8Rows) for p in parts) or len({p.block for p in parts}) != 1:
-        raise ValueError("the parts of a fused projection (q/k/v, gate/up) must all be float8 with the same scales, "
-                         "or all unquantized")
+        raise ValueError("the parts of a fused projection (q/k/v, gate/up) and a layer's experts must all be float8 "
+                         "with the same scales, or all unquantized")
     block = parts[0].block
     if len(parts) > 1 and block is not None and any(len(p.codes) % block[0] for p in parts):
         raise ValueError(f"a fused projection's parts must have a multiple of the weight block's {block[0]} rows")

@@ -88,7 +88,10 @@ def pack_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, get: Ca
 
     def stack(names: list[str]) -> np.ndarray:
         if join is not None:
-            return join([get(name) for name in names])
+            try:
+                return join([get(name) for name in names])
+            except ValueError as e:  # parts that cannot be one tensor: say which
+                raise ValueError(f"{names[0]} and the tensors packed with it: {e}") from None
         return get(names[0]) if len(names) == 1 else np.concatenate([get(name) for name in names])
 
     experts = stacked_experts(config)
