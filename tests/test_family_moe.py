@@ -389,3 +389,17 @@ def test_an_fp8_checkpoint_of_a_moe_model_is_refused_on_cuda_and_runs_on_the_cpu
         LLM(str(path), backend="cuda")
     monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)
     assert isinstance(LLM(str(path), backend="auto").backend, NumpyBackend)
+
+
+def test_an_fp8_checkpoint_of_a_moe_model_runs_a_job_from_the_cli(tmp_path):
+    import pyarrow.parquet as pq
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    path, *_ = write_fp8_checkpoint(tmp_path / "model", "fp8-block", **{**CONFIGS["qwen3_moe"],
+                                                                      **FP8_MOE_SCHEMES["fp8-block"]})
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    src.write_text("".join(json.dumps({"prompt": f"row {i} of a job"}) + "\n" for i in range(3)))
+    result = run(path, src, out, "--max-tokens", 4, "--temperature", 0)
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out).to_pydict()
+    assert table["error"] == [None] * 3 and table["completion_tokens"] == [4] * 3
