@@ -376,6 +376,20 @@ def test_an_fp8_checkpoint_with_one_expert_left_float_is_refused_in_one_line(tmp
     one_line_error(run(path, src, tmp_path / "out.parquet"), message)
 
 
+def test_block_scaled_experts_not_on_whole_blocks_are_refused_in_one_line(tmp_path):
+    """An expert's gate and up rows stacked must each be whole 128-row blocks of scales (vLLM requires it too)."""
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    path, *_ = write_fp8_checkpoint(tmp_path / "model", "fp8-block", **{**CONFIGS["olmoe"],
+                                                                      **FP8_MOE_SCHEMES["fp8-block"],
+                                                                      "moe_intermediate_size": 64})
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    one_line_error(run(path, src, tmp_path / "out.parquet"),
+                   "experts.0.gate_proj.weight and the tensors packed with it: a fused projection's parts must have "
+                   "a multiple of the weight block's 128 rows")
+
+
 def test_an_fp8_checkpoint_of_a_moe_model_is_refused_on_cuda_and_runs_on_the_cpu_with_auto(tmp_path, monkeypatch):
     import tinyvllm.backends as backends
     from test_fp8_checkpoints import write_fp8_checkpoint

@@ -126,9 +126,7 @@ class Fp8Rows:
     def by_expert(self, num_experts: int) -> Fp8Rows:
         """A stacked expert layer's rows [num_experts * out, in] (stack_rows of every expert's parts) as codes
         [num_experts, out, in] with scales [num_experts, out] or, per block, [num_experts, out / rows, in / columns]."""
-        codes = self.codes.reshape(num_experts, -1, self.codes.shape[-1])
-        if self.block is not None and codes.shape[1] % self.block[0]:
-            raise ValueError(f"an expert's weight must have a multiple of the weight block's {self.block[0]} rows")
+        codes = self.codes.reshape(num_experts, -1, self.codes.shape[-1])  # stack_rows kept each on whole blocks
         return Fp8Rows(codes, self.scale.reshape(num_experts, -1, *self.scale.shape[1:]), self.block,
                        self.input_scale)
 
