@@ -1,7 +1,7 @@
 """The cuda backend's MoE on the host, without a GPU: the padded grouping twin (align_block_size) against
 group_by_expert, the tile bound the kernels' grids are sized by, the launchers' path choice and geometry, the
-forward's launch sequence on a stand-in device, the presets, and FP8 experts refused. The kernels themselves:
-tests/gpu/test_moe_kernels.py."""
+forward's launch sequence on a stand-in device (an FP8 checkpoint's too), the presets, and quantization="fp8"
+refused. The kernels themselves: tests/gpu/test_moe_kernels.py."""
 
 import importlib
 
@@ -163,6 +163,47 @@ def test_fp8_weights_on_a_moe_model_are_refused_on_cuda(make_model_dir):
     with pytest.raises(SettingError, match="^invalid backend cuda: quantization='fp8' quantizes the experts: the "
                                            "cuda backend's MoE kernels take bf16 experts only"):
         LLM(str(path), backend="cuda", quantization="fp8")
+
+
+@pytest.mark.parametrize("scheme,extra", [("ct-channel", dict(head_dim=64)),
+                                          ("fp8-block", dict(hidden_size=256, head_dim=64, intermediate_size=128,
+                                                             moe_intermediate_size=128))])
+def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_module, tmp_path, monkeypatch, caplog,
+                                                                    scheme, extra):
+    """An FP8 checkpoint of Qwen3-MoE through the engine on FakeDevice: the attention's and the dense layer's
+    linear weights run FP8 W8A8 (e4m3, a scale per row), the experts bf16, the bytes sent for each expert's weight
+    its codes times their scales rounded to bf16, and a warning says so."""
+    import logging
+
+    from tinyvllm.backends.cuda.tensors import BF16, E4M3
+    from tinyvllm.model.dtypes import f32_to_bf16
+    from tinyvllm.model.loader import load_model
+
+    pytest.importorskip("torch")  # write_fp8_checkpoint's
+    from test_family_moe import CONFIGS
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    path, cfg, reference, *_ = write_fp8_checkpoint(tmp_path, scheme, **{**CONFIGS["qwen3_moe"], **extra})
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    sent = {}
+    monkeypatch.setattr(forward_module.cuda, "memcpy_htod_async",
+                        lambda address, array, stream: sent.setdefault(address, array.tobytes()))
+    model = load_model(path)
+    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
+        backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"),
+                                             FakeDevice(TypedRecorder()), True)
+    assert f"the experts of {path} run as bf16 weights" in caplog.text
+    layers = backend.forward.layers
+    assert all(layer.qkv.dtype == layer.o.dtype == E4M3 for layer in layers)
+    ignored = scheme == "ct-channel"  # its checkpoint leaves model.layers.1.mlp.down_proj unquantized
+    assert (layers[1].gate_up.dtype, layers[1].down.dtype) == (E4M3, BF16 if ignored else E4M3)  # dense layer 1
+    assert all(layer.experts_gate_up.dtype == layer.experts_down.dtype == BF16 for layer in (layers[0], layers[2]))
+    for field, part in (("experts_gate_up", "gate_proj"), ("experts_down", "down_proj")):  # expert 0's first part
+        want = f32_to_bf16(reference[f"model.layers.2.mlp.experts.0.{part}.weight"])
+        assert sent[getattr(layers[2], field).ptr] == want.tobytes()
+    assert {"gemv_fp8_bf16", "moe_gemv_gate_up", "moe_topk_softmax"} <= set(names)
+    backend.close()
 
 
 def test_fp8_weights_on_a_moe_model_run_on_the_cpu_with_backend_auto(make_model_dir, monkeypatch, caplog):

@@ -14,7 +14,8 @@ backend takes those experts, weighted by its own router's probabilities. What is
 - the final logits within TOLERANCE of the reference (a wrong expert product, weight, tile or slot sum fails);
 - a second cuda backend that replays the decode steps as CUDA graphs (bucket-padded rows included) gives the eager
   one's logits.
-REPORT lines carry the measured numbers (pytest -s)."""
+An FP8 checkpoint of a MoE model (its experts run as bf16 weights) is checked against HF with the same
+quantization. REPORT lines carry the measured numbers (pytest -s)."""
 
 import threading
 from dataclasses import replace
@@ -177,3 +178,48 @@ def test_qwen3_30b_a3b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch
     limits = replace(LIMITS, max_num_batched_tokens=256)
     assert not moe_uses_gemv(139, 8, 128) and moe_uses_gemv(4, 8, 128)
     compare(cuda, cuda_backend, monkeypatch, config, limits, "qwen3-30b-a3b x2 layers")
+
+
+def test_an_fp8_checkpoint_of_a_moe_model_runs_its_experts_as_bf16_weights(tmp_path):
+    """A Qwen3-MoE FP8 checkpoint (compressed-tensors, channel scales, one layer left unquantized) on the cuda
+    backend: its teacher-forced logprobs against HF on the dequantized weights with the attention's and the dense
+    layer's linear layers W8A8 fake-quantized and the experts' inputs not (the experts run as bf16 weights:
+    forward.py), within half the quantization's own error and half the distance from the reference that quantizes
+    the experts' inputs too (the numpy backend's scheme). REPORT lines carry the three."""
+    import sys
+    from pathlib import Path
+
+    from tinyvllm import LLM
+    from tinyvllm.model.dummy import random_weights, save_hf_model_dir
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_family_moe import CONFIGS, fake_quantize_experts, hf_model, hf_prompt_logprobs
+    from test_fp8_checkpoints import SCHEMES, write_fp8_checkpoint
+    from test_fp8_weights import fake_quantize, our_logprobs
+    import torch
+
+    path, cfg, weights, _, group = write_fp8_checkpoint(tmp_path / "fp8", "ct-channel",
+                                                        **{**CONFIGS["qwen3_moe"], "head_dim": 64})
+    prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
+    llm = LLM(str(path), backend="cuda", max_model_len=128)
+    ours = our_logprobs(llm, prompts)
+    llm.close()
+
+    def logprobs(model):
+        return np.concatenate([hf_prompt_logprobs(model, p) for p in prompts])
+
+    def reference(experts_w8a8: bool):
+        model = fake_quantize(hf_model(save_hf_model_dir(tmp_path / f"dequantized-{experts_w8a8}", cfg, weights)),
+                              weight_of=lambda n: torch.from_numpy(weights[n]), group=group,
+                              skip=SCHEMES["ct-channel"][0]["ignore"])
+        return logprobs(fake_quantize_experts(model, quantize_weights=False, group=group) if experts_w8a8 else model)
+
+    weight_only, w8a8 = reference(False), reference(True)
+    unquantized = logprobs(hf_model(save_hf_model_dir(tmp_path / "float", cfg, random_weights(cfg, 6))))
+    error, quantization = np.abs(ours - weight_only).mean(), np.abs(unquantized - weight_only).mean()
+    other = np.abs(ours - w8a8).mean()  # the two references are ~0.05 apart (numpy backend, measured on the CPU)
+    print(f"REPORT fp8 moe checkpoint on cuda: mean |logprob error| {error:.4f} against weight-only experts, "
+          f"{other:.4f} against W8A8 experts; the quantization's own {quantization:.4f}")
+    assert error < quantization / 2 and error < other / 2, (error, other, quantization)

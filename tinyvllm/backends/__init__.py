@@ -50,19 +50,15 @@ def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
     return missing_cuda_kernels(model_config, max_model_len)
 
 
-# FP8 experts (quantization="fp8" on a mixture-of-experts model, or an FP8 checkpoint of one): the numpy backend
-# runs them; the cuda backend's MoE kernels read bf16 experts only
+# quantization="fp8" on a mixture-of-experts model quantizes its experts: the numpy backend runs them so; the cuda
+# backend's MoE kernels read bf16 experts only. (An FP8 checkpoint's experts run there dequantized: forward.py.)
 MOE_FP8_REFUSAL = ("the cuda backend's MoE kernels take bf16 experts only; FP8 experts run on the numpy backend "
                    "(backend numpy)")
 
 
 def fp8_experts_refusal(model, config: EngineConfig) -> str | None:
-    """Why the cuda backend cannot run this model (its FP8 experts), or None."""
-    if not model.config.num_experts:
-        return None
-    if model.config.quantization is not None:
-        return f"{model.source} is an FP8 checkpoint of a mixture-of-experts model: {MOE_FP8_REFUSAL}"
-    if config.quantization == "fp8":
+    """Why the cuda backend cannot run this model (quantization="fp8" would quantize its experts), or None."""
+    if model.config.num_experts and config.quantization == "fp8" and model.config.quantization is None:
         return f"quantization='fp8' quantizes the experts: {MOE_FP8_REFUSAL}, or leave quantization unset"
     return None
 

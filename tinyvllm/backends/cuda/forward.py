@@ -298,8 +298,9 @@ class CudaForward:
         it stores in float8 (a layer it left unquantized stays bf16, as on the numpy backend)."""
         if not isinstance(weights, Fp8CheckpointWeights):
             return list(FP8_MATRICES)
-        parts = layer_parts(self.config, i)
-        return [field for field in FP8_MATRICES if all(name in weights.scales for name in parts[field])]
+        parts = layer_parts(self.config, i)  # an expert layer has no gate_up or down (its experts stay bf16)
+        return [field for field in FP8_MATRICES if field in parts and all(name in weights.scales
+                                                                           for name in parts[field])]
 
     def _quantize_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         """Each layer's linear weights (_fp8_fields) from bf16 to e4m3 codes with a float32 scale per output channel
@@ -318,6 +319,10 @@ class CudaForward:
                 self.device.free(getattr(layer, field))
             self.layers[i] = dataclasses.replace(layer, **quantized)
         log.info("cuda weights: linear layers quantized to fp8 (e4m3, a scale per output channel)")
+        if self.config.num_experts:  # an FP8 checkpoint's (backends.fp8_experts_refusal refuses quantization="fp8")
+            log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
+                        "to bf16; their inputs unquantized): the cuda MoE kernels read bf16 experts only. The other "
+                        "linear layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
