@@ -200,8 +200,9 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_its_experts_as_bf16_weights(tmp_p
     from test_fp8_weights import fake_quantize, our_logprobs
     import torch
 
+    widths = dict(hidden_size=256, head_dim=64, intermediate_size=128, moe_intermediate_size=128)
     path, cfg, weights, _, group = write_fp8_checkpoint(tmp_path / "fp8", "ct-channel",
-                                                        **{**CONFIGS["qwen3_moe"], "head_dim": 64})
+                                                        **{**CONFIGS["qwen3_moe"], **widths})
     prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
     llm = LLM(str(path), backend="cuda", max_model_len=128)
     ours = our_logprobs(llm, prompts)
