@@ -445,14 +445,18 @@ def test_linear_runs_e4m3_weights_through_fp8(recorder):
     recorder.launches.clear()
     linear.gate_up_swiglu(act, x, wg, 1, gate_up, x_codes=DeviceTensor(90, F16, (8, 2048), DeviceTensor(91, F32, (8,))))
     # scratch codes of 16 x 2048 cannot hold 9 rows of 8192 units: the activation in bf16, quantized by the down GEMM
-    assert linear.gate_up_swiglu(act, x, wg, 9, gate_up) is None
+    assert linear.gate_up_swiglu(act, x, wg, 9, gate_up, down_e4m3=True) is None
     wide_scratch = fp8_linear(recorder, k=8192)
-    assert wide_scratch.gate_up_swiglu(act, x, wg, 9, gate_up) == wide_scratch.input_codes(9, 8192) == DeviceTensor(
-        100, E4M3, (9, 8192), DeviceTensor(200, F32, (9,)))  # the activation quantized into the scratch codes
+    assert wide_scratch.gate_up_swiglu(act, x, wg, 9, gate_up, down_e4m3=True) == wide_scratch.input_codes(
+        9, 8192) == DeviceTensor(100, E4M3, (9, 8192), DeviceTensor(200, F32, (9,)))  # into the scratch codes
     assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_fp8", "quantize_fp8", "scale_rows_cols_bf16",
                                                           "silu_and_mul", "quantize_fp8", "scale_rows_cols_bf16",
                                                           "silu_and_mul_e4m3"]
     assert recorder.launches[-1][1:] == ((9,), (256, 1, 1)) and recorder.args[-1] == (100, 200, 60, 8192)
+    recorder.launches.clear()  # a bf16 down projection (a checkpoint's unquantized layer): the activation in bf16
+    assert wide_scratch.gate_up_swiglu(act, x, wg, 9, gate_up) is None
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8", "scale_rows_cols_bf16", "silu_and_mul"]
+    assert recorder.args[-1][0] == 50  # out
     # the producer's e4m3 codes: no quantize_fp8 before the GEMM, the scales theirs
     recorder.launches.clear()
     given = DeviceTensor(110, E4M3, (9, 2048), DeviceTensor(120, F32, (9,)))
@@ -865,25 +869,53 @@ def test_forward_quantizes_the_lm_head_to_fp8(forward_module, tied):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block", "ct-channel"])
-def test_an_fp8_checkpoint_is_requantized_per_channel(forward_module, tmp_path, scheme):
-    """An FP8 checkpoint on a stand-in device: its weights stream dequantized, as bf16, and are quantized per output
+def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(forward_module, tmp_path,
+                                                                                 monkeypatch, scheme):
+    """An FP8 checkpoint on a stand-in device: with a scale per tensor or per channel its e4m3 codes are sent as the
+    file stores them, each row with its scale (gate/up's rows and scales interleaved alike), and nothing is
+    quantized; with 128 x 128 block scales its weights stream dequantized, as bf16, and are quantized per output
     channel on the GPU, as quantization="fp8" does with a bf16 checkpoint."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
     from test_fp8_checkpoints import write_fp8_checkpoint
 
     from tinyvllm.config import EngineConfig
     from tinyvllm.model.loader import load_model
 
-    model = load_model(write_fp8_checkpoint(tmp_path, scheme, head_dim=64)[0])
+    path = write_fp8_checkpoint(tmp_path, scheme, head_dim=64)[0]
+    model = load_model(path)
+    sent, uploaded = {}, {}
+    monkeypatch.setattr(forward_module.cuda, "memcpy_htod_async",
+                        lambda address, array, stream: sent.setdefault(address, array.tobytes()))
+    device = FakeDevice(TypedRecorder())
+    upload = device.upload
+
+    def recorded(array, dtype):
+        tensor = upload(array, dtype)
+        uploaded[tensor.ptr] = array.copy()
+        return tensor
+
+    device.upload = recorded
     engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
                           num_kv_blocks=8)
-    recorder = TypedRecorder()
-    forward = forward_module.CudaForward(model, engine, FakeDevice(recorder), FakeStream(), 16)
+    forward = forward_module.CudaForward(model, engine, device, FakeStream(), 16)
     dtypes = {(i, field): getattr(layer, field).dtype for i, layer in enumerate(forward.layers)
               for field in ("qkv", "o", "gate_up", "down")}
     ignored = {(1, "down")} if scheme == "ct-channel" else set()  # its ignore list leaves layer 1's down float
     assert {key for key, dtype in dtypes.items() if dtype != E4M3} == ignored
     assert all(dtypes[key] == BF16 for key in ignored)
-    assert [name for name, _, _ in recorder.launches].count("quantize_fp8") == len(dtypes) - len(ignored)
+    quantized = [name for name, _, _ in device.kernels.launches].count("quantize_fp8")
+    if scheme == "fp8-block":
+        assert quantized == len(dtypes) - len(ignored)
+        return
+    assert quantized == 0
+    stored, layer = load_file(str(path / "model.safetensors")), forward.layers[0]
+    assert sent[layer.qkv.ptr] == stored["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8).numpy().tobytes()
+    scale_name = "model.layers.0.mlp.{}_proj.weight_scale"
+    gate, up = (np.broadcast_to(stored[scale_name.format(part)].numpy().reshape(-1), (128,)) for part in ("gate", "up"))
+    interleaved = np.stack([gate.reshape(-1, 8), up.reshape(-1, 8)], 1).reshape(-1)
+    np.testing.assert_array_equal(uploaded[layer.gate_up.scale.ptr], interleaved)
+    assert layer.gate_up.scale.shape == (256,) and layer.qkv.scale.shape == (layer.qkv.shape[0],)
 
 
 class FakeGraph:

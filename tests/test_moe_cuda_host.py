@@ -203,6 +203,8 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
         want = f32_to_bf16(reference[f"model.layers.2.mlp.experts.0.{part}.weight"])
         assert sent[getattr(layers[2], field).ptr] == want.tobytes()
     assert {"gemv_fp8_bf16", "moe_gemv_gate_up", "moe_topk_softmax"} <= set(names)
+    # a prefill chunk's dense MLP: the activation quantized for an e4m3 down projection, in bf16 for a bf16 one
+    assert ("silu_and_mul_e4m3" in names, "silu_and_mul" in names) == (not ignored, ignored)
     backend.close()
 
 

@@ -239,7 +239,7 @@ def test_gate_up_swiglu_fp8(cuda, fp8_linear, m):
     weight = upload_fp8_weight(gpu, fp8_linear.ops, interleave_gate_up(w.T).T)  # rows as the backend packs them
     out, gate_up = gpu.poisoned((m, n // 2), np.uint16), gpu.poisoned((m, n), np.uint16)
     codes = fp8_linear.gate_up_swiglu(DeviceTensor(out, BF16, (m, n // 2)), DeviceTensor(gpu.bf16(x), BF16, (m, k)),
-                                      weight, m, DeviceTensor(gate_up, BF16, (m, n)))
+                                      weight, m, DeviceTensor(gate_up, BF16, (m, n)), down_e4m3=True)
     fp8_linear.ops.stream.synchronize()
     if m <= MAX_ROWS:
         assert codes is None

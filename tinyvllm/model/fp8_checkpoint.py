@@ -86,11 +86,17 @@ class Fp8CheckpointWeights(LazyWeights):
             return self.tensors[name]
         weight_scale, input_scale = self.scales[name]
         codes = self.tensors.stored(name)
-        scale = self.tensors[weight_scale]
-        if self.scheme.block is None:
-            scale = np.broadcast_to(scale.reshape(-1), (len(codes),)).copy()
+        scale = self.row_scales(name) if self.scheme.block is None else self.tensors[weight_scale]
         inputs = None if input_scale is None else float(self.tensors[input_scale].reshape(-1)[0])
         return Fp8Rows(codes, scale.astype(np.float32), self.scheme.block, inputs)
+
+    def row_scales(self, name: str) -> np.ndarray:
+        """A float8 weight's scale for each output row (float32 [out]), of a checkpoint with a scale per tensor or
+        per channel (block scales have none)."""
+        if self.scheme.block is not None:
+            raise ValueError(f"{self.source}: {name} has block scales, not one per row")
+        scale = self.tensors[self.scales[name][0]].reshape(-1).astype(np.float32)
+        return np.broadcast_to(scale, (self.tensors.shape(name)[0],)).copy()
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.known:

@@ -135,6 +135,18 @@ class Bf16Bytes:
             out[:] = self.array[start:start + out.nbytes]
 
 
+class StoredBytes:
+    """One tensor's bytes as its file stores them (an FP8 checkpoint's e4m3 codes), read piece by piece as
+    Bf16Bytes is."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.nbytes = self.array.nbytes
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        out[:] = self.array[start:start + out.nbytes]
+
+
 def stream_bf16(tensors: Iterable[tuple[int, Bf16Bytes]], buffers: Sequence[np.ndarray],
                 wait: Callable[[int], None], send: Callable[[int, int, int], None]) -> None:
     """Hand each (destination address, tensor) to `send` piece by piece through the staging buffers in turn, so

@@ -50,7 +50,7 @@ from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.dummy import RandomBf16Weights
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.model.layout import model_parts
-from tinyvllm.model.loader import Bf16Bytes, stream_bf16, weight_shapes
+from tinyvllm.model.loader import Bf16Bytes, StoredBytes, stream_bf16, weight_shapes
 from tinyvllm.backends.base import check_cuda_kernels
 from tinyvllm.model.rope import cos_sin_tables
 from tinyvllm.model.layout import stacked_experts
@@ -80,8 +80,8 @@ def _quantized(codes: DeviceTensor | None) -> dict[str, int]:
 
 
 def fp8_weights(model, engine_config: EngineConfig) -> bool:
-    """Whether the layers' linear weights run FP8 W8A8: quantization="fp8", or an FP8 checkpoint (its weights
-    dequantized as they stream, then requantized per output channel on the GPU like any bf16 weight)."""
+    """Whether the layers' linear weights run FP8 W8A8: quantization="fp8", or an FP8 checkpoint (its codes as
+    stored, or with block scales requantized per output channel: CudaForward._stored_codes)."""
     return engine_config.quantization == "fp8" or model.config.quantization is not None
 
 
@@ -196,24 +196,28 @@ class CudaForward:
     # ---- memory ----------------------------------------------------------------------------------------------------
 
     def _upload_weights(self, w: Mapping[str, np.ndarray]) -> None:
-        """Every weight to bf16 on the GPU, once, packed as model/weights.py packs them: a packed tensor is its parts'
-        rows one after another in device memory, so the parts are copied to their offsets and never fused on the
-        host. Each part goes from the model file (a bf16 checkpoint's as stored, with no host copy of the tensor)
-        through a few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces."""
+        """Every weight to the GPU, once, packed as model/weights.py packs them: a packed tensor is its parts' rows
+        one after another in device memory, so the parts are copied to their offsets and never fused on the host.
+        Each part goes from the model file (a bf16 checkpoint's as stored, with no host copy of the tensor) through a
+        few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces. In bf16, but
+        the e4m3 codes that an FP8 checkpoint stores with a scale per tensor or channel (_stored_codes)."""
         cfg, shapes, names = self.config, weight_shapes(self.config), model_parts(self.config)
+        stored = [self._stored_codes(w, i) for i in range(cfg.num_hidden_layers)]
+        coded = {name for i, fields in enumerate(stored) for field in fields for name in layer_parts(cfg, i)[field]}
         tied = cfg.tie_word_embeddings
-        size = sum(nbytes(BF16, shape) for name, shape in shapes.items() if not (tied and name in names["lm_head"]))
+        size = sum(nbytes(E4M3 if name in coded else BF16, shape) for name, shape in shapes.items()
+                   if not (tied and name in names["lm_head"]))
         free, total = self.device.mem_get_info()
         if size > free:
-            raise MemoryError(f"the model's bf16 weights need {size / GIB:.2f} GiB but the GPU ({self.device_name})"
+            raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB but the GPU ({self.device_name})"
                               f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
         parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
 
-        def place(names: list[str]) -> DeviceTensor:
+        def place(names: list[str], dtype: str = BF16) -> DeviceTensor:
             """Device memory for one packed tensor (its parts' rows stacked), the named parts at their offsets."""
             part_shapes = [shapes[name] for name in names]
-            tensor = self.device.empty(BF16, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
-            sizes = [nbytes(BF16, shape) for shape in part_shapes]
+            tensor = self.device.empty(dtype, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
+            sizes = [nbytes(dtype, shape) for shape in part_shapes]
             parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
             return tensor
 
@@ -222,19 +226,43 @@ class CudaForward:
         self.final_norm = place(names["final_norm"])
         stacked = stacked_experts(cfg)  # [num_experts, rows, columns]: each expert's parts' rows, expert by expert
 
-        def packed(field: str, tensors: list[str]) -> DeviceTensor:
-            t = place(tensors)
+        def packed(i: int, field: str, tensors: list[str]) -> DeviceTensor:
+            t = place(tensors, E4M3 if field in stored[i] else BF16)
             return DeviceTensor(t.ptr, t.dtype, (cfg.num_experts, t.shape[0] // cfg.num_experts, *t.shape[1:])) \
                 if field in stacked else t
 
-        self.layers = [DeviceLayer(**{field: packed(field, tensors) for field, tensors in layer_parts(cfg, i).items()})
+        self.layers = [DeviceLayer(**{field: packed(i, field, tensors)
+                                      for field, tensors in layer_parts(cfg, i).items()})
                        for i in range(cfg.num_hidden_layers)]
         if isinstance(w, RandomBf16Weights):
             self._random_parts(w, parts)
         else:
-            self._stream_parts(w, parts)
+            self._stream_parts(w, parts, coded)
         self._interleave_gate_up()
-        log.info("cuda weights: %.2f GiB bf16 on %s", size / GIB, self.device_name)
+        self._attach_row_scales(w, stored)
+        log.info("cuda weights: %.2f GiB on %s", size / GIB, self.device_name)
+
+    def _stored_codes(self, w: Mapping[str, np.ndarray], i: int) -> list[str]:
+        """Layer i's linear weights that go to the GPU as the e4m3 codes the checkpoint stores: an FP8 checkpoint's
+        with a scale per tensor or per output channel (one per row, as the FP8 kernels take them, so its codes run
+        unchanged). Block scales have no such form: those weights go in bf16 and are requantized per row
+        (_quantize_weights)."""
+        if not isinstance(w, Fp8CheckpointWeights) or w.scheme.block is not None:
+            return []
+        return self._fp8_fields(w, i)
+
+    def _attach_row_scales(self, w: Mapping[str, np.ndarray], stored: list[list[str]]) -> None:
+        """Each stored-codes weight's float32 scale per row (its parts' scales stacked; gate/up's in the interleaved
+        order of its rows, _interleave_gate_up), uploaded and attached to it."""
+        for i, fields in enumerate(stored):
+            parts, scales = layer_parts(self.config, i), {}
+            for field in fields:
+                rows = np.concatenate([w.row_scales(name) for name in parts[field]])
+                if field == "gate_up":  # gate rows then up rows -> groups of 8 gate rows, each before its 8 up rows
+                    rows = rows.reshape(2, -1, 8).transpose(1, 0, 2).reshape(-1)
+                tensor = getattr(self.layers[i], field)
+                scales[field] = dataclasses.replace(tensor, scale=self.device.upload(np.ascontiguousarray(rows), F32))
+            self.layers[i] = dataclasses.replace(self.layers[i], **scales)
 
     def _random_parts(self, w: RandomBf16Weights, parts: list[tuple[int, str]]) -> None:
         """Dummy weights made where they go (ops.random_bf16, the same bits as w.stored): a 61 GB model in well
@@ -251,8 +279,9 @@ class CudaForward:
             for table in tables.values():
                 self.device.free(table)
 
-    def _stream_parts(self, w: Mapping[str, np.ndarray], parts: list[tuple[int, str]]) -> None:
-        """Each (device address, HF name) part's bf16 bytes to its address, through the pinned staging buffers."""
+    def _stream_parts(self, w: Mapping[str, np.ndarray], parts: list[tuple[int, str]], coded: set[str]) -> None:
+        """Each (device address, HF name) part's bf16 bytes (those in `coded`: its stored e4m3 codes) to its address,
+        through the pinned staging buffers."""
         staging = [self.device.pinned(STAGING_BYTES, np.uint8) for _ in range(STAGING_BUFFERS)]
         sent = [cuda.Event() for _ in staging]  # one not yet recorded counts as done
 
@@ -261,8 +290,8 @@ class CudaForward:
             sent[i].record(self.stream)
 
         try:  # a generator: each part is opened (or converted) only when its turn comes
-            stream_bf16(((address, Bf16Bytes(w, name)) for address, name in parts), staging,
-                        lambda i: sent[i].synchronize(), send)
+            stream_bf16(((address, StoredBytes(w.tensors.stored(name)) if name in coded else Bf16Bytes(w, name))
+                         for address, name in parts), staging, lambda i: sent[i].synchronize(), send)
         finally:
             self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
             for buffer in staging:
@@ -310,6 +339,8 @@ class CudaForward:
             quantized = {}
             for field in self._fp8_fields(weights, i):
                 w = getattr(layer, field)
+                if w.dtype == E4M3:  # the checkpoint's codes, as stored (_stored_codes)
+                    continue
                 scale = self.device.empty(F32, w.shape[:1])
                 codes = self.device.empty(E4M3, w.shape)
                 self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, w.shape[0], w.shape[1])
@@ -318,7 +349,7 @@ class CudaForward:
             for field in quantized:
                 self.device.free(getattr(layer, field))
             self.layers[i] = dataclasses.replace(layer, **quantized)
-        log.info("cuda weights: linear layers quantized to fp8 (e4m3, a scale per output channel)")
+        log.info("cuda weights: linear layers in fp8 (e4m3, a scale per output channel)")
         if self.config.num_experts:  # an FP8 checkpoint's (backends.fp8_experts_refusal refuses quantization="fp8")
             log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
                         "to bf16; their inputs unquantized): the cuda MoE kernels read bf16 experts only. The other "
@@ -437,7 +468,8 @@ class CudaForward:
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
                 fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg)
             else:
-                act_codes = linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes)
+                act_codes = linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes,
+                                                  down_e4m3=layer.down.dtype == E4M3)
                 self._add_to_residual(n, b.act, layer.down, layer.mlp_out_norm, x_codes=act_codes)
 
     def _add_to_residual(self, n: int, x: DeviceTensor, w: DeviceTensor, out_norm: DeviceTensor | None,

@@ -190,13 +190,13 @@ class Linear:
                                      out.dtype == F32, accumulate)
 
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
-                       gate_up: DeviceTensor, activation: str = "silu",
-                       x_codes: DeviceTensor | None = None) -> DeviceTensor | None:
+                       gate_up: DeviceTensor, activation: str = "silu", x_codes: DeviceTensor | None = None,
+                       down_e4m3: bool = False) -> DeviceTensor | None:
         """bf16 out[:m, n / 2] = SwiGLU(x . w^T) (activation "silu"; "gelu_pytorch_tanh": GeGLU), w [n, k] the gate/up
         projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up); gate_up: a bf16
-        [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's. An e4m3 w through cuBLASLt: the
-        activation is written quantized instead, as the down projection's e4m3 input (input_codes' buffer), and
-        returned, for gemm's x_codes (out is not written); else None."""
+        [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's. An e4m3 w through cuBLASLt where the
+        down projection is e4m3 too (down_e4m3): the activation is written quantized instead, as that projection's
+        input (input_codes' buffer), and returned, for gemm's x_codes (out is not written); else None."""
         n, k = self._check(gate_up, x, w, m)
         if out.dtype != BF16 or out.shape[-1] != n // 2 or out.rows < m:
             raise ValueError(f"gate_up_swiglu of {m} rows and {n} gate/up units: out {out.dtype} {out.shape}")
@@ -208,7 +208,7 @@ class Linear:
             getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k)
         elif w.dtype == E4M3:
             self._gemm_fp8(gate_up, x, w, m, n, k, False, x_codes)
-            down_codes = self.input_codes(m, n // 2)
+            down_codes = self.input_codes(m, n // 2) if down_e4m3 else None
             if down_codes is not None:
                 self.ops.gated_e4m3(kernel_name, down_codes.ptr, down_codes.scale.ptr, gate_up.ptr, m, n // 2)
                 return down_codes
