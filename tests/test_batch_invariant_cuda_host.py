@@ -1,6 +1,6 @@
 """batch_invariant=True on the cuda backend's host side, without a GPU: on a stand-in device every linear layer of a
-decode step goes to the (invariant) cuBLAS handle, or to gemv_chain for the shapes of more tiles than SMs whose bits
-it was checked to give, and none to the GEMV, whose order differs; a decode step's attention is
+decode step goes to the (invariant) cuBLAS handle, or to gemv_chain for the shapes whose bits it was checked to give
+and where it was timed the faster, and none to the GEMV, whose order differs; a decode step's attention is
 attention_decode's batch-invariant form in one part (no attention_combine), the LM head is not tuned per batch size,
 and an expert model is refused in one line. The bits themselves: tests/gpu/test_batch_invariant_cuda.py."""
 
@@ -10,6 +10,12 @@ from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import Ops, decode_blocks
 
 from test_cuda_ops import FakeBuffers, FakeDevice, FakeStream, RecordingBlas, TypedRecorder, forward_module  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def no_chain_by_default(forward_module, monkeypatch):
+    """The stand-in device computes nothing: gemv_chain's check against cuBLAS fails unless a test says otherwise."""
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w: False)
 
 
 def invariant_forward(forward_module, recorder, num_sms=132, **overrides):
@@ -53,8 +59,8 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
         assert block == (32, 1, 1) and args[14] == 1
     windows = {args[15] for *_, args in attention}
     assert windows == {sliding_window or 0}
-    # every product of the step (QKV, O, gate/up, down per layer, the LM head) through cuBLAS at 3 rows: no shape
-    # has more 16-row tiles than the GPU's 132 SMs
+    # every product of the step (QKV, O, gate/up, down per layer, the LM head) through cuBLAS at 3 rows where the
+    # chain's bits were not cuBLAS's
     assert forward.linear.chain_shapes == set() and not any("chain" in name for name in names)
     calls = forward.linear.blas.calls
     assert len(calls) == 4 * forward.config.num_hidden_layers + 1 and {m for *_, m, _ in calls} == {3}
@@ -64,29 +70,67 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
 
 
 def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypatch):
-    """On 8 SMs the QKV projection and LM head ([512, 64]: 32 tiles) and gate/up ([256, 64]: 16) have more tiles
-    than SMs, O and down (4 each) not; gate/up's chain is made to differ from cuBLAS, so it stays there."""
-    checked = []
+    """The shapes: QKV and the LM head [512, 64], gate/up [256, 64], O [64, 256], down [64, 128]. gate/up's chain is
+    made to differ from cuBLAS (so it is never timed), O's to be the slower: QKV, down and the LM head take it."""
+    checked, timed = [], []
 
     def matches(self, w):
         checked.append(w.shape)
         return w.shape != (256, 64)
 
+    def faster(self, w):
+        timed.append(w.shape)
+        return w.shape != (64, 256)
+
     monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", matches)
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_faster", faster)
     recorder = TypedRecorder()
     forward = invariant_forward(forward_module, recorder, num_sms=8, num_attention_heads=4, num_key_value_heads=2)
-    assert sorted(checked) == [(256, 64), (512, 64)] and forward.linear.chain_shapes == {(512, 64)}
+    assert sorted(checked) == [(64, 128), (64, 256), (256, 64), (512, 64)]
+    assert sorted(timed) == [(64, 128), (64, 256), (512, 64)]
+    assert forward.linear.chain_shapes == {(512, 64), (64, 128)}
     forward.allocate_kv_cache(8)
     buffers = FakeBuffers()
     forward.decode(3, buffers, buffers, buffers)
     chains = [(name, args) for (name, _, _), args in zip(recorder.launches, recorder.args) if "chain" in name]
     layers = forward.config.num_hidden_layers
-    assert [name for name, _ in chains] == ["gemv_chain_bf16"] * layers + ["gemv_chain_f32"]
+    assert [name for name, _ in chains] == ["gemv_chain_bf16", "gemv_chain_f32"] * layers + ["gemv_chain_f32"]
     assert {args[3] for _, args in chains} == {3}
-    calls = forward.linear.blas.calls  # O, gate/up and down
-    assert len(calls) == 3 * layers and {m for *_, m, _ in calls} == {3}
+    calls = forward.linear.blas.calls  # O and gate/up
+    assert len(calls) == 2 * layers and {m for *_, m, _ in calls} == {3}
     other = forward.on_stream(FakeStream())
-    assert other.linear.chain_shapes == {(512, 64)}
+    assert other.linear.chain_shapes == {(512, 64), (64, 128)}
+
+
+def test_the_chain_is_kept_where_it_times_faster(forward_module, monkeypatch):
+    """_chain_faster times gemv_chain and cuBLAS at 1 and 8 rows, CHAIN_TIMING_RUNS runs each after the L2 is
+    overwritten, and keeps the chain where the summed medians are the smaller."""
+    flushes, times = [], {"chain": [1.0, 9.0, 1.0, 1.0, 1.0], "blas": [2.0] * 5}
+    recorder = TypedRecorder()
+    forward = invariant_forward(forward_module, recorder)
+    memset = forward_module.cuda.memset_d8_async
+
+    def counted_memset(address, value, count, stream=None):
+        flushes.append(count)
+        memset(address, value, count, stream)
+
+    monkeypatch.setattr(forward_module.cuda, "memset_d8_async", counted_memset)
+    runs = []
+
+    def elapsed(self, run):
+        before = len(recorder.launches)
+        run()
+        runs.append("chain" if len(recorder.launches) > before else "blas")
+        return times[runs[-1]][(runs.count(runs[-1]) - 1) % 5]
+
+    monkeypatch.setattr(forward_module.CudaForward, "_elapsed", elapsed)
+    w = forward.layers[0].o
+    assert forward._chain_faster(w)  # the chain's medians 1 + 1 against 2 + 2
+    assert forward.chain_timings[w.shape] == (2.0, 4.0)
+    assert runs == ["chain"] * 10 + ["blas"] * 10
+    assert flushes.count(2 * forward.device.l2_bytes) == 20
+    times["chain"] = [3.0] * 5
+    assert not forward._chain_faster(w) and forward.chain_timings[w.shape] == (6.0, 4.0)
 
 
 def test_invariant_decode_attention_takes_one_part():

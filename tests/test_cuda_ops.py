@@ -556,6 +556,10 @@ class FakeDriver:
 
     memset_d8 = memset_d32
 
+    @staticmethod
+    def memset_d8_async(address, value, count, stream=None):
+        assert isinstance(address, int) and count > 0
+
 
 class TypedRecorder(Recorder):
     """A Recorder that also checks each argument against its C type: pointers and ints are Python ints."""
@@ -574,7 +578,7 @@ class TypedRecorder(Recorder):
 class FakeDevice:
     """Stands in for device.Device: addresses handed out in order, kernels recorded."""
 
-    name, num_sms, closed, kernel_wait = "stand-in", 132, False, 0.0
+    name, num_sms, l2_bytes, closed, kernel_wait = "stand-in", 132, 50 << 20, False, 0.0
     context = FakeDriver.Context
 
     def __init__(self, kernels):

@@ -28,6 +28,8 @@ from tinyvllm.backends.cuda.tensors import NUMPY_DTYPES, DeviceTensor, nbytes
 
 log = logging.getLogger(__name__)
 
+L2_BYTES_UNKNOWN = 64 << 20  # the L2 assumed where pycuda does not say (H100 and H200 have 50 MiB)
+
 
 class Closable(Protocol):
     def close(self) -> None: ...
@@ -55,6 +57,8 @@ class Device:
         self.compute_capability = self.handle.compute_capability()
         self.arch = "sm_{}{}".format(*self.compute_capability)
         self.num_sms = self.handle.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        l2 = getattr(cuda.device_attribute, "L2_CACHE_SIZE", None)  # its bytes: overwritten to time a cold weight
+        self.l2_bytes = self.handle.get_attribute(l2) if l2 is not None else L2_BYTES_UNKNOWN
         self.programmatic_launch = programmatic_launch and self.compute_capability >= (9, 0)
         self._building: tuple[list[str], Future] | None = None  # prepare_kernels' kernels and their build
         if prepare is not None:

@@ -14,7 +14,7 @@ caps them) that never leave the GPU: the sampler kernel returns token ids (and l
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
 whatever the row count, or at up to 8 rows gemv_chain, which adds in that algorithm's order, on the shapes
-_chain_shapes checked (linear.py, cublas.py); a decode step's attention is attention_decode's batch-invariant form:
+_chain_shapes checked and timed (linear.py, cublas.py); a decode step's attention is attention_decode's batch-invariant form:
 the context in one part, its online softmax over attention_prefill's key tiles (multiples of its BLOCK_N from key
 0), the same additions in the same order as that position gets in a prefill, a prefill chunk or a recomputation
 after preemption; sampling and logprobs keep a block a row (not split over a cluster at small batches: another
@@ -67,6 +67,9 @@ STAGING_BUFFERS, STAGING_BYTES = 3, 32 << 20
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
 # took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
+# Batch-invariant: timed runs of gemv_chain and of cuBLAS's pinned algorithm per shape and row count (1 and 8), the
+# median kept, each run after the L2 is overwritten (a decode step finds a weight out of L2): _chain_faster
+CHAIN_TIMING_RUNS = 5
 FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py Fp8Scratch)
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
 
@@ -187,6 +190,7 @@ class CudaForward:
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
         self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
         # our GEMV for a few rows, else cuBLAS
+        self.chain_timings: dict[tuple[int, int], tuple[float, float]] = {}  # batch-invariant: _chain_faster's
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant,
                              chain_shapes=self._chain_shapes() if self.invariant else None)
         self.kv: KVCache | None = None
@@ -526,16 +530,50 @@ class CudaForward:
                                         self.qkv_width, cfg.rms_norm_eps)
 
     def _chain_shapes(self) -> set[tuple[int, int]]:
-        """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows run as gemv_chain: those of more
-        16-row tiles than the GPU has SMs (with fewer, a warp an SM runs each chain too slowly: cuBLAS's pinned
-        algorithm is the faster, docs/PERFORMANCE.md), where the chain gives the bits of that algorithm
-        (_chain_matches)."""
+        """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows run as gemv_chain: where the chain
+        gives the bits of cuBLAS's pinned algorithm (_chain_matches) and runs faster than it (_chain_faster). A chain
+        is one warp's dependent mmas per 16-row tile: a wide shape's many tiles fill the GPU, a narrow one's few with
+        a short k still finish first, and with a long k cuBLAS's pinned tiles win (docs/PERFORMANCE.md)."""
         weights = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if w is not None}
         weights[self.lm_head.shape] = self.lm_head
         return {(n, k) for (n, k), w in weights.items()
-                if w.dtype == BF16 and k % MMA_K == 0 and -(-n // GEMV_TILE_ROWS) > self.num_sms
-                and self._chain_matches(w)}
+                if w.dtype == BF16 and k % MMA_K == 0 and self._chain_matches(w) and self._chain_faster(w)}
+
+    def _chain_faster(self, w: DeviceTensor) -> bool:
+        """Whether gemv_chain multiplies 1 and 8 rows by w in less GPU time than cuBLAS's pinned algorithm, summed
+        over both row counts: each the median of CHAIN_TIMING_RUNS runs, each run after the L2 is overwritten.
+        The times are kept in chain_timings (shape -> (chain, cuBLAS) ms)."""
+        n, k = w.shape
+        x, out = self.device.empty(BF16, (GEMV_MAX_ROWS, k)), self.device.empty(F32, (GEMV_MAX_ROWS, n))
+        flush = self.device.empty(U8, (2 * self.device.l2_bytes,))
+        cuda.memset_d8_async(x.ptr, 0, x.nbytes, self.stream)
+
+        def timed(run: Callable[[], None]) -> float:
+            times = []
+            for _ in range(CHAIN_TIMING_RUNS):
+                cuda.memset_d8_async(flush.ptr, 0, flush.nbytes, self.stream)  # also gives the host a head start
+                times.append(self._elapsed(run))
+            return sorted(times)[len(times) // 2]
+
+        rows = (1, GEMV_MAX_ROWS)
+        chain = sum(timed(lambda m=m: self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, True, False)) for m in rows)
+        blas = sum(timed(lambda m=m: self.blas.gemm(out, x, w, m)) for m in rows)
+        for tensor in (x, out, flush):
+            self.device.free(tensor)
+        self.chain_timings[(n, k)] = (chain, blas)
+        log.info("batch-invariant: n %d, k %d at 1 and %d rows: gemv_chain %.1f us, cuBLAS %.1f us", n, k,
+                 GEMV_MAX_ROWS, chain * 1e3, blas * 1e3)
+        return chain < blas
+
+    def _elapsed(self, run: Callable[[], None]) -> float:
+        """The GPU time in ms of what run() queues on the stream."""
+        start, end = cuda.Event(), cuda.Event()
+        start.record(self.stream)
+        run()
+        end.record(self.stream)
+        end.synchronize()
+        return end.time_since(start)
 
     def _chain_matches(self, w: DeviceTensor) -> bool:
         """Whether gemv_chain gives 8 random rows times w the bits of cuBLAS's pinned algorithm, checked once per
@@ -576,16 +614,7 @@ class CudaForward:
         (one algorithm; cuBLASLt's FP8 path is not tuned)."""
         if self.invariant or self.lm_head.dtype == E4M3:
             return {}
-
-        def elapsed(run: Callable[[], None]) -> float:
-            start, end = cuda.Event(), cuda.Event()
-            start.record(self.stream)
-            run()
-            end.record(self.stream)
-            end.synchronize()
-            return end.time_since(start)
-
-        return {m: self.blas.tune(self.buf.logits, self.lm_head, self.lm_head, m, elapsed)
+        return {m: self.blas.tune(self.buf.logits, self.lm_head, self.lm_head, m, self._elapsed)
                 for m in buckets if m >= LM_HEAD_TUNE_ROWS}
 
     def compute_logits(self, n: int, hidden_rows: DeviceTensor, x_codes: DeviceTensor | None = None) -> None:
