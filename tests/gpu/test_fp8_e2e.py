@@ -162,3 +162,35 @@ def test_fp8_lm_head_through_the_engine(model_dir):
           f"over {sum(same)} of 4 identical completions")
     assert gap < 2 * layers_gap + 0.02
     assert 0.5 * numpy_effect < cuda_effect < 2 * numpy_effect + 0.05 and numpy_effect > 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "fp8-tensor", "fp8-block"])
+def test_an_fp8_checkpoint_on_cuda_follows_the_numpy_backend(tmp_path, scheme):
+    """An FP8 checkpoint (ct-channel: layer 1's down projection left unquantized, after an e4m3 gate/up) on cuda
+    against the numpy backend on the same file (its codes as stored), teacher-forced: within twice the distance
+    W8A8 itself puts between the two backends (quantization="fp8" on the dequantized weights) plus 0.02."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_fp8_checkpoints import write_fp8_checkpoint
+    from test_fp8_weights import our_logprobs
+    from tinyvllm.model.dummy import save_hf_model_dir
+
+    config = dict(architecture="Qwen3ForCausalLM", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  hidden_size=256, head_dim=64, intermediate_size=128)
+    path, cfg, weights, *_ = write_fp8_checkpoint(tmp_path / "fp8", scheme, **config)
+    dequantized = save_hf_model_dir(tmp_path / "dequantized", cfg, weights)
+    prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
+
+    def logprobs(source, backend, **settings):
+        with LLM(str(source), backend=backend, max_model_len=128, **settings) as llm:
+            return our_logprobs(llm, prompts)
+
+    apart = np.abs(logprobs(path, "cuda") - logprobs(path, "numpy")).mean()
+    noise = np.abs(logprobs(dequantized, "cuda", quantization="fp8")
+                   - logprobs(dequantized, "numpy", quantization="fp8")).mean()
+    print(f"REPORT fp8 checkpoint {scheme}: cuda vs numpy mean |logprob diff| {apart:.4f}; W8A8's own between the "
+          f"backends {noise:.4f}")
+    assert apart < 2 * noise + 0.02, (apart, noise)
