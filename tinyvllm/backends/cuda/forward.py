@@ -14,12 +14,12 @@ caps them) that never leave the GPU: the sampler kernel returns token ids (and l
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
 whatever the row count, or at up to 8 rows gemv_chain, which adds in that algorithm's order, on the shapes
-_chain_shapes checked and timed (linear.py, cublas.py); a decode step's attention is attention_decode's batch-invariant form:
-the context in one part, its online softmax over attention_prefill's key tiles (multiples of its BLOCK_N from key
-0), the same additions in the same order as that position gets in a prefill, a prefill chunk or a recomputation
-after preemption; sampling and logprobs keep a block a row (not split over a cluster at small batches: another
-order of adding). The other kernels already treat each row alone. The MoE kernels choose their path by the batch,
-so an expert model is refused.
+_chain_shapes checked and timed (linear.py, cublas.py); a decode step's attention is attention_decode's
+batch-invariant form: the context in one part, its online softmax over attention_prefill's key tiles (multiples of
+its BLOCK_N from key 0), the same additions in the same order as that position gets in a prefill, a prefill chunk or
+a recomputation after preemption; sampling and logprobs keep a block a row (not split over a cluster at small
+batches: another order of adding). The other kernels already treat each row alone. The MoE kernels choose their
+path by the batch, so an expert model is refused.
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
