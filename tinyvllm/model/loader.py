@@ -117,34 +117,30 @@ def as_bf16(weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     return f32_to_bf16(weights[name])
 
 
-class Bf16Bytes:
-    """One tensor as bfloat16 bytes, read piece by piece into a caller's buffer (the CUDA backend's pinned staging
-    buffers): a bf16 checkpoint's straight from its file, never whole on the host; any other converted once here
-    (as_bf16)."""
-
-    def __init__(self, weights: Mapping[str, np.ndarray], name: str) -> None:
-        self.entry = weights.bf16_entry(name) if isinstance(weights, SafetensorsWeights) else None
-        self.array = None if self.entry is not None else as_bf16(weights, name).reshape(-1).view(np.uint8)
-        self.nbytes = self.entry.nbytes if self.entry is not None else self.array.nbytes
-
-    def read_into(self, start: int, out: np.ndarray) -> None:
-        """Bytes start..start + out.nbytes into `out` (contiguous uint8)."""
-        if self.entry is not None:
-            self.entry.read_into(start, out)
-        else:
-            out[:] = self.array[start:start + out.nbytes]
-
-
 class StoredBytes:
-    """One tensor's bytes as its file stores them (an FP8 checkpoint's e4m3 codes), read piece by piece as
-    Bf16Bytes is."""
+    """One array's bytes (an FP8 checkpoint's e4m3 codes as stored, or a tensor converted to bf16), read piece by
+    piece into a caller's buffer (the CUDA backend's pinned staging buffers)."""
 
     def __init__(self, array: np.ndarray) -> None:
         self.array = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.nbytes = self.array.nbytes
 
     def read_into(self, start: int, out: np.ndarray) -> None:
+        """Bytes start..start + out.nbytes into `out` (contiguous uint8)."""
         out[:] = self.array[start:start + out.nbytes]
+
+
+class Bf16Bytes:
+    """One tensor as bfloat16 bytes, read piece by piece as StoredBytes are: a bf16 checkpoint's straight from its
+    file, never whole on the host; any other converted once here (as_bf16)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], name: str) -> None:
+        entry = weights.bf16_entry(name) if isinstance(weights, SafetensorsWeights) else None
+        self.source = entry if entry is not None else StoredBytes(as_bf16(weights, name))
+        self.nbytes = self.source.nbytes
+
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        self.source.read_into(start, out)
 
 
 def stream_bf16(tensors: Iterable[tuple[int, Bf16Bytes]], buffers: Sequence[np.ndarray],
