@@ -3,30 +3,33 @@
 // de-interleaved), then model/fp8.py quantize_rows for the _e4m3 forms; soft_cap.
 #include "common.cuh"
 
-// out[t, i] = act(g) * u, where gate_up's columns are interleaved in groups of 8 as the gate/up weight's rows are
-// (backends/cuda/forward.py): unit i's gate at column 16 * (i / 8) + i % 8, its up 8 columns further. (gemv.cu
-// computes the same in its epilogue at batch <= 8; this serves the cuBLAS path.)
-// Launch: grid (T, ceil(I / 2048)), block 256; 8 units (two 16-byte loads) per thread. I % 8 == 0.
+// out[t, i] = act(g) * u, where gate_up's columns are interleaved in groups of `group` as the gate/up weight's rows
+// are (backends/cuda/forward.py): unit i's gate at column 2 * group * (i / group) + i % group, its up `group`
+// columns further. group 8: the GEMV's interleave (gemv.cu computes the same in its epilogue at batch <= 8; this
+// serves the cuBLAS path); group I: the gate rows, then the up rows (block-scaled FP8 weights, not interleaved).
+// Launch: grid (T, ceil(I / 2048)), block 256; 8 units (two 16-byte loads) per thread. I % 8 == 0, group % 8 == 0.
 template <class Act>
-__device__ void gated(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter) {
+__device__ void gated(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter, int group) {
     pdl_begin();
     const int i = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
     if (i >= inter) return;
-    const bf16* group = gate_up + (int64_t)blockIdx.x * 2 * inter + 2 * i;
+    const bf16* gate = gate_up + (int64_t)blockIdx.x * 2 * inter + 2 * group * (i / group) + i % group;
     float g[8], u[8];
-    load8(group, g);
-    load8(group + 8, u);
+    load8(gate, g);
+    load8(gate + group, u);
 #pragma unroll
     for (int j = 0; j < 8; ++j) g[j] = Act::apply(g[j], u[j]);
     store8(out + (int64_t)blockIdx.x * inter + i, g);
 }
 
-extern "C" __global__ void silu_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter) {
-    gated<Silu>(out, gate_up, inter);
+extern "C" __global__ void silu_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter,
+                                         int group) {
+    gated<Silu>(out, gate_up, inter, group);
 }
 
-extern "C" __global__ void gelu_tanh_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter) {
-    gated<GeluTanh>(out, gate_up, inter);
+extern "C" __global__ void gelu_tanh_and_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up, int inter,
+                                              int group) {
+    gated<GeluTanh>(out, gate_up, inter, group);
 }
 
 // The 8 units from unit i of a gate_up row (interleaved as gated's), activated and rounded to bf16 as gated stores

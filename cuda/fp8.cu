@@ -58,6 +58,45 @@ extern "C" __global__ void quantize_fp8_values(__half* __restrict__ out, float* 
     quantize_row<true>(out, scales, x, cols);
 }
 
+// Rows of bf16 x quantized per 128 columns (an FP8 checkpoint's block-scaled layers' inputs, as
+// model/fp8.py quantize_activations with group 128 does): group j of row r gets scales[j * rows + r] =
+// fp8_scale(amax(|x[r, 128j : 128(j + 1)]|)) (the groups' scales one after another, as cuBLASLt's VEC128 scales and
+// gemv_fp8_block read them) and codes e4m3(x * (1 / scale)), into out as quantize_row's. A group per 16 threads, 8
+// entries each, its amax by shuffles among them. Launch: grid (rows, ceil(cols / 1024)), block 128. cols % 8 == 0.
+template <bool VALUES>
+__device__ void quantize_groups(void* out, float* scales, const bf16* x, int rows, int cols) {
+    pdl_begin();
+    const int r = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    const int64_t at = (int64_t)r * cols + c;
+    float v[8] = {};
+    if (c < cols) load8(x + at, v);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o, 16));
+    if (c >= cols) return;
+    const float scale = fp8_scale(amax), inv = __frcp_rn(scale);
+    if ((threadIdx.x & 15) == 0) scales[(int64_t)(c / 128) * rows + r] = scale;
+    const uint2 codes = f32x8_to_e4m3x8(v, inv);
+    if constexpr (VALUES) {
+        *reinterpret_cast<uint4*>(static_cast<__half*>(out) + at) = e4m3x8_to_f16x8(codes);
+    } else {
+        *reinterpret_cast<uint2*>(static_cast<e4m3*>(out) + at) = codes;
+    }
+}
+
+extern "C" __global__ void quantize_fp8_groups(e4m3* __restrict__ out, float* __restrict__ scales, const bf16* x,
+                                               int rows, int cols) {
+    quantize_groups<false>(out, scales, x, rows, cols);
+}
+
+// quantize_fp8_groups with the codes' f16 values as out: gemv_fp8_block's x.
+extern "C" __global__ void quantize_fp8_groups_values(__half* __restrict__ out, float* __restrict__ scales,
+                                                      const bf16* x, int rows, int cols) {
+    quantize_groups<true>(out, scales, x, rows, cols);
+}
+
 // out[r, c] (+)= acc[r, c] * row_scale[r] * col_scale[c]: the epilogue of the cuBLASLt FP8 GEMM (float32 acc). out may
 // be acc itself (a float32 product that adds to nothing: the LM head's logits): a thread reads its entries first.
 // Launch: grid (rows, ceil(n / 2048)), block 256, 8 columns per thread. n % 8 == 0.
@@ -116,6 +155,31 @@ extern "C" __global__ void scale_rows_cols_bf16(bf16* out, const float* acc, con
                               int m, int n, int k, int split) {                                                   \
         gemv<bf16, ACT, PIPELINED, e4m3, __half>(out, x, w, w_scale, x_scale, m, n, k, split, 0);                          \
     }
+// The same with block scales (gemv_kernel.cuh BLOCK: x per 128 columns, w per 128 x 128 block).
+#define GEMV_FP8_BLOCK_BF16(SUFFIX, PIPELINED, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
+    gemv_fp8_block_bf16##SUFFIX(bf16* out, const __half* x, const e4m3* w, const float* w_scale,                   \
+                                const float* x_scale, int m, int n, int k, int split, int accumulate) {          \
+        gemv<bf16, Ungated, PIPELINED, e4m3, __half, true>(out, x, w, w_scale, x_scale, m, n, k, split, accumulate);  \
+    }
+#define GEMV_FP8_BLOCK_F32(SUFFIX, PIPELINED, MIN_BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MIN_BLOCKS)                                      \
+    gemv_fp8_block_f32##SUFFIX(float* out, const __half* x, const e4m3* w, const float* w_scale,                   \
+                               const float* x_scale, int m, int n, int k, int split, int accumulate) {           \
+        gemv<float, Ungated, PIPELINED, e4m3, __half, true>(out, x, w, w_scale, x_scale, m, n, k, split, accumulate); \
+    }
+#if KEEPS(gemv_fp8_block_bf16)
+GEMV_FP8_BLOCK_BF16(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_fp8_block_f32)
+GEMV_FP8_BLOCK_F32(, false, GEMV_MIN_BLOCKS)
+#endif
+#if KEEPS(gemv_fp8_block_bf16_pipelined)
+GEMV_FP8_BLOCK_BF16(_pipelined, true, 1)
+#endif
+#if KEEPS(gemv_fp8_block_f32_pipelined)
+GEMV_FP8_BLOCK_F32(_pipelined, true, 1)
+#endif
 #if KEEPS(gemv_fp8_bf16)
 GEMV_FP8_BF16(, false, GEMV_MIN_BLOCKS)
 #endif

@@ -76,8 +76,10 @@ __device__ __forceinline__ void store_out(bf16* p, float v, int accumulate) {
 // Launch: grid (ceil(ceil(n / 16) / (GEMV_WARPS / split))), block GEMV_WARPS * 32. 1 <= m <= 8, x and w 16-byte
 // aligned; bf16 weights (W = bf16): x bf16, k % 8 == 0, w_scale and x_scale unused; e4m3 (W = e4m3): x the f16
 // values of e4m3 codes, x_scale [m] their scales, k % 16 == 0, w_scale [n]; split in {1, 2, 4, 8}; a gated Act (not
-// Ungated): n % 16 == 0.
-template <typename T, class Act, bool PIPELINED, typename W, typename X>
+// Ungated): n % 16 == 0. BLOCK (e4m3, ungated): w_scale [ceil(n / 128), kbp] one per 128 x 128 block of w (kbp:
+// ceil(k / 128) rounded up to a multiple of 4, as cuBLASLt's block scales are laid out), x_scale [ceil(k / 128), m]
+// one per x row and 128 columns (multiply_e4m3_blocks).
+template <typename T, class Act, bool PIPELINED, typename W, typename X, bool BLOCK = false>
 __device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __restrict__ w,
                      const float* __restrict__ w_scale, const float* x_scale, int m, int n, int k, int split,
                      int accumulate) {
@@ -92,6 +94,9 @@ __device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __re
     const W* w_lo = w + (int64_t)min(row0 + g, n - 1) * k;
     const W* w_hi = w + (int64_t)min(row0 + g + 8, n - 1) * k;
     const X* x_row = x + (int64_t)min(g, m - 1) * k;
+    const int block_stride = ((k + 127) / 128 + 3) / 4 * 4;  // BLOCK: kbp
+    const float* ws_lo = w_scale + (int64_t)(min(row0 + g, n - 1) / 128) * block_stride;
+    const float* ws_hi = w_scale + (int64_t)(min(row0 + g + 8, n - 1) / 128) * block_stride;
     uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
     // The first iteration's w loads go out before the wait for the previous kernel, which writes x (PDL): no
     // kernel writes w, so they overlap that kernel's end. That iteration is peeled so that the one wait is
@@ -112,7 +117,7 @@ __device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __re
                      : (tile0 + (e >> 7)) * 16 + ((e & 127) >> 4) + ((e & 3) >> 1) * 8;
     };
     float row_scale[PER_THREAD][2] = {};
-    if constexpr (FP8) {
+    if constexpr (FP8 && !BLOCK) {
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
             const int e = threadIdx.x + i * blockDim.x, row = weight_row(e);
@@ -125,7 +130,10 @@ __device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __re
     grid_dependency_wait();  // a warp without k to load still waits before it stores out
     float c[2][4] = {};  // two accumulators halve the chain of dependent mmas
     auto mul = [&](const uint4 (&a)[GEMV_UNROLL], const uint4 (&b)[GEMV_UNROLL], int at) {
-        if constexpr (FP8) {
+        if constexpr (BLOCK) {
+            multiply_e4m3_blocks<GEMV_UNROLL>(c, a, b, x_row, at, t, chunks, ws_lo, ws_hi, x_scale,
+                                              min(2 * t, m - 1), min(2 * t + 1, m - 1), m);
+        } else if constexpr (FP8) {
             multiply_e4m3<GEMV_UNROLL>(c, a, b, x_row, at, t, chunks);
         } else {
             multiply<GEMV_UNROLL>(c, a, b, x_row, true, at, t, chunks);
@@ -152,7 +160,7 @@ __device__ void gemv(T* __restrict__ out, const X* __restrict__ x, const W* __re
     __syncthreads();
     // a sum of x row `col` times its weight row's scale and the x row's (e4m3), as stored
     auto scaled = [&](float sum, float w_row_scale, int col) {
-        if constexpr (FP8) return sum * x_scale[col] * w_row_scale;
+        if constexpr (FP8 && !BLOCK) return sum * x_scale[col] * w_row_scale;
         return sum;
     };
 #pragma unroll

@@ -88,3 +88,44 @@ __device__ __forceinline__ void multiply_e4m3(float (&c)[2][4], const uint4 (&lo
                     e4m3x2_to_f16x2(h[q], 1), x[2 * q], x[2 * q + 1]);
     }
 }
+
+// multiply_e4m3 with weights scaled per 128 x 128 block and x per row and 128 columns (an FP8 checkpoint's block
+// scales): each u's mmas (the 4 lanes t read chunks base + 4u .. + 3, 64 codes inside one 128-column block kb, as
+// base is a multiple of 4) go into an accumulator of their own, which is then added to c times its scales: the
+// block scale of the lane's row g (ws_lo[kb]) or g + 8 (ws_hi[kb]) and the group scale of its x rows 2t and 2t + 1
+// (x_scale[kb * m + col]: x's group scales, [ceil(k / 128), m]).
+template <int UNROLL>
+__device__ __forceinline__ void multiply_e4m3_blocks(float (&c)[2][4], const uint4 (&lo)[UNROLL],
+                                                     const uint4 (&hi)[UNROLL], const __half* x_row, int base, int t,
+                                                     int chunks, const float* ws_lo, const float* ws_hi,
+                                                     const float* x_scale, int col0, int col1, int m) {
+    uint4 xv[UNROLL][2];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int chunk = base + u * 4 + t;
+        const bool in = chunk < chunks;
+        xv[u][0] = in ? load_coherent(x_row + chunk * 16) : make_uint4(0, 0, 0, 0);
+        xv[u][1] = in ? load_coherent(x_row + chunk * 16 + 8) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int first = base + u * 4;
+        if (first >= chunks) break;
+        const int kb = first >> 3;  // 8 chunks of 16 codes a block
+        const float s_lo = ws_lo[kb], s_hi = ws_hi[kb];
+        const float x0 = x_scale[(int64_t)kb * m + col0], x1 = x_scale[(int64_t)kb * m + col1];
+        const uint32_t* l = reinterpret_cast<const uint32_t*>(&lo[u]);
+        const uint32_t* h = reinterpret_cast<const uint32_t*>(&hi[u]);
+        const uint32_t* x = reinterpret_cast<const uint32_t*>(xv[u]);
+        float d[2][4] = {};
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            mma_f16(d[q & 1], e4m3x2_to_f16x2(l[q], 0), e4m3x2_to_f16x2(h[q], 0), e4m3x2_to_f16x2(l[q], 1),
+                    e4m3x2_to_f16x2(h[q], 1), x[2 * q], x[2 * q + 1]);
+        // c's elements: (row g, col 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+        c[u & 1][0] += (d[0][0] + d[1][0]) * (s_lo * x0);
+        c[u & 1][1] += (d[0][1] + d[1][1]) * (s_lo * x1);
+        c[u & 1][2] += (d[0][2] + d[1][2]) * (s_hi * x0);
+        c[u & 1][3] += (d[0][3] + d[1][3]) * (s_hi * x1);
+    }
+}

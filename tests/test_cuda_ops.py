@@ -2,6 +2,7 @@
 their geometry, and the preconditions they refuse. The kernels themselves are tested in tests/gpu."""
 
 import ctypes
+import dataclasses
 import re
 import types
 from pathlib import Path
@@ -330,6 +331,8 @@ def test_device_layer_has_the_host_layers_fields():
 class RecordingBlas:
     """Stands in for Cublas: records each GEMM's (out, x, w, m, accumulate) and checks its types."""
 
+    blocks = True  # whether cuBLASLt has block-scaled FP8 algorithms (scales_blocks)
+
     def __init__(self, invariant=False, scaled=False):
         self.calls = []
         self.exact_rows, self.algos, self.invariant = frozenset(), {}, invariant
@@ -339,8 +342,16 @@ class RecordingBlas:
         cublas.gemm_types(out, x, w)
         self.calls.append((out, x, w, m, accumulate))
 
+    def scales_blocks(self, n, k):
+        return self.blocks and not self.invariant
+
     def gemm_scaled(self, out, x, w, m, accumulate=False):
-        assert x.dtype == w.dtype == E4M3 and x.scale.shape == (m,) and w.scale.shape == w.shape[:1]
+        assert x.dtype == w.dtype == E4M3
+        if cublas.scale_kind(w) == "block":
+            assert x.scale.shape == (-(-w.shape[1] // 128) * m,) and m % 4 == 0
+            self.calls.append(("block", out, x, w, m, accumulate))
+            return self.blocks
+        assert x.scale.shape == (m,) and w.scale.shape == w.shape[:1]
         if self.scaled:
             self.calls.append(("scaled", out, x, w, m, accumulate))
         return self.scaled
@@ -372,7 +383,7 @@ def test_linear_picks_its_kernel_by_the_weights_dtype_and_rows(recorder):
 def test_linear_refuses_what_it_cannot_run(recorder):
     linear = linear_layer(recorder)
     x, out = DeviceTensor(10, BF16, (4, 64)), DeviceTensor(30, F32, (4, 32))
-    with pytest.raises(ValueError, match="e4m3 linear layer needs its weight's per-channel scales"):
+    with pytest.raises(ValueError, match="needs a scale per row or per 128 x 128 block"):
         linear.gemm(out, x, DeviceTensor(20, E4M3, (32, 64)), 1)  # no scales, no fp8 scratch
     with pytest.raises(ValueError, match="do not fit"):
         linear.gemm(out, x, DeviceTensor(20, BF16, (32, 48)), 1)  # k 48 against x's 64
@@ -390,7 +401,7 @@ def test_gate_up_swiglu_dispatch(recorder):
     linear.gate_up_swiglu(act, x, w, 1, gate_up)
     linear.gate_up_swiglu(act, x, w, 16, gate_up)
     assert [name for name, _, _ in recorder.launches] == ["gemv_swiglu_bf16", "silu_and_mul"]
-    assert recorder.args[1] == (30, 40, 8192) and linear.blas.calls == [(gate_up, x, w, 16, False)]
+    assert recorder.args[1] == (30, 40, 8192, 8) and linear.blas.calls == [(gate_up, x, w, 16, False)]
 
 
 def test_cublas_types_come_from_the_tensors():
@@ -409,6 +420,37 @@ def fp8_linear(recorder, t=16, k=2048, n=16384):
     scratch = Fp8Scratch(DeviceTensor(100, E4M3, (t, k)), DeviceTensor(200, F32, (t,)), DeviceTensor(300, F32, (t, n)),
                          DeviceTensor(400, F16, (8, k)))
     return Linear(RecordingBlas(), Ops(recorder, None, num_sms=132), fp8=scratch)
+
+
+def test_linear_runs_block_scaled_e4m3_weights_with_their_block_scales(recorder):
+    """A weight with 128 x 128 block scales (an FP8 checkpoint's, as stored): its input quantized per row and 128
+    columns, then up to 8 rows through gemv_fp8_block on the f16 code values; more through cuBLASLt's block-scaled
+    GEMM on the rows in whole fours, the rest (1-3 rows) through the GEMV; a gate/up projection's product then
+    its activation on gate rows before up rows (group = the units), not the interleaved GEMV epilogue."""
+    linear = fp8_linear(recorder)
+    linear.fp8 = dataclasses.replace(linear.fp8, group_scales=DeviceTensor(500, F32, (16 * 16,)))
+    n, k = 3072, 2048
+    w = DeviceTensor(20, E4M3, (n, k), DeviceTensor(50, F32, (n // 128, cublas.block_scale_stride(k))))
+    x, out = DeviceTensor(10, BF16, (16, k)), DeviceTensor(30, F32, (16, n))
+    for m in (1, 12, 11):
+        linear.gemm(out, x, w, m, accumulate=True)
+    assert [name for name, _, _ in recorder.launches] == [
+        "quantize_fp8_groups_values", "gemv_fp8_block_f32", "quantize_fp8_groups", "quantize_fp8_groups",
+        "quantize_fp8_groups_values", "gemv_fp8_block_f32"]
+    quantized = [(a[0], a[1], a[2], a[3], grid) for a, (_, grid, _) in zip(recorder.args, recorder.launches)
+                 if len(a) == 5]
+    assert quantized == [(400, 500, 10, 1, (1, 2)), (100, 500, 10, 12, (12, 2)), (100, 500, 10, 8, (8, 2)),
+                         (400, 500, 10 + 8 * 2 * k, 3, (3, 2))]
+    gemvs = [a for name, a in zip([n for n, _, _ in recorder.launches], recorder.args) if name.startswith("gemv")]
+    assert gemvs == [(30, 400, 20, 50, 500, 1, n, k, 4, 1), (30 + 8 * 4 * n, 400, 20, 50, 500, 3, n, k, 4, 1)]
+    assert [(c[0], c[1], c[2].ptr, c[2].scale.shape, c[3].scale, c[4], c[5]) for c in linear.blas.calls] == [
+        ("block", out, 100, (12 * 16,), w.scale, 12, True), ("block", out, 100, (8 * 16,), w.scale, 8, True)]
+    recorder.launches.clear()
+    act, gate_up = DeviceTensor(60, BF16, (16, n // 2)), DeviceTensor(70, BF16, (16, n))
+    assert linear.gate_up_swiglu(act, x, w, 1, gate_up, down_e4m3=True) is None
+    assert [name for name, _, _ in recorder.launches] == ["quantize_fp8_groups_values", "gemv_fp8_block_bf16",
+                                                          "silu_and_mul"]
+    assert recorder.args[-1] == (60, 70, n // 2, n // 2)
 
 
 def test_linear_runs_e4m3_weights_through_fp8(recorder):
@@ -872,13 +914,16 @@ def test_forward_quantizes_the_lm_head_to_fp8(forward_module, tied):
     assert scale_args[0] == scale_args[1] == forward.buf.logits.ptr and scale_args[-1] == 0  # in place, no add
 
 
-@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block", "ct-channel"])
+@pytest.mark.parametrize("scheme,blocks", [("fp8-tensor", True), ("fp8-block", True), ("fp8-block", False),
+                                           ("ct-channel", True)])
 def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(forward_module, tmp_path,
-                                                                                 monkeypatch, scheme):
+                                                                                 monkeypatch, scheme, blocks):
     """An FP8 checkpoint on a stand-in device: with a scale per tensor or per channel its e4m3 codes are sent as the
     file stores them, each row with its scale (gate/up's rows and scales interleaved alike), and nothing is
-    quantized; with 128 x 128 block scales its weights stream dequantized, as bf16, and are quantized per output
-    channel on the GPU, as quantization="fp8" does with a bf16 checkpoint."""
+    quantized; so are 128 x 128 block-scaled codes, with their block scales (rows padded to 4 blocks of columns,
+    gate/up not interleaved), where cuBLASLt has block-scaled algorithms; else those weights stream dequantized,
+    as bf16, and are quantized per output channel on the GPU, as quantization="fp8" does with a bf16
+    checkpoint."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
     from test_fp8_checkpoints import write_fp8_checkpoint
@@ -900,6 +945,7 @@ def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(
         return tensor
 
     device.upload = recorded
+    monkeypatch.setattr(RecordingBlas, "blocks", blocks)
     engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
                           num_kv_blocks=8)
     forward = forward_module.CudaForward(model, engine, device, FakeStream(), 16)
@@ -909,12 +955,20 @@ def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(
     assert {key for key, dtype in dtypes.items() if dtype != E4M3} == ignored
     assert all(dtypes[key] == BF16 for key in ignored)
     quantized = [name for name, _, _ in device.kernels.launches].count("quantize_fp8")
-    if scheme == "fp8-block":
-        assert quantized == len(dtypes) - len(ignored)
+    if scheme == "fp8-block" and not blocks:
+        assert quantized == len(dtypes) - len(ignored) and not forward.block_codes
         return
     assert quantized == 0
     stored, layer = load_file(str(path / "model.safetensors")), forward.layers[0]
     assert sent[layer.qkv.ptr] == stored["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8).numpy().tobytes()
+    if scheme == "fp8-block":
+        up = stored["model.layers.0.mlp.up_proj.weight"].view(torch.uint8).numpy().tobytes()
+        assert sent[layer.gate_up.ptr + len(up)] == up  # gate's rows, then up's: not interleaved
+        scales = [stored[f"model.layers.0.mlp.{part}_proj.weight_scale_inv"].numpy() for part in ("gate", "up")]
+        padded = np.zeros((sum(len(s) for s in scales), 4), np.float32)
+        padded[:, :scales[0].shape[1]] = np.concatenate(scales)
+        np.testing.assert_array_equal(uploaded[layer.gate_up.scale.ptr], padded)
+        return
     scale_name = "model.layers.0.mlp.{}_proj.weight_scale"
     gate, up = (np.broadcast_to(stored[scale_name.format(part)].numpy().reshape(-1), (128,)) for part in ("gate", "up"))
     interleaved = np.stack([gate.reshape(-1, 8), up.reshape(-1, 8)], 1).reshape(-1)
@@ -1034,9 +1088,12 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     assert chosen == attention and attention <= set(names)
     fp8 = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # another activation's GEMVs
-    # the FP8 weights' kernels run (the pipelined GEMVs at wider k), or are not built
-    ran = {name for name in fp8 - geglu if not name.endswith("_pipelined")}
+    # the FP8 weights' kernels run (the pipelined GEMVs at wider k; those of block scales only for block-scaled
+    # checkpoints), or are not built
+    blocks = {name for name in fp8 if "_block" in name or "_groups" in name}
+    ran = {name for name in fp8 - geglu - blocks if not name.endswith("_pipelined")}
     assert (ran <= set(names)) == (quantization == "fp8") and not (fp8 & set(names) and quantization is None)
+    assert not blocks & set(names)
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
@@ -1379,7 +1436,7 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
         assert lib.matmuls[-1] == (200, 100, 300, (210, 120)) and other.heuristic_queries == 0
         other.close()
         assert lib.matmuls[:2] == [(200, 100, 300, (210, 110)), (200, 100, 300, (210, 120))]
-        modes = lib.descs[blas.scaled_desc.value]
+        modes = lib.descs[blas.scaled_descs["channel"].value]
         assert modes[cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE] == modes[cublas.CUBLASLT_MATMUL_DESC_B_SCALE_MODE] \
             == cublas.CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
         assert cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE not in lib.descs[blas.desc.value]

@@ -202,9 +202,13 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     for field, part in (("experts_gate_up", "gate_proj"), ("experts_down", "down_proj")):  # expert 0's first part
         want = f32_to_bf16(reference[f"model.layers.2.mlp.experts.0.{part}.weight"])
         assert sent[getattr(layers[2], field).ptr] == want.tobytes()
-    assert {"gemv_fp8_bf16", "moe_gemv_gate_up", "moe_topk_softmax"} <= set(names)
-    # a prefill chunk's dense MLP: the activation quantized for an e4m3 down projection, in bf16 for a bf16 one
-    assert ("silu_and_mul_e4m3" in names, "silu_and_mul" in names) == (not ignored, ignored)
+    gemv = "gemv_fp8_block_bf16" if scheme == "fp8-block" else "gemv_fp8_bf16"  # block scales: run as stored
+    assert {gemv, "moe_gemv_gate_up", "moe_topk_softmax"} <= set(names)
+    # a prefill chunk's dense MLP: the activation quantized for an e4m3 down projection, in bf16 for a bf16 one (and
+    # for block scales, whose products quantize their inputs per 128 columns: quantize_fp8_groups)
+    bf16_act = ignored or scheme == "fp8-block"
+    assert ("silu_and_mul_e4m3" in names, "silu_and_mul" in names) == (not bf16_act, bf16_act)
+    assert ("quantize_fp8_groups" in names) == (scheme == "fp8-block")
     backend.close()
 
 

@@ -167,8 +167,9 @@ def test_fp8_lm_head_through_the_engine(model_dir):
 @pytest.mark.parametrize("scheme", ["ct-channel", "fp8-tensor", "fp8-block"])
 def test_an_fp8_checkpoint_on_cuda_follows_the_numpy_backend(tmp_path, scheme):
     """An FP8 checkpoint (ct-channel: layer 1's down projection left unquantized, after an e4m3 gate/up) on cuda
-    against the numpy backend on the same file (its codes as stored), teacher-forced: within twice the distance
-    W8A8 itself puts between the two backends (quantization="fp8" on the dequantized weights) plus 0.02."""
+    against the numpy backend on the same file (its codes as stored, block scales too), teacher-forced: within twice
+    the distance W8A8 itself puts between the two backends (quantization="fp8" on the dequantized weights) plus
+    0.02."""
     import sys
     from pathlib import Path
 
@@ -186,6 +187,8 @@ def test_an_fp8_checkpoint_on_cuda_follows_the_numpy_backend(tmp_path, scheme):
 
     def logprobs(source, backend, **settings):
         with LLM(str(source), backend=backend, max_model_len=128, **settings) as llm:
+            if backend == "cuda" and source == path:  # block scales run as stored, with their block-scaled kernels
+                assert llm.llm_engine.backend.forward.block_codes == (scheme == "fp8-block")
             return our_logprobs(llm, prompts)
 
     apart = np.abs(logprobs(path, "cuda") - logprobs(path, "numpy")).mean()

@@ -18,7 +18,7 @@ from tinyvllm.backends.host_weight import HostWeight
 from tinyvllm.backends.host_weight import linear as host_linear
 from tinyvllm.backends.numpy_backend import interleave_gate_up, silu_and_mul
 from tinyvllm.model.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
-from tinyvllm.model.fp8 import quantize_activations, quantize_rows
+from tinyvllm.model.fp8 import Fp8Rows, e4m3_codes, e4m3_scale, quantize_activations, quantize_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -174,12 +174,13 @@ def fp8_linear(cuda, device, kernels):
     stream = cuda.Stream()
     workspace = cuda.mem_alloc(WORKSPACE_BYTES)
     blas = Cublas(stream.handle, int(workspace), WORKSPACE_BYTES)
-    sizes = (MAX_T * MAX_K, 4 * MAX_T, 4 * MAX_T * MAX_N, 2 * MAX_ROWS * MAX_K)
+    sizes = (MAX_T * MAX_K, 4 * MAX_T, 4 * MAX_T * MAX_N, 2 * MAX_ROWS * MAX_K, 4 * MAX_T * MAX_K // 128)
     memory = [cuda.mem_alloc(size) for size in sizes]
     scratch = Fp8Scratch(DeviceTensor(int(memory[0]), E4M3, (MAX_T, MAX_K)),
                          DeviceTensor(int(memory[1]), F32, (MAX_T,)),
                          DeviceTensor(int(memory[2]), F32, (MAX_T, MAX_N)),
-                         DeviceTensor(int(memory[3]), F16, (MAX_ROWS, MAX_K)))
+                         DeviceTensor(int(memory[3]), F16, (MAX_ROWS, MAX_K)),
+                         DeviceTensor(int(memory[4]), F32, (MAX_T * MAX_K // 128,)))
     yield Linear(blas, Ops(kernels, stream, device.num_sms), fp8=scratch)
     blas.close()
     for allocation in [workspace, *memory]:
@@ -219,7 +220,7 @@ def test_linear_fp8_matches_the_host_twin(cuda, fp8_linear, m, n, k, out_fp32, a
     got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
     err = rel_err(got, ref)
     scaled = [algo is not None for key, algo in fp8_linear.blas.algos.items() if key[:2] == (n, k) and
-              key[-1] == "scaled"]
+              key[-1] == "channel"]
     path = "gemv_fp8" if m <= MAX_ROWS else "cuBLASLt fp8, " + (
         "outer-vector scales" if any(scaled) else "unit scales + scale_rows_cols")
     print(f"REPORT fp8 linear m={m} n={n} k={k} ({path}, {'f32' if out_fp32 else 'bf16'} out): rel err {err:.2e}")
@@ -279,3 +280,99 @@ def test_linear_fp8_fallback_in_pieces(cuda, fp8_linear, monkeypatch, out_fp32, 
     linear.ops.stream.synchronize()
     got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
     assert rel_err(got, ref) < (1e-3 if out_fp32 else 1e-2)
+
+
+def group_quantized(x):
+    """The twin of quantize_fp8_groups: x's codes and scales a row and 128 columns ([ceil(k / 128), rows])."""
+    rows, cols = x.shape
+    starts = np.arange(0, cols, 128)
+    scales = e4m3_scale(np.maximum.reduceat(np.abs(x), starts, axis=1))
+    return e4m3_codes(x, np.repeat(scales, 128, axis=1)[:, :cols]), np.ascontiguousarray(scales.T)
+
+
+@pytest.mark.parametrize("values", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 8), (3, 200), (12, 2048), (301, 640), (8, 14336)])
+def test_quantize_fp8_groups_is_bit_exact(cuda, ops, rows, cols, values):
+    """A block-scaled layer's input: codes (or their f16 values) and scales per row and 128 columns (a last group
+    of fewer where cols is not a multiple of 128), as quantize_activations's group 128, the scales group by group."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(rows * 31 + cols)
+    x = bf16_rows(rng, (rows, cols), 8.0)
+    x[:, : min(cols, 128)] *= 1e-3  # groups of one row differ in magnitude too
+    x = bf16_to_f32(f32_to_bf16(x))
+    groups = -(-cols // 128)
+    out = gpu.poisoned((rows, cols), np.uint16) if values else gpu.put(np.full((rows, cols), 0x7F, np.uint8))
+    scales = gpu.poisoned((groups, rows), np.float32)
+    ops.quantize_fp8_groups(out, scales, gpu.bf16(x), rows, cols, values)
+    codes, want = group_quantized(x)
+    np.testing.assert_array_equal(gpu.get(scales, (groups, rows), np.float32), want)
+    if values:
+        np.testing.assert_array_equal(gpu.get(out, (rows, cols), np.float16), e4m3_to_f32(codes).astype(np.float16))
+    else:
+        np.testing.assert_array_equal(gpu.get(out, (rows, cols), np.uint8), codes)
+    dequantized = e4m3_to_f32(codes) * np.repeat(want.T, 128, axis=1)[:, :cols]
+    np.testing.assert_array_equal(dequantized, quantize_activations(x, group=128))
+
+
+def block_weight(gpu, rng, n, k):
+    """An FP8 checkpoint's block-scaled weight: random e4m3 codes [n, k], scales [ceil(n / 128), ceil(k / 128)]
+    2^-10..2^-4 -> (the device tensor, its scales' rows padded as cuBLASLt reads them; the twin's Fp8Rows)."""
+    from tinyvllm.backends.cuda.cublas import block_scale_stride
+
+    codes = random_codes(rng, (n, k))
+    scales = np.exp2(rng.uniform(-10, -4, (-(-n // 128), -(-k // 128)))).astype(np.float32)
+    padded = np.full((len(scales), block_scale_stride(k)), np.nan, np.float32)  # the padding is never read
+    padded[:, : scales.shape[1]] = scales
+    tensor = DeviceTensor(gpu.put(codes), E4M3, (n, k), DeviceTensor(gpu.put(padded), F32, padded.shape))
+    return tensor, Fp8Rows(codes, scales, (128, 128))
+
+
+# (n, k, out_fp32, accumulate): Llama-3.2-1B's QKV and O shapes; k of 5 blocks (its scales' rows padded to 8) and of
+# 2 (padded to 4); n not a whole number of 128-row blocks; Qwen3-8B's down
+BLOCK_SHAPES = [(3072, 2048, False, False), (2048, 2048, True, True), (384, 640, True, False), (256, 256, False, True),
+                (200, 1024, True, True), (4096, 12288, True, True)]
+
+
+@pytest.mark.parametrize("n,k,out_fp32,accumulate", BLOCK_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, MAX_ROWS, MAX_ROWS + 1, 11, 12, 64, 301])
+def test_linear_block_scaled_fp8_matches_the_host_twin(cuda, fp8_linear, m, n, k, out_fp32, accumulate):
+    """Block-scaled e4m3 codes through Linear.gemm (gemv_fp8_block up to 8 rows; cuBLASLt's block-scaled GEMM on
+    the rows in whole fours and the GEMV on the rest above) against host_weight.linear of the same codes and scales
+    (the numpy backend's product: x quantized per 128 columns)."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(37 * m + n + k)
+    weight, twin = block_weight(gpu, rng, n, k)
+    x = bf16_rows(rng, (m, k))
+    ref = host_linear(x, HostWeight.from_fp8(twin))
+    old = bf16_to_f32(f32_to_bf16(rng.standard_normal((m, n), dtype=np.float32) * (np.std(ref) + 1e-30)))
+    if accumulate:
+        ref = ref + old
+    start = (old if accumulate else np.full((m, n), np.nan, np.float32)) if out_fp32 else (
+        f32_to_bf16(old) if accumulate else np.full((m, n), 0x7FC0, np.uint16))
+    if accumulate and not out_fp32:
+        ref = host_linear(x, HostWeight.from_fp8(twin)) + bf16_to_f32(f32_to_bf16(old))
+    out = DeviceTensor(gpu.put(start), F32 if out_fp32 else BF16, (m, n))
+    fp8_linear.gemm(out, DeviceTensor(gpu.bf16(x), BF16, (m, k)), weight, m, accumulate=accumulate)
+    fp8_linear.ops.stream.synchronize()
+    got = gpu.get(out.ptr, (m, n), np.float32) if out_fp32 else gpu.get_bf16(out.ptr, (m, n))
+    err = rel_err(got, ref)
+    path = "gemv_fp8_block" if m <= MAX_ROWS else f"cuBLASLt block scales x {m - m % 4}" + (
+        f" + gemv_fp8_block x {m % 4}" if m % 4 else "")
+    print(f"REPORT fp8 block linear m={m} n={n} k={k} ({path}, {'f32' if out_fp32 else 'bf16'} out): rel err {err:.2e}")
+    assert np.all(np.isfinite(got)) and err < (1e-3 if out_fp32 else 1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13])
+def test_gate_up_swiglu_block_scaled_fp8(cuda, fp8_linear, m):
+    """A block-scaled gate/up projection (its rows not interleaved: gate's, then up's): the product, rounded to
+    bf16, then silu_and_mul on gate columns before up columns."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(m)
+    n, k = 2 * 1536, 1024
+    weight, twin = block_weight(gpu, rng, n, k)
+    x = bf16_rows(rng, (m, k))
+    ref = silu_and_mul(bf16_to_f32(f32_to_bf16(host_linear(x, HostWeight.from_fp8(twin)))))
+    out, gate_up = gpu.poisoned((m, n // 2), np.uint16), gpu.poisoned((m, n), np.uint16)
+    codes = fp8_linear.gate_up_swiglu(DeviceTensor(out, BF16, (m, n // 2)), DeviceTensor(gpu.bf16(x), BF16, (m, k)),
+                                      weight, m, DeviceTensor(gate_up, BF16, (m, n)), down_e4m3=True)
+    fp8_linear.ops.stream.synchronize()
+    got = gpu.get_bf16(out, (m, n // 2))
+    assert codes is None and np.all(np.isfinite(got))
+    assert rel_err(got[1:] if m > 1 else got, ref[1:] if m > 1 else ref) < 2e-2

@@ -106,7 +106,8 @@ def test_gemv_has_its_first_iteration_of_weights_in_flight_before_it_waits(devic
     code = machine_code(device, tmp_path)
     kernels = {**code["gemv"], **{name: sass for name, sass in code["fp8"].items() if name.startswith("gemv")}}
     forms = ("", "_pipelined")
-    kinds = ("bf16", "f32", "swiglu_bf16", "geglu_bf16", "fp8_bf16", "fp8_f32", "swiglu_fp8", "geglu_fp8")
+    kinds = ("bf16", "f32", "swiglu_bf16", "geglu_bf16", "fp8_bf16", "fp8_f32", "swiglu_fp8", "geglu_fp8",
+             "fp8_block_bf16", "fp8_block_f32")
     assert set(kernels) == {f"gemv_{kind}{form}" for kind in kinds for form in forms}
     for name, instructions in kernels.items():
         _, before = global_accesses_before_wait(instructions)

@@ -329,11 +329,16 @@ def save_hf_model_dir(
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
-    build_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    write_tokenizer(path, config.vocab_size)
+    return path
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A model dir's byte-level BPE tokenizer of vocab_size ids and its config (ChatML template)."""
+    build_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
     tok_config = {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "add_bos_token": False,
                   "chat_template": CHATML_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    return path
 
 
 def write_bf16_safetensors(path: str | os.PathLike, weights: RandomBf16Weights, names: list[str]) -> None:

@@ -98,6 +98,13 @@ class Fp8CheckpointWeights(LazyWeights):
         scale = self.tensors[self.scales[name][0]].reshape(-1).astype(np.float32)
         return np.broadcast_to(scale, (self.tensors.shape(name)[0],)).copy()
 
+    def block_scales(self, name: str) -> np.ndarray:
+        """A float8 weight's scales [ceil(out / rows), ceil(in / columns)] (float32), of a checkpoint with block
+        scales."""
+        if self.scheme.block is None:
+            raise ValueError(f"{self.source}: {name} has no block scales")
+        return self.tensors[self.scales[name][0]].astype(np.float32)
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.known:
             raise KeyError(name)

@@ -52,6 +52,12 @@ CUBLAS_STATUS_INVALID_VALUE, CUBLAS_STATUS_NOT_SUPPORTED = 7, 15
 CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 17, 18
 CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 31, 32
 CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
+CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F = 4, 5
+# gemm_scaled's scale modes, by how the weights are scaled: (A's mode (the weights), B's (the input rows))
+SCALE_MODES = {"channel": (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F),
+               "block": (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F)}
+SCALE_BLOCK = 128  # the block scale modes' 128 x 128 weight blocks and 128-column input groups
+SCALE_PLACEHOLDER = 1 << 16  # the scale pointers' value while the heuristics are asked (where no workspace is given)
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
                 7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
                 13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
@@ -139,6 +145,26 @@ def gemm_types(out: DeviceTensor, x: DeviceTensor, w: DeviceTensor) -> GemmTypes
     return CUDA_TYPES[w.dtype], CUDA_TYPES[x.dtype], CUDA_TYPES[out.dtype]
 
 
+def block_scale_stride(k: int) -> int:
+    """The row stride of a weight's 128 x 128 block scales as cuBLASLt reads them: its ceil(k / 128) blocks of
+    columns rounded up to a multiple of 4 (measured on an H100: unpadded, k = 640's five and k = 256's two gave
+    wrong products; bench/results/2026-12-07-h100-fp8-block-scales.txt)."""
+    blocks = -(-k // SCALE_BLOCK)
+    return -(-blocks // 4) * 4
+
+
+def scale_kind(w: DeviceTensor) -> str:
+    """How an e4m3 weight [n, k] is scaled (SCALE_MODES): "channel", a scale per row ([n]), or "block", per 128 x
+    128 block ([ceil(n / 128), block_scale_stride(k)], the padding unread)."""
+    n, k = w.shape
+    if w.scale is not None and w.scale.shape == (n,):
+        return "channel"
+    if w.scale is not None and w.scale.shape == (-(-n // SCALE_BLOCK), block_scale_stride(k)):
+        return "block"
+    raise ValueError(f"an e4m3 weight {w.shape} needs a scale per row or per {SCALE_BLOCK} x {SCALE_BLOCK} block, "
+                     f"not {None if w.scale is None else w.scale.shape}")
+
+
 def _set_desc(desc: _p, attribute: int, value: ctypes._SimpleCData) -> None:
     check(_lib().cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
           "cublasLtMatmulDescSetAttribute")
@@ -201,8 +227,8 @@ class Cublas:
         check(_lib().cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.stream, self.workspace, self.workspace_bytes = _p(stream_handle), _p(workspace_ptr), workspace_bytes
         self.desc = _matmul_desc()  # float32 compute and scale, A transposed
-        # FP8 with outer-vector scales (gemm_scaled): made at its first use
-        self.scaled_desc: _p | None = None
+        # FP8 with its scales (gemm_scaled), a descriptor a scale kind: made at its first use
+        self.scaled_descs: dict[str, _p] = {}
         self.preference = _p()
         check(_lib().cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "cublasLtMatmulPreferenceCreate")
         limit = _u64(workspace_bytes)
@@ -312,19 +338,22 @@ class Cublas:
 
     def gemm_scaled(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                     accumulate: bool = False) -> bool:
-        """FP8: out[:m] = (x[:m] . w^T) * x.scale[row] * w.scale[column] (+ out when accumulate), e4m3 x and w
-        with float32 scales per row ([m]) and per weight row ([n]), out bf16 or float32, in one cuBLASLt call.
-        False where cuBLASLt has no outer-vector-scaled algorithm for it (nothing ran: the caller scales
-        itself)."""
+        """FP8: out[:m] = x[:m] . w^T with x's and w's scales (+ out when accumulate), e4m3 x and w, out bf16 or
+        float32, in one cuBLASLt call. The scales (scale_kind): per weight row ([n]) and per input row ([m]), times
+        the sum; or per 128 x 128 block of w (row-major as checkpoints store them, rows padded: scale_kind) and per
+        input row and 128 columns ([ceil(k / 128), m]: the rows' scales of a group one after another; m a multiple
+        of 4, else cuBLASLt has no algorithm), within the sum. False where cuBLASLt has no algorithm for that scaling
+        (nothing ran: the caller scales itself, or keeps block-scaled weights off this path)."""
         n, k = matmul_shape(out, x, w, m)
         if x.dtype != E4M3 or w.dtype != E4M3 or x.scale is None or w.scale is None or out.dtype not in (BF16, F32):
             raise ValueError("gemm_scaled takes e4m3 inputs and weights with their scales into bf16 or float32")
         if self.invariant:
             return False
+        kind = scale_kind(w)
         types = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_TYPES[out.dtype])
         rows = m if m in self.exact_rows else m_class(m)
-        key = (n, k, types, rows, "scaled")
-        desc = self._scaled_desc()  # this handle's own, also where another handle found the algorithm
+        key = (n, k, types, rows, kind)
+        desc = self._scaled_desc(kind)  # this handle's own, also where another handle found the algorithm
         if key not in self.algos:
             self.algos[key] = next(iter(self._query(rows, n, k, types, 1, desc)), None)
         algo = self.algos[key]
@@ -340,20 +369,34 @@ class Cublas:
             if not own:
                 return False
             status = self._matmul(own[0], out.ptr, x.ptr, w.ptr, a, b, c, accumulate, desc)
-        check(status, f"cublasLtMatmul(m={m}, n={n}, k={k}, fp8 outer-vector scales)")
+        check(status, f"cublasLtMatmul(m={m}, n={n}, k={k}, fp8 {kind} scales)")
         return True
 
-    def _scaled_desc(self) -> _p:
-        """The descriptor of gemm_scaled: the plain one's, with outer-vector scales for A and B (their pointers
-        set at each call; the heuristics are asked with placeholders, which they do not read)."""
-        if self.scaled_desc is None:
-            self.scaled_desc = _matmul_desc()
-            mode = _i(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
-            for attribute in (CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE):
-                _set_desc(self.scaled_desc, attribute, mode)
+    def scales_blocks(self, n: int, k: int) -> bool:
+        """Whether cuBLASLt has an algorithm for an FP8 product with w [n, k] scaled per 128 x 128 block (asked
+        once per shape; never in batch-invariant mode, whose products run one pinned algorithm)."""
+        if self.invariant:
+            return False
+        types = (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_32F)
+        key = (n, k, types, "block-probe")
+        if key not in self.algos:
+            self.algos[key] = next(iter(self._query(INVARIANT_ROWS, n, k, types, 1, self._scaled_desc("block"))),
+                                   None)
+        return self.algos[key] is not None
+
+    def _scaled_desc(self, kind: str) -> _p:
+        """The descriptor of gemm_scaled for one scale kind: the plain one's, with SCALE_MODES[kind] for A and B
+        (their pointers set at each call; the heuristics are asked with placeholders, which they do not read)."""
+        if kind not in self.scaled_descs:
+            desc = self.scaled_descs[kind] = _matmul_desc()
+            for attribute, mode in zip((CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE),
+                                       SCALE_MODES[kind]):
+                _set_desc(desc, attribute, _i(mode))
+            # not null: with null block-scale pointers the heuristics offer no algorithm (measured)
+            placeholder = _p(self.workspace.value or SCALE_PLACEHOLDER)
             for attribute in (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER):
-                _set_desc(self.scaled_desc, attribute, _p(self.workspace.value))
-        return self.scaled_desc
+                _set_desc(desc, attribute, placeholder)
+        return self.scaled_descs[kind]
 
     def _matmul(self, algo: _Algo, out: int, x: int, w: int, a: _p, b: _p, c: _p, accumulate: bool,
                 desc: _p | None = None) -> int:
@@ -367,7 +410,7 @@ class Cublas:
                 check(_lib().cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
             self._layouts = {}
             check(_lib().cublasLtMatmulPreferenceDestroy(self.preference), "cublasLtMatmulPreferenceDestroy")
-            for desc in filter(None, (self.desc, self.scaled_desc)):
+            for desc in (self.desc, *self.scaled_descs.values()):
                 check(_lib().cublasLtMatmulDescDestroy(desc), "cublasLtMatmulDescDestroy")
             check(_lib().cublasLtDestroy(self.handle), "cublasLtDestroy")
             self.handle = _p()

@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 import pycuda.driver as cuda
 
+from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, block_scale_stride
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
@@ -84,7 +85,8 @@ def _quantized(codes: DeviceTensor | None) -> dict[str, int]:
 
 def fp8_weights(model, engine_config: EngineConfig) -> bool:
     """Whether the layers' linear weights run FP8 W8A8: quantization="fp8", or an FP8 checkpoint (its codes as
-    stored, or with block scales requantized per output channel: CudaForward._stored_codes)."""
+    stored, its scales per tensor, channel or 128 x 128 block; or requantized per output channel:
+    CudaForward._stored_codes)."""
     return engine_config.quantization == "fp8" or model.config.quantization is not None
 
 
@@ -178,6 +180,7 @@ class CudaForward:
             k_scales, v_scales = (device.upload(s, F32) for s in scales)
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
         self.fp8 = fp8_weights(model, engine_config)
+        self.block_codes = self._runs_block_scales(model.weights)  # block-scaled FP8 codes run as stored
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),
@@ -242,31 +245,75 @@ class CudaForward:
             self._random_parts(w, parts)
         else:
             self._stream_parts(w, parts, coded)
-        self._interleave_gate_up()
-        self._attach_row_scales(w, stored)
+        self._interleave_gate_up(stored)
+        self._attach_scales(w, stored)
         log.info("cuda weights: %.2f GiB on %s", size / GIB, self.device_name)
+
+    def _runs_block_scales(self, w: Mapping[str, np.ndarray]) -> bool:
+        """Whether an FP8 checkpoint with 128 x 128 block scales runs its codes as stored (the products scaled per
+        block: Linear._gemm_fp8_blocks): where cuBLASLt has block-scaled algorithms for every layer's shapes, and
+        not in batch-invariant mode (its products run one pinned algorithm, and the block-scaled GEMM has no split-
+        free one to pin). Otherwise those weights go in bf16 and are requantized per row (_quantize_weights)."""
+        if not isinstance(w, Fp8CheckpointWeights) or w.scheme.block != (SCALE_BLOCK, SCALE_BLOCK):
+            return False
+        if self.invariant:
+            log.warning("cuda weights: batch_invariant requantizes the block-scaled FP8 weights with a scale per row")
+            return False
+        # a handle only asked, never run: the workspace's size (the heuristics' limit) without its memory
+        probe = self.device.cublas(self.stream, DeviceTensor(0, U8, (WORKSPACE_BYTES,)))
+        shapes = weight_shapes(self.config)
+        try:
+            for i in range(self.config.num_hidden_layers):
+                parts = layer_parts(self.config, i)
+                for field in self._fp8_fields(w, i):
+                    n, k = sum(shapes[name][0] for name in parts[field]), shapes[parts[field][0]][1]
+                    if not probe.scales_blocks(n, k):
+                        log.warning("cuda weights: cuBLASLt has no block-scaled FP8 product for [%d, %d]: the "
+                                    "block-scaled weights are requantized with a scale per row", n, k)
+                        return False
+        finally:
+            self.device.release(probe)
+        return True
 
     def _stored_codes(self, w: Mapping[str, np.ndarray], i: int) -> list[str]:
         """Layer i's linear weights that go to the GPU as the e4m3 codes the checkpoint stores: an FP8 checkpoint's
-        with a scale per tensor or per output channel (one per row, as the FP8 kernels take them, so its codes run
-        unchanged). Block scales have no such form: those weights go in bf16 and are requantized per row
-        (_quantize_weights)."""
-        if not isinstance(w, Fp8CheckpointWeights) or w.scheme.block is not None:
+        with a scale per tensor or per output channel (one per row, as the FP8 kernels take them), or per 128 x 128
+        block where those run (_runs_block_scales), so its codes run unchanged. Other block scales have no such
+        form: those weights go in bf16 and are requantized per row (_quantize_weights)."""
+        if not isinstance(w, Fp8CheckpointWeights) or (w.scheme.block is not None and not self.block_codes):
             return []
         return self._fp8_fields(w, i)
 
-    def _attach_row_scales(self, w: Mapping[str, np.ndarray], stored: list[list[str]]) -> None:
-        """Each stored-codes weight's float32 scale per row (its parts' scales stacked; gate/up's in the interleaved
-        order of its rows, _interleave_gate_up), uploaded and attached to it."""
+    def _attach_scales(self, w: Mapping[str, np.ndarray], stored: list[list[str]]) -> None:
+        """Each stored-codes weight's float32 scales, uploaded and attached to it: one a row (its parts' scales
+        stacked; gate/up's in the interleaved order of its rows, _interleave_gate_up), or one a 128 x 128 block
+        (_block_scales)."""
         for i, fields in enumerate(stored):
             parts, scales = layer_parts(self.config, i), {}
             for field in fields:
-                rows = np.concatenate([w.row_scales(name) for name in parts[field]])
-                if field == "gate_up":  # gate rows then up rows -> groups of 8 gate rows, each before its 8 up rows
-                    rows = rows.reshape(2, -1, 8).transpose(1, 0, 2).reshape(-1)
                 tensor = getattr(self.layers[i], field)
-                scales[field] = dataclasses.replace(tensor, scale=self.device.upload(np.ascontiguousarray(rows), F32))
+                if self.block_codes:
+                    values = self._block_scales(w, parts[field], tensor.shape[1])
+                else:
+                    values = np.concatenate([w.row_scales(name) for name in parts[field]])
+                    if field == "gate_up":  # gate rows, then up rows -> groups of 8 gate rows, each before 8 up rows
+                        values = values.reshape(2, -1, 8).transpose(1, 0, 2).reshape(-1)
+                scales[field] = dataclasses.replace(tensor, scale=self.device.upload(values, F32))
             self.layers[i] = dataclasses.replace(self.layers[i], **scales)
+
+    @staticmethod
+    def _block_scales(w: Fp8CheckpointWeights, names: list[str], k: int) -> np.ndarray:
+        """A packed weight's block scales [ceil(rows / 128), block_scale_stride(k)] (its parts' stacked; rows
+        padded as cuBLASLt reads them): each part must be whole blocks of rows, or the packed tensor's blocks would
+        mix parts (the numpy backend refuses those checkpoints too: model/fp8.py stack_rows)."""
+        for name in names:
+            if w.shape(name)[0] % SCALE_BLOCK:
+                raise ValueError(f"{w.source}: {name} has {w.shape(name)[0]} rows: a fused projection's parts must "
+                                 f"have a multiple of the weight block's {SCALE_BLOCK} rows")
+        scales = np.concatenate([w.block_scales(name) for name in names])
+        padded = np.zeros((len(scales), block_scale_stride(k)), np.float32)
+        padded[:, :scales.shape[1]] = scales
+        return padded
 
     def _random_parts(self, w: RandomBf16Weights, parts: list[tuple[int, str]]) -> None:
         """Dummy weights made where they go (ops.random_bf16, the same bits as w.stored): a 61 GB model in well
@@ -301,13 +348,15 @@ class CudaForward:
             for buffer in staging:
                 self.device.free_pinned(buffer)
 
-    def _interleave_gate_up(self) -> None:
+    def _interleave_gate_up(self, stored: list[list[str]]) -> None:
         """Each layer's gate/up weight from its parts' order (the gate rows, then the up rows) to groups of 8 gate
         rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
         units and its epilogue applies SwiGLU (gemv.cu), and cuBLAS's output columns come in the order that
         silu_and_mul reads (activation.cu). On the GPU, through one scratch copy. (An expert layer's stacked experts
-        keep their order: cuda/moe.cu reads each expert's gate and up rows where they are.)"""
-        dense = [layer.gate_up for layer in self.layers if layer.gate_up is not None]
+        keep their order: cuda/moe.cu reads each expert's gate and up rows where they are; so do block-scaled FP8 codes,
+        whose 128-row blocks each have their own scales: linear.py runs them without the GEMV's epilogue.)"""
+        dense = [layer.gate_up for i, layer in enumerate(self.layers)
+                 if layer.gate_up is not None and not (self.block_codes and "gate_up" in stored[i])]
         if not dense:
             return
         scratch = self.device.empty(BF16, dense[0].shape)
@@ -353,7 +402,8 @@ class CudaForward:
             for field in quantized:
                 self.device.free(getattr(layer, field))
             self.layers[i] = dataclasses.replace(layer, **quantized)
-        log.info("cuda weights: linear layers in fp8 (e4m3, a scale per output channel)")
+        log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
+                 "128 x 128 block, as stored" if self.block_codes else "output channel")
         if self.config.num_experts:  # an FP8 checkpoint's (backends.fp8_experts_refusal refuses quantization="fp8")
             log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
                         "to bf16; their inputs unquantized): the cuda MoE kernels read bf16 experts only. The other "
@@ -381,7 +431,8 @@ class CudaForward:
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, widest_input)), scales=empty(F32, (t,)),
             acc=empty(F32, (min(t, FP8_ACC_ROWS), max(self.qkv_width, 2 * inter, hidden))),
-            values=empty(F16, (GEMV_MAX_ROWS, widest_input)))
+            values=empty(F16, (GEMV_MAX_ROWS, widest_input)),
+            group_scales=empty(F32, (t * -(-widest_input // SCALE_BLOCK),)) if self.block_codes else None)
         cuda.memset_d32(self.buf.token_counts.ptr, 0, self.buf.token_counts.numel)
         cuda.memset_d8(self.buf.prompt_mask.ptr, 0, self.buf.prompt_mask.numel)
         # float2 [max_model_len, rotary_dim / 2] per distinct RoPE (model/rope.py), and each layer's
@@ -496,8 +547,9 @@ class CudaForward:
                               **_quantized(None if next_norm is None else self._h_codes(n)))
 
     def _empty_codes(self, width: int) -> DeviceTensor | None:
-        """FP8 weights: a GEMV input's buffer (f16 values [GEMV_MAX_ROWS, width] with f32 scales), else None."""
-        if not self.fp8:
+        """FP8 weights: a GEMV input's buffer (f16 values [GEMV_MAX_ROWS, width] with f32 scales), else None (also
+        for block-scaled codes: their inputs are quantized per 128 columns by the product itself)."""
+        if not self.fp8 or self.block_codes:
             return None
         values = self.device.empty(F16, (GEMV_MAX_ROWS, width))
         return dataclasses.replace(values, scale=self.device.empty(F32, (GEMV_MAX_ROWS,)))

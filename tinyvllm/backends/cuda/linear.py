@@ -17,6 +17,13 @@ scales, cublas.py gemm_scaled), or where it cannot, into float32 with unit scale
 (cuda/fp8.cu); then the activation as its kernel on the bf16 gate/up product, quantized to e4m3 as it is written
 (silu_and_mul_e4m3: the down projection's codes).
 
+An FP8 checkpoint's block-scaled codes (a scale per 128 x 128 block, as stored; CudaForward._runs_block_scales):
+the input quantized per row and 128 columns by the product itself (quantize_fp8_groups: no producer writes those
+codes), then for up to 8 rows gemv_fp8_block, which scales each 64-column step of a row's sum by its block's and
+its group's scales, and beyond them cuBLASLt's block-scaled GEMM (cublas.py gemm_scaled) on the rows in whole
+fours, the GEMV on the 1-3 left. Their gate/up rows are not interleaved (the blocks' rows must stay together), so
+the activation is always its kernel after the product, reading gate columns then up columns.
+
 Batch-invariant (invariant=True): every product takes cuBLAS with its one split-free algorithm per shape
 (cublas.py), or for up to 8 rows of the shapes in chain_shapes our gemv_chain (cuda/gemv_chain.cu), which adds a
 row's products in that algorithm's order (one mma chain over k); never the GEMV, whose order differs: a row's
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.backends.cuda.cublas import Cublas
+from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, Cublas, scale_kind
 from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, MMA_K, VECTOR, Ops, fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor, matmul_shape
 
@@ -54,6 +61,8 @@ class Fp8Scratch:
     scales: DeviceTensor  # f32 [t]: one per token
     acc: DeviceTensor  # f32 [r, >= every layer output's width], r <= t rows
     values: DeviceTensor | None = None  # f16 [GEMV_MAX_ROWS, >= every input's width]: the GEMV's x, where not given
+    # f32 [>= t * ceil(widest input / 128)]: block-scaled weights' inputs' scales a row and 128 columns
+    group_scales: DeviceTensor | None = None
 
 
 class Linear:
@@ -114,9 +123,13 @@ class Linear:
 
     def _check_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                    accumulate: bool) -> tuple[int, int]:
-        s = self.fp8
-        if s is None or w.scale is None or w.scale.shape != w.shape[:1]:
-            raise ValueError("an e4m3 linear layer needs its weight's per-channel scales and the fp8 scratch buffers")
+        s, kind = self.fp8, scale_kind(w)
+        if s is None:
+            raise ValueError("an e4m3 linear layer needs the fp8 scratch buffers")
+        if kind == "block" and (s.group_scales is None
+                                         or m * -(-w.shape[1] // SCALE_BLOCK) > s.group_scales.numel):
+            raise ValueError(f"a block-scaled e4m3 product of {m} rows of {w.shape[1]}: no room for its input's "
+                             "group scales in the fp8 scratch")
         if x.dtype != BF16 or out.dtype not in (BF16, F32):
             raise ValueError(f"an e4m3 linear layer takes bf16 inputs into bf16 or f32 outputs, not {x.dtype} into "
                              f"{out.dtype}")
@@ -167,7 +180,11 @@ class Linear:
 
     def _gemm_fp8(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
                   accumulate: bool, x_codes: DeviceTensor | None = None) -> None:
-        """Our FP8 GEMV on x quantized (_gemv_input), or cuBLASLt and the scales on x's e4m3 codes (_gemm_codes)."""
+        """Our FP8 GEMV on x quantized (_gemv_input), or cuBLASLt and the scales on x's e4m3 codes (_gemm_codes);
+        block-scaled weights: _gemm_fp8_blocks."""
+        if scale_kind(w) == "block":
+            self._gemm_fp8_blocks(out, x, w, m, n, k, accumulate)
+            return
         if self.uses_fp8_gemv(m, k):
             xq = self._gemv_input(x, m, k, x_codes)
             self.ops.gemv_fp8(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k, out.dtype == F32,
@@ -189,11 +206,33 @@ class Linear:
             self.ops.scale_rows_cols(out.row(r0), acc.ptr, codes.scale.ptr + 4 * r0, w.scale.ptr, rows, n,
                                      out.dtype == F32, accumulate)
 
+    def _gemm_fp8_blocks(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, n: int, k: int,
+                         accumulate: bool) -> None:
+        """An FP8 checkpoint's block-scaled weight (a scale per 128 x 128 block): x quantized per row and 128
+        columns (quantize_fp8_groups), then cuBLASLt's block-scaled GEMM on the rows in whole fours (its algorithms
+        take no other count) and our gemv_fp8_block on the rest, or on all of them where the GEMV runs."""
+        s = self.fp8
+        head = 0 if self.uses_fp8_gemv(m, k) else m - m % 4
+        if head:
+            groups = DeviceTensor(s.group_scales.ptr, F32, (-(-k // SCALE_BLOCK) * head,))
+            self.ops.quantize_fp8_groups(s.codes.ptr, groups.ptr, x.ptr, head, k, values=False)
+            if not self.blas.gemm_scaled(out, DeviceTensor(s.codes.ptr, E4M3, (head, k), groups), w, head,
+                                         accumulate):
+                raise RuntimeError(f"cuBLASLt has no block-scaled FP8 algorithm for {head} rows, n {n}, k {k}")
+        if head < m:
+            rows = m - head
+            if s.values is None or s.values.rows < rows or s.values.shape[-1] < k:
+                raise ValueError(f"an FP8 GEMV of {rows} rows of {k}: the fp8 scratch has no values buffer for it")
+            self.ops.quantize_fp8_groups(s.values.ptr, s.group_scales.ptr, x.row(head), rows, k, values=True)
+            self.ops.gemv_fp8_block(out.row(head), s.values.ptr, w.ptr, w.scale.ptr, s.group_scales.ptr, rows, n, k,
+                                    out.dtype == F32, accumulate)
+
     def gate_up_swiglu(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int,
                        gate_up: DeviceTensor, activation: str = "silu", x_codes: DeviceTensor | None = None,
                        down_e4m3: bool = False) -> DeviceTensor | None:
         """bf16 out[:m, n / 2] = SwiGLU(x . w^T) (activation "silu"; "gelu_pytorch_tanh": GeGLU), w [n, k] the gate/up
-        projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up); gate_up: a bf16
+        projection with its rows interleaved in groups of 8 (8 gate, then the same units' 8 up; a block-scaled e4m3
+        w's are not: all gate rows, then all up rows, so that its 128-row blocks stay whole); gate_up: a bf16
         [>= m, n] buffer that the cuBLAS path goes through; x_codes: gemm's. An e4m3 w through cuBLASLt where the
         down projection is e4m3 too (down_e4m3): the activation is written quantized instead, as that projection's
         input (input_codes' buffer), and returned, for gemm's x_codes (out is not written); else None."""
@@ -203,7 +242,10 @@ class Linear:
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"the cuda backend has no gated MLP with the {activation!r} activation")
         gemv_name, kernel_name = GATED_ACTIVATIONS[activation]
-        if w.dtype == E4M3 and self.uses_fp8_gemv(m, k):
+        if w.dtype == E4M3 and scale_kind(w) == "block":  # its rows not interleaved: all gates, then all ups
+            self._gemm_fp8_blocks(gate_up, x, w, m, n, k, False)
+            getattr(self.ops, kernel_name)(out.ptr, gate_up.ptr, m, n // 2, n // 2)
+        elif w.dtype == E4M3 and self.uses_fp8_gemv(m, k):
             xq = self._gemv_input(x, m, k, x_codes)
             getattr(self.ops, GATED_FP8_GEMVS[activation])(out.ptr, xq.ptr, w.ptr, w.scale.ptr, xq.scale.ptr, m, n, k)
         elif w.dtype == E4M3:

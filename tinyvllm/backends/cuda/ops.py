@@ -85,6 +85,8 @@ ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, the activations, soft_ca
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
 FP8_VECTOR = 16  # e4m3 codes per 16-byte load: gemv_fp8's k and cuBLASLt's FP8 leading dimensions are multiples
 QUANTIZE_THREADS = 256  # quantize_fp8: threads per block (a row per block)
+QUANTIZE_GROUP_THREADS = 128  # quantize_fp8_groups: threads per block (16 a group of 128 columns)
+GATE_UP_GROUP = 8  # the gate/up weight's rows interleaved in groups of 8 (forward.py), its product's columns too
 ROW_THREADS = 128  # rope_and_cache, add_qkv_bias, qk_norm: threads per block (add_qkv_bias, qk_norm: a token each)
 MOE_GEMV_TILE = 8  # moe_gemv_*: assignments per tile (the n = 8 side of their mma)
 MOE_GEMM_TILE_N = 128  # moe_gemm_*: output columns per tile (gate/up: 64 units' gate and up columns)
@@ -391,21 +393,23 @@ class Ops:
         self.launch("qk_norm_projection", (num_tokens,), ROW_THREADS, qkv, q_weight, k_weight, q_width, kv_width,
                     row_stride, eps)
 
-    @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
-    def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+    @kernel("activation", "bf16* out, const bf16* gate_up, int inter, int group")
+    def silu_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int, group: int = GATE_UP_GROUP) -> None:
         """out [num_tokens, inter] = SwiGLU of gate_up [num_tokens, 2 * inter], its columns interleaved in groups of
-        8 (8 gate, then the same units' 8 up)."""
-        self._gated("silu_and_mul", out, gate_up, num_tokens, inter)
+        `group` (that many gate units, then the same units' up; group = inter: all gates, then all ups)."""
+        self._gated("silu_and_mul", out, gate_up, num_tokens, inter, group)
 
-    @kernel("activation", "bf16* out, const bf16* gate_up, int inter")
-    def gelu_tanh_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
+    @kernel("activation", "bf16* out, const bf16* gate_up, int inter, int group")
+    def gelu_tanh_and_mul(self, out: int, gate_up: int, num_tokens: int, inter: int,
+                          group: int = GATE_UP_GROUP) -> None:
         """silu_and_mul's GeGLU (gelu_pytorch_tanh of the gate, times up): Gemma's MLP."""
-        self._gated("gelu_tanh_and_mul", out, gate_up, num_tokens, inter)
+        self._gated("gelu_tanh_and_mul", out, gate_up, num_tokens, inter, group)
 
-    def _gated(self, name: str, out: int, gate_up: int, num_tokens: int, inter: int) -> None:
-        _require_vectors(name, intermediate_size=inter)
+    def _gated(self, name: str, out: int, gate_up: int, num_tokens: int, inter: int, group: int) -> None:
+        _require_vectors(name, intermediate_size=inter, group=group)
+        _require(inter % group == 0, f"{name}: {inter} units are not whole groups of {group}")
         per_block = ELEMENTWISE_THREADS * VECTOR  # a vector per thread
-        self.launch(name, (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter)
+        self.launch(name, (num_tokens, -(-inter // per_block)), ELEMENTWISE_THREADS, out, gate_up, inter, group)
 
     @kernel("activation", "e4m3* codes, float* scales, const bf16* gate_up, int inter", "silu_and_mul_e4m3",
             "gelu_tanh_and_mul_e4m3")
@@ -689,6 +693,27 @@ class Ops:
         [n, k] with theirs."""
         name, grid, split = _gemv_geometry("gemv_fp8_" + ("f32" if out_fp32 else "bf16"), m, n, k, self.num_sms,
                                            fp8=True)
+        self.launch(name, grid, GEMV_WARPS * 32, out, x, w, w_scale, x_scale, m, n, k, split, int(accumulate))
+
+    @kernel("fp8", "e4m3* out, float* scales, const bf16* x, int rows, int cols", "quantize_fp8_groups")
+    @kernel("fp8", "__half* out, float* scales, const bf16* x, int rows, int cols", "quantize_fp8_groups_values")
+    def quantize_fp8_groups(self, out: int, scales: int, x: int, rows: int, cols: int, values: bool) -> None:
+        """bf16 x [rows, cols] quantized per row and 128 columns: e4m3 codes (values: their f16 values, the FP8
+        GEMV's x) [rows, cols] and float32 scales [ceil(cols / 128), rows], amax / 448 (a block-scaled FP8 layer's
+        input: cuBLASLt's VEC128 scales, gemv_fp8_block's)."""
+        _require_vectors("quantize_fp8_groups", cols=cols)
+        per_block = QUANTIZE_GROUP_THREADS * VECTOR  # 8 groups of 128
+        self.launch("quantize_fp8_groups" + "_values" * values, (rows, -(-cols // per_block)),
+                    QUANTIZE_GROUP_THREADS, out, scales, x, rows, cols)
+
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="float"), "gemv_fp8_block_f32", "gemv_fp8_block_f32_pipelined")
+    @kernel("fp8", FP8_GEMV_ARGS.format(out="bf16"), "gemv_fp8_block_bf16", "gemv_fp8_block_bf16_pipelined")
+    def gemv_fp8_block(self, out: int, x: int, w: int, w_scale: int, x_scale: int, m: int, n: int, k: int,
+                       out_fp32: bool, accumulate: bool) -> None:
+        """gemv_fp8 with block scales: w_scale one per 128 x 128 block of w [ceil(n / 128), block_scale_stride(k)],
+        x_scale one per x row and 128 columns [ceil(k / 128), m] (quantize_fp8_groups's)."""
+        name, grid, split = _gemv_geometry("gemv_fp8_block_" + ("f32" if out_fp32 else "bf16"), m, n, k,
+                                           self.num_sms, fp8=True)
         self.launch(name, grid, GEMV_WARPS * 32, out, x, w, w_scale, x_scale, m, n, k, split, int(accumulate))
 
     @kernel("fp8", FP8_GATED_ARGS, "gemv_swiglu_fp8", "gemv_swiglu_fp8_pipelined")
