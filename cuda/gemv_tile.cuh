@@ -62,6 +62,20 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t word, int high) {
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
+// x row g's f16 code values of a lane's UNROLL chunks (32 bytes each; zeros past k), for multiply_e4m3 and
+// multiply_e4m3_blocks.
+template <int UNROLL>
+__device__ __forceinline__ void load_x_values(uint4 (&xv)[UNROLL][2], const __half* x_row, int base, int t,
+                                              int chunks) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int chunk = base + u * 4 + t;
+        const bool in = chunk < chunks;
+        xv[u][0] = in ? load_coherent(x_row + chunk * 16) : make_uint4(0, 0, 0, 0);
+        xv[u][1] = in ? load_coherent(x_row + chunk * 16 + 8) : make_uint4(0, 0, 0, 0);
+    }
+}
+
 // The e4m3 form of multiply: the weights' codes become f16 in registers (sm_90's mma.sync has no FP8 form: an
 // e4m3 mma compiles to these conversions and f16 mmas anyway); x row g comes as the f16 values of its e4m3 codes
 // (32 bytes per 16-code chunk), as the kernel that wrote x stored them. Word q of a lane's 16 codes of each row feeds
@@ -70,13 +84,7 @@ template <int UNROLL>
 __device__ __forceinline__ void multiply_e4m3(float (&c)[2][4], const uint4 (&lo)[UNROLL], const uint4 (&hi)[UNROLL],
                                               const __half* x_row, int base, int t, int chunks) {
     uint4 xv[UNROLL][2];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int chunk = base + u * 4 + t;
-        const bool in = chunk < chunks;
-        xv[u][0] = in ? load_coherent(x_row + chunk * 16) : make_uint4(0, 0, 0, 0);
-        xv[u][1] = in ? load_coherent(x_row + chunk * 16 + 8) : make_uint4(0, 0, 0, 0);
-    }
+    load_x_values<UNROLL>(xv, x_row, base, t, chunks);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const uint32_t* l = reinterpret_cast<const uint32_t*>(&lo[u]);
@@ -100,13 +108,7 @@ __device__ __forceinline__ void multiply_e4m3_blocks(float (&c)[2][4], const uin
                                                      int chunks, const float* ws_lo, const float* ws_hi,
                                                      const float* x_scale, int col0, int col1, int m) {
     uint4 xv[UNROLL][2];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int chunk = base + u * 4 + t;
-        const bool in = chunk < chunks;
-        xv[u][0] = in ? load_coherent(x_row + chunk * 16) : make_uint4(0, 0, 0, 0);
-        xv[u][1] = in ? load_coherent(x_row + chunk * 16 + 8) : make_uint4(0, 0, 0, 0);
-    }
+    load_x_values<UNROLL>(xv, x_row, base, t, chunks);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int first = base + u * 4;
