@@ -150,3 +150,27 @@ def test_invariant_linear_needs_an_invariant_blas():
         Linear(RecordingBlas(), Ops(TypedRecorder(), None, num_sms=132), invariant=True)
     linear = Linear(RecordingBlas(invariant=True), Ops(TypedRecorder(), None, num_sms=132), invariant=True)
     assert not linear.uses_gemv(1, 2048, 2048)
+
+
+def test_block_scaled_fp8_weights_are_requantized_per_row(forward_module, tmp_path, caplog):
+    """An FP8 checkpoint with 128 x 128 block scales: batch-invariant products run one pinned algorithm, which the
+    block-scaled GEMM has not, so its weights are requantized with a scale per row (quantize_fp8), and a warning
+    says so."""
+    import logging
+
+    pytest.importorskip("torch")
+    from test_fp8_checkpoints import write_fp8_checkpoint
+    from tinyvllm.backends.cuda.tensors import E4M3
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    model = load_model(write_fp8_checkpoint(tmp_path, "fp8-block", head_dim=64)[0])
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8, batch_invariant=True)
+    recorder = TypedRecorder()
+    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
+        forward = forward_module.CudaForward(model, engine, FakeDevice(recorder), FakeStream(), 16)
+    assert not forward.block_codes and "requantizes the block-scaled FP8 weights" in caplog.text
+    layer = forward.layers[0]
+    assert layer.qkv.dtype == E4M3 and layer.qkv.scale.shape == (layer.qkv.shape[0],)
+    assert [name for name, _, _ in recorder.launches].count("quantize_fp8") == 4 * model.config.num_hidden_layers
