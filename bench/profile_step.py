@@ -1,7 +1,7 @@
 """Where a decode step's time goes, on the cuda backend: host vs GPU, and GPU time per kernel.
 
-    python bench/profile_step.py [--dummy-weights llama-3.2-1b] [--batch 256,512] [--prompt-len 256] [--chain]
-        [--quantization fp8] [--quantize-lm-head] [--batch-invariant]
+    python bench/profile_step.py [--dummy-weights llama-3.2-1b | --model DIR] [--batch 256,512] [--prompt-len 256]
+        [--chain] [--quantization fp8] [--quantize-lm-head] [--batch-invariant]
 
 Host work is everything the engine does per step (scheduling, batch preparation, launching, output processing);
 the engine overlaps it with the GPU's work on the previous step, so the cost that remains is the step's wall time
@@ -26,6 +26,7 @@ import numpy as np
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.benchmark import dummy_model
+from tinyvllm.model.loader import load_model
 
 
 def fill(llm: LLM, batch: int, prompt_len: int) -> None:
@@ -181,6 +182,7 @@ def chain(llm: LLM, steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dummy-weights", default="llama-3.2-1b")
+    parser.add_argument("--model", default=None, help="a model dir instead of dummy weights (an FP8 checkpoint)")
     parser.add_argument("--batch", default="256,512")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
@@ -189,7 +191,7 @@ def main() -> None:
     parser.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8: the LM head too")
     parser.add_argument("--batch-invariant", action="store_true", help="the LLM's batch_invariant")
     args = parser.parse_args()
-    model = dummy_model(args.dummy_weights)
+    model = load_model(args.model) if args.model else dummy_model(args.dummy_weights)
     for batch in map(int, args.batch.split(",")):
         llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096, quantization=args.quantization,
                   quantize_lm_head=args.quantize_lm_head, batch_invariant=args.batch_invariant)

@@ -98,24 +98,34 @@ __device__ __forceinline__ void multiply_e4m3(float (&c)[2][4], const uint4 (&lo
 }
 
 // multiply_e4m3 with weights scaled per 128 x 128 block and x per row and 128 columns (an FP8 checkpoint's block
-// scales): each u's mmas (the 4 lanes t read chunks base + 4u .. + 3, 64 codes inside one 128-column block kb, as
-// base is a multiple of 4) go into an accumulator of their own, which is then added to c times its scales: the
-// block scale of the lane's row g (ws_lo[kb]) or g + 8 (ws_hi[kb]) and the group scale of its x rows 2t and 2t + 1
-// (x_scale[kb * m + col]: x's group scales, [ceil(k / 128), m]).
+// scales): each u's mmas (the 4 lanes t read chunks base + 4u .. + 3, 64 codes inside one 128-column block) go into
+// an accumulator of their own, which is then added to c times its scales: the block scale of the lane's row g
+// (ws_lo[kb]) or g + 8 (ws_hi[kb]) and the group scale of its x rows 2t and 2t + 1 (x_scale[kb * m + col]: x's
+// group scales, [ceil(k / 128), m]). base is a multiple of 8 (4 * UNROLL, UNROLL even), so u 2p and 2p + 1 share
+// block base / 8 + p; the iteration's scales are loaded together before its mmas, not each before its own.
 template <int UNROLL>
 __device__ __forceinline__ void multiply_e4m3_blocks(float (&c)[2][4], const uint4 (&lo)[UNROLL],
                                                      const uint4 (&hi)[UNROLL], const __half* x_row, int base, int t,
                                                      int chunks, const float* ws_lo, const float* ws_hi,
                                                      const float* x_scale, int col0, int col1, int m) {
+    static_assert(UNROLL % 2 == 0, "two u of 4 lanes' 16 codes make a 128-column block");
+    constexpr int PAIRS = UNROLL / 2;
     uint4 xv[UNROLL][2];
     load_x_values<UNROLL>(xv, x_row, base, t, chunks);
+    float s_lo[PAIRS], s_hi[PAIRS], x0[PAIRS], x1[PAIRS];
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+        const int kb = (base >> 3) + p;
+        const bool in = base + 8 * p < chunks;
+        s_lo[p] = in ? ws_lo[kb] : 0.f;
+        s_hi[p] = in ? ws_hi[kb] : 0.f;
+        x0[p] = in ? x_scale[(int64_t)kb * m + col0] : 0.f;
+        x1[p] = in ? x_scale[(int64_t)kb * m + col1] : 0.f;
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-        const int first = base + u * 4;
-        if (first >= chunks) break;
-        const int kb = first >> 3;  // 8 chunks of 16 codes a block
-        const float s_lo = ws_lo[kb], s_hi = ws_hi[kb];
-        const float x0 = x_scale[(int64_t)kb * m + col0], x1 = x_scale[(int64_t)kb * m + col1];
+        if (base + u * 4 >= chunks) break;
+        const int p = u >> 1;
         const uint32_t* l = reinterpret_cast<const uint32_t*>(&lo[u]);
         const uint32_t* h = reinterpret_cast<const uint32_t*>(&hi[u]);
         const uint32_t* x = reinterpret_cast<const uint32_t*>(xv[u]);
@@ -125,9 +135,9 @@ __device__ __forceinline__ void multiply_e4m3_blocks(float (&c)[2][4], const uin
             mma_f16(d[q & 1], e4m3x2_to_f16x2(l[q], 0), e4m3x2_to_f16x2(h[q], 0), e4m3x2_to_f16x2(l[q], 1),
                     e4m3x2_to_f16x2(h[q], 1), x[2 * q], x[2 * q + 1]);
         // c's elements: (row g, col 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-        c[u & 1][0] += (d[0][0] + d[1][0]) * (s_lo * x0);
-        c[u & 1][1] += (d[0][1] + d[1][1]) * (s_lo * x1);
-        c[u & 1][2] += (d[0][2] + d[1][2]) * (s_hi * x0);
-        c[u & 1][3] += (d[0][3] + d[1][3]) * (s_hi * x1);
+        c[u & 1][0] += (d[0][0] + d[1][0]) * (s_lo[p] * x0[p]);
+        c[u & 1][1] += (d[0][1] + d[1][1]) * (s_lo[p] * x1[p]);
+        c[u & 1][2] += (d[0][2] + d[1][2]) * (s_hi[p] * x0[p]);
+        c[u & 1][3] += (d[0][3] + d[1][3]) * (s_hi[p] * x1[p]);
     }
 }
