@@ -976,6 +976,29 @@ def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(
     assert layer.gate_up.scale.shape == (256,) and layer.qkv.scale.shape == (layer.qkv.shape[0],)
 
 
+def test_block_scales_of_a_partial_column_block_are_requantized(forward_module, tmp_path, caplog):
+    """A block-scaled checkpoint whose hidden size is not whole 128-column blocks (QKV's and gate/up's k = 320):
+    cuBLASLt's block-scaled products were measured on whole blocks only, so its weights are requantized with a
+    scale per row, with a warning, as where cuBLASLt has no algorithm."""
+    import logging
+
+    pytest.importorskip("torch")
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    model = load_model(write_fp8_checkpoint(tmp_path, "fp8-block", hidden_size=320, intermediate_size=256)[0])
+    device = FakeDevice(TypedRecorder())
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8)
+    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
+        forward = forward_module.CudaForward(model, engine, device, FakeStream(), 16)
+    assert not forward.block_codes and "no block-scaled FP8 product for [512, 320]" in caplog.text
+    assert forward.layers[0].qkv.scale.shape == (512,)
+    assert [name for name, _, _ in device.kernels.launches].count("quantize_fp8") == 4 * model.config.num_hidden_layers
+
+
 class FakeGraph:
     """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
 

@@ -251,7 +251,8 @@ class CudaForward:
 
     def _runs_block_scales(self, w: Mapping[str, np.ndarray]) -> bool:
         """Whether an FP8 checkpoint with 128 x 128 block scales runs its codes as stored (the products scaled per
-        block: Linear._gemm_fp8_blocks): where cuBLASLt has block-scaled algorithms for every layer's shapes, and
+        block: Linear._gemm_fp8_blocks): where cuBLASLt has block-scaled algorithms for every layer's shapes, each
+        of whole 128-column blocks (the only ones measured: bench/results/2026-12-07-h100-fp8-block-scales.txt), and
         not in batch-invariant mode (its products run one pinned algorithm, and the block-scaled GEMM has no split-
         free one to pin). Otherwise those weights go in bf16 and are requantized per row (_quantize_weights)."""
         if not isinstance(w, Fp8CheckpointWeights) or w.scheme.block != (SCALE_BLOCK, SCALE_BLOCK):
@@ -267,9 +268,10 @@ class CudaForward:
                 parts = layer_parts(self.config, i)
                 for field in self._fp8_fields(w, i):
                     n, k = sum(shapes[name][0] for name in parts[field]), shapes[parts[field][0]][1]
-                    if not probe.scales_blocks(n, k):
-                        log.warning("cuda weights: cuBLASLt has no block-scaled FP8 product for [%d, %d]: the "
-                                    "block-scaled weights are requantized with a scale per row", n, k)
+                    if k % SCALE_BLOCK or not probe.scales_blocks(n, k):
+                        log.warning("cuda weights: no block-scaled FP8 product for [%d, %d] (cuBLASLt's, for whole "
+                                    "128-column blocks): the block-scaled weights are requantized with a scale per "
+                                    "row", n, k)
                         return False
         finally:
             self.device.release(probe)
