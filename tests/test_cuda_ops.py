@@ -1469,6 +1469,35 @@ def test_gemm_scaled_gives_cublaslt_the_outer_vector_scales(monkeypatch, status)
     blas.close()
 
 
+@pytest.mark.parametrize("status", [0, cublas.CUBLAS_STATUS_NOT_SUPPORTED])
+def test_gemm_scaled_gives_cublaslt_the_block_scales(monkeypatch, status):
+    """A weight with 128 x 128 block scales: gemm_scaled runs on a descriptor of its own, block scale modes for A
+    (the weights) and 128-column ones for B (the inputs), their scale pointers set at each call; scales_blocks asks
+    the heuristics once per shape with placeholder pointers that are not null (a handle without a workspace too:
+    with null ones cuBLASLt offers nothing), and never in batch-invariant mode."""
+    lib = ScaleAwareCublasLt(status)
+    monkeypatch.setattr(cublas, "_lib", lambda: lib)
+    probe = cublas.Cublas(0, 0, 0)  # no workspace: a handle only asked
+    assert probe.scales_blocks(256, 640) == (status == 0) and probe.scales_blocks(256, 640) == (status == 0)
+    assert probe.heuristic_queries == 1
+    modes = lib.descs[probe.scaled_descs["block"].value]
+    assert (modes[cublas.CUBLASLT_MATMUL_DESC_A_SCALE_MODE], modes[cublas.CUBLASLT_MATMUL_DESC_B_SCALE_MODE]) == (
+        cublas.CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, cublas.CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F)
+    assert modes[cublas.CUBLASLT_MATMUL_DESC_A_SCALE_POINTER] == modes[cublas.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER] != 0
+    assert not cublas.Cublas(0, 4096, 1 << 20, invariant=True).scales_blocks(256, 640)
+    blas = cublas.Cublas(0, 4096, 1 << 20)
+    w = DeviceTensor(200, E4M3, (256, 640), DeviceTensor(210, F32, (2, cublas.block_scale_stride(640))))
+    x = DeviceTensor(100, E4M3, (8, 640), DeviceTensor(110, F32, (5 * 8,)))
+    assert blas.gemm_scaled(DeviceTensor(300, F32, (8, 256)), x, w, 8, accumulate=True) == (status == 0)
+    if status == 0:
+        assert lib.matmuls == [(200, 100, 300, (210, 110))]
+    with pytest.raises(ValueError, match="a scale per row or per 128 x 128 block"):
+        blas.gemm_scaled(DeviceTensor(300, F32, (8, 256)), x, dataclasses.replace(
+            w, scale=DeviceTensor(210, F32, (2, 5))), 8)  # the scales' rows not padded to 8 blocks of columns
+    blas.close()
+    probe.close()
+
+
 def test_gemv_chain_declares_its_ring_as_dynamic_shared_memory():
     """gemv_chain's four kernels ask for CHAIN_WARPS rings of CHAIN_STAGES stages of 16 weight rows and 8 rows of x,
     each of CHAIN_K + 8 bf16 (cuda/gemv_chain.cu: a ring a warp), within an H100/H200 block's most; no other kernel
