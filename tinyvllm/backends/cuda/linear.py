@@ -126,8 +126,8 @@ class Linear:
         s, kind = self.fp8, scale_kind(w)
         if s is None:
             raise ValueError("an e4m3 linear layer needs the fp8 scratch buffers")
-        if kind == "block" and (s.group_scales is None
-                                         or m * -(-w.shape[1] // SCALE_BLOCK) > s.group_scales.numel):
+        groups = m * -(-w.shape[1] // SCALE_BLOCK)  # a block-scaled input's scales
+        if kind == "block" and (s.group_scales is None or groups > s.group_scales.numel):
             raise ValueError(f"a block-scaled e4m3 product of {m} rows of {w.shape[1]}: no room for its input's "
                              "group scales in the fp8 scratch")
         if x.dtype != BF16 or out.dtype not in (BF16, F32):
