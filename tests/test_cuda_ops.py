@@ -976,6 +976,22 @@ def test_an_fp8_checkpoint_goes_to_the_gpu_as_stored_or_requantized_per_channel(
     assert layer.gate_up.scale.shape == (256,) and layer.qkv.scale.shape == (layer.qkv.shape[0],)
 
 
+def test_a_block_scaled_fused_projection_not_whole_blocks_is_refused_on_cuda(forward_module, tmp_path):
+    """K of 64 rows fused into QKV with 128 x 128 block scales: its blocks would mix parts, so the cuda backend
+    refuses it in one line, as the numpy backend does (test_fp8_checkpoints)."""
+    pytest.importorskip("torch")
+    from test_fp8_checkpoints import write_fp8_checkpoint
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    path, *_ = write_fp8_checkpoint(tmp_path, "fp8-block", head_dim=64, num_attention_heads=4, num_key_value_heads=1)
+    engine = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          num_kv_blocks=8)
+    with pytest.raises(ValueError, match="k_proj.weight has 64 rows: a fused projection's parts must have a multiple"):
+        forward_module.CudaForward(load_model(path), engine, FakeDevice(TypedRecorder()), FakeStream(), 16)
+
+
 def test_block_scales_of_a_partial_column_block_are_requantized(forward_module, tmp_path, caplog):
     """A block-scaled checkpoint whose hidden size is not whole 128-column blocks (QKV's and gate/up's k = 320):
     cuBLASLt's block-scaled products were measured on whole blocks only, so its weights are requantized with a
