@@ -30,6 +30,9 @@ __device__ __forceinline__ void mma_f16(float c[4], uint32_t a0, uint32_t a1, ui
 __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    mma_f16(c, a[0], a[1], a[2], a[3], b0, b1);
+}
 
 // Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const bf16* p) {

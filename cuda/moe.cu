@@ -25,6 +25,8 @@
 // Compiled with -DMOE_MAX_EXPERTS, -DMOE_TOPK_THREADS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL,
 // -DMOE_GEMM_BLOCK_K, -DMOE_GEMM_STAGES and -DMOE_GEMM_WARPS_<m> from backends/cuda/ops.py, which launches the
 // kernels.
+#include <type_traits>
+
 #include "common.cuh"
 #include "gemv_tile.cuh"
 
@@ -337,40 +339,51 @@ __device__ __forceinline__ float moe_swiglu(float gate, float up) {
 // act [p, inter] bf16 = SwiGLU of each unit, for every padded row p (a padding row's is 0).
 // Else (down): a weight tile is 16 output columns' rows; A rows are act rows; out [a, hidden] float32 =
 // topk_weights[a] * the product, for the tile's real assignments a.
+// FP8 (W8A8, moe_gemv_fp8_*): w holds e4m3 codes with w_scale one per expert and row ([E, rows of an expert]), the
+// A rows the f16 values of e4m3 codes (quantize_fp8_values) with a_scale one per row: per token (x, gate/up) or per
+// padded row (act, down); the sums (gemv_tile.cuh multiply_e4m3) are scaled by both before SwiGLU or the routing
+// weight, as gemv_fp8's are.
 // Grid (max tiles, ceil(weight tiles / (MOE_GEMV_WARPS / split))), block MOE_GEMV_WARPS * 32; split in {1, 2, 4, 8}
 // divides MOE_GEMV_WARPS.
-template <bool GATE_UP>
-__device__ void moe_gemv(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
-                         const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
-                         int num_assignments, int hidden, int inter, int split) {
+template <bool GATE_UP, bool FP8>
+__device__ void moe_gemv(bf16* act, float* out, const void* a_rows, const void* w, const float* w_scale,
+                         const float* a_scale, const int* sorted_ids, const int* expert_ids,
+                         const int* num_post_padded, const float* topk_weights, int top_k, int num_assignments,
+                         int hidden, int inter, int split) {
     pdl_begin();  // the indices (moe_align) and A rows come from the kernels before
+    using W = std::conditional_t<FP8, e4m3, bf16>;
+    using X = std::conditional_t<FP8, __half, bf16>;
     __shared__ __align__(16) float partial[MOE_GEMV_WARPS][128];  // each warp's c fragment, 4 floats per lane
     const int tile = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     if (tile * 8 >= *num_post_padded) return;
     const int tiles = MOE_GEMV_WARPS / split, tile0 = blockIdx.y * tiles;  // this block's weight tiles
     const int k = GATE_UP ? hidden : inter, rows = GATE_UP ? inter : hidden;  // rows: units or output columns
     const int r0 = (tile0 + warp / split) * (GATE_UP ? 8 : 16);  // the warp's first unit or output column
-    const int chunks = r0 < rows ? k / 8 : 0;  // a weight tile wholly past the rows loads nothing
-    const bf16* w_e = w + (int64_t)expert_ids[tile] * (GATE_UP ? 2 * inter : hidden) * k;
-    const bf16* w_lo = w_e + (int64_t)min(r0 + g, rows - 1) * k;
-    const bf16* w_hi = GATE_UP ? w_lo + (int64_t)inter * k : w_e + (int64_t)min(r0 + g + 8, rows - 1) * k;
+    const int chunks = r0 < rows ? k / (16 / (int)sizeof(W)) : 0;  // a weight tile wholly past the rows loads nothing
+    const int expert = expert_ids[tile], expert_rows = GATE_UP ? 2 * inter : hidden;
+    const W* w_e = static_cast<const W*>(w) + (int64_t)expert * expert_rows * k;
+    const W* w_lo = w_e + (int64_t)min(r0 + g, rows - 1) * k;
+    const W* w_hi = GATE_UP ? w_lo + (int64_t)inter * k : w_e + (int64_t)min(r0 + g + 8, rows - 1) * k;
     const int a = sorted_ids[tile * 8 + g];  // column g's assignment (num_assignments: a padding row)
     const bool x_ok = !GATE_UP || a < num_assignments;
-    const bf16* x_row = a_rows + (GATE_UP ? (int64_t)(x_ok ? a / top_k : 0) * hidden : (int64_t)(tile * 8 + g) * inter);
+    const X* x_row = static_cast<const X*>(a_rows) +
+                     (GATE_UP ? (int64_t)(x_ok ? a / top_k : 0) * hidden : (int64_t)(tile * 8 + g) * inter);
     float c[2][4] = {};
     uint4 lo[MOE_GEMV_UNROLL], hi[MOE_GEMV_UNROLL];
     for (int base = (warp % split) * MOE_GEMV_UNROLL * 4; base < chunks; base += split * MOE_GEMV_UNROLL * 4) {
         load_rows<MOE_GEMV_UNROLL>(lo, hi, w_lo, w_hi, base, t, chunks);
-        multiply<MOE_GEMV_UNROLL>(c, lo, hi, x_row, x_ok, base, t, chunks);
+        if constexpr (FP8) multiply_e4m3<MOE_GEMV_UNROLL>(c, lo, hi, x_row, base, t, chunks);
+        else multiply<MOE_GEMV_UNROLL>(c, lo, hi, x_row, x_ok, base, t, chunks);
     }
     *reinterpret_cast<float4*>(&partial[warp][lane * 4]) =
         make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2], c[0][3] + c[1][3]);
     __syncthreads();
+    const float* ws = FP8 ? w_scale + (int64_t)expert * expert_rows : nullptr;  // this expert's row scales
     // Element f = 4 * lane + j of a weight tile's fragment, summed over its split warps: row g + 8 * (j / 2),
     // column 2t + j % 2 (the mma's c layout); gate/up: j = 0, 1 a unit's gate, j + 2 its up.
     for (int i = threadIdx.x; i < tiles * (GATE_UP ? 64 : 128); i += blockDim.x) {
         const int wt = GATE_UP ? i >> 6 : i >> 7, f = GATE_UP ? (i & 63) * 2 - (i & 1) : i & 127;
-        const int l = f >> 2, j = f & 3, col = (l & 3) * 2 + (j & 1);
+        const int l = f >> 2, j = f & 3, col = (l & 3) * 2 + (j & 1), asg = sorted_ids[tile * 8 + col];
         float sum = 0.f, up = 0.f;
         for (int s = 0; s < split; ++s) {
             sum += partial[wt * split + s][f];
@@ -378,10 +391,18 @@ __device__ void moe_gemv(bf16* act, float* out, const bf16* a_rows, const bf16* 
         }
         if (GATE_UP) {
             const int unit = (tile0 + wt) * 8 + (l >> 2);
-            if (unit < inter) act[(int64_t)(tile * 8 + col) * inter + unit] = __float2bfloat16(moe_swiglu(sum, up));
+            if (unit >= inter) continue;
+            if constexpr (FP8) {  // a padding row's x is another token's: its scale 0 makes its act 0
+                const float xs = asg < num_assignments ? a_scale[asg / top_k] : 0.f;
+                sum *= xs * ws[unit];
+                up *= xs * ws[inter + unit];
+            }
+            act[(int64_t)(tile * 8 + col) * inter + unit] = __float2bfloat16(moe_swiglu(sum, up));
         } else {
-            const int row = (tile0 + wt) * 16 + (l >> 2) + (j >> 1) * 8, asg = sorted_ids[tile * 8 + col];
-            if (row < hidden && asg < num_assignments) out[(int64_t)asg * hidden + row] = topk_weights[asg] * sum;
+            const int row = (tile0 + wt) * 16 + (l >> 2) + (j >> 1) * 8;
+            if (row >= hidden || asg >= num_assignments) continue;
+            if constexpr (FP8) sum *= a_scale[tile * 8 + col] * ws[row];
+            out[(int64_t)asg * hidden + row] = topk_weights[asg] * sum;
         }
     }
 }
@@ -390,28 +411,49 @@ __device__ void moe_gemv(bf16* act, float* out, const bf16* a_rows, const bf16* 
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_gate_up(
     bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids, const int* num_post_padded,
     int top_k, int num_assignments, int hidden, int inter, int split) {
-    moe_gemv<true>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k, num_assignments,
-                   hidden, inter, split);
+    moe_gemv<true, false>(act, nullptr, x, w, nullptr, nullptr, sorted_ids, expert_ids, num_post_padded, nullptr,
+                          top_k, num_assignments, hidden, inter, split);
 }
 
 // out [num_assignments, hidden] float32; act as moe_gemv_gate_up wrote it; w experts_down.
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_down(
     float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,
     const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter, int split) {
-    moe_gemv<false>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1, num_assignments,
-                    hidden, inter, split);
+    moe_gemv<false, false>(nullptr, out, act, w, nullptr, nullptr, sorted_ids, expert_ids, num_post_padded,
+                           topk_weights, 1, num_assignments, hidden, inter, split);
+}
+
+// The e4m3 forms: x [T, hidden] and act [tiles * 8, inter] as f16 code values with x_scale [T], act_scale [tiles * 8];
+// w e4m3 with w_scale [E * rows of an expert].
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_fp8_gate_up(
+    bf16* act, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale, const int* sorted_ids,
+    const int* expert_ids, const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter,
+    int split) {
+    moe_gemv<true, true>(act, nullptr, x, w, w_scale, x_scale, sorted_ids, expert_ids, num_post_padded, nullptr,
+                         top_k, num_assignments, hidden, inter, split);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_GEMV_WARPS * 32, 2) moe_gemv_fp8_down(
+    float* out, const __half* act, const e4m3* w, const float* w_scale, const float* act_scale, const int* sorted_ids,
+    const int* expert_ids, const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden,
+    int inter, int split) {
+    moe_gemv<false, true>(nullptr, out, act, w, w_scale, act_scale, sorted_ids, expert_ids, num_post_padded,
+                          topk_weights, 1, num_assignments, hidden, inter, split);
 }
 
 #define GEMM_BLOCK_N 128  // B rows (output columns) per tile: gate/up 64 units' gate and up rows, down 128 columns
 #define GEMM_LD (MOE_GEMM_BLOCK_K + 8)  // shared rows padded so that ldmatrix is conflict-free
 
 // One k-step's A and B tiles in shared memory (a stage of the pipeline); MOE_GEMM_STAGES of them are the kernel's
-// dynamic shared memory (ops.moe_gemm_shared_bytes, past the static 48 KB).
+// dynamic shared memory (ops.moe_gemm_shared_bytes, past the static 48 KB), followed in the FP8 kernels by each
+// stage's e4m3 B codes [GEMM_BLOCK_N][MOE_GEMM_BLOCK_K] as they land (widened into b before the step's mmas). The
+// FP8 kernels' a and b hold f16 values (e4m3 values, exact in f16) in the same 16-bit rows.
 template <int BM>
 struct GemmStage {
     bf16 a[BM * GEMM_LD];
     bf16 b[GEMM_BLOCK_N * GEMM_LD];
 };
+constexpr int GEMM_CODES_BYTES = GEMM_BLOCK_N * MOE_GEMM_BLOCK_K;  // a stage's e4m3 B codes (FP8)
 
 // The weight row behind shared B row j of a tile whose first unit (gate/up) or output column (down) is col0: for
 // gate/up a column group of WN rows holds WN / 2 units' gate rows, then the same units' up rows, so that a warp's
@@ -423,21 +465,73 @@ __device__ __forceinline__ int gemm_weight_row(int j, int col0, int n) {
     return within < WN / 2 ? unit : n + unit;
 }
 
-// Issue the copies of k-step k0 into a stage: A rows rows_s (a_rows' rows; -1: zeros), B rows the expert's weight
-// rows; chunks past k are zeros.
-template <bool GATE_UP, int BM, int WARPS, int WN>
-__device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, const int* rows_s, const bf16* a_rows,
-                                                const bf16* w_e, int k0, int col0, int n, int k) {
-    constexpr int BK = MOE_GEMM_BLOCK_K, PARTS = BK / 8;
+// Issue the copies of k-step k0 into a stage: A rows rows_s (a_rows' rows of 16-bit values; -1: zeros), B rows the
+// expert's weight rows (bf16 into st.b; FP8: e4m3 codes into `codes`); chunks past k are zeros.
+template <bool GATE_UP, int BM, int WARPS, int WN, bool FP8>
+__device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, uint8_t* codes, const int* rows_s,
+                                                const bf16* a_rows, const void* w_e, int k0, int col0, int n, int k) {
+    constexpr int BK = MOE_GEMM_BLOCK_K, PARTS = BK / 8, B_PARTS = FP8 ? BK / 16 : PARTS;
     for (int c = threadIdx.x; c < BM * PARTS; c += WARPS * 32) {
         const int r = c / PARTS, kc = k0 + c % PARTS * 8, row = rows_s[r];
         const bool ok = row >= 0 && kc < k;
         cp_async16(&st.a[r * GEMM_LD + c % PARTS * 8], ok ? a_rows + (int64_t)row * k + kc : a_rows, ok);
     }
-    for (int c = threadIdx.x; c < GEMM_BLOCK_N * PARTS; c += WARPS * 32) {
-        const int j = c / PARTS, kc = k0 + c % PARTS * 8;
-        const bf16* src = w_e + (int64_t)gemm_weight_row<GATE_UP, WN>(j, col0, n) * k + kc;
-        cp_async16(&st.b[j * GEMM_LD + c % PARTS * 8], kc < k ? src : w_e, kc < k);
+    for (int c = threadIdx.x; c < GEMM_BLOCK_N * B_PARTS; c += WARPS * 32) {
+        const int j = c / B_PARTS, part = c % B_PARTS, kc = k0 + part * (FP8 ? 16 : 8);
+        const int64_t at = (int64_t)gemm_weight_row<GATE_UP, WN>(j, col0, n) * k + kc;
+        if constexpr (FP8) {
+            const e4m3* src = static_cast<const e4m3*>(w_e);
+            cp_async16(codes + j * BK + part * 16, kc < k ? src + at : src, kc < k);
+        } else {
+            const bf16* src = static_cast<const bf16*>(w_e);
+            cp_async16(&st.b[j * GEMM_LD + part * 8], kc < k ? src + at : src, kc < k);
+        }
+    }
+}
+
+// FP8: a landed stage's B codes -> their f16 values in st.b (8 codes a thread and pass); the caller syncs after.
+template <int BM, int WARPS>
+__device__ __forceinline__ void gemm_widen_codes(GemmStage<BM>& st, const uint8_t* codes) {
+    constexpr int BK = MOE_GEMM_BLOCK_K;
+    for (int c = threadIdx.x; c < GEMM_BLOCK_N * BK / 8; c += WARPS * 32) {
+        const int j = c / (BK / 8), q = c % (BK / 8);
+        *reinterpret_cast<uint4*>(&st.b[j * GEMM_LD + q * 8]) =
+            e4m3x8_to_f16x8(*reinterpret_cast<const uint2*>(codes + j * BK + q * 8));
+    }
+}
+
+// moe_gemm's stores for a warp's 16 rows from padded row p_first and its columns from col_first: c element e of
+// n-block nb is row p_first + lane / 4 (+ 8 for e >= 2), column nb * 8 + 2 * (lane % 4) + e % 2; gate/up: n-blocks
+// nb < WN / 16 are gate, nb + WN / 16 the same units' up. ws: FP8, the expert's row scales (a_scale the A rows');
+// null: bf16.
+template <bool GATE_UP, int WN>
+__device__ __forceinline__ void gemm_epilogue(bf16* act, float* out, const float (&acc)[WN / 8][4], const float* ws,
+                                              const float* a_scale, const int* sorted_ids, const float* topk_weights,
+                                              int top_k, int num_assignments, int n, int p_first, int col_first,
+                                              int lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int p = p_first + lane / 4 + 8 * h, a = sorted_ids[p];
+        if (!GATE_UP && a >= num_assignments) continue;
+        // FP8: the A row's scale (a padding row of gate/up: 0, so that its act is 0 as bf16's zero row gives)
+        const float xs = !ws ? 1.f : !GATE_UP ? a_scale[p] : a < num_assignments ? a_scale[a / top_k] : 0.f;
+        const float scale = GATE_UP ? xs : xs * topk_weights[a];
+#pragma unroll
+        for (int nb = 0; nb < (GATE_UP ? WN / 16 : WN / 8); ++nb) {
+            // even; n % 8 == 0, so col + 1 < n where col < n
+            const int col = col_first + nb * 8 + 2 * (lane % 4);
+            if (col >= n) continue;
+            float v0 = acc[nb][2 * h] * scale, v1 = acc[nb][2 * h + 1] * scale;
+            if (GATE_UP) {
+                float u0 = acc[nb + WN / 16][2 * h] * scale, u1 = acc[nb + WN / 16][2 * h + 1] * scale;
+                if (ws) v0 *= ws[col], v1 *= ws[col + 1], u0 *= ws[n + col], u1 *= ws[n + col + 1];
+                *reinterpret_cast<__nv_bfloat162*>(act + (int64_t)p * n + col) =
+                    __floats2bfloat162_rn(moe_swiglu(v0, u0), moe_swiglu(v1, u1));
+            } else {
+                if (ws) v0 *= ws[col], v1 *= ws[col + 1];
+                *reinterpret_cast<float2*>(out + (int64_t)a * n + col) = make_float2(v0, v1);
+            }
+        }
     }
 }
 
@@ -446,34 +540,45 @@ __device__ __forceinline__ void gemm_load_stage(GemmStage<BM>& st, const int* ro
 // MOE_GEMM_BLOCK_K through a MOE_GEMM_STAGES-deep cp.async pipeline; warp w multiplies rows 16 (w % (BM / 16)) .. + 15
 // by its column group's WN B rows. GATE_UP: act [p, inter] bf16 = SwiGLU of units col0 .. col0 + 63 (k = hidden);
 // else out [a, n] float32 = topk_weights[a] * act row p . down rows col0 .. col0 + 127 (k = inter).
+// FP8: A rows are f16 code values with a_scale per row (per token for gate/up, per padded row for down), w e4m3
+// codes with w_scale per expert and row, widened to f16 in shared memory; the f16 mmas' sums are scaled by both.
 // WARPS: BM / 16 row groups of 16 times WARPS / (BM / 16) column groups of WN = 128 / that B rows.
 // Grid (max tiles, ceil(units / 64) or ceil(n / 128)), block WARPS * 32.
-template <bool GATE_UP, int BM, int WARPS>
-__device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* w, const int* sorted_ids,
-                         const int* expert_ids, const int* num_post_padded, const float* topk_weights, int top_k,
-                         int num_assignments, int n, int k) {
+template <bool GATE_UP, int BM, int WARPS, bool FP8>
+__device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const void* w, const float* w_scale,
+                         const float* a_scale, const int* sorted_ids, const int* expert_ids,
+                         const int* num_post_padded, const float* topk_weights, int top_k, int num_assignments, int n,
+                         int k) {
     pdl_begin();
     constexpr int BK = MOE_GEMM_BLOCK_K, ROW_GROUPS = BM / 16, WN = GEMM_BLOCK_N / (WARPS / ROW_GROUPS);
     static_assert(WARPS % ROW_GROUPS == 0 && WN % 32 == 0 && BK % 16 == 0,
                   "a warp's 16 rows and WN columns (gate/up: pairs of 8 units), whole k-steps");
     extern __shared__ __align__(16) unsigned char gemm_shared[];
     GemmStage<BM>* stages = reinterpret_cast<GemmStage<BM>*>(gemm_shared);
+    uint8_t* codes = gemm_shared + MOE_GEMM_STAGES * sizeof(GemmStage<BM>);  // FP8: stage s's at s * CODES_BYTES
     __shared__ int rows_s[BM];  // the A row of each tile row; -1: zeros (a padding row of gate/up)
     const int tile = blockIdx.x, p0 = tile * BM, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (threadIdx.x == 0 && dynamic_shared_bytes() < MOE_GEMM_STAGES * sizeof(GemmStage<BM>)) __trap();
+    constexpr uint32_t SHARED = MOE_GEMM_STAGES * (sizeof(GemmStage<BM>) + (FP8 ? GEMM_CODES_BYTES : 0));
+    if (threadIdx.x == 0 && dynamic_shared_bytes() < SHARED) __trap();
     if (p0 >= *num_post_padded) return;
     const int col0 = blockIdx.y * (GATE_UP ? GEMM_BLOCK_N / 2 : GEMM_BLOCK_N);  // first unit or output column
     const int row0 = warp % ROW_GROUPS * 16, group = warp / ROW_GROUPS;  // the warp's rows and column group
-    const bf16* w_e = w + (int64_t)expert_ids[tile] * (GATE_UP ? 2 * n : n) * k;
+    const int expert = expert_ids[tile], expert_rows = GATE_UP ? 2 * n : n;
+    const void* w_e = static_cast<const uint8_t*>(w) + (int64_t)expert * expert_rows * k * (FP8 ? 1 : 2);
     for (int r = threadIdx.x; r < BM; r += blockDim.x) {
         const int a = sorted_ids[p0 + r];
         rows_s[r] = !GATE_UP ? p0 + r : a < num_assignments ? a / top_k : -1;
     }
     __syncthreads();
     const int steps = (k + BK - 1) / BK;
+    auto load = [&](int step) {
+        const int s = step % MOE_GEMM_STAGES;
+        gemm_load_stage<GATE_UP, BM, WARPS, WN, FP8>(stages[s], codes + s * GEMM_CODES_BYTES, rows_s, a_rows, w_e,
+                                                     step * BK, col0, n, k);
+    };
 #pragma unroll
     for (int s = 0; s < MOE_GEMM_STAGES - 1; ++s) {  // the pipeline's first stages; a group per stage, empty or not
-        if (s < steps) gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[s], rows_s, a_rows, w_e, s * BK, col0, n, k);
+        if (s < steps) load(s);
         cp_async_commit();
     }
     float acc[WN / 8][4];
@@ -484,11 +589,13 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
         cp_async_wait<MOE_GEMM_STAGES - 2>();  // this step's stage has landed (for this thread's copies) ...
         __syncthreads();  // ... and everyone's; every warp is past the step before, whose stage is refilled next
         const int next = step + MOE_GEMM_STAGES - 1;
-        if (next < steps)
-            gemm_load_stage<GATE_UP, BM, WARPS, WN>(stages[next % MOE_GEMM_STAGES], rows_s, a_rows, w_e, next * BK,
-                                                    col0, n, k);
+        if (next < steps) load(next);
         cp_async_commit();
-        const GemmStage<BM>& st = stages[step % MOE_GEMM_STAGES];
+        GemmStage<BM>& st = stages[step % MOE_GEMM_STAGES];
+        if constexpr (FP8) {
+            gemm_widen_codes<BM, WARPS>(st, codes + step % MOE_GEMM_STAGES * GEMM_CODES_BYTES);
+            __syncthreads();
+        }
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             uint32_t af[4];
@@ -498,50 +605,51 @@ __device__ void moe_gemm(bf16* act, float* out, const bf16* a_rows, const bf16* 
                 uint32_t b[4];
                 ldmatrix_x4(b, &st.b[(group * WN + nb * 8 + (mi / 2) * 8 + lane % 8) * GEMM_LD + kk * 16 +
                                      (mi % 2) * 8]);
-                mma_bf16(acc[nb], af, b[0], b[1]);
-                mma_bf16(acc[nb + 1], af, b[2], b[3]);
+                if constexpr (FP8) {
+                    mma_f16(acc[nb], af, b[0], b[1]);
+                    mma_f16(acc[nb + 1], af, b[2], b[3]);
+                } else {
+                    mma_bf16(acc[nb], af, b[0], b[1]);
+                    mma_bf16(acc[nb + 1], af, b[2], b[3]);
+                }
             }
         }
     }
     cp_async_wait<0>();  // no copy outlives the block (the last groups are empty)
-    // c element e of n-block nb: row row0 + lane / 4 (+ 8 for e >= 2), column nb * 8 + 2 * (lane % 4) + e % 2 of the
-    // warp's group; gate/up: n-blocks nb < WN / 16 are gate, nb + WN / 16 the same units' up
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int p = p0 + row0 + lane / 4 + 8 * h, a = sorted_ids[p];
-        if (!GATE_UP && a >= num_assignments) continue;
-        const float scale = GATE_UP ? 1.f : topk_weights[a];
-#pragma unroll
-        for (int nb = 0; nb < (GATE_UP ? WN / 16 : WN / 8); ++nb) {
-            // even; n % 8 == 0, so col + 1 < n where col < n
-            const int col = col0 + group * (GATE_UP ? WN / 2 : WN) + nb * 8 + 2 * (lane % 4);
-            if (col >= n) continue;
-            if (GATE_UP) {
-                *reinterpret_cast<__nv_bfloat162*>(act + (int64_t)p * n + col) = __floats2bfloat162_rn(
-                    moe_swiglu(acc[nb][2 * h], acc[nb + WN / 16][2 * h]),
-                    moe_swiglu(acc[nb][2 * h + 1], acc[nb + WN / 16][2 * h + 1]));
-            } else {
-                *reinterpret_cast<float2*>(out + (int64_t)a * n + col) =
-                    make_float2(scale * acc[nb][2 * h], scale * acc[nb][2 * h + 1]);
-            }
-        }
-    }
+    gemm_epilogue<GATE_UP, WN>(act, out, acc, FP8 ? w_scale + (int64_t)expert * expert_rows : nullptr, a_scale,
+                               sorted_ids, topk_weights, top_k, num_assignments, n, p0 + row0, col0 + group *
+                               (GATE_UP ? WN / 2 : WN), lane);
 }
 
 // act [max padded rows, inter]; x [T, hidden]; w experts_gate_up. One kernel per tile height (ops.moe_block_m) and
-// its warps per block.
+// its warps per block; moe_gemm_fp8_*: x and act f16 code values with their row scales, w e4m3 with w_scale.
 #define MOE_GEMM_KERNELS(BM, WARPS)                                                                                    \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_gate_up_##BM(                                    \
         bf16* act, const bf16* x, const bf16* w, const int* sorted_ids, const int* expert_ids,                         \
         const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter) {                           \
-        moe_gemm<true, BM, WARPS>(act, nullptr, x, w, sorted_ids, expert_ids, num_post_padded, nullptr, top_k,         \
-                                  num_assignments, inter, hidden);                                                     \
+        moe_gemm<true, BM, WARPS, false>(act, nullptr, x, w, nullptr, nullptr, sorted_ids, expert_ids,                 \
+                                         num_post_padded, nullptr, top_k, num_assignments, inter, hidden);             \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_down_##BM(                                       \
         float* out, const bf16* act, const bf16* w, const int* sorted_ids, const int* expert_ids,                      \
         const int* num_post_padded, const float* topk_weights, int num_assignments, int hidden, int inter) {           \
-        moe_gemm<false, BM, WARPS>(nullptr, out, act, w, sorted_ids, expert_ids, num_post_padded, topk_weights, 1,     \
-                                   num_assignments, hidden, inter);                                                    \
+        moe_gemm<false, BM, WARPS, false>(nullptr, out, act, w, nullptr, nullptr, sorted_ids, expert_ids,              \
+                                          num_post_padded, topk_weights, 1, num_assignments, hidden, inter);           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_fp8_gate_up_##BM(                              \
+        bf16* act, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale, const int* sorted_ids,  \
+        const int* expert_ids, const int* num_post_padded, int top_k, int num_assignments, int hidden, int inter) {    \
+        moe_gemm<true, BM, WARPS, true>(act, nullptr, reinterpret_cast<const bf16*>(x), w, w_scale, x_scale,           \
+                                        sorted_ids, expert_ids, num_post_padded, nullptr, top_k, num_assignments,      \
+                                        inter, hidden);                                                                \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) moe_gemm_fp8_down_##BM(                                 \
+        float* out, const __half* act, const e4m3* w, const float* w_scale, const float* act_scale,                    \
+        const int* sorted_ids, const int* expert_ids, const int* num_post_padded, const float* topk_weights,           \
+        int num_assignments, int hidden, int inter) {                                                                  \
+        moe_gemm<false, BM, WARPS, true>(nullptr, out, reinterpret_cast<const bf16*>(act), w, w_scale, act_scale,      \
+                                         sorted_ids, expert_ids, num_post_padded, topk_weights, 1, num_assignments,    \
+                                         hidden, inter);                                                               \
     }
 
 // out [num_assignments, hidden] float32 (down); act as gate/up wrote it; w experts_down.

@@ -390,27 +390,6 @@ def test_block_scaled_experts_not_on_whole_blocks_are_refused_in_one_line(tmp_pa
                    "a multiple of the weight block's 128 rows")
 
 
-def test_the_cuda_backend_takes_an_fp8_checkpoint_of_a_moe_model_but_not_quantization_fp8(tmp_path):
-    """An FP8 checkpoint's experts run on the cuda backend as bf16 weights (test_moe_cuda_host.py); quantization
-    "fp8" would quantize a bf16 model's experts, which its MoE kernels do not read, so it is refused there in one
-    line (on an FP8 checkpoint it changes nothing, as on the numpy backend)."""
-    from test_fp8_checkpoints import write_fp8_checkpoint
-
-    from tinyvllm.backends import fp8_experts_refusal
-    from tinyvllm.config import EngineConfig, SettingError
-
-    path, *_ = write_fp8_checkpoint(tmp_path / "fp8", "fp8-tensor", **CONFIGS["mixtral"])
-    checkpoint = load_model(path)
-    assert fp8_experts_refusal(checkpoint, EngineConfig()) is None
-    assert fp8_experts_refusal(checkpoint, EngineConfig(quantization="fp8")) is None
-    cfg = tiny_config(**CONFIGS["mixtral"])
-    bf16 = load_model(save_hf_model_dir(tmp_path / "bf16", cfg, random_weights(cfg, 0)))
-    assert fp8_experts_refusal(bf16, EngineConfig()) is None
-    with pytest.raises(SettingError, match="^invalid backend cuda: quantization='fp8' quantizes the experts: the "
-                                           "cuda backend's MoE kernels take bf16 experts only"):
-        LLM(bf16, backend="cuda", quantization="fp8")
-
-
 def test_an_fp8_checkpoint_of_a_moe_model_runs_a_job_from_the_cli(tmp_path):
     import pyarrow.parquet as pq
     from test_fp8_checkpoints import write_fp8_checkpoint

@@ -1,7 +1,7 @@
 """The cuda backend's MoE on the host, without a GPU: the padded grouping twin (align_block_size) against
 group_by_expert, the tile bound the kernels' grids are sized by, the launchers' path choice and geometry, the
-forward's launch sequence on a stand-in device (an FP8 checkpoint's too), the presets, and quantization="fp8"
-refused. The kernels themselves: tests/gpu/test_moe_kernels.py."""
+forward's launch sequence on a stand-in device (an FP8 checkpoint's, and quantization="fp8"'s e4m3 experts), the
+presets. The kernels themselves: tests/gpu/test_moe_kernels.py."""
 
 import importlib
 
@@ -79,14 +79,15 @@ def test_moe_launchers_pick_the_path_by_batch():
 
 def test_moe_gemm_declares_its_pipeline_stages_as_dynamic_shared_memory():
     """Each grouped GEMM instance asks for MOE_GEMM_STAGES stages of its A (block_m rows) and B (128 rows) tiles of
-    MOE_GEMM_BLOCK_K + 8 bf16: what cuda/moe.cu's GemmStage array is (the kernel traps on less); the rest of moe.cu
-    none."""
+    MOE_GEMM_BLOCK_K + 8 16-bit values, and the fp8 ones for each stage's e4m3 B codes too: what cuda/moe.cu's
+    GemmStage array and codes are (the kernel traps on less); the rest of moe.cu none."""
     from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_K, MOE_GEMM_STAGES
 
     shared = {name: sig.shared_bytes for name, sig in SIGNATURES.items() if sig.shared_bytes and sig.file == "moe"}
     row = (MOE_GEMM_BLOCK_K + 8) * 2
-    assert shared == {f"moe_gemm_{which}_{m}": MOE_GEMM_STAGES * (m + 128) * row
-                      for which in ("gate_up", "down") for m in MOE_GEMM_BLOCK_MS}
+    codes = 128 * MOE_GEMM_BLOCK_K  # the fp8 instances' e4m3 B codes of a stage, as they land
+    assert shared == {f"moe_gemm_{fp8}{which}_{m}": MOE_GEMM_STAGES * ((m + 128) * row + (codes if fp8 else 0))
+                      for which in ("gate_up", "down") for m in MOE_GEMM_BLOCK_MS for fp8 in ("", "fp8_")}
     assert max(shared.values()) <= 227 * 1024  # an H100/H200 block's most
 
 
@@ -152,17 +153,41 @@ def test_moe_presets_have_the_real_shapes(preset, params, experts, top_k, renorm
     assert all(config.moe_layer(i) for i in range(config.num_hidden_layers))
 
 
-def test_fp8_weights_on_a_moe_model_are_refused_on_cuda(make_model_dir):
-    """Refused before any backend is built (no GPU needed): the MoE kernels read bf16 experts only (the numpy
-    backend quantizes them: test_family_moe.py)."""
-    from tinyvllm import LLM
-    from tinyvllm.config import SettingError
+def test_fp8_weights_on_a_moe_model_run_its_experts_in_e4m3_on_a_stand_in_device(forward_module, make_model_dir,
+                                                                                  monkeypatch):
+    """quantization="fp8" on a bf16 MoE model, through the engine on FakeDevice: each expert layer's stacked experts
+    are quantized on the device (quantize_fp8 over every expert's rows: a scale per expert and output channel), the
+    bf16 ones freed; a step quantizes the tokens' rows before the e4m3 gate/up product and the padded rows'
+    activations before the down product (quantize_fp8_values), on the GEMV path (decode) and the grouped GEMM's (a
+    prefill chunk of 32 tokens x 2 of 4 experts). The kernels: tests/gpu/test_moe_kernels.py."""
+    from tinyvllm.backends.cuda.tensors import E4M3, F32
+    from tinyvllm.model.loader import load_model
 
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
     path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32)
-    with pytest.raises(SettingError, match="^invalid backend cuda: quantization='fp8' quantizes the experts: the "
-                                           "cuda backend's MoE kernels take bf16 experts only"):
-        LLM(str(path), backend="cuda", quantization="fp8")
+    model = load_model(path)
+    recorder = TypedRecorder()
+    device = FakeDevice(recorder)
+    backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager", quantization="fp8"),
+                                         device, True)
+    cfg = model.config
+    for layer in backend.forward.layers:
+        for w, rows in ((layer.experts_gate_up, 2 * cfg.moe_intermediate_size), (layer.experts_down, cfg.hidden_size)):
+            assert w.dtype == E4M3 and w.scale.dtype == F32 and w.scale.shape == (cfg.num_experts * rows,)
+            assert w.ptr in device.live and w.scale.ptr in device.live
+    load = recorder.launches[:names.index("embedding")]  # before the first step
+    weights = [grid for name, grid, _ in load if name == "quantize_fp8"]  # a row a block
+    experts = {cfg.num_experts * 2 * cfg.moe_intermediate_size, cfg.num_experts * cfg.hidden_size}
+    dense = {w.shape[0] for layer in backend.forward.layers for w in (layer.qkv, layer.o)}
+    assert {grid[0] for grid in weights} == experts | dense  # rows: every expert's at once
+    assert {"moe_gemv_fp8_gate_up", "moe_gemv_fp8_down", "moe_gemm_fp8_gate_up_32", "moe_gemm_fp8_down_32"} <= \
+        set(names)
+    assert not {"moe_gemv_gate_up", "moe_gemm_gate_up_32", "moe_gemv_down"} & set(names)
+    gate_up = [i for i, name in enumerate(names) if name.startswith("moe_") and "gate_up" in name]
+    assert all(names[i - 1] == "quantize_fp8_values" and names[i + 1] == "quantize_fp8_values" for i in gate_up)
+    backend.close()
 
 
 @pytest.mark.parametrize("scheme,extra", [("ct-channel", dict(head_dim=64)),
@@ -210,25 +235,6 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     assert ("silu_and_mul_e4m3" in names, "silu_and_mul" in names) == (not bf16_act, bf16_act)
     assert ("quantize_fp8_groups" in names) == (scheme == "fp8-block")
     backend.close()
-
-
-def test_fp8_weights_on_a_moe_model_run_on_the_cpu_with_backend_auto(make_model_dir, monkeypatch, caplog):
-    """Where a usable GPU would have taken it, backend auto runs FP8 experts on the numpy backend and says why."""
-    import logging
-
-    import tinyvllm.backends as backends
-    from tinyvllm import LLM
-    from tinyvllm.backends.numpy_backend import NumpyBackend
-
-    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)
-    monkeypatch.setattr(backends, "gpu_present", lambda: True)
-    path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=32)
-    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
-        llm = LLM(str(path), backend="auto", quantization="fp8")
-    assert isinstance(llm.backend, NumpyBackend)
-    assert ("running on the CPU (numpy): quantization='fp8' quantizes the experts: the cuda backend's MoE kernels "
-            "take bf16 experts only") in caplog.text
 
 
 @pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),

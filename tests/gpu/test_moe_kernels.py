@@ -1,15 +1,18 @@
 """The fused MoE kernels (cuda/moe.cu) against their numpy twins (backends/moe.py) on fresh random inputs with
 NaN-poisoned outputs: routing (ties in the router logits included, broken as torch.topk on the CPU), the grouping
 by expert padded to each path's tile (an expert no token chose included), and the expert products through the
-residual add, on the GEMV path (a few tokens) and the grouped GEMM's (hundreds), top-k 2 and 8."""
+residual add, on the GEMV path (a few tokens) and the grouped GEMM's (hundreds), top-k 2 and 8; the same with e4m3
+experts (quantization="fp8"). Lines starting with REPORT carry measured errors (pytest -s)."""
 
 import numpy as np
 import pytest
 
 from tinyvllm.backends.cuda.moe import max_padded_rows
-from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, moe_block_m, moe_uses_gemv
+from tinyvllm.backends.cuda.ops import MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, moe_block_m, moe_max_tiles, moe_uses_gemv
 from tinyvllm.backends.moe import StackedWeight, align_block_size, fused_moe, route
 from tinyvllm.backends.numpy_backend import silu_and_mul
+from tinyvllm.model.dtypes import e4m3_to_f32
+from tinyvllm.model.fp8 import Fp8Rows, quantize_activations, quantize_rows
 
 from test_kernels import BF16_TOL, Gpu, bf16_round, rel_err
 
@@ -137,6 +140,76 @@ def test_moe_experts(cuda, ops, tokens, experts, k, hidden, inter):
     got = gpu.get(x_gpu, (tokens, hidden), np.float32)
     assert rel_err(got - x, ref) < BF16_TOL
     np.testing.assert_array_equal(gpu.get(ids, (tokens, k), np.int32), ref_ids)
+
+
+# e4m3 experts: widths multiples of 16 (a 16-byte load of codes), hidden 272 and inter 208 not whole GEMM k-steps
+FP8_SHAPES = [(1, 128, 8, 512, 384), (4, 16, 8, 2048, 768), (3, 8, 2, 272, 208), (16, 16, 8, 272, 208),
+              (160, 128, 8, 272, 208), (256, 16, 8, 2048, 768), (300, 128, 8, 512, 384), (333, 8, 2, 512, 256)]
+
+
+def test_fp8_shapes_take_every_tile():
+    assert {moe_block_m(t, k, e) for t, e, k, _, _ in FP8_SHAPES} == {MOE_GEMV_TILE, *MOE_GEMM_BLOCK_MS}
+
+
+def dequantized(rows: Fp8Rows, shape) -> np.ndarray:
+    return (e4m3_to_f32(rows.codes) * rows.scale[:, None]).reshape(shape)
+
+
+@pytest.mark.parametrize("tokens,experts,k,hidden,inter", FP8_SHAPES)
+def test_moe_experts_fp8(cuda, ops, tokens, experts, k, hidden, inter):
+    """e4m3 experts (a scale per expert and row, model/fp8.py quantize_rows) on the tokens' rows quantized per token
+    and the activations per padded row (quantize_fp8_values, bit-exact): each padded row's activation against
+    SwiGLU of the product of the dequantized values, each assignment's weighted row against the same product of
+    the activation cuda wrote, the residual stream against fused_moe with StackedWeight.quantized experts (the
+    twin, whose activations are float32 where cuda's are bf16)."""
+    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + hidden + experts + 1)
+    h = bf16_round(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    gate_up, down = expert_weights(rng, experts, hidden, inter)
+    gate_up_q, down_q = quantize_rows(gate_up.reshape(-1, hidden)), quantize_rows(down.reshape(-1, inter))
+    logits = router_logits(rng, tokens, experts, unchosen=1)
+    weights, ids = run_topk(gpu, ops, logits, k, True)
+    ref_weights, ref_ids = route(logits, k, True)
+    block_m = moe_block_m(tokens, k, experts)
+    index = run_align(gpu, ops, ref_ids, experts, block_m)
+    rows_max, _ = max_padded_rows(tokens, k, experts)
+    act, rows = gpu.poisoned((rows_max, inter), np.uint16), gpu.poisoned((tokens * k, hidden), np.float32)
+    x_codes, x_scales = gpu.poisoned((tokens, hidden), np.uint16), gpu.poisoned((tokens,), np.float32)
+    act_codes, act_scales = gpu.poisoned((rows_max, inter), np.uint16), gpu.poisoned((rows_max,), np.float32)
+    x_gpu = gpu.put(x)
+    ops.quantize_fp8_values(x_codes, x_scales, gpu.bf16(h), tokens, hidden)
+    ops.moe_gate_up(act, x_codes, gpu.put(gate_up_q.codes), *index, tokens, k, experts, hidden, inter,
+                    scales=(gpu.put(gate_up_q.scale), x_scales))
+    padded = moe_max_tiles(tokens * k, experts, block_m) * block_m
+    ops.quantize_fp8_values(act_codes, act_scales, act, padded, inter)
+    ops.moe_down(rows, act_codes, gpu.put(down_q.codes), *index, weights, tokens, k, experts, hidden, inter,
+                 scales=(gpu.put(down_q.scale), act_scales))
+    ops.moe_sum(x_gpu, rows, tokens, k, hidden)
+
+    sorted_ids, expert_ids, total = align_block_size(ref_ids, experts, block_m)
+    real = sorted_ids < tokens * k
+    gate_up_w, down_w = dequantized(gate_up_q, gate_up.shape), dequantized(down_q, down.shape)
+    xq = quantize_activations(h)  # per token, as quantize_fp8_values
+    got_act = gpu.get_bf16(act, (rows_max, inter))[:total]
+    tiles = np.repeat(expert_ids, block_m)
+    ref_act = np.stack([silu_and_mul(xq[a // k] @ gate_up_w[e].T) for a, e in zip(sorted_ids[real], tiles[real])])
+    err_act = rel_err(got_act[real], ref_act)
+    assert err_act < BF16_TOL
+    assert (got_act[~real] == 0).all()  # a padding row's activation: 0, as in bf16
+    got_rows = gpu.get(rows, (tokens * k, hidden), np.float32)
+    assert not np.isnan(got_rows).any()  # every assignment's row written
+    act_q = quantize_activations(got_act[real])  # the padded rows' activations as cuda quantized them
+    ref_rows = np.empty_like(got_rows)
+    ref_rows[sorted_ids[real]] = np.stack([a @ down_w[e].T for a, e in zip(act_q, tiles[real])])
+    ref_rows *= ref_weights.reshape(-1)[:, None]
+    err_rows = rel_err(got_rows, ref_rows)
+    assert err_rows < 1e-4
+    ref = fused_moe(h, StackedWeight.quantized(gate_up), StackedWeight.quantized(down), ref_weights, ref_ids,
+                    silu_and_mul)
+    err = rel_err(gpu.get(x_gpu, (tokens, hidden), np.float32) - x, ref)
+    print(f"REPORT moe fp8 experts {tokens} tokens, {experts} experts, top {k}, {hidden} x {inter}: act {err_act:.1e}, "
+          f"rows {err_rows:.1e}, the MoE against its twin {err:.1e}")
+    assert err < 3e-2
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 16, 8, 128), (257, 16, 16, 128), (5, 9, 3, 64)])

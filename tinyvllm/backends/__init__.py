@@ -50,19 +50,6 @@ def cuda_refusal(model_config, max_model_len: int | None) -> str | None:
     return missing_cuda_kernels(model_config, max_model_len)
 
 
-# quantization="fp8" on a mixture-of-experts model quantizes its experts: the numpy backend runs them so; the cuda
-# backend's MoE kernels read bf16 experts only. (An FP8 checkpoint's experts run there dequantized: forward.py.)
-MOE_FP8_REFUSAL = ("the cuda backend's MoE kernels take bf16 experts only; FP8 experts run on the numpy backend "
-                   "(backend numpy)")
-
-
-def fp8_experts_refusal(model, config: EngineConfig) -> str | None:
-    """Why the cuda backend cannot run this model (quantization="fp8" would quantize its experts), or None."""
-    if model.config.num_experts and config.quantization == "fp8" and model.config.quantization is None:
-        return f"quantization='fp8' quantizes the experts: {MOE_FP8_REFUSAL}, or leave quantization unset"
-    return None
-
-
 def create_backend(model, config: EngineConfig) -> Backend:
     """Build the backend config.backend ("auto" | "numpy" | "cuda") for a LoadedModel."""
     name = config.backend
@@ -70,15 +57,12 @@ def create_backend(model, config: EngineConfig) -> Backend:
         raise SettingError("invalid quantize_lm_head=True: the LM head is quantized only with FP8 weights "
                            "(quantization='fp8', or an FP8 checkpoint)")
     refusal = cuda_refusal(model.config, config.max_model_len)
-    fp8_experts = fp8_experts_refusal(model, config)
     if name == "cuda":
         _refuse_fp8_weights(model)
-        if fp8_experts:
-            raise SettingError(f"invalid backend cuda: {fp8_experts}")
         if refusal:
             raise ValueError(refusal)
     if name == "auto":
-        reason = cuda_unavailable_reason() or refusal or fp8_experts
+        reason = cuda_unavailable_reason() or refusal
         if reason is not None:  # said out loud only where a GPU was there to be used
             log.log(logging.WARNING if gpu_present() else logging.INFO,
                     "backend auto: running on the CPU (numpy): %s", reason)

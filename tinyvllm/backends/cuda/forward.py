@@ -73,6 +73,7 @@ LM_HEAD_TUNE_ROWS = 128
 CHAIN_TIMING_RUNS = 5
 FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py Fp8Scratch)
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
+FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and an expert layer's, with quantization="fp8" (fp8_experts)
 
 
 def _quantized(codes: DeviceTensor | None) -> dict[str, int]:
@@ -88,6 +89,12 @@ def fp8_weights(model, engine_config: EngineConfig) -> bool:
     stored, its scales per tensor, channel or 128 x 128 block; or requantized per output channel:
     CudaForward._stored_codes)."""
     return engine_config.quantization == "fp8" or model.config.quantization is not None
+
+
+def fp8_experts(model, engine_config: EngineConfig) -> bool:
+    """Whether an expert layer's experts run FP8 W8A8 too: quantization="fp8" on a bf16 checkpoint. An FP8
+    checkpoint's experts run as their bf16 values (CudaForward._quantize_weights)."""
+    return bool(engine_config.quantization == "fp8" and model.config.num_experts and model.config.quantization is None)
 
 
 def decode_buckets(max_seqs: int) -> list[int]:
@@ -180,6 +187,7 @@ class CudaForward:
             k_scales, v_scales = (device.upload(s, F32) for s in scales)
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
         self.fp8 = fp8_weights(model, engine_config)
+        self.fp8_experts = fp8_experts(model, engine_config)
         self.block_codes = self._runs_block_scales(model.weights)  # block-scaled FP8 codes run as stored
         self._upload_weights(model.weights)
         self._allocate_buffers()
@@ -387,18 +395,20 @@ class CudaForward:
                                                                            for name in parts[field])]
 
     def _quantize_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Each layer's linear weights (_fp8_fields) from bf16 to e4m3 codes with a float32 scale per output channel
-        (row), amax(row) / 448, on the GPU (quantize_fp8), each bf16 weight freed once its codes are made: the rows
-        of gate_up are quantized in their interleaved order, which per-row scales do not mind."""
+        """Each layer's linear weights (_fp8_fields; with fp8_experts its stacked experts too) from bf16 to e4m3
+        codes with a float32 scale per output channel (row), amax(row) / 448, on the GPU (quantize_fp8), each bf16
+        weight freed once its codes are made: the rows of gate_up are quantized in their interleaved order, which
+        per-row scales do not mind; an expert layer's rows expert after expert (a scale per expert and channel)."""
         for i, layer in enumerate(self.layers):
             quantized = {}
-            for field in self._fp8_fields(weights, i):
+            for field in (*self._fp8_fields(weights, i), *(FP8_EXPERTS if self.fp8_experts else ())):
                 w = getattr(layer, field)
-                if w.dtype == E4M3:  # the checkpoint's codes, as stored (_stored_codes)
+                if w is None or w.dtype == E4M3:  # not in this layer; the checkpoint's codes (_stored_codes)
                     continue
-                scale = self.device.empty(F32, w.shape[:1])
+                rows = w.numel // w.shape[-1]
+                scale = self.device.empty(F32, (rows,))
                 codes = self.device.empty(E4M3, w.shape)
-                self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, w.shape[0], w.shape[1])
+                self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, rows, w.shape[-1])
                 quantized[field] = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
             self.stream.synchronize()
             for field in quantized:
@@ -406,10 +416,11 @@ class CudaForward:
             self.layers[i] = dataclasses.replace(layer, **quantized)
         log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
                  "128 x 128 block, as stored" if self.block_codes else "output channel")
-        if self.config.num_experts:  # an FP8 checkpoint's (backends.fp8_experts_refusal refuses quantization="fp8")
+        if self.config.num_experts and not self.fp8_experts:  # an FP8 checkpoint's
             log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
-                        "to bf16; their inputs unquantized): the cuda MoE kernels read bf16 experts only. The other "
-                        "linear layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
+                        "to bf16; their inputs unquantized): the cuda MoE kernels take e4m3 experts with a scale per "
+                        "expert and row, which requantizing the stored codes would change. The other linear layers "
+                        "run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
@@ -428,7 +439,7 @@ class CudaForward:
             token_counts=empty(I32, (s, vocab)), prompt_mask=empty(U8, (s, vocab)),
             partial_o=empty(F32, (partial_rows, d)), partial_ml=empty(F32, (partial_rows, 2)),
             workspace=empty(U8, (WORKSPACE_BYTES,)))
-        self.moe_buf = allocate_moe_buffers(self.device, cfg, t)
+        self.moe_buf = allocate_moe_buffers(self.device, cfg, t, fp8=self.fp8_experts)
         widest_input = max(hidden, self.q_width, inter)
         self.fp8_scratch = None if not self.fp8 else Fp8Scratch(
             codes=empty(E4M3, (t, widest_input)), scales=empty(F32, (t,)),

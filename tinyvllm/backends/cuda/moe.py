@@ -7,9 +7,14 @@ assignments: only the chosen experts' weights are read, each once per tile), a l
 tiles of 32 or 64 (ops.moe_block_m). Every kernel's grid is sized for the batch's most tiles and reads the counts on
 the device, so a decode step stays capturable in a CUDA graph.
 
+With e4m3 experts (quantization="fp8": W8A8 as the dense layers, a scale per expert and output channel) the
+tokens' normed rows are quantized per token before moe_gate_up and the padded rows' activations per row before
+moe_down (quantize_fp8_values: f16 code values and scales, which the moe_*_fp8_* kernels read); the twin is
+backends/moe.py with StackedWeight.quantized experts.
+
 The experts are stacked [num_experts, rows, columns] bf16 (experts_gate_up: each expert's gate rows, then its up
-rows, not interleaved; experts_down), so that an FP8 form is a DeviceTensor of e4m3 codes with a scale
-[num_experts, rows] (per expert and output channel), as the dense layers' are per row.
+rows, not interleaved; experts_down), so that the FP8 form is a DeviceTensor of e4m3 codes with a scale
+[num_experts * rows] (per expert and output channel), as the dense layers' are per row.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, MOE_MAX_EXPERTS, VECTOR, Ops, moe_block_m,
                                         moe_max_tiles)
-from tinyvllm.backends.cuda.tensors import BF16, F32, I32, DeviceLayer, DeviceTensor
+from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, DeviceLayer, DeviceTensor
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class MoeBuffers:
     num_post_padded: DeviceTensor  # i32 [1]
     act: DeviceTensor  # bf16 [most padded rows, moe_intermediate]: SwiGLU of the gate/up product, per padded row
     rows: DeviceTensor  # f32 [t * top_k, hidden]: each assignment's weighted down product
+    # e4m3 experts: the f16 code values of the tokens' rows [t, hidden] and of act (same shape as act), each with
+    # its f32 scales (one a row)
+    x_codes: DeviceTensor | None = None
+    act_codes: DeviceTensor | None = None
 
 
 def check_moe_config(cfg) -> None:
@@ -52,17 +61,24 @@ def max_padded_rows(num_tokens: int, top_k: int, num_experts: int) -> tuple[int,
     return max(m * n for m, n in tiles.items()), max(tiles.values())
 
 
-def allocate_moe_buffers(device, cfg, t: int) -> MoeBuffers | None:
-    """The MoE buffers for steps of up to t tokens (None for a dense model)."""
+def allocate_moe_buffers(device, cfg, t: int, fp8: bool = False) -> MoeBuffers | None:
+    """The MoE buffers for steps of up to t tokens (None for a dense model); fp8: for e4m3 experts."""
     if not cfg.num_experts:
         return None
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     rows, tiles = max_padded_rows(t, k, e)
+
+    def codes(shape: tuple[int, int]) -> DeviceTensor | None:
+        if not fp8:
+            return None
+        return DeviceTensor(device.empty(F16, shape).ptr, F16, shape, device.empty(F32, shape[:1]))
+
     return MoeBuffers(
         router_logits=device.empty(F32, (t, e)), topk_weights=device.empty(F32, (t, k)),
         topk_ids=device.empty(I32, (t, k)), sorted_ids=device.empty(I32, (rows,)), expert_ids=device.empty(I32, (tiles,)),
         num_post_padded=device.empty(I32, (1,)), act=device.empty(BF16, (rows, cfg.moe_intermediate_size)),
-        rows=device.empty(F32, (t * k, cfg.hidden_size)))
+        rows=device.empty(F32, (t * k, cfg.hidden_size)), x_codes=codes((t, cfg.hidden_size)),
+        act_codes=codes((rows, cfg.moe_intermediate_size)))
 
 
 def fused_moe(ops: Ops, linear, buf: MoeBuffers, layer: DeviceLayer, x: DeviceTensor, h: DeviceTensor, n: int,
@@ -70,11 +86,24 @@ def fused_moe(ops: Ops, linear, buf: MoeBuffers, layer: DeviceLayer, x: DeviceTe
     """x[:n] (float32, the residual stream) += the experts' weighted sum for the n normed rows h (bf16 [>= n,
     hidden]).  Twin: backends/moe.py fused_moe after route."""
     e, k, hidden, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up, down = layer.experts_gate_up, layer.experts_down
     linear.gemm(buf.router_logits, h, layer.router, n)
     ops.moe_topk_softmax(buf.topk_weights.ptr, buf.topk_ids.ptr, buf.router_logits.ptr, n, e, k, cfg.norm_topk_prob)
     index = (buf.sorted_ids.ptr, buf.expert_ids.ptr, buf.num_post_padded.ptr)
-    ops.moe_align(*index, buf.topk_ids.ptr, n * k, e, moe_block_m(n, k, e))
-    ops.moe_gate_up(buf.act.ptr, h.ptr, layer.experts_gate_up.ptr, *index, n, k, e, hidden, inter)
-    ops.moe_down(buf.rows.ptr, buf.act.ptr, layer.experts_down.ptr, *index, buf.topk_weights.ptr, n, k, e, hidden,
-                 inter)
+    block_m = moe_block_m(n, k, e)
+    ops.moe_align(*index, buf.topk_ids.ptr, n * k, e, block_m)
+    if gate_up.dtype != E4M3:
+        ops.moe_gate_up(buf.act.ptr, h.ptr, gate_up.ptr, *index, n, k, e, hidden, inter)
+        ops.moe_down(buf.rows.ptr, buf.act.ptr, down.ptr, *index, buf.topk_weights.ptr, n, k, e, hidden, inter)
+    else:
+        xq, aq = buf.x_codes, buf.act_codes
+        if xq is None or down.dtype != E4M3:
+            raise ValueError("e4m3 experts need both products in e4m3 and the MoE buffers' fp8 codes")
+        ops.quantize_fp8_values(xq.ptr, xq.scale.ptr, h.ptr, n, hidden)
+        ops.moe_gate_up(buf.act.ptr, xq.ptr, gate_up.ptr, *index, n, k, e, hidden, inter,
+                        scales=(gate_up.scale.ptr, xq.scale.ptr))
+        # every padded row the batch can have (their count is on the device; rows past it are never read)
+        ops.quantize_fp8_values(aq.ptr, aq.scale.ptr, buf.act.ptr, moe_max_tiles(n * k, e, block_m) * block_m, inter)
+        ops.moe_down(buf.rows.ptr, aq.ptr, down.ptr, *index, buf.topk_weights.ptr, n, k, e, hidden, inter,
+                     scales=(down.scale.ptr, aq.scale.ptr))
     ops.moe_sum(x.ptr, buf.rows.ptr, n, k, hidden)

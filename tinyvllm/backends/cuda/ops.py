@@ -276,10 +276,13 @@ def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def moe_gemm_shared_bytes(kernel_name: str) -> int:
-    """moe_gemm_*_<m>'s dynamic shared memory: MOE_GEMM_STAGES stages of its A (m rows) and B (MOE_GEMM_TILE_N rows)
-    tiles, rows of MOE_GEMM_BLOCK_K + 8 bf16 (cuda/moe.cu GemmStage)."""
+    """moe_gemm[_fp8]_*_<m>'s dynamic shared memory: MOE_GEMM_STAGES stages of its A (m rows) and B (MOE_GEMM_TILE_N
+    rows) tiles, rows of MOE_GEMM_BLOCK_K + 8 16-bit values (cuda/moe.cu GemmStage), and the fp8 kernels' e4m3 B
+    codes of each stage as they land (MOE_GEMM_TILE_N x MOE_GEMM_BLOCK_K bytes)."""
+    fp8 = kernel_name.startswith("moe_gemm_fp8_")
     block_m = int(kernel_name.rsplit("_", 1)[1])
-    return MOE_GEMM_STAGES * (block_m + MOE_GEMM_TILE_N) * (MOE_GEMM_BLOCK_K + 8) * 2
+    codes = MOE_GEMM_TILE_N * MOE_GEMM_BLOCK_K if fp8 else 0
+    return MOE_GEMM_STAGES * ((block_m + MOE_GEMM_TILE_N) * (MOE_GEMM_BLOCK_K + 8) * 2 + codes)
 
 
 def moe_max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -293,14 +296,21 @@ MOE_GATE_UP_ARGS = "bf16* act, const bf16* x, const bf16* w, " + MOE_INDEX_ARGS 
                    "int hidden, int inter"
 MOE_DOWN_ARGS = "float* out, const bf16* act, const bf16* w, " + MOE_INDEX_ARGS + ", const float* topk_weights, " \
                 "int num_assignments, int hidden, int inter"
+# the moe_*_fp8_* kernels: A rows as f16 code values with a scale per row, e4m3 weights with a scale per expert and row
+MOE_GATE_UP_FP8_ARGS = "bf16* act, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale, " \
+                       + MOE_INDEX_ARGS + ", int top_k, int num_assignments, int hidden, int inter"
+MOE_DOWN_FP8_ARGS = "float* out, const __half* act, const e4m3* w, const float* w_scale, const float* act_scale, " \
+                    + MOE_INDEX_ARGS + ", const float* topk_weights, int num_assignments, int hidden, int inter"
 
 
-def moe_gemv_split(k: int) -> int:
+def moe_gemv_split(k: int, fp8: bool = False) -> int:
     """Warps sharing one moe_gemv weight tile, each taking a part of k: enough that each has at most one iteration
     (the fewest that do, up to MOE_GEMV_WARPS), so that a decode step's few weight tiles still keep enough loads in
-    flight and no warp waits on a second round trip (Qwen3-30B-A3B: gate/up 8, down 4 of 3 iterations)."""
+    flight and no warp waits on a second round trip (Qwen3-30B-A3B: gate/up 8, down 4 of 3 iterations); fp8: e4m3
+    weights, twice the k an iteration."""
+    per_iteration = MOE_GEMV_K_PER_ITERATION * (2 if fp8 else 1)
     split = 1
-    while split < MOE_GEMV_WARPS and split * MOE_GEMV_K_PER_ITERATION < k:
+    while split < MOE_GEMV_WARPS and split * per_iteration < k:
         split *= 2
     return split
 
@@ -758,43 +768,65 @@ class Ops:
                     topk_ids, num_assignments, num_experts, block_m)
 
     def _moe_expert_launch(self, gate_up: bool, rows: int, k: int, num_tokens: int, top_k: int, num_experts: int,
-                           *args) -> None:
+                           fp8: bool, *args) -> None:
         """Launch the gate/up or down kernel moe_block_m chose, over `rows` units (gate/up) or output columns (down)
         and k, its grid sized for the batch's most tiles: moe_gemv_* (weight tiles of 8 units or 16 columns, `split`
-        warps each, MOE_GEMV_WARPS a block) or moe_gemm_*_<block_m> (MOE_GEMM_TILE_N B rows a block)."""
+        warps each, MOE_GEMV_WARPS a block) or moe_gemm_*_<block_m> (MOE_GEMM_TILE_N B rows a block); fp8: their
+        moe_*_fp8_* forms."""
         block_m = moe_block_m(num_tokens, top_k, num_experts)
         tiles, which = moe_max_tiles(num_tokens * top_k, num_experts, block_m), "gate_up" if gate_up else "down"
+        form = "fp8_" if fp8 else ""
         if block_m == MOE_GEMV_TILE:
-            split = moe_gemv_split(k)
+            split = moe_gemv_split(k, fp8)
             weight_tiles = -(-rows // (8 if gate_up else 16))
-            self.launch(f"moe_gemv_{which}", (tiles, -(-weight_tiles // (MOE_GEMV_WARPS // split))),
+            self.launch(f"moe_gemv_{form}{which}", (tiles, -(-weight_tiles // (MOE_GEMV_WARPS // split))),
                         MOE_GEMV_WARPS * 32, *args, split)
         else:
             columns = MOE_GEMM_TILE_N // 2 if gate_up else MOE_GEMM_TILE_N
-            self.launch(f"moe_gemm_{which}_{block_m}", (tiles, -(-rows // columns)), MOE_GEMM_WARPS[block_m] * 32,
-                        *args)
+            self.launch(f"moe_gemm_{form}{which}_{block_m}", (tiles, -(-rows // columns)),
+                        MOE_GEMM_WARPS[block_m] * 32, *args)
+
+    @staticmethod
+    def _moe_widths(name: str, fp8: bool, hidden: int, inter: int) -> None:
+        _require_vectors(name, hidden=hidden, inter=inter)
+        _require(not fp8 or (hidden % FP8_VECTOR == 0 and inter % FP8_VECTOR == 0),
+                 f"{name}: e4m3 experts need hidden and inter multiples of {FP8_VECTOR}, not {hidden} and {inter}")
 
     @kernel("moe", MOE_GATE_UP_ARGS + ", int split", "moe_gemv_gate_up")
     @kernel("moe", MOE_GATE_UP_ARGS, *(f"moe_gemm_gate_up_{m}" for m in MOE_GEMM_BLOCK_MS),
             shared=moe_gemm_shared_bytes)
+    @kernel("moe", MOE_GATE_UP_FP8_ARGS + ", int split", "moe_gemv_fp8_gate_up")
+    @kernel("moe", MOE_GATE_UP_FP8_ARGS, *(f"moe_gemm_fp8_gate_up_{m}" for m in MOE_GEMM_BLOCK_MS),
+            shared=moe_gemm_shared_bytes)
     def moe_gate_up(self, act: int, x: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
-                    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
+                    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                    scales: tuple[int, int] | None = None) -> None:
         """act [padded rows, inter] bf16 = SwiGLU(x row of each padded row's token . its expert's gate/up rows), w
         experts_gate_up [num_experts, 2 * inter, hidden] (gate rows, then up): the GEMV kernel or the grouped GEMM,
-        as moe_block_m chose for moe_align."""
-        _require_vectors("moe_gate_up", hidden=hidden, inter=inter)
-        self._moe_expert_launch(True, inter, hidden, num_tokens, top_k, num_experts, act, x, w, sorted_ids,
-                                expert_ids, num_post_padded, top_k, num_tokens * top_k, hidden, inter)
+        as moe_block_m chose for moe_align. scales (w_scale, x_scale): w is e4m3 with float32 scales [num_experts *
+        2 * inter] and x the f16 values of e4m3 codes [num_tokens, hidden] with scales [num_tokens]
+        (quantize_fp8_values); None: both bf16."""
+        self._moe_widths("moe_gate_up", scales is not None, hidden, inter)
+        self._moe_expert_launch(True, inter, hidden, num_tokens, top_k, num_experts, scales is not None, act, x, w,
+                                *(scales or ()), sorted_ids, expert_ids, num_post_padded, top_k, num_tokens * top_k,
+                                hidden, inter)
 
     @kernel("moe", MOE_DOWN_ARGS + ", int split", "moe_gemv_down")
     @kernel("moe", MOE_DOWN_ARGS, *(f"moe_gemm_down_{m}" for m in MOE_GEMM_BLOCK_MS), shared=moe_gemm_shared_bytes)
+    @kernel("moe", MOE_DOWN_FP8_ARGS + ", int split", "moe_gemv_fp8_down")
+    @kernel("moe", MOE_DOWN_FP8_ARGS, *(f"moe_gemm_fp8_down_{m}" for m in MOE_GEMM_BLOCK_MS),
+            shared=moe_gemm_shared_bytes)
     def moe_down(self, out: int, act: int, w: int, sorted_ids: int, expert_ids: int, num_post_padded: int,
-                 topk_weights: int, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> None:
+                 topk_weights: int, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                 scales: tuple[int, int] | None = None) -> None:
         """out [num_tokens * top_k, hidden] float32: each assignment's act row . its expert's down rows (w
-        experts_down [num_experts, hidden, inter]) times its routing weight (float32 [num_tokens * top_k])."""
-        _require_vectors("moe_down", hidden=hidden, inter=inter)
-        self._moe_expert_launch(False, hidden, inter, num_tokens, top_k, num_experts, out, act, w, sorted_ids,
-                                expert_ids, num_post_padded, topk_weights, num_tokens * top_k, hidden, inter)
+        experts_down [num_experts, hidden, inter]) times its routing weight (float32 [num_tokens * top_k]).
+        scales (w_scale, act_scale): w is e4m3 with float32 scales [num_experts * hidden] and act the f16 values of
+        e4m3 codes [padded rows, inter] with a scale per padded row; None: both bf16."""
+        self._moe_widths("moe_down", scales is not None, hidden, inter)
+        self._moe_expert_launch(False, hidden, inter, num_tokens, top_k, num_experts, scales is not None, out, act,
+                                w, *(scales or ()), sorted_ids, expert_ids, num_post_padded, topk_weights,
+                                num_tokens * top_k, hidden, inter)
 
     @kernel("moe", "float* x, const float* rows, int top_k, int hidden")
     def moe_sum(self, x: int, rows: int, num_tokens: int, top_k: int, hidden: int) -> None:
