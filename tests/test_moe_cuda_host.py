@@ -157,9 +157,10 @@ def test_fp8_weights_on_a_moe_model_run_its_experts_in_e4m3_on_a_stand_in_device
                                                                                   monkeypatch):
     """quantization="fp8" on a bf16 MoE model, through the engine on FakeDevice: each expert layer's stacked experts
     are quantized on the device (quantize_fp8 over every expert's rows: a scale per expert and output channel), the
-    bf16 ones freed; a step quantizes the tokens' rows before the e4m3 gate/up product and the padded rows'
-    activations before the down product (quantize_fp8_values), on the GEMV path (decode) and the grouped GEMM's (a
-    prefill chunk of 32 tokens x 2 of 4 experts). The kernels: tests/gpu/test_moe_kernels.py."""
+    bf16 ones freed; a step quantizes the tokens' rows before the e4m3 gate/up product (up to 8 rows the norm before
+    it has: its codes are the FP8 GEMV's) and the padded rows' activations before the down product
+    (quantize_fp8_values), on the GEMV path (decode) and the grouped GEMM's (a prefill chunk of 32 tokens x 2 of 4
+    experts). The kernels: tests/gpu/test_moe_kernels.py."""
     from tinyvllm.backends.cuda.tensors import E4M3, F32
     from tinyvllm.model.loader import load_model
 
@@ -186,7 +187,11 @@ def test_fp8_weights_on_a_moe_model_run_its_experts_in_e4m3_on_a_stand_in_device
         set(names)
     assert not {"moe_gemv_gate_up", "moe_gemm_gate_up_32", "moe_gemv_down"} & set(names)
     gate_up = [i for i, name in enumerate(names) if name.startswith("moe_") and "gate_up" in name]
-    assert all(names[i - 1] == "quantize_fp8_values" and names[i + 1] == "quantize_fp8_values" for i in gate_up)
+    assert all(names[i + 1] == "quantize_fp8_values" for i in gate_up)  # the activations, for the down product
+    # the tokens' rows: as the norm quantized them up to 8 rows (decode: the FP8 GEMV's codes), else quantized here
+    before = {names[i - 1] for i in gate_up if names[i] == "moe_gemv_fp8_gate_up"}
+    assert before == {"moe_align", "quantize_fp8_values"}
+    assert all(names[i - 1] == "quantize_fp8_values" for i in gate_up if names[i] == "moe_gemm_fp8_gate_up_32")
     backend.close()
 
 

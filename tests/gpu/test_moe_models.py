@@ -69,8 +69,8 @@ class RoutingRecorder:
         self.cuda, self.on, self.layers = cuda, None, {}
         original = cuda_forward.fused_moe
 
-        def recorded(ops, linear, buf, layer, x, h, n, cfg):
-            original(ops, linear, buf, layer, x, h, n, cfg)
+        def recorded(ops, linear, buf, layer, x, h, n, cfg, *codes):
+            original(ops, linear, buf, layer, x, h, n, cfg, *codes)
             if self.on == threading.get_ident():  # not another backend's capture thread
                 self.cuda.Context.synchronize()
                 ids = np.empty((n, cfg.num_experts_per_tok), np.int32)

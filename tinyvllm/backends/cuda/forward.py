@@ -534,7 +534,7 @@ class CudaForward:
             attention(i)
             self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
-                fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg)
+                fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg, self._moe_codes(n))
             else:
                 act_codes = linear.gate_up_swiglu(b.act, b.h, layer.gate_up, n, b.gate_up, cfg.activation, codes,
                                                   down_e4m3=layer.down.dtype == E4M3)
@@ -576,6 +576,12 @@ class CudaForward:
         if self.linear.uses_fp8_gemv(n, codes.shape[-1]):
             return codes
         return self.linear.input_codes(n, codes.shape[-1])
+
+    def _moe_codes(self, n: int) -> DeviceTensor | None:
+        """e4m3 experts: buf.h as the norm before an expert layer quantized it, where that is the f16 code values
+        the expert kernels read (n <= 8: the FP8 GEMV's input, _h_codes), else None (fused_moe quantizes h)."""
+        codes = self._h_codes(n) if self.fp8_experts else None
+        return codes if codes is not None and codes.dtype == F16 else None
 
     def _rope_qk_norm(self, layer: DeviceLayer) -> QkNorm | None:
         """The layer's per-head q/k norms for rope_and_cache to apply (None: none, or not fusable: _qk_norm runs)."""

@@ -82,9 +82,10 @@ def allocate_moe_buffers(device, cfg, t: int, fp8: bool = False) -> MoeBuffers |
 
 
 def fused_moe(ops: Ops, linear, buf: MoeBuffers, layer: DeviceLayer, x: DeviceTensor, h: DeviceTensor, n: int,
-              cfg) -> None:
+              cfg, h_codes: DeviceTensor | None = None) -> None:
     """x[:n] (float32, the residual stream) += the experts' weighted sum for the n normed rows h (bf16 [>= n,
-    hidden]).  Twin: backends/moe.py fused_moe after route."""
+    hidden]); h_codes: e4m3 experts, h as the norm quantized it (f16 code values with their scales, as
+    quantize_fp8_values writes them), else None (quantized here).  Twin: backends/moe.py fused_moe after route."""
     e, k, hidden, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     gate_up, down = layer.experts_gate_up, layer.experts_down
     linear.gemm(buf.router_logits, h, layer.router, n)
@@ -96,10 +97,11 @@ def fused_moe(ops: Ops, linear, buf: MoeBuffers, layer: DeviceLayer, x: DeviceTe
         ops.moe_gate_up(buf.act.ptr, h.ptr, gate_up.ptr, *index, n, k, e, hidden, inter)
         ops.moe_down(buf.rows.ptr, buf.act.ptr, down.ptr, *index, buf.topk_weights.ptr, n, k, e, hidden, inter)
     else:
-        xq, aq = buf.x_codes, buf.act_codes
-        if xq is None or down.dtype != E4M3:
+        xq, aq = h_codes or buf.x_codes, buf.act_codes
+        if xq is None or down.dtype != E4M3 or xq.dtype != F16:
             raise ValueError("e4m3 experts need both products in e4m3 and the MoE buffers' fp8 codes")
-        ops.quantize_fp8_values(xq.ptr, xq.scale.ptr, h.ptr, n, hidden)
+        if h_codes is None:
+            ops.quantize_fp8_values(xq.ptr, xq.scale.ptr, h.ptr, n, hidden)
         ops.moe_gate_up(buf.act.ptr, xq.ptr, gate_up.ptr, *index, n, k, e, hidden, inter,
                         scales=(gate_up.scale.ptr, xq.scale.ptr))
         # every padded row the batch can have (their count is on the device; rows past it are never read)
