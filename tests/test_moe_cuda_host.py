@@ -201,8 +201,10 @@ def test_fp8_weights_on_a_moe_model_run_its_experts_in_e4m3_on_a_stand_in_device
 def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_module, tmp_path, monkeypatch, caplog,
                                                                     scheme, extra):
     """An FP8 checkpoint of Qwen3-MoE through the engine on FakeDevice: the attention's and the dense layer's
-    linear weights run FP8 W8A8 (e4m3, a scale per row), the experts bf16, the bytes sent for each expert's weight
-    its codes times their scales rounded to bf16, and a warning says so."""
+    linear weights run FP8 W8A8 (e4m3, a scale per row); the experts too where their scales are per channel (the
+    bytes sent for an expert's weight its stored codes, its scales one per expert and row), while block-scaled ones
+    run bf16 (the bytes sent its codes times their scales rounded to bf16), and a warning says so. The values of
+    the scales as uploaded: tests/gpu/test_moe_models.py (cuda against numpy on the same file)."""
     import logging
 
     from tinyvllm.backends.cuda.tensors import BF16, E4M3
@@ -223,17 +225,24 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     with caplog.at_level(logging.WARNING, logger="tinyvllm"):
         backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"),
                                              FakeDevice(TypedRecorder()), True)
-    assert f"the experts of {path} run as bf16 weights" in caplog.text
+    block = scheme == "fp8-block"
+    assert (f"the experts of {path} run as bf16 weights" in caplog.text) == block
     layers = backend.forward.layers
     assert all(layer.qkv.dtype == layer.o.dtype == E4M3 for layer in layers)
     ignored = scheme == "ct-channel"  # its checkpoint leaves model.layers.1.mlp.down_proj unquantized
     assert (layers[1].gate_up.dtype, layers[1].down.dtype) == (E4M3, BF16 if ignored else E4M3)  # dense layer 1
-    assert all(layer.experts_gate_up.dtype == layer.experts_down.dtype == BF16 for layer in (layers[0], layers[2]))
+    experts = BF16 if block else E4M3
+    assert all(layer.experts_gate_up.dtype == layer.experts_down.dtype == experts for layer in (layers[0], layers[2]))
+    checkpoint = model.weights
     for field, part in (("experts_gate_up", "gate_proj"), ("experts_down", "down_proj")):  # expert 0's first part
-        want = f32_to_bf16(reference[f"model.layers.2.mlp.experts.0.{part}.weight"])
+        name = f"model.layers.2.mlp.experts.0.{part}.weight"
+        want = f32_to_bf16(reference[name]) if block else checkpoint.tensors.stored(name)
         assert sent[getattr(layers[2], field).ptr] == want.tobytes()
-    gemv = "gemv_fp8_block_bf16" if scheme == "fp8-block" else "gemv_fp8_bf16"  # block scales: run as stored
-    assert {gemv, "moe_gemv_gate_up", "moe_topk_softmax"} <= set(names)
+        if not block:  # a scale per expert and row
+            w = getattr(layers[2], field)
+            assert w.scale.shape == (w.numel // w.shape[-1],)
+    gemv = "gemv_fp8_block_bf16" if block else "gemv_fp8_bf16"  # block scales: run as stored
+    assert {gemv, "moe_gemv_gate_up" if block else "moe_gemv_fp8_gate_up", "moe_topk_softmax"} <= set(names)
     # a prefill chunk's dense MLP: the activation quantized for an e4m3 down projection, in bf16 for a bf16 one (and
     # for block scales, whose products quantize their inputs per 128 columns: quantize_fp8_groups)
     bf16_act = ignored or scheme == "fp8-block"

@@ -14,8 +14,9 @@ backend takes those experts, weighted by its own router's probabilities. What is
 - the final logits within TOLERANCE of the reference (a wrong expert product, weight, tile or slot sum fails);
 - a second cuda backend that replays the decode steps as CUDA graphs (bucket-padded rows included) gives the eager
   one's logits.
-quantization="fp8" (e4m3 experts) is checked against the numpy backend's W8A8 the same way; an FP8 checkpoint of a
-MoE model (its experts run as bf16 weights) against HF with the same quantization. REPORT lines carry the measured numbers (pytest -s)."""
+quantization="fp8" (e4m3 experts) is checked against the numpy backend's W8A8 the same way; FP8 checkpoints of a
+MoE model against the numpy backend on the same file (experts with channel or tensor scales, run as stored) and
+against HF with the same quantization (block-scaled experts, run as bf16 weights). REPORT lines carry the measured numbers (pytest -s)."""
 
 import threading
 from dataclasses import replace
@@ -197,46 +198,85 @@ def test_fp8_experts_follow_the_numpy_twin(cuda, cuda_backend, monkeypatch):
             FP8_TOLERANCE)
 
 
-def test_an_fp8_checkpoint_of_a_moe_model_runs_its_experts_as_bf16_weights(tmp_path, monkeypatch):
-    """A Qwen3-MoE checkpoint whose experts alone are float8 (compressed-tensors, channel scales; its attention and
-    dense layer in its ignore list) runs on the cuda backend as the bf16 checkpoint of its dequantized weights does
-    (each code times its scale, rounded to bf16: forward.py): the same teacher-forced logprobs, bit for bit, and
-    near HF's on those weights (REPORT: how near, and the quantization's own error)."""
+def fp8_experts_checkpoint(tmp_path, monkeypatch, scheme: str):
+    """A Qwen3-MoE checkpoint whose experts alone are float8 in `scheme` (its attention and dense layer in the
+    ignore list, left float) -> (its dir, its config, the dequantized weights)."""
     import sys
     from pathlib import Path
 
-    from tinyvllm import LLM
-    from tinyvllm.model.dummy import random_weights, save_hf_model_dir
-
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import test_fp8_checkpoints
-    from test_family_moe import CONFIGS, hf_model, hf_prompt_logprobs
-    from test_fp8_weights import our_logprobs
+    from test_family_moe import CONFIGS
 
     config = {**CONFIGS["qwen3_moe"], **dict(hidden_size=256, head_dim=64, intermediate_size=128,
                                              moe_intermediate_size=128)}
     dense = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(config["num_hidden_layers"]) for p in "qkvo"]
     dense += [f"model.layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")]  # mlp_only_layers=(1,)
-    quant, *rest = test_fp8_checkpoints.SCHEMES["ct-channel"]
-    monkeypatch.setitem(test_fp8_checkpoints.SCHEMES, "ct-experts", ({**quant, "ignore": ["lm_head", *dense]}, *rest))
-    path, cfg, weights, *_ = test_fp8_checkpoints.write_fp8_checkpoint(tmp_path / "fp8", "ct-experts", **config)
+    quant, *rest = test_fp8_checkpoints.SCHEMES[scheme]
+    monkeypatch.setitem(test_fp8_checkpoints.SCHEMES, "experts", ({**quant, "ignore": ["lm_head", *dense]}, *rest))
+    path, cfg, weights, *_ = test_fp8_checkpoints.write_fp8_checkpoint(tmp_path / "fp8", "experts", **config)
+    return path, cfg, weights
+
+
+PROMPTS = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
+
+
+def checkpoint_logprobs(source, backend, **settings):
+    """Teacher-forced prompt logprobs of PROMPTS, and the cuda backend's expert dtype (None on numpy)."""
+    from tinyvllm import LLM
+    from test_fp8_weights import our_logprobs
+
+    with LLM(str(source), backend=backend, max_model_len=128, **settings) as llm:
+        experts = llm.llm_engine.backend.forward.layers[0].experts_gate_up.dtype if backend == "cuda" else None
+        return our_logprobs(llm, PROMPTS), experts
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "fp8-tensor"])
+def test_an_fp8_checkpoint_of_a_moe_model_runs_its_experts_as_stored(tmp_path, monkeypatch, scheme):
+    """A Qwen3-MoE checkpoint whose experts alone are float8 with channel or tensor scales runs them W8A8 on cuda,
+    its codes as stored with a scale per expert and row: against the numpy backend on the same file, teacher-forced,
+    within twice the distance W8A8 experts put between the backends (quantization="fp8" on the dequantized
+    weights) plus 0.02."""
+    from tinyvllm.model.dummy import save_hf_model_dir
+
+    pytest.importorskip("torch")
+    path, cfg, weights = fp8_experts_checkpoint(tmp_path, monkeypatch, scheme)
+    dequantized = save_hf_model_dir(tmp_path / "dequantized", cfg, weights)
+    (cuda_stored, experts), (numpy_stored, _) = (checkpoint_logprobs(path, b) for b in ("cuda", "numpy"))
+    assert experts == E4M3
+    (cuda_w8a8, experts), (numpy_w8a8, _) = (checkpoint_logprobs(dequantized, b, quantization="fp8")
+                                            for b in ("cuda", "numpy"))
+    assert experts == E4M3
+    apart, noise = np.abs(cuda_stored - numpy_stored).mean(), np.abs(cuda_w8a8 - numpy_w8a8).mean()
+    print(f"REPORT fp8 moe checkpoint {scheme} (experts as stored) on cuda: against numpy on the same file, mean "
+          f"|logprob diff| {apart:.4f}; W8A8 experts' own between the backends {noise:.4f}")
+    assert apart < 2 * noise + 0.02, (apart, noise)
+
+
+def test_a_block_scaled_fp8_checkpoint_of_a_moe_model_runs_its_experts_as_bf16_weights(tmp_path, monkeypatch):
+    """A Qwen3-MoE checkpoint whose experts alone are float8 with 128 x 128 block scales runs on the cuda backend as
+    the bf16 checkpoint of its dequantized weights does (each code times its scale, rounded to bf16: forward.py):
+    the same teacher-forced logprobs, bit for bit, and near HF's on those weights (REPORT: how near, and the
+    quantization's own error)."""
+    from tinyvllm.model.dummy import random_weights, save_hf_model_dir
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_family_moe import hf_model, hf_prompt_logprobs
+
+    path, cfg, weights = fp8_experts_checkpoint(tmp_path, monkeypatch, "fp8-block")
     bf16 = save_hf_model_dir(tmp_path / "dequantized", cfg, weights, dtype="bfloat16")
-    prompts = [np.random.default_rng(i).integers(3, 500, 30).tolist() for i in range(3)]
-    ours = {}
-    for name, source in (("fp8", path), ("bf16", bf16)):
-        llm = LLM(str(source), backend="cuda", max_model_len=128)
-        ours[name] = our_logprobs(llm, prompts)
-        llm.close()
-    np.testing.assert_array_equal(ours["fp8"], ours["bf16"])
+    (fp8, experts), (ours_bf16, _) = (checkpoint_logprobs(source, "cuda") for source in (path, bf16))
+    assert experts == BF16
+    np.testing.assert_array_equal(fp8, ours_bf16)
 
     def logprobs(model):
-        return np.concatenate([hf_prompt_logprobs(model, p) for p in prompts])
+        return np.concatenate([hf_prompt_logprobs(model, p) for p in PROMPTS])
 
     reference = logprobs(hf_model(save_hf_model_dir(tmp_path / "float32", cfg, weights)))
     unquantized = logprobs(hf_model(save_hf_model_dir(tmp_path / "float", cfg, random_weights(cfg, 6))))
-    error, quantization = np.abs(ours["fp8"] - reference).mean(), np.abs(unquantized - reference).mean()
-    print(f"REPORT fp8 moe checkpoint on cuda: the bf16 checkpoint's logprobs exactly; mean |logprob error| against "
-          f"HF float32 on the dequantized weights {error:.4f}; the quantization's own {quantization:.4f}")
+    error, quantization = np.abs(fp8 - reference).mean(), np.abs(unquantized - reference).mean()
+    print(f"REPORT fp8 block-scaled moe checkpoint on cuda: the bf16 checkpoint's logprobs exactly; mean |logprob "
+          f"error| against HF float32 on the dequantized weights {error:.4f}; the quantization's own "
+          f"{quantization:.4f}")
     assert error < quantization

@@ -91,12 +91,6 @@ def fp8_weights(model, engine_config: EngineConfig) -> bool:
     return engine_config.quantization == "fp8" or model.config.quantization is not None
 
 
-def fp8_experts(model, engine_config: EngineConfig) -> bool:
-    """Whether an expert layer's experts run FP8 W8A8 too: quantization="fp8" on a bf16 checkpoint. An FP8
-    checkpoint's experts run as their bf16 values (CudaForward._quantize_weights)."""
-    return bool(engine_config.quantization == "fp8" and model.config.num_experts and model.config.quantization is None)
-
-
 def decode_buckets(max_seqs: int) -> list[int]:
     """The batch sizes decode steps are padded to (one CUDA graph each): 1, 2, 4, then multiples of 8, and
     max_seqs."""
@@ -187,8 +181,8 @@ class CudaForward:
             k_scales, v_scales = (device.upload(s, F32) for s in scales)
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
         self.fp8 = fp8_weights(model, engine_config)
-        self.fp8_experts = fp8_experts(model, engine_config)
         self.block_codes = self._runs_block_scales(model.weights)  # block-scaled FP8 codes run as stored
+        self.fp8_experts = self._runs_fp8_experts(model.weights, engine_config)
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),
@@ -288,11 +282,32 @@ class CudaForward:
     def _stored_codes(self, w: Mapping[str, np.ndarray], i: int) -> list[str]:
         """Layer i's linear weights that go to the GPU as the e4m3 codes the checkpoint stores: an FP8 checkpoint's
         with a scale per tensor or per output channel (one per row, as the FP8 kernels take them), or per 128 x 128
-        block where those run (_runs_block_scales), so its codes run unchanged. Other block scales have no such
-        form: those weights go in bf16 and are requantized per row (_quantize_weights)."""
+        block where those run (_runs_block_scales), so its codes run unchanged; its experts too where their scales
+        are per tensor or channel (_stored_experts). Other block scales have no such form: those dense weights go in
+        bf16 and are requantized per row (_quantize_weights), those experts run as bf16 weights."""
         if not isinstance(w, Fp8CheckpointWeights) or (w.scheme.block is not None and not self.block_codes):
             return []
-        return self._fp8_fields(w, i)
+        return self._fp8_fields(w, i) + self._stored_experts(w, i)
+
+    def _stored_experts(self, w: Fp8CheckpointWeights, i: int) -> list[str]:
+        """Layer i's stacked experts (FP8_EXPERTS) as an FP8 checkpoint stores them, where every expert's gate, up
+        and down are float8 with a scale per tensor or channel (a scale per expert and row, as the expert kernels
+        take them); else none."""
+        parts = layer_parts(self.config, i)
+        stored = w.scheme.block is None and all(field in parts and all(name in w.scales for name in parts[field])
+                                                for field in FP8_EXPERTS)
+        return list(FP8_EXPERTS) if stored else []
+
+    def _runs_fp8_experts(self, w: Mapping[str, np.ndarray], engine_config: EngineConfig) -> bool:
+        """Whether expert layers run their experts FP8 W8A8: quantization="fp8" on a bf16 checkpoint (quantized at
+        load), or an FP8 checkpoint's experts as stored (_stored_experts). Block-scaled experts run as bf16 weights
+        (_quantize_weights warns)."""
+        cfg = self.config
+        if not cfg.num_experts:
+            return False
+        if not isinstance(w, Fp8CheckpointWeights):
+            return engine_config.quantization == "fp8"
+        return any(self._stored_experts(w, i) for i in range(cfg.num_hidden_layers))
 
     def _attach_scales(self, w: Mapping[str, np.ndarray], stored: list[list[str]]) -> None:
         """Each stored-codes weight's float32 scales, uploaded and attached to it: one a row (its parts' scales
@@ -390,7 +405,7 @@ class CudaForward:
         it stores in float8 (a layer it left unquantized stays bf16, as on the numpy backend)."""
         if not isinstance(weights, Fp8CheckpointWeights):
             return list(FP8_MATRICES)
-        parts = layer_parts(self.config, i)  # an expert layer has no gate_up or down (its experts stay bf16)
+        parts = layer_parts(self.config, i)  # an expert layer has no gate_up or down (its experts: _stored_experts)
         return [field for field in FP8_MATRICES if field in parts and all(name in weights.scales
                                                                            for name in parts[field])]
 
@@ -401,7 +416,8 @@ class CudaForward:
         per-row scales do not mind; an expert layer's rows expert after expert (a scale per expert and channel)."""
         for i, layer in enumerate(self.layers):
             quantized = {}
-            for field in (*self._fp8_fields(weights, i), *(FP8_EXPERTS if self.fp8_experts else ())):
+            experts = FP8_EXPERTS if self.fp8_experts and not isinstance(weights, Fp8CheckpointWeights) else ()
+            for field in (*self._fp8_fields(weights, i), *experts):
                 w = getattr(layer, field)
                 if w is None or w.dtype == E4M3:  # not in this layer; the checkpoint's codes (_stored_codes)
                     continue
@@ -416,11 +432,11 @@ class CudaForward:
             self.layers[i] = dataclasses.replace(layer, **quantized)
         log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
                  "128 x 128 block, as stored" if self.block_codes else "output channel")
-        if self.config.num_experts and not self.fp8_experts:  # an FP8 checkpoint's
+        if self.config.num_experts and not self.fp8_experts:  # an FP8 checkpoint's, with block scales
             log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
                         "to bf16; their inputs unquantized): the cuda MoE kernels take e4m3 experts with a scale per "
-                        "expert and row, which requantizing the stored codes would change. The other linear layers "
-                        "run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
+                        "expert and row, and requantizing block-scaled codes would change them. The other linear "
+                        "layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
