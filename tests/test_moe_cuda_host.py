@@ -251,6 +251,40 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     backend.close()
 
 
+def test_an_fp8_checkpoint_with_unquantized_experts_runs_them_as_bf16_without_a_warning(forward_module, tmp_path,
+                                                                                         monkeypatch, caplog):
+    """A Qwen3-MoE FP8 checkpoint whose experts are in its ignore list: its dense layers run W8A8, its experts are
+    the bf16 weights they are stored as (nothing dequantized, so no warning), the MoE buffers without fp8 codes."""
+    import logging
+
+    from tinyvllm.backends.cuda.tensors import BF16, E4M3
+    from tinyvllm.model.loader import load_model
+
+    pytest.importorskip("torch")  # write_fp8_checkpoint's
+    import test_fp8_checkpoints
+    from test_family_moe import CONFIGS
+
+    cfg = CONFIGS["qwen3_moe"]
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}_proj" for i in range(cfg["num_hidden_layers"])
+               for e in range(cfg["num_experts"]) for p in ("gate", "up", "down")]
+    quant, *rest = test_fp8_checkpoints.SCHEMES["ct-channel"]
+    monkeypatch.setitem(test_fp8_checkpoints.SCHEMES, "dense", ({**quant, "ignore": ["lm_head", *experts]}, *rest))
+    path, *_ = test_fp8_checkpoints.write_fp8_checkpoint(tmp_path, "dense", **{**cfg, "head_dim": 64})
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    model = load_model(path)
+    with caplog.at_level(logging.WARNING, logger="tinyvllm"):
+        backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"),
+                                             FakeDevice(TypedRecorder()), True)
+    assert "run as bf16 weights" not in caplog.text
+    forward = backend.forward
+    assert all(layer.qkv.dtype == E4M3 for layer in forward.layers) and not forward.fp8_experts
+    assert all(layer.experts_gate_up.dtype == layer.experts_down.dtype == BF16 for layer in forward.layers
+               if layer.experts_gate_up is not None)
+    assert forward.moe_buf.x_codes is None and "moe_gemv_gate_up" in names
+    backend.close()
+
+
 @pytest.mark.parametrize("preset,active_gb,total_gb", [("qwen3-30b-a3b", 6.08, 61.06), ("mixtral-8x7b", 25.5, 93.4),
                                                         ("olmoe-1b-7b", 2.36, 13.84)])
 def test_moe_presets_floors(preset, active_gb, total_gb):

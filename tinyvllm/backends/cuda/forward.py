@@ -432,11 +432,19 @@ class CudaForward:
             self.layers[i] = dataclasses.replace(layer, **quantized)
         log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
                  "128 x 128 block, as stored" if self.block_codes else "output channel")
-        if self.config.num_experts and not self.fp8_experts:  # an FP8 checkpoint's, with block scales
+        if self._dequantized_experts(weights):
             log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
                         "to bf16; their inputs unquantized): the cuda MoE kernels take e4m3 experts with a scale per "
                         "expert and row, and requantizing block-scaled codes would change them. The other linear "
                         "layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
+
+    def _dequantized_experts(self, weights: Mapping[str, np.ndarray]) -> bool:
+        """Whether an FP8 checkpoint's float8 experts run as bf16 weights (block-scaled: _stored_experts); experts
+        it leaves unquantized are bf16 weights anyway."""
+        if self.fp8_experts or not isinstance(weights, Fp8CheckpointWeights):
+            return False
+        return any(name in weights.scales for i in range(self.config.num_hidden_layers)
+                   for field, names in layer_parts(self.config, i).items() if field in FP8_EXPERTS for name in names)
 
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
