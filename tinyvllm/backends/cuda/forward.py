@@ -73,7 +73,7 @@ LM_HEAD_TUNE_ROWS = 128
 CHAIN_TIMING_RUNS = 5
 FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py Fp8Scratch)
 FP8_MATRICES = ("qkv", "o", "gate_up", "down")  # the layer weights FP8 W8A8 quantizes (the LM head: quantize_lm_head)
-FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and an expert layer's, with quantization="fp8" (fp8_experts)
+FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and an expert layer's where they run FP8 (_runs_fp8_experts)
 
 
 def _quantized(codes: DeviceTensor | None) -> dict[str, int]:

@@ -97,7 +97,7 @@ def fused_moe(ops: Ops, linear, buf: MoeBuffers, layer: DeviceLayer, x: DeviceTe
         ops.moe_gate_up(buf.act.ptr, h.ptr, gate_up.ptr, *index, n, k, e, hidden, inter)
         ops.moe_down(buf.rows.ptr, buf.act.ptr, down.ptr, *index, buf.topk_weights.ptr, n, k, e, hidden, inter)
     else:
-        xq, aq = h_codes or buf.x_codes, buf.act_codes
+        xq, aq = h_codes if h_codes is not None else buf.x_codes, buf.act_codes
         if xq is None or down.dtype != E4M3 or xq.dtype != F16:
             raise ValueError("e4m3 experts need both products in e4m3 and the MoE buffers' fp8 codes")
         if h_codes is None:
