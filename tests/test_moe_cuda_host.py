@@ -251,6 +251,27 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     backend.close()
 
 
+def test_e4m3_experts_refuse_widths_their_loads_cannot_take(forward_module, make_model_dir, monkeypatch):
+    """quantization="fp8" on experts 40 wide (whole 16-byte loads of bf16, not of e4m3 codes): refused in one line
+    when the backend is built, before any weight is uploaded; without it the same model runs (bf16 experts)."""
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    model = load_model(make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=40))
+    device = FakeDevice(TypedRecorder())
+    with pytest.raises(ValueError, match="^the cuda backend's e4m3 experts need hidden_size and "
+                                         "moe_intermediate_size divisible by 16 .* not 64 and 40: run without "
+                                         "quantization, or on the numpy backend$"):
+        runner.CudaBackend(model, engine_config_for(model, "eager", quantization="fp8"), device=device)
+    assert not device.kernels.launches
+    backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"), FakeDevice(TypedRecorder()),
+                                         True)
+    assert "moe_gemv_gate_up" in names
+    backend.close()
+
+
 def test_an_fp8_checkpoint_with_unquantized_experts_runs_them_as_bf16_without_a_warning(forward_module, tmp_path,
                                                                                          monkeypatch, caplog):
     """A Qwen3-MoE FP8 checkpoint whose experts are in its ignore list: its dense layers run W8A8, its experts are

@@ -150,7 +150,6 @@ class CudaForward:
             raise ValueError(f"the cuda backend supports head_dim {HEAD_DIMS}, not {cfg.head_dim}")
         if cfg.hidden_size % VECTOR or cfg.intermediate_size % VECTOR:
             raise ValueError(f"the cuda backend needs hidden_size and intermediate_size divisible by {VECTOR}")
-        check_moe_config(cfg)
         self.invariant = engine_config.batch_invariant
         if self.invariant and cfg.num_experts:
             raise ValueError("batch_invariant on the cuda backend does not cover expert (MoE) models: their kernels "
@@ -183,6 +182,7 @@ class CudaForward:
         self.fp8 = fp8_weights(model, engine_config)
         self.block_codes = self._runs_block_scales(model.weights)  # block-scaled FP8 codes run as stored
         self.fp8_experts = self._runs_fp8_experts(model.weights, engine_config)
+        check_moe_config(cfg, self.fp8_experts)
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),

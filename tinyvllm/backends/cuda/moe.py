@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.backends.cuda.ops import (MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, MOE_MAX_EXPERTS, VECTOR, Ops, moe_block_m,
-                                        moe_max_tiles)
+from tinyvllm.backends.cuda.ops import (FP8_VECTOR, MOE_GEMM_BLOCK_MS, MOE_GEMV_TILE, MOE_MAX_EXPERTS, VECTOR, Ops,
+                                        moe_block_m, moe_max_tiles)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, DeviceLayer, DeviceTensor
 
 
@@ -44,14 +44,18 @@ class MoeBuffers:
     act_codes: DeviceTensor | None = None
 
 
-def check_moe_config(cfg) -> None:
-    """ValueError for an expert configuration the kernels cannot run."""
+def check_moe_config(cfg, fp8: bool = False) -> None:
+    """ValueError for an expert configuration the kernels cannot run (fp8: with e4m3 experts)."""
     if cfg.num_experts > MOE_MAX_EXPERTS:
         raise ValueError(f"the cuda backend's MoE kernels take at most {MOE_MAX_EXPERTS} experts, not "
                          f"{cfg.num_experts}")
     if cfg.moe_intermediate_size % VECTOR:
         raise ValueError(f"the cuda backend needs moe_intermediate_size divisible by {VECTOR}, not "
                          f"{cfg.moe_intermediate_size}")
+    if fp8 and (cfg.hidden_size % FP8_VECTOR or cfg.moe_intermediate_size % FP8_VECTOR):
+        raise ValueError(f"the cuda backend's e4m3 experts need hidden_size and moe_intermediate_size divisible by "
+                         f"{FP8_VECTOR} (16-byte loads of codes), not {cfg.hidden_size} and "
+                         f"{cfg.moe_intermediate_size}: run without quantization, or on the numpy backend")
 
 
 def max_padded_rows(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int]:
