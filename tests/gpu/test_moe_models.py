@@ -16,7 +16,8 @@ backend takes those experts, weighted by its own router's probabilities. What is
   one's logits.
 quantization="fp8" (e4m3 experts) is checked against the numpy backend's W8A8 the same way; FP8 checkpoints of a
 MoE model against the numpy backend on the same file (experts with channel or tensor scales, run as stored) and
-against HF with the same quantization (block-scaled experts, run as bf16 weights). REPORT lines carry the measured numbers (pytest -s)."""
+against HF with the same quantization (block-scaled experts, run as bf16 weights). REPORT lines carry the measured
+numbers (pytest -s)."""
 
 import threading
 from dataclasses import replace
