@@ -251,6 +251,33 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
     backend.close()
 
 
+def test_backend_auto_takes_the_gpu_for_fp8_weights_on_a_moe_model(forward_module, make_model_dir, monkeypatch):
+    """Where a usable GPU is there, backend auto builds the cuda backend for quantization="fp8" on a MoE model (its
+    experts run W8A8 there), as for any other model: no fallback to the CPU."""
+    import tinyvllm.backends as backends
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def cuda_backend(model, config, use_graphs=True):
+        built.append(config.quantization)
+        raise Built
+
+    monkeypatch.setattr(runner, "CudaBackend", cuda_backend)
+    monkeypatch.setattr(backends, "cuda_unavailable_reason", lambda: None)
+    model = load_model(make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32))
+    config = EngineConfig(backend="auto", quantization="fp8").for_model(model.config.max_position_embeddings)
+    with pytest.raises(Built):
+        backends.create_backend(model, config)
+    assert built == ["fp8"]
+
+
 def test_e4m3_experts_refuse_widths_their_loads_cannot_take(forward_module, make_model_dir, monkeypatch):
     """quantization="fp8" on experts 40 wide (whole 16-byte loads of bf16, not of e4m3 codes): refused in one line
     when the backend is built, before any weight is uploaded; without it the same model runs (bf16 experts)."""
