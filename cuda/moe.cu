@@ -20,7 +20,8 @@
 // Every grid is sized for the most tiles a batch of its size can have (ops.py), and tiles past
 // num_tokens_post_padded return at once: no count reaches the host, so a decode step is capturable in a graph.
 // Weights: experts_gate_up [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), experts_down
-// [E, hidden, inter], row-major bf16.
+// [E, hidden, inter], row-major bf16; or e4m3 codes with a scale per expert and row (W8A8, quantization="fp8": the
+// moe_gemv_fp8_* and moe_gemm_fp8_* kernels, their A rows the f16 values of e4m3 codes with a scale per row).
 //
 // Compiled with -DMOE_MAX_EXPERTS, -DMOE_TOPK_THREADS, -DMOE_ALIGN_THREADS, -DMOE_GEMV_WARPS, -DMOE_GEMV_UNROLL,
 // -DMOE_GEMM_BLOCK_K, -DMOE_GEMM_STAGES and -DMOE_GEMM_WARPS_<m> from backends/cuda/ops.py, which launches the
