@@ -3,6 +3,7 @@ their geometry, and the preconditions they refuse. The kernels themselves are te
 
 import ctypes
 import dataclasses
+import math
 import re
 import types
 from pathlib import Path
@@ -637,7 +638,7 @@ class FakeDevice:
         return tensor
 
     def upload(self, array, dtype):
-        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64, "i32": np.int32}[dtype])
+        assert array.dtype == np.dtype({"f32": np.float32, "u64": np.uint64, "i32": np.int32, "bf16": np.uint16}[dtype])
         return self.empty(dtype, array.shape)
 
     def free(self, memory):
@@ -874,6 +875,68 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     assert [name for name, _, _ in recorder.launches].count("scale_rows_cols_f32") == 2 * config.num_hidden_layers
     assert all(x.dtype == E4M3 and out.dtype == F32 for out, x, _, _, _ in forward.linear.blas.calls)
     assert forward.on_stream(FakeStream()).linear.fp8 is forward.linear.fp8
+
+
+class MemoryDevice(FakeDevice):
+    """FakeDevice with `free` bytes of memory: the most its allocations held at once (`peak`), and
+    mem_get_info's answer."""
+
+    def __init__(self, kernels, free):
+        super().__init__(kernels)
+        self.free_bytes, self.held, self.peak = free, 0, 0
+
+    def empty(self, dtype, shape):
+        tensor = super().empty(dtype, shape)
+        self.held += tensor.nbytes
+        self.peak = max(self.peak, self.held)
+        return tensor
+
+    def free(self, memory):
+        self.held -= self.live[memory.ptr if isinstance(memory, DeviceTensor) else memory].nbytes
+        super().free(memory)
+
+    def mem_get_info(self):
+        return self.free_bytes - self.held, 1 << 40
+
+
+@pytest.mark.parametrize("dummy", [False, True])
+def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module, monkeypatch, dummy):
+    """quantization="fp8" makes each layer's weights e4m3 before the next layer's arrive (made on the device, or
+    streamed from the host): the weights load into memory that holds their FP8 form and one layer's bf16 form,
+    less than the bf16 model; the bf16 model is refused there in one MemoryError."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import RandomBf16Weights, random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel, weight_shapes
+    from tinyvllm.model.weights import layer_parts
+
+    config = tiny_config(head_dim=64, num_hidden_layers=6, hidden_size=512, intermediate_size=2048)
+    shapes = weight_shapes(config)
+    bf16 = sum(2 * math.prod(shape) for shape in shapes.values())
+    quantized = {name for i in range(6) for field in ("qkv", "o", "gate_up", "down")
+                 for name in layer_parts(config, i)[field]}
+    fp8 = bf16 - sum(math.prod(shapes[name]) for name in quantized)
+    layer = sum(2 * math.prod(shapes[name]) for name in quantized) // 6  # the e4m3 fields' bf16 bytes a layer
+    gate_up = sum(2 * math.prod(shapes[name]) for name in layer_parts(config, 0)["gate_up"])  # its interleave
+    free = fp8 + layer + gate_up + (1 << 20)  # and room for the scales and the buffers
+    assert free < bf16
+    weights = RandomBf16Weights(config) if dummy else random_weights(config)
+    engine = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=8)
+    recorder = TypedRecorder()
+    device = MemoryDevice(recorder, free)
+    loaded = []  # the peak when the weights are there, before the step buffers (the cuBLAS workspace: 32 MiB)
+    allocate = forward_module.CudaForward._allocate_buffers
+    monkeypatch.setattr(forward_module.CudaForward, "_allocate_buffers",
+                        lambda self: (loaded.append(device.peak), allocate(self)))
+    forward = forward_module.CudaForward(LoadedModel(config, weights, None, "random"),
+                                         EngineConfig(**engine, quantization="fp8"), device, FakeStream(), 16)
+    assert all(getattr(layer, field).dtype == E4M3 for layer in forward.layers for field in ("qkv", "o", "down"))
+    assert fp8 < loaded[0] <= free
+    names = [name for name, _, _ in recorder.launches]
+    if dummy:  # layer 0's weights are quantized before the last layer's are made
+        assert names.index("quantize_fp8") < len(names) - names[::-1].index("random_bf16") - 1
+    with pytest.raises(MemoryError, match=r"the model's weights need [0-9.]+ GiB .* but the GPU"):
+        forward_module.CudaForward(LoadedModel(config, weights, None, "random"), EngineConfig(**engine),
+                                   MemoryDevice(TypedRecorder(), free), FakeStream(), 16)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -1,7 +1,8 @@
 """The CUDA backend against the numpy backend on the mixture-of-experts families (Qwen3-MoE with a dense layer,
-Mixtral, OLMoE's unnormalized top-8 and whole-projection q/k norms) and on a Qwen3-30B-A3B-shaped model with two
-layers, on random weights rounded to bf16 so that both sides compute with the same weights: prefill chunks take
-the grouped GEMM (and the GEMV kernels for a short last chunk), decode steps the GEMV kernels (ops.moe_uses_gemv).
+Mixtral, OLMoE's unnormalized top-8 and whole-projection q/k norms) and on two layers of Qwen3-30B-A3B's and of
+Mixtral-8x7B's shapes, on random weights rounded to bf16 so that both sides compute with the same weights: prefill
+chunks take the grouped GEMM (and the GEMV kernels for a short last chunk), decode steps the GEMV kernels
+(ops.moe_uses_gemv).
 
 A router near-tie decides differently in bf16 and in float32: a decode step of three rows with one token's expert
 swapped is off by ~10% (and the swapped token's K/V stays in the cache). So the comparison is routed alike: the
@@ -26,12 +27,12 @@ import numpy as np
 import pytest
 
 from tinyvllm.backends import numpy_backend
-from tinyvllm.backends.cuda.ops import moe_uses_gemv
+from tinyvllm.backends.cuda.ops import moe_block_m, moe_uses_gemv
 from tinyvllm.backends.cuda.tensors import BF16, E4M3
 from tinyvllm.backends.numpy_backend import NumpyBackend
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.model.dummy import qwen3_30b_a3b_config, tiny_config
+from tinyvllm.model.dummy import mixtral_8x7b_config, qwen3_30b_a3b_config, tiny_config
 
 from test_cuda_model import bf16_model, decode_batch, gpu_logits, make_seqs, prefill_batch, rel_err
 
@@ -188,6 +189,19 @@ def test_qwen3_30b_a3b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch
     limits = replace(LIMITS, max_num_batched_tokens=256)
     assert not moe_uses_gemv(139, 8, 128) and moe_uses_gemv(4, 8, 128)
     compare(cuda, cuda_backend, monkeypatch, config, limits, "qwen3-30b-a3b x2 layers")
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mixtral_8x7b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch, quantization):
+    """Mixtral-8x7B's widths (hidden 4096, 8 experts of 14336, top 2, 8 KV heads of 128), two layers, bf16 and
+    W8A8: the 139 tokens prefill in a 128-token chunk (the grouped GEMM's 64-row tiles) and an 11-token one (the
+    GEMV kernels, as every decode step)."""
+    config = replace(mixtral_8x7b_config(), vocab_size=8192, num_hidden_layers=2)
+    limits = replace(LIMITS, max_num_batched_tokens=128, quantization=quantization)
+    k, e = config.num_experts_per_tok, config.num_experts
+    assert moe_block_m(128, k, e) == 64 and moe_uses_gemv(11, k, e)
+    compare(cuda, cuda_backend, monkeypatch, config, limits, f"mixtral-8x7b x2 layers {quantization or 'bf16'}",
+            FP8_TOLERANCE if quantization else TOLERANCE)
 
 
 def test_fp8_experts_follow_the_numpy_twin(cuda, cuda_backend, monkeypatch):

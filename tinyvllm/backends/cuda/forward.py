@@ -27,6 +27,7 @@ device buffers that the step driver (runner.py) fills, so a decode step's launch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -183,13 +184,11 @@ class CudaForward:
         self.block_codes = self._runs_block_scales(model.weights)  # block-scaled FP8 codes run as stored
         self.fp8_experts = self._runs_fp8_experts(model.weights, engine_config)
         check_moe_config(cfg, self.fp8_experts)
+        self.ops = device.ops(stream)
         self._upload_weights(model.weights)
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),
                                   invariant=self.invariant)
-        self.ops = device.ops(stream)
-        if self.fp8:
-            self._quantize_weights(model.weights)
         if engine_config.quantize_lm_head:  # FP8 weights: backends.create_backend refuses it otherwise
             self._quantize_lm_head()
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
@@ -209,54 +208,107 @@ class CudaForward:
         one after another in device memory, so the parts are copied to their offsets and never fused on the host.
         Each part goes from the model file (a bf16 checkpoint's as stored, with no host copy of the tensor) through a
         few pinned staging buffers, whose asynchronous copies overlap the reading of the next pieces. In bf16, but
-        the e4m3 codes that an FP8 checkpoint stores with a scale per tensor or channel (_stored_codes)."""
+        the e4m3 codes that an FP8 checkpoint stores with a scale per tensor or channel (_stored_codes). Layer by
+        layer (_upload_layer): the weights FP8 quantizes at load (_quantized_fields) become e4m3 before the next
+        layer's arrive, so the GPU holds one layer's of them in bf16 at a time and an FP8 model loads where its
+        bf16 form would not fit."""
         cfg, shapes, names = self.config, weight_shapes(self.config), model_parts(self.config)
         stored = [self._stored_codes(w, i) for i in range(cfg.num_hidden_layers)]
+        quantized = [self._quantized_fields(w, i, stored[i]) for i in range(cfg.num_hidden_layers)]
         coded = {name for i, fields in enumerate(stored) for field in fields for name in layer_parts(cfg, i)[field]}
-        tied = cfg.tie_word_embeddings
-        size = sum(nbytes(E4M3 if name in coded else BF16, shape) for name, shape in shapes.items()
-                   if not (tied and name in names["lm_head"]))
-        free, total = self.device.mem_get_info()
-        if size > free:
-            raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB but the GPU ({self.device_name})"
-                              f" has {free / GIB:.2f} of {total / GIB:.2f} GiB free")
-        parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
+        self._check_weights_fit(shapes, stored, quantized)
+        with self._part_writer(w, coded) as write:
+            parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
+            self.embed = self._place(names["embed"], BF16, parts)
+            self.lm_head = self.embed if cfg.tie_word_embeddings else self._place(names["lm_head"], BF16, parts)
+            self.final_norm = self._place(names["final_norm"], BF16, parts)
+            write(parts)
+            self.layers = [self._upload_layer(w, i, stored[i], quantized[i], write)
+                           for i in range(cfg.num_hidden_layers)]
+        if self.fp8:
+            log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
+                     "128 x 128 block, as stored" if self.block_codes else "output channel")
+        if self._dequantized_experts(w):
+            log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
+                        "to bf16; their inputs unquantized): the cuda MoE kernels take e4m3 experts with a scale per "
+                        "expert and row, and requantizing block-scaled codes would change them. The other linear "
+                        "layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", w.source)
+        log.info("cuda weights: %.2f GiB on %s", self._weights_bytes(shapes, stored, quantized) / GIB,
+                 self.device_name)
 
-        def place(names: list[str], dtype: str = BF16) -> DeviceTensor:
-            """Device memory for one packed tensor (its parts' rows stacked), the named parts at their offsets."""
-            part_shapes = [shapes[name] for name in names]
-            tensor = self.device.empty(dtype, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
-            sizes = [nbytes(dtype, shape) for shape in part_shapes]
-            parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
-            return tensor
-
-        self.embed = place(names["embed"])
-        self.lm_head = self.embed if tied else place(names["lm_head"])
-        self.final_norm = place(names["final_norm"])
+    def _upload_layer(self, w: Mapping[str, np.ndarray], i: int, stored: list[str], quantized: list[str],
+                      write: Callable[[list[tuple[int, str]]], None]) -> DeviceLayer:
+        """Layer i on the GPU: its packed tensors placed and written (`write` returns once they are there), its
+        gate/up rows interleaved, its stored codes' scales attached, the fields in `quantized` made e4m3."""
+        cfg, parts = self.config, []
         stacked = stacked_experts(cfg)  # [num_experts, rows, columns]: each expert's parts' rows, expert by expert
 
-        def packed(i: int, field: str, tensors: list[str]) -> DeviceTensor:
-            t = place(tensors, E4M3 if field in stored[i] else BF16)
+        def packed(field: str, tensors: list[str]) -> DeviceTensor:
+            t = self._place(tensors, E4M3 if field in stored else BF16, parts)
             return DeviceTensor(t.ptr, t.dtype, (cfg.num_experts, t.shape[0] // cfg.num_experts, *t.shape[1:])) \
                 if field in stacked else t
 
-        self.layers = [DeviceLayer(**{field: packed(i, field, tensors)
-                                      for field, tensors in layer_parts(cfg, i).items()})
-                       for i in range(cfg.num_hidden_layers)]
-        if isinstance(w, RandomBf16Weights):
-            self._random_parts(w, parts)
-        else:
-            self._stream_parts(w, parts, coded)
-        self._interleave_gate_up(stored)
-        self._attach_scales(w, stored)
-        log.info("cuda weights: %.2f GiB on %s", size / GIB, self.device_name)
+        layer = DeviceLayer(**{field: packed(field, tensors) for field, tensors in layer_parts(cfg, i).items()})
+        write(parts)
+        if layer.gate_up is not None and not (self.block_codes and "gate_up" in stored):
+            self._interleave_gate_up(layer.gate_up)
+        layer = self._attach_scales(w, i, layer, stored)
+        return self._quantize_layer(layer, quantized)
+
+    def _place(self, names: list[str], dtype: str, parts: list[tuple[int, str]]) -> DeviceTensor:
+        """Device memory for one packed tensor (its parts' rows stacked); the named parts' addresses go to `parts`."""
+        shapes = weight_shapes(self.config)
+        part_shapes = [shapes[name] for name in names]
+        tensor = self.device.empty(dtype, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
+        sizes = [nbytes(dtype, shape) for shape in part_shapes]
+        parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
+        return tensor
+
+    def _quantized_fields(self, w: Mapping[str, np.ndarray], i: int, stored: list[str]) -> list[str]:
+        """Layer i's weights that go up in bf16 and become e4m3 codes with a scale per row at load: with FP8
+        weights, its linear layers' (_fp8_fields; with fp8_experts its stacked experts too) but the codes a
+        checkpoint stores (_stored_codes)."""
+        if not self.fp8:
+            return []
+        experts = FP8_EXPERTS if self.fp8_experts and not isinstance(w, Fp8CheckpointWeights) else ()
+        parts = layer_parts(self.config, i)
+        return [field for field in (*self._fp8_fields(w, i), *experts) if field in parts and field not in stored]
+
+    def _weights_bytes(self, shapes: dict[str, tuple[int, ...]], stored: list[list[str]],
+                       quantized: list[list[str]]) -> int:
+        """The weights' device bytes once loaded: e4m3 codes for the stored and quantized fields (their scales
+        aside), bf16 for the rest; a tied LM head is the embedding."""
+        cfg, names = self.config, model_parts(self.config)
+        coded = {name for i in range(cfg.num_hidden_layers) for field in stored[i] + quantized[i]
+                 for name in layer_parts(cfg, i)[field]}
+        return sum(nbytes(E4M3 if name in coded else BF16, shape) for name, shape in shapes.items()
+                   if not (cfg.tie_word_embeddings and name in names["lm_head"]))
+
+    def _check_weights_fit(self, shapes: dict[str, tuple[int, ...]], stored: list[list[str]],
+                           quantized: list[list[str]]) -> None:
+        """MemoryError in one line unless the loaded weights and, while a layer loads, its bf16 weights that become
+        e4m3 and the scratch of its gate/up interleave fit in the free device memory."""
+        cfg = self.config
+        size = self._weights_bytes(shapes, stored, quantized)
+        transient = 0
+        for i in range(cfg.num_hidden_layers):
+            parts = layer_parts(cfg, i)
+            layer = sum(nbytes(BF16, shapes[name]) for field in quantized[i] for name in parts[field])
+            if "gate_up" in parts:
+                layer += sum(nbytes(BF16, shapes[name]) for name in parts["gate_up"])
+            transient = max(transient, layer)
+        free, total = self.device.mem_get_info()
+        if size + transient > free:
+            raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB (and {transient / GIB:.2f} more while "
+                              f"a layer loads) but the GPU ({self.device_name}) has {free / GIB:.2f} of "
+                              f"{total / GIB:.2f} GiB free")
 
     def _runs_block_scales(self, w: Mapping[str, np.ndarray]) -> bool:
         """Whether an FP8 checkpoint with 128 x 128 block scales runs its codes as stored (the products scaled per
         block: Linear._gemm_fp8_blocks): where cuBLASLt has block-scaled algorithms for every layer's shapes, each
         of whole 128-column blocks (the only ones measured: bench/results/2026-12-07-h100-fp8-block-scales.txt), and
         not in batch-invariant mode (its products run one pinned algorithm, and the block-scaled GEMM has no split-
-        free one to pin). Otherwise those weights go in bf16 and are requantized per row (_quantize_weights)."""
+        free one to pin). Otherwise those weights go in bf16 and are requantized per row (_quantize_layer)."""
         if not isinstance(w, Fp8CheckpointWeights) or w.scheme.block != (SCALE_BLOCK, SCALE_BLOCK):
             return False
         if self.invariant:
@@ -284,7 +336,7 @@ class CudaForward:
         with a scale per tensor or per output channel (one per row, as the FP8 kernels take them), or per 128 x 128
         block where those run (_runs_block_scales), so its codes run unchanged; its experts too where their scales
         are per tensor or channel (_stored_experts). Other block scales have no such form: those dense weights go in
-        bf16 and are requantized per row (_quantize_weights), those experts run as bf16 weights."""
+        bf16 and are requantized per row (_quantize_layer), those experts run as bf16 weights."""
         if not isinstance(w, Fp8CheckpointWeights) or (w.scheme.block is not None and not self.block_codes):
             return []
         return self._fp8_fields(w, i) + self._stored_experts(w, i)
@@ -301,7 +353,7 @@ class CudaForward:
     def _runs_fp8_experts(self, w: Mapping[str, np.ndarray], engine_config: EngineConfig) -> bool:
         """Whether expert layers run their experts FP8 W8A8: quantization="fp8" on a bf16 checkpoint (quantized at
         load), or an FP8 checkpoint's experts as stored (_stored_experts). Block-scaled experts run as bf16 weights
-        (_quantize_weights warns)."""
+        (_upload_weights warns)."""
         cfg = self.config
         if not cfg.num_experts:
             return False
@@ -309,22 +361,22 @@ class CudaForward:
             return engine_config.quantization == "fp8"
         return any(self._stored_experts(w, i) for i in range(cfg.num_hidden_layers))
 
-    def _attach_scales(self, w: Mapping[str, np.ndarray], stored: list[list[str]]) -> None:
-        """Each stored-codes weight's float32 scales, uploaded and attached to it: one a row (its parts' scales
+    def _attach_scales(self, w: Mapping[str, np.ndarray], i: int, layer: DeviceLayer,
+                       stored: list[str]) -> DeviceLayer:
+        """Layer i with each stored-codes weight's float32 scales uploaded and attached: one a row (its parts' scales
         stacked; gate/up's in the interleaved order of its rows, _interleave_gate_up), or one a 128 x 128 block
         (_block_scales)."""
-        for i, fields in enumerate(stored):
-            parts, scales = layer_parts(self.config, i), {}
-            for field in fields:
-                tensor = getattr(self.layers[i], field)
-                if self.block_codes:
-                    values = self._block_scales(w, parts[field], tensor.shape[1])
-                else:
-                    values = np.concatenate([w.row_scales(name) for name in parts[field]])
-                    if field == "gate_up":  # gate rows, then up rows -> groups of 8 gate rows, each before 8 up rows
-                        values = values.reshape(2, -1, 8).transpose(1, 0, 2).reshape(-1)
-                scales[field] = dataclasses.replace(tensor, scale=self.device.upload(values, F32))
-            self.layers[i] = dataclasses.replace(self.layers[i], **scales)
+        parts, scales = layer_parts(self.config, i), {}
+        for field in stored:
+            tensor = getattr(layer, field)
+            if self.block_codes:
+                values = self._block_scales(w, parts[field], tensor.shape[1])
+            else:
+                values = np.concatenate([w.row_scales(name) for name in parts[field]])
+                if field == "gate_up":  # gate rows, then up rows -> groups of 8 gate rows, each before 8 up rows
+                    values = values.reshape(2, -1, 8).transpose(1, 0, 2).reshape(-1)
+            scales[field] = dataclasses.replace(tensor, scale=self.device.upload(values, F32))
+        return dataclasses.replace(layer, **scales)
 
     @staticmethod
     def _block_scales(w: Fp8CheckpointWeights, names: list[str], k: int) -> np.ndarray:
@@ -340,62 +392,70 @@ class CudaForward:
         padded[:, :scales.shape[1]] = scales
         return padded
 
-    def _random_parts(self, w: RandomBf16Weights, parts: list[tuple[int, str]]) -> None:
-        """Dummy weights made where they go (ops.random_bf16, the same bits as w.stored): a 61 GB model in well
-        under a second, nothing made or copied on the host but the value tables."""
-        ops, tables = self.device.ops(self.stream), {}
-        try:
-            for address, name in parts:
-                recipe = w.recipe(name)
-                if id(recipe.table) not in tables:  # one per (mean, std), shared by the weights object
-                    tables[id(recipe.table)] = self.device.upload(recipe.table, BF16)
-                ops.random_bf16(address, tables[id(recipe.table)].ptr, recipe.size, recipe.k1, recipe.k2)
-            self.stream.synchronize()
-        finally:
-            for table in tables.values():
-                self.device.free(table)
-
-    def _stream_parts(self, w: Mapping[str, np.ndarray], parts: list[tuple[int, str]], coded: set[str]) -> None:
-        """Each (device address, HF name) part's bf16 bytes (those in `coded`: its stored e4m3 codes) to its address,
-        through the pinned staging buffers."""
+    @contextlib.contextmanager
+    def _part_writer(self, w: Mapping[str, np.ndarray], coded: set[str]):
+        """A function that writes (device address, HF name) parts to their addresses and returns once they are
+        there (_random_parts, _stream_parts), with what it needs kept from one call to the next and freed after."""
+        if isinstance(w, RandomBf16Weights):
+            tables: dict[int, DeviceTensor] = {}
+            try:
+                yield lambda parts: self._random_parts(w, parts, tables)
+            finally:
+                for table in tables.values():
+                    self.device.free(table)
+            return
         staging = [self.device.pinned(STAGING_BYTES, np.uint8) for _ in range(STAGING_BUFFERS)]
         sent = [cuda.Event() for _ in staging]  # one not yet recorded counts as done
-
-        def send(i: int, size: int, address: int) -> None:
-            cuda.memcpy_htod_async(address, staging[i][:size], self.stream)
-            sent[i].record(self.stream)
-
-        try:  # a generator: each part is opened (or converted) only when its turn comes
-            stream_bf16(((address, StoredBytes(w.tensors.stored(name)) if name in coded else Bf16Bytes(w, name))
-                         for address, name in parts), staging, lambda i: sent[i].synchronize(), send)
+        try:
+            yield lambda parts: self._stream_parts(w, parts, coded, staging, sent)
         finally:
             self.stream.synchronize()  # before the staging buffers are freed, also when a read failed
             for buffer in staging:
                 self.device.free_pinned(buffer)
 
-    def _interleave_gate_up(self, stored: list[list[str]]) -> None:
-        """Each layer's gate/up weight from its parts' order (the gate rows, then the up rows) to groups of 8 gate
-        rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
+    def _random_parts(self, w: RandomBf16Weights, parts: list[tuple[int, str]], tables: dict[int, DeviceTensor]):
+        """Dummy weights made where they go (ops.random_bf16, the same bits as w.stored): a 61 GB model in well
+        under a second, nothing made or copied on the host but the value tables (one per (mean, std), in
+        `tables`)."""
+        for address, name in parts:
+            recipe = w.recipe(name)
+            if id(recipe.table) not in tables:
+                tables[id(recipe.table)] = self.device.upload(recipe.table, BF16)
+            self.ops.random_bf16(address, tables[id(recipe.table)].ptr, recipe.size, recipe.k1, recipe.k2)
+        self.stream.synchronize()
+
+    def _stream_parts(self, w: Mapping[str, np.ndarray], parts: list[tuple[int, str]], coded: set[str],
+                      staging: list[np.ndarray], sent: list[cuda.Event]) -> None:
+        """Each (device address, HF name) part's bf16 bytes (those in `coded`: its stored e4m3 codes) to its address,
+        through the pinned staging buffers (`sent[i]` recorded after buffer i's last copy)."""
+
+        def send(i: int, size: int, address: int) -> None:
+            cuda.memcpy_htod_async(address, staging[i][:size], self.stream)
+            sent[i].record(self.stream)
+
+        # a generator: each part is opened (or converted) only when its turn comes
+        stream_bf16(((address, StoredBytes(w.tensors.stored(name)) if name in coded else Bf16Bytes(w, name))
+                     for address, name in parts), staging, lambda i: sent[i].synchronize(), send)
+        self.stream.synchronize()
+
+    def _interleave_gate_up(self, w: DeviceTensor) -> None:
+        """A gate/up weight [2 * inter, hidden] from its parts' order (the gate rows, then the up rows) to groups of
+        8 gate rows each followed by the same units' 8 up rows: then a 16-row tile of the GEMV holds both halves of 8
         units and its epilogue applies SwiGLU (gemv.cu), and cuBLAS's output columns come in the order that
-        silu_and_mul reads (activation.cu). On the GPU, through one scratch copy. (An expert layer's stacked experts
-        keep their order: cuda/moe.cu reads each expert's gate and up rows where they are; so do block-scaled FP8 codes,
-        whose 128-row blocks each have their own scales: linear.py runs them without the GEMV's epilogue.)"""
-        dense = [layer.gate_up for i, layer in enumerate(self.layers)
-                 if layer.gate_up is not None and not (self.block_codes and "gate_up" in stored[i])]
-        if not dense:
-            return
-        scratch = self.device.empty(BF16, dense[0].shape)
+        silu_and_mul reads (activation.cu). On the GPU, through a scratch copy. (An expert layer's stacked experts
+        keep their order: cuda/moe.cu reads each expert's gate and up rows where they are; so do block-scaled FP8
+        codes, whose 128-row blocks each have their own scales: linear.py runs them without the GEMV's epilogue.)"""
+        scratch = self.device.empty(BF16, w.shape)
         try:
-            for w in dense:  # [2 * inter, hidden]
-                group = 8 * w.row_bytes  # bytes of 8 rows
-                cuda.memcpy_dtod(scratch.ptr, w.ptr, w.nbytes)
-                for half in range(2):  # gate, then up: into every other group
-                    copy = cuda.Memcpy2D()
-                    copy.set_src_device(scratch.ptr + half * (w.nbytes // 2))
-                    copy.set_dst_device(w.ptr + half * group)
-                    copy.src_pitch, copy.dst_pitch = group, 2 * group
-                    copy.width_in_bytes, copy.height = group, w.shape[0] // 2 // 8
-                    copy(aligned=True)
+            group = 8 * w.row_bytes  # bytes of 8 rows
+            cuda.memcpy_dtod(scratch.ptr, w.ptr, w.nbytes)
+            for half in range(2):  # gate, then up: into every other group
+                copy = cuda.Memcpy2D()
+                copy.set_src_device(scratch.ptr + half * (w.nbytes // 2))
+                copy.set_dst_device(w.ptr + half * group)
+                copy.src_pitch, copy.dst_pitch = group, 2 * group
+                copy.width_in_bytes, copy.height = group, w.shape[0] // 2 // 8
+                copy(aligned=True)
             cuda.Context.synchronize()
         finally:
             self.device.free(scratch)
@@ -409,34 +469,23 @@ class CudaForward:
         return [field for field in FP8_MATRICES if field in parts and all(name in weights.scales
                                                                            for name in parts[field])]
 
-    def _quantize_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Each layer's linear weights (_fp8_fields; with fp8_experts its stacked experts too) from bf16 to e4m3
-        codes with a float32 scale per output channel (row), amax(row) / 448, on the GPU (quantize_fp8), each bf16
-        weight freed once its codes are made: the rows of gate_up are quantized in their interleaved order, which
-        per-row scales do not mind; an expert layer's rows expert after expert (a scale per expert and channel)."""
-        for i, layer in enumerate(self.layers):
-            quantized = {}
-            experts = FP8_EXPERTS if self.fp8_experts and not isinstance(weights, Fp8CheckpointWeights) else ()
-            for field in (*self._fp8_fields(weights, i), *experts):
-                w = getattr(layer, field)
-                if w is None or w.dtype == E4M3:  # not in this layer; the checkpoint's codes (_stored_codes)
-                    continue
-                rows = w.numel // w.shape[-1]
-                scale = self.device.empty(F32, (rows,))
-                codes = self.device.empty(E4M3, w.shape)
-                self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, rows, w.shape[-1])
-                quantized[field] = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
-            self.stream.synchronize()
-            for field in quantized:
-                self.device.free(getattr(layer, field))
-            self.layers[i] = dataclasses.replace(layer, **quantized)
-        log.info("cuda weights: linear layers in fp8 (e4m3, a scale per %s)",
-                 "128 x 128 block, as stored" if self.block_codes else "output channel")
-        if self._dequantized_experts(weights):
-            log.warning("cuda weights: the experts of %s run as bf16 weights (each e4m3 code times its scale, rounded "
-                        "to bf16; their inputs unquantized): the cuda MoE kernels take e4m3 experts with a scale per "
-                        "expert and row, and requantizing block-scaled codes would change them. The other linear "
-                        "layers run FP8 W8A8; backend numpy runs the experts FP8 W8A8 too", weights.source)
+    def _quantize_layer(self, layer: DeviceLayer, fields: list[str]) -> DeviceLayer:
+        """The layer with each of `fields` from bf16 to e4m3 codes with a float32 scale per output channel (row),
+        amax(row) / 448, on the GPU (quantize_fp8), its bf16 weight freed once the codes are made: the rows of
+        gate_up are quantized in their interleaved order, which per-row scales do not mind; an expert layer's rows
+        expert after expert (a scale per expert and channel)."""
+        quantized = {}
+        for field in fields:
+            w = getattr(layer, field)
+            rows = w.numel // w.shape[-1]
+            scale = self.device.empty(F32, (rows,))
+            codes = self.device.empty(E4M3, w.shape)
+            self.ops.quantize_fp8(codes.ptr, scale.ptr, w.ptr, rows, w.shape[-1])
+            quantized[field] = DeviceTensor(codes.ptr, E4M3, w.shape, scale)
+        self.stream.synchronize()
+        for field in quantized:
+            self.device.free(getattr(layer, field))
+        return dataclasses.replace(layer, **quantized)
 
     def _dequantized_experts(self, weights: Mapping[str, np.ndarray]) -> bool:
         """Whether an FP8 checkpoint's float8 experts run as bf16 weights (block-scaled: _stored_experts); experts
