@@ -1,6 +1,6 @@
 """The CUDA backend against the numpy backend on the mixture-of-experts families (Qwen3-MoE with a dense layer,
-Mixtral, OLMoE's unnormalized top-8 and whole-projection q/k norms) and on two layers of Qwen3-30B-A3B's and of
-Mixtral-8x7B's shapes, on random weights rounded to bf16 so that both sides compute with the same weights: prefill
+Mixtral, OLMoE's unnormalized top-8 and whole-projection q/k norms) and on two layers of Qwen3-30B-A3B's shapes and
+one of Mixtral-8x7B's, on random weights rounded to bf16 so that both sides compute with the same weights: prefill
 chunks take the grouped GEMM (and the GEMV kernels for a short last chunk), decode steps the GEMV kernels
 (ops.moe_uses_gemv).
 
@@ -191,17 +191,16 @@ def test_qwen3_30b_a3b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch
     compare(cuda, cuda_backend, monkeypatch, config, limits, "qwen3-30b-a3b x2 layers")
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_mixtral_8x7b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch, quantization):
-    """Mixtral-8x7B's widths (hidden 4096, 8 experts of 14336, top 2, 8 KV heads of 128), two layers, bf16 and
-    W8A8: the 139 tokens prefill in a 128-token chunk (the grouped GEMM's 64-row tiles) and an 11-token one (the
-    GEMV kernels, as every decode step)."""
-    config = replace(mixtral_8x7b_config(), vocab_size=8192, num_hidden_layers=2)
-    limits = replace(LIMITS, max_num_batched_tokens=128, quantization=quantization)
+def test_mixtral_8x7b_shaped_logits_match_numpy(cuda, cuda_backend, monkeypatch):
+    """Mixtral-8x7B's widths (hidden 4096, 8 experts of 14336, top 2, 8 KV heads of 128), one layer (1.4 B
+    parameters, made and run on the host too): the 139 tokens prefill in a 128-token chunk (the grouped GEMM's
+    64-row tiles) and an 11-token one (the GEMV kernels, as every decode step). (Its W8A8 form is left to the tiny
+    Qwen3-MoE's test below: the numpy twin's quantization of 1.4 B weights takes minutes.)"""
+    config = replace(mixtral_8x7b_config(), vocab_size=8192, num_hidden_layers=1)
+    limits = replace(LIMITS, max_num_batched_tokens=128)
     k, e = config.num_experts_per_tok, config.num_experts
     assert moe_block_m(128, k, e) == 64 and moe_uses_gemv(11, k, e)
-    compare(cuda, cuda_backend, monkeypatch, config, limits, f"mixtral-8x7b x2 layers {quantization or 'bf16'}",
-            FP8_TOLERANCE if quantization else TOLERANCE)
+    compare(cuda, cuda_backend, monkeypatch, config, limits, "mixtral-8x7b x1 layer")
 
 
 def test_fp8_experts_follow_the_numpy_twin(cuda, cuda_backend, monkeypatch):
