@@ -932,8 +932,16 @@ def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module
     assert all(getattr(layer, field).dtype == E4M3 for layer in forward.layers for field in ("qkv", "o", "down"))
     assert fp8 < loaded[0] <= free
     names = [name for name, _, _ in recorder.launches]
-    if dummy:  # layer 0's weights are quantized before the last layer's are made
-        assert names.index("quantize_fp8") < len(names) - names[::-1].index("random_bf16") - 1
+    launches = list(zip(names, recorder.args))
+    made = [args[0] for name, args in launches if name == "random_bf16"]  # each part's address
+    quantized = [(i, args) for i, (name, args) in enumerate(launches) if name == "quantize_fp8"]
+    finals = [(getattr(layer, field).ptr, getattr(layer, field).scale.ptr) for layer in forward.layers
+              for field in ("qkv", "o", "gate_up", "down")]
+    assert [(args[0], args[1]) for _, args in quantized] == finals  # each into the layer's codes and scales
+    if dummy:  # from the bf16 weight just made, before the next layer's weights are
+        for i, args in quantized:
+            assert args[2] in made[:sum(name == "random_bf16" for name in names[:i])]
+        assert quantized[0][0] < len(names) - names[::-1].index("random_bf16") - 1
     with pytest.raises(MemoryError, match=r"the model's weights need [0-9.]+ GiB .* but the GPU"):
         forward_module.CudaForward(LoadedModel(config, weights, None, "random"), EngineConfig(**engine),
                                    MemoryDevice(TypedRecorder(), free), FakeStream(), 16)
