@@ -241,6 +241,18 @@ def test_bench_refuses_an_unknown_dummy_model_in_one_line():
     assert "unknown dummy model 'llama-9b': choose from" in result.output and "Traceback" not in result.output
 
 
+def test_bench_refuses_a_model_that_does_not_fit_in_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from tinyvllm.backends import numpy_backend
+    from tinyvllm.cli import main
+
+    monkeypatch.setattr(numpy_backend, "available_memory", lambda: 1000)
+    result = CliRunner().invoke(main, ["bench", "--dummy-weights", "tiny", "--backend", "numpy", "--scale", "0.05"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("Error: the model's weights need") and len(result.output.splitlines()) == 1
+
+
 FAST_LIMITS = {"bandwidth_bytes_s": 1e10, "gemm_flops": 1e11}
 
 

@@ -308,7 +308,8 @@ def bench_llm(options: dict):
     try:
         return build(options.pop("model"), options.pop("dummy_weights"), options["workloads"].split(","),
                      options["seed"], **engine)
-    except ValueError as e:  # an unknown --dummy-weights, a model that does not load, a setting it cannot meet
+    # an unknown --dummy-weights, a model that does not load, a setting it cannot meet; weights that do not fit
+    except (ValueError, MemoryError) as e:
         raise click.ClickException(str(e).splitlines()[0]) from None
 
 
@@ -368,8 +369,9 @@ def eval_(lm_eval_args: tuple[str, ...]) -> None:
         raise click.ClickException(f"tinyvllm eval needs lm-eval: pip install 'tinyvllm[eval]' ({e})") from None
     try:
         lm_eval_main(list(lm_eval_args))
-    # a bad model path, setting or model_args key; a backend this machine cannot run (its hint names run's flag)
-    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
+    # a bad model path, setting or model_args key; a backend this machine cannot run (its hint names run's flag); a
+    # model that does not fit
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError, MemoryError) as e:
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         hint = "--device cpu (or backend=numpy in --model_args)"
         raise click.ClickException(line.replace("--backend numpy", hint)) from None
