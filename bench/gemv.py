@@ -27,7 +27,7 @@ from pycuda.compiler import SourceModule
 
 from tinyvllm.backends.cuda.cublas import Cublas
 from tinyvllm.backends.cuda.device import Device
-from tinyvllm.backends.cuda.forward import WORKSPACE_BYTES
+from tinyvllm.backends.cuda.cublas import WORKSPACE_BYTES
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor
 from tinyvllm.model.dtypes import e4m3_to_f32

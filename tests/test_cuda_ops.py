@@ -705,7 +705,7 @@ def forward_module(monkeypatch):
     fake.driver = FakeDriver
     monkeypatch.setitem(sys.modules, "pycuda", fake)
     monkeypatch.setitem(sys.modules, "pycuda.driver", FakeDriver)
-    names = ("forward", "device", "runner")
+    names = ("forward", "weights", "device", "runner")
     saved = {name: getattr(package, name) for name in names if hasattr(package, name)}
     for name in names:
         monkeypatch.delitem(sys.modules, f"tinyvllm.backends.cuda.{name}", raising=False)

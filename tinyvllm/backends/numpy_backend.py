@@ -88,7 +88,7 @@ def soft_cap(x: np.ndarray, cap: float | None) -> np.ndarray:
 
 def interleave_gate_up(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [..., 2 * I] (gate, then up) with its last axis in the cuda backend's order: groups of 8 gate entries,
-    each followed by the same units' 8 up entries. Twin: the gate/up weight's rows as backends/cuda/forward.py packs
+    each followed by the same units' 8 up entries. Twin: the gate/up weight's rows as backends/cuda/weights.py packs
     them, and so the columns of their product, which cuda/activation.cu and gemv.cu's gated GEMVs read."""
     gate, up = np.split(gate_up, 2, axis=-1)
     pairs = np.stack([gate.reshape(*gate.shape[:-1], -1, 8), up.reshape(*up.shape[:-1], -1, 8)], axis=-2)

@@ -17,7 +17,7 @@ scales, cublas.py gemm_scaled), or where it cannot, into float32 with unit scale
 (cuda/fp8.cu); then the activation as its kernel on the bf16 gate/up product, quantized to e4m3 as it is written
 (silu_and_mul_e4m3: the down projection's codes).
 
-An FP8 checkpoint's block-scaled codes (a scale per 128 x 128 block, as stored; CudaForward._runs_block_scales):
+An FP8 checkpoint's block-scaled codes (a scale per 128 x 128 block, as stored; WeightUploader._runs_block_scales):
 the input quantized per row and 128 columns by the product itself (quantize_fp8_groups: no producer writes those
 codes), then for up to 8 rows gemv_fp8_block, which scales each 64-column step of a row's sum by its block's and
 its group's scales, and beyond them cuBLASLt's block-scaled GEMM (cublas.py gemm_scaled) on the rows in whole

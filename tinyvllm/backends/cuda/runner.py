@@ -30,9 +30,10 @@ from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, 
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.driver import Graph
-from tinyvllm.backends.cuda.forward import GIB, CudaForward, decode_buckets, fp8_weights
+from tinyvllm.backends.cuda.forward import CudaForward, decode_buckets
 from tinyvllm.backends.cuda.kernels import needed_kernels
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
+from tinyvllm.backends.cuda.weights import GIB, fp8_weights
 from tinyvllm.config import EngineConfig
 
 log = logging.getLogger(__name__)
