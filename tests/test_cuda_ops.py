@@ -903,7 +903,8 @@ class MemoryDevice(FakeDevice):
 def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module, monkeypatch, dummy):
     """quantization="fp8" makes each layer's weights e4m3 before the next layer's arrive (made on the device, or
     streamed from the host): the weights load into memory that holds their FP8 form and one layer's bf16 form,
-    less than the bf16 model; the bf16 model is refused there in one MemoryError."""
+    less than the bf16 model; the bf16 model is refused there in one MemoryError, which says what FP8 would need
+    (and does not where FP8 would not fit either)."""
     from tinyvllm.config import EngineConfig
     from tinyvllm.model.dummy import RandomBf16Weights, random_weights, tiny_config
     from tinyvllm.model.loader import LoadedModel, weight_shapes
@@ -942,9 +943,13 @@ def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module
         for i, args in quantized:
             assert args[2] in made[:sum(name == "random_bf16" for name in names[:i])]
         assert quantized[0][0] < len(names) - names[::-1].index("random_bf16") - 1
-    with pytest.raises(MemoryError, match=r"the model's weights need [0-9.]+ GiB .* but the GPU"):
+    fp8_line = rf"GiB free; in FP8 \(quantization=\"fp8\", --quantization fp8\) they would need {fp8 / (1 << 30):.2f}$"
+    with pytest.raises(MemoryError, match=r"the model's weights need [0-9.]+ GiB .* but the GPU .* " + fp8_line):
         forward_module.CudaForward(LoadedModel(config, weights, None, "random"), EngineConfig(**engine),
                                    MemoryDevice(TypedRecorder(), free), FakeStream(), 16)
+    with pytest.raises(MemoryError, match=r"GiB free$"):  # nor in FP8
+        forward_module.CudaForward(LoadedModel(config, weights, None, "random"), EngineConfig(**engine),
+                                   MemoryDevice(TypedRecorder(), fp8), FakeStream(), 16)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -145,21 +145,36 @@ class WeightUploader:
     def _check_weights_fit(self, shapes: dict[str, tuple[int, ...]], stored: list[list[str]],
                            quantized: list[list[str]]) -> None:
         """MemoryError in one line unless the loaded weights and, while a layer loads, its bf16 weights that become
-        e4m3 and the scratch of its gate/up interleave fit in the free device memory."""
-        cfg = self.config
-        size = self._weights_bytes(shapes, stored, quantized)
-        transient = 0
+        e4m3 and the scratch of its gate/up interleave fit in the free device memory; for bf16 weights that do not,
+        what quantization="fp8" would need where that fits."""
+        size, transient = self._load_bytes(shapes, stored, quantized)
+        free, total = self.device.mem_get_info()
+        if size + transient <= free:
+            return
+        hint = ""
+        if not self.fp8:  # each layer's linear layers and experts in e4m3, as quantization="fp8" has them
+            cfg = self.config
+            fp8 = [[field for field in (*FP8_MATRICES, *FP8_EXPERTS) if field in layer_parts(cfg, i)]
+                   for i in range(cfg.num_hidden_layers)]
+            fp8_size, fp8_transient = self._load_bytes(shapes, stored, fp8)
+            if fp8_size + fp8_transient <= free:
+                hint = f"; in FP8 (quantization=\"fp8\", --quantization fp8) they would need {fp8_size / GIB:.2f}"
+        raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB (and {transient / GIB:.2f} more while a "
+                          f"layer loads) but the GPU ({self.device_name}) has {free / GIB:.2f} of {total / GIB:.2f} "
+                          f"GiB free{hint}")
+
+    def _load_bytes(self, shapes: dict[str, tuple[int, ...]], stored: list[list[str]],
+                    quantized: list[list[str]]) -> tuple[int, int]:
+        """(the loaded weights' device bytes, the most a layer holds beside them while it loads: its bf16 weights
+        that become e4m3 and the scratch of its gate/up interleave)."""
+        cfg, transient = self.config, 0
         for i in range(cfg.num_hidden_layers):
             parts = layer_parts(cfg, i)
             layer = sum(nbytes(BF16, shapes[name]) for field in quantized[i] for name in parts[field])
             if "gate_up" in parts:
                 layer += sum(nbytes(BF16, shapes[name]) for name in parts["gate_up"])
             transient = max(transient, layer)
-        free, total = self.device.mem_get_info()
-        if size + transient > free:
-            raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB (and {transient / GIB:.2f} more while "
-                              f"a layer loads) but the GPU ({self.device_name}) has {free / GIB:.2f} of "
-                              f"{total / GIB:.2f} GiB free")
+        return self._weights_bytes(shapes, stored, quantized), transient
 
     def _runs_block_scales(self, w: Mapping[str, np.ndarray]) -> bool:
         """Whether an FP8 checkpoint with 128 x 128 block scales runs its codes as stored (the products scaled per
