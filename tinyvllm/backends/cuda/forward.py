@@ -44,8 +44,8 @@ from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, f
 from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, MMA_K, VECTOR, QkNorm,
                                        decode_splits, rope_fuses_qk_norm)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor
-from tinyvllm.config import EngineConfig
 from tinyvllm.backends.cuda.weights import WeightUploader
+from tinyvllm.config import EngineConfig
 from tinyvllm.model.dtypes import bf16_to_f32, f32_to_bf16
 from tinyvllm.model.kv_scales import kv_cache_scales
 from tinyvllm.backends.base import check_cuda_kernels
