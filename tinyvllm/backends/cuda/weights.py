@@ -50,6 +50,9 @@ class WeightUploader:
 
     def __init__(self, model, engine_config: EngineConfig, device: Device, stream: cuda.Stream, ops: Ops) -> None:
         self.config = model.config
+        # HF name -> shape, and each layer's packed tensors' parts (a MoE model's: tens of ms to list, so listed once)
+        self.shapes = weight_shapes(model.config)
+        self.parts = [layer_parts(model.config, i) for i in range(model.config.num_hidden_layers)]
         self.device, self.stream, self.ops = device, stream, ops
         self.device_name = device.name
         self.invariant = engine_config.batch_invariant
@@ -70,10 +73,10 @@ class WeightUploader:
         layer (_upload_layer): the weights FP8 quantizes at load (_quantized_fields) become e4m3 before the next
         layer's arrive, so the GPU holds one layer's of them in bf16 at a time and an FP8 model loads where its
         bf16 form would not fit."""
-        cfg, shapes, names = self.config, weight_shapes(self.config), model_parts(self.config)
+        cfg, shapes, names = self.config, self.shapes, model_parts(self.config)
         stored = [self._stored_codes(w, i) for i in range(cfg.num_hidden_layers)]
         quantized = [self._quantized_fields(w, i, stored[i]) for i in range(cfg.num_hidden_layers)]
-        coded = {name for i, fields in enumerate(stored) for field in fields for name in layer_parts(cfg, i)[field]}
+        coded = {name for i, fields in enumerate(stored) for field in fields for name in self.parts[i][field]}
         self._check_weights_fit(shapes, stored, quantized)
         with self._part_writer(w, coded) as write:
             parts: list[tuple[int, str]] = []  # (device address, HF name) of every part, in upload order
@@ -106,7 +109,7 @@ class WeightUploader:
             return DeviceTensor(t.ptr, t.dtype, (cfg.num_experts, t.shape[0] // cfg.num_experts, *t.shape[1:])) \
                 if field in stacked else t
 
-        layer = DeviceLayer(**{field: packed(field, tensors) for field, tensors in layer_parts(cfg, i).items()})
+        layer = DeviceLayer(**{field: packed(field, tensors) for field, tensors in self.parts[i].items()})
         write(parts)
         if layer.gate_up is not None and not (self.block_codes and "gate_up" in stored):
             self._interleave_gate_up(layer.gate_up)
@@ -115,8 +118,7 @@ class WeightUploader:
 
     def _place(self, names: list[str], dtype: str, parts: list[tuple[int, str]]) -> DeviceTensor:
         """Device memory for one packed tensor (its parts' rows stacked); the named parts' addresses go to `parts`."""
-        shapes = weight_shapes(self.config)
-        part_shapes = [shapes[name] for name in names]
+        part_shapes = [self.shapes[name] for name in names]
         tensor = self.device.empty(dtype, (sum(shape[0] for shape in part_shapes), *part_shapes[0][1:]))
         sizes = [nbytes(dtype, shape) for shape in part_shapes]
         parts.extend(zip(itertools.accumulate(sizes[:-1], initial=tensor.ptr), names))
@@ -129,7 +131,7 @@ class WeightUploader:
         if not self.fp8:
             return []
         experts = FP8_EXPERTS if self.fp8_experts and not isinstance(w, Fp8CheckpointWeights) else ()
-        parts = layer_parts(self.config, i)
+        parts = self.parts[i]
         return [field for field in (*self._fp8_fields(w, i), *experts) if field in parts and field not in stored]
 
     def _weights_bytes(self, shapes: dict[str, tuple[int, ...]], stored: list[list[str]],
@@ -138,7 +140,7 @@ class WeightUploader:
         aside), bf16 for the rest; a tied LM head is the embedding."""
         cfg, names = self.config, model_parts(self.config)
         coded = {name for i in range(cfg.num_hidden_layers) for field in stored[i] + quantized[i]
-                 for name in layer_parts(cfg, i)[field]}
+                 for name in self.parts[i][field]}
         return sum(nbytes(E4M3 if name in coded else BF16, shape) for name, shape in shapes.items()
                    if not (cfg.tie_word_embeddings and name in names["lm_head"]))
 
@@ -154,7 +156,7 @@ class WeightUploader:
         hint = ""
         if not self.fp8:  # each layer's linear layers and experts in e4m3, as quantization="fp8" has them
             cfg = self.config
-            fp8 = [[field for field in (*FP8_MATRICES, *FP8_EXPERTS) if field in layer_parts(cfg, i)]
+            fp8 = [[field for field in (*FP8_MATRICES, *FP8_EXPERTS) if field in self.parts[i]]
                    for i in range(cfg.num_hidden_layers)]
             fp8_size, fp8_transient = self._load_bytes(shapes, stored, fp8)
             if fp8_size + fp8_transient <= free:
@@ -169,7 +171,7 @@ class WeightUploader:
         that become e4m3 and the scratch of its gate/up interleave)."""
         cfg, transient = self.config, 0
         for i in range(cfg.num_hidden_layers):
-            parts = layer_parts(cfg, i)
+            parts = self.parts[i]
             layer = sum(nbytes(BF16, shapes[name]) for field in quantized[i] for name in parts[field])
             if "gate_up" in parts:
                 layer += sum(nbytes(BF16, shapes[name]) for name in parts["gate_up"])
@@ -189,10 +191,10 @@ class WeightUploader:
             return False
         # a handle only asked, never run: the workspace's size (the heuristics' limit) without its memory
         probe = self.device.cublas(self.stream, DeviceTensor(0, U8, (WORKSPACE_BYTES,)))
-        shapes = weight_shapes(self.config)
+        shapes = self.shapes
         try:
             for i in range(self.config.num_hidden_layers):
-                parts = layer_parts(self.config, i)
+                parts = self.parts[i]
                 for field in self._fp8_fields(w, i):
                     n, k = sum(shapes[name][0] for name in parts[field]), shapes[parts[field][0]][1]
                     if k % SCALE_BLOCK or not probe.scales_blocks(n, k):
@@ -218,7 +220,7 @@ class WeightUploader:
         """Layer i's stacked experts (FP8_EXPERTS) as an FP8 checkpoint stores them, where every expert's gate, up
         and down are float8 with a scale per tensor or channel (a scale per expert and row, as the expert kernels
         take them); else none."""
-        parts = layer_parts(self.config, i)
+        parts = self.parts[i]
         stored = w.scheme.block is None and all(field in parts and all(name in w.scales for name in parts[field])
                                                 for field in FP8_EXPERTS)
         return list(FP8_EXPERTS) if stored else []
@@ -239,7 +241,7 @@ class WeightUploader:
         """Layer i with each stored-codes weight's float32 scales uploaded and attached: one a row (its parts' scales
         stacked; gate/up's in the interleaved order of its rows, _interleave_gate_up), or one a 128 x 128 block
         (_block_scales)."""
-        parts, scales = layer_parts(self.config, i), {}
+        parts, scales = self.parts[i], {}
         for field in stored:
             tensor = getattr(layer, field)
             if self.block_codes:
@@ -338,7 +340,7 @@ class WeightUploader:
         it stores in float8 (a layer it left unquantized stays bf16, as on the numpy backend)."""
         if not isinstance(weights, Fp8CheckpointWeights):
             return list(FP8_MATRICES)
-        parts = layer_parts(self.config, i)  # an expert layer has no gate_up or down (its experts: _stored_experts)
+        parts = self.parts[i]  # an expert layer has no gate_up or down (its experts: _stored_experts)
         return [field for field in FP8_MATRICES if field in parts and all(name in weights.scales
                                                                            for name in parts[field])]
 
@@ -366,7 +368,7 @@ class WeightUploader:
         if self.fp8_experts or not isinstance(weights, Fp8CheckpointWeights):
             return False
         return any(name in weights.scales for i in range(self.config.num_hidden_layers)
-                   for field, names in layer_parts(self.config, i).items() if field in FP8_EXPERTS for name in names)
+                   for field, names in self.parts[i].items() if field in FP8_EXPERTS for name in names)
 
     def quantize_lm_head(self) -> None:
         """The LM head in e4m3 with a scale per vocabulary row, as the layers' weights: a tied one gets codes of its
