@@ -45,6 +45,22 @@ def test_e4m3_rounds_like_torch():
         np.testing.assert_array_equal(f32_to_e4m3(sample), torch_e4m3(sample))
 
 
+def test_e4m3_in_chunks_is_the_whole_array_at_once(monkeypatch):
+    """f32_to_e4m3 converts CHUNK values at a time: pieces that end anywhere (997) give the codes of the whole
+    array in one piece, in its shape, from a view that is not contiguous too."""
+    from tinyvllm.model import dtypes
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((300, 80)) * np.exp2(rng.uniform(-14, 10, (300, 80)))).astype(np.float32)[:, ::3]
+    monkeypatch.setattr(dtypes, "CHUNK", 1 << 30)
+    whole = f32_to_e4m3(x)
+    monkeypatch.setattr(dtypes, "CHUNK", 997)
+    pieces = f32_to_e4m3(x)
+    assert pieces.shape == x.shape and pieces.dtype == np.uint8
+    np.testing.assert_array_equal(pieces, whole)
+    np.testing.assert_array_equal(pieces[np.abs(x) < 448], torch_e4m3(x[np.abs(x) < 448]))
+
+
 def test_e4m3_saturates_like_the_gpu():
     # torch turns values past 464 into NaN; the GPU's satfinite conversion (and so the twin) clamps to +-448
     out = f32_to_e4m3(np.float32([464.0, 1e30, np.inf, -500.0, -np.inf, np.nan]))

@@ -38,10 +38,20 @@ def test_round_trip_bfloat16(make_model_dir):
         np.testing.assert_array_equal(got, bf16_to_f32(f32_to_bf16(w)), err_msg=name)
 
 
-def test_bf16_rounding_matches_torch():
+@pytest.mark.parametrize("chunk", [997, 1 << 30])
+def test_bf16_rounding_matches_torch(monkeypatch, chunk):
+    """Also in pieces that end anywhere (f32_to_bf16 converts dtypes.CHUNK values at a time), on a 2-D view that is
+    not contiguous, ties (to even) and the largest finite values (rounding up to infinity) among them."""
+    from tinyvllm.model import dtypes
+
     torch = require("torch")
-    x = np.random.default_rng(0).standard_normal(10_000, dtype=np.float32) * 100
-    np.testing.assert_array_equal(bf16_to_f32(f32_to_bf16(x)), torch.from_numpy(x).bfloat16().float().numpy())
+    monkeypatch.setattr(dtypes, "CHUNK", chunk)
+    x = np.random.default_rng(0).standard_normal((100, 300), dtype=np.float32)[:, ::3] * 100
+    x[0, :4] = np.float32([1 + 2.0**-8, 1 + 3 * 2.0**-8, 3.3895e38, -3.4e38])
+    got = f32_to_bf16(x)
+    assert got.shape == x.shape and got.dtype == np.uint16
+    theirs = torch.from_numpy(np.ascontiguousarray(x)).bfloat16().float().numpy()
+    np.testing.assert_array_equal(bf16_to_f32(got), theirs)
 
 
 def test_round_trip_float16(make_model_dir):

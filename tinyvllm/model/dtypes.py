@@ -11,6 +11,7 @@ import numpy as np
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F  # S.1111.111; the other 126 positive codes are finite
+CHUNK = 1 << 18  # values f32_to_bf16 and f32_to_e4m3 convert at a time: their temporaries stay in cache
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -19,9 +20,15 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch; CHUNK values at a time, in
+    uint32 (a sum past 2^32 is a NaN's, whose high half wraps as it would once cut to 16 bits)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)  # at least 1-d
+    out = np.empty(x.shape, np.uint16)
+    flat, bf16 = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    for start in range(0, flat.size, CHUNK):
+        bits = flat[start:start + CHUNK]
+        bf16[start:start + CHUNK] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return out
 
 
 def _e4m3_values() -> np.ndarray:
@@ -42,10 +49,19 @@ def e4m3_to_f32(codes: np.ndarray) -> np.ndarray:
 
 
 def f32_to_e4m3(x: np.ndarray) -> np.ndarray:
-    """float32 -> float8 e4m3 codes (uint8): round to nearest even, saturate to +-448 (infinities too), NaN -> NaN."""
+    """float32 -> float8 e4m3 codes (uint8): round to nearest even, saturate to +-448 (infinities too), NaN -> NaN;
+    CHUNK values at a time (whole, a large weight's temporaries would be gigabytes)."""
     x = np.asarray(x, dtype=np.float32)
+    codes = np.empty(x.shape, np.uint8)
+    flat, out = x.reshape(-1), codes.reshape(-1)  # flat: a copy where x is not contiguous
+    for start in range(0, flat.size, CHUNK):
+        out[start:start + CHUNK] = _f32_to_e4m3(flat[start:start + CHUNK])
+    return codes
+
+
+def _f32_to_e4m3(x: np.ndarray) -> np.ndarray:
     magnitude = np.abs(x)
-    bits = magnitude.view(np.uint32).astype(np.int64)
+    bits = magnitude.view(np.int32)  # a NaN's sum below may wrap: NaNs get their code at the end
     # Normal range (>= 2^-6): round the float32 mantissa to 3 bits (ties to even; a carry bumps the exponent), then
     # move the exponent from bias 127 to bias 7: code = exponent << 3 | mantissa.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
