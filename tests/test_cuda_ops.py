@@ -899,6 +899,34 @@ class MemoryDevice(FakeDevice):
         return self.free_bytes - self.held, 1 << 40
 
 
+def test_bf16_weights_upload_without_waiting_for_the_kernels(forward_module):
+    """Streaming a bf16 checkpoint launches no kernel, so the upload never asks for the launchers (Device.ops waits
+    for the model's kernels to be built, which goes on beside the upload); FP8 weights ask at their first
+    quantize_fp8."""
+    import importlib
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.dummy import random_weights, tiny_config
+    from tinyvllm.model.loader import LoadedModel
+
+    weights_module = importlib.import_module("tinyvllm.backends.cuda.weights")
+    config = tiny_config(head_dim=64)
+    model = LoadedModel(config, random_weights(config), None, "random")
+
+    class NoKernelsYet(FakeDevice):
+        asked = 0
+
+        def ops(self, stream):
+            self.asked += 1
+            return super().ops(stream)
+
+    for quantization, asked in ((None, False), ("fp8", True)):
+        device = NoKernelsYet(TypedRecorder())
+        uploader = weights_module.WeightUploader(model, EngineConfig(quantization=quantization), device, FakeStream())
+        uploader.upload(model.weights)
+        assert bool(device.asked) == asked and len(uploader.layers) == config.num_hidden_layers
+
+
 @pytest.mark.parametrize("dummy", [False, True])
 def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module, monkeypatch, dummy):
     """quantization="fp8" makes each layer's weights e4m3 before the next layer's arrive (made on the device, or

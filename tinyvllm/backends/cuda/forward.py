@@ -159,8 +159,7 @@ class CudaForward:
             scales = kv_cache_scales(model.weights, cfg, model.kv_cache_scales)
             k_scales, v_scales = (device.upload(s, F32) for s in scales)
             self.kv_scales = [(k_scales.row(i), v_scales.row(i)) for i in range(cfg.num_hidden_layers)]
-        self.ops = device.ops(stream)
-        weights = WeightUploader(model, engine_config, device, stream, self.ops)
+        weights = WeightUploader(model, engine_config, device, stream)
         self.fp8, self.block_codes, self.fp8_experts = weights.fp8, weights.block_codes, weights.fp8_experts
         check_moe_config(cfg, self.fp8_experts)
         weights.upload(model.weights)
@@ -171,6 +170,7 @@ class CudaForward:
         self._allocate_buffers()
         self.blas = device.cublas(stream, self.buf.workspace, exact_rows=frozenset(decode_buckets(self.max_seqs)),
                                   invariant=self.invariant)
+        self.ops = device.ops(stream)
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
         self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
         # our GEMV for a few rows, else cuBLAS

@@ -48,12 +48,12 @@ class WeightUploader:
     its device tensors; fp8 (the linear layers run W8A8), block_codes (an FP8 checkpoint's 128 x 128 block-scaled
     codes run as stored) and fp8_experts (expert layers run e4m3 experts) say what runs in e4m3."""
 
-    def __init__(self, model, engine_config: EngineConfig, device: Device, stream: cuda.Stream, ops: Ops) -> None:
+    def __init__(self, model, engine_config: EngineConfig, device: Device, stream: cuda.Stream) -> None:
         self.config = model.config
         # HF name -> shape, and each layer's packed tensors' parts (a MoE model's: tens of ms to list, so listed once)
         self.shapes = weight_shapes(model.config)
         self.parts = [layer_parts(model.config, i) for i in range(model.config.num_hidden_layers)]
-        self.device, self.stream, self.ops = device, stream, ops
+        self.device, self.stream = device, stream
         self.device_name = device.name
         self.invariant = engine_config.batch_invariant
         self.fp8 = fp8_weights(model, engine_config)
@@ -63,6 +63,12 @@ class WeightUploader:
         self.lm_head: DeviceTensor | None = None
         self.final_norm: DeviceTensor | None = None
         self.layers: list[DeviceLayer] = []
+
+    @property
+    def ops(self) -> Ops:
+        """The launchers, asked for at the first kernel the upload launches: Device.ops waits for the model's kernels
+        to be built, which goes on beside the upload of weights that need none (bf16, FP8 codes as stored)."""
+        return self.device.ops(self.stream)
 
     def upload(self, w: Mapping[str, np.ndarray]) -> None:
         """Every weight to the GPU, once, packed as model/weights.py packs them: a packed tensor is its parts' rows
