@@ -971,7 +971,8 @@ def test_fp8_weights_load_layer_by_layer_where_bf16_would_not_fit(forward_module
         for i, args in quantized:
             assert args[2] in made[:sum(name == "random_bf16" for name in names[:i])]
         assert quantized[0][0] < len(names) - names[::-1].index("random_bf16") - 1
-    fp8_line = rf"GiB free; in FP8 \(quantization=\"fp8\", --quantization fp8\) they would need {fp8 / (1 << 30):.2f}$"
+    fp8_line = (r"GiB free; in FP8 \(quantization=\"fp8\", --quantization fp8\) they would need "
+                rf"{fp8 / (1 << 30):.2f} GiB$")
     with pytest.raises(MemoryError, match=r"the model's weights need [0-9.]+ GiB .* but the GPU .* " + fp8_line):
         forward_module.CudaForward(LoadedModel(config, weights, None, "random"), EngineConfig(**engine),
                                    MemoryDevice(TypedRecorder(), free), FakeStream(), 16)

@@ -166,7 +166,7 @@ class WeightUploader:
                    for i in range(cfg.num_hidden_layers)]
             fp8_size, fp8_transient = self._load_bytes(shapes, stored, fp8)
             if fp8_size + fp8_transient <= free:
-                hint = f"; in FP8 (quantization=\"fp8\", --quantization fp8) they would need {fp8_size / GIB:.2f}"
+                hint = f"; in FP8 (quantization=\"fp8\", --quantization fp8) they would need {fp8_size / GIB:.2f} GiB"
         raise MemoryError(f"the model's weights need {size / GIB:.2f} GiB (and {transient / GIB:.2f} more while a "
                           f"layer loads) but the GPU ({self.device_name}) has {free / GIB:.2f} of {total / GIB:.2f} "
                           f"GiB free{hint}")
