@@ -98,6 +98,21 @@ SHAPES = [(1, 128, 8, 512, 384), (4, 16, 8, 2048, 768), (8, 16, 8, 264, 200), (3
 GEMV_MULTI_TILE = (16, 128)  # token counts of SHAPES on the GEMV path with more than 8 tokens
 
 
+def routed_inputs(gpu, ops, rng, tokens, experts, k, hidden, inter):
+    """A MoE layer's inputs and their routing: the normed rows h (bf16 values), the residual stream x, the stacked
+    experts, cuda's top-k (weights, ids on the GPU) and the twin's (ref_weights, ref_ids), the tile and the grouping
+    moe_align made of ref_ids (its device buffers)."""
+    h = bf16_round(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    gate_up, down = expert_weights(rng, experts, hidden, inter)
+    logits = router_logits(rng, tokens, experts, unchosen=1)
+    weights, ids = run_topk(gpu, ops, logits, k, True)
+    ref_weights, ref_ids = route(logits, k, True)
+    block_m = moe_block_m(tokens, k, experts)
+    return h, x, gate_up, down, weights, ids, ref_weights, ref_ids, block_m, run_align(gpu, ops, ref_ids, experts,
+                                                                                        block_m)
+
+
 def test_shapes_take_every_tile():
     assert {moe_block_m(t, k, e) for t, e, k, _, _ in SHAPES} == {MOE_GEMV_TILE, *MOE_GEMM_BLOCK_MS}
 
@@ -108,15 +123,9 @@ def test_moe_experts(cuda, ops, tokens, experts, k, hidden, inter):
     fused_moe on the same bf16 inputs: each padded row's activation, each assignment's weighted row (all of them
     written), and the residual stream after the add."""
     assert moe_uses_gemv(tokens, k, experts) == (tokens <= 8 or tokens in GEMV_MULTI_TILE)
-    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + hidden + experts)
-    h = bf16_round(rng.standard_normal((tokens, hidden), dtype=np.float32))
-    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
-    gate_up, down = expert_weights(rng, experts, hidden, inter)
-    logits = router_logits(rng, tokens, experts, unchosen=1)
-    weights, ids = run_topk(gpu, ops, logits, k, True)
-    ref_weights, ref_ids = route(logits, k, True)
-    block_m = moe_block_m(tokens, k, experts)
-    index = run_align(gpu, ops, ref_ids, experts, block_m)
+    gpu = Gpu(cuda)
+    h, x, gate_up, down, weights, ids, ref_weights, ref_ids, block_m, index = routed_inputs(
+        gpu, ops, np.random.default_rng(tokens + hidden + experts), tokens, experts, k, hidden, inter)
     rows_max, _ = max_padded_rows(tokens, k, experts)
     act, rows = gpu.poisoned((rows_max, inter), np.uint16), gpu.poisoned((tokens * k, hidden), np.float32)
     x_gpu = gpu.put(x)
@@ -162,16 +171,10 @@ def test_moe_experts_fp8(cuda, ops, tokens, experts, k, hidden, inter):
     SwiGLU of the product of the dequantized values, each assignment's weighted row against the same product of
     the activation cuda wrote, the residual stream against fused_moe with StackedWeight.quantized experts (the
     twin, whose activations are float32 where cuda's are bf16)."""
-    gpu, rng = Gpu(cuda), np.random.default_rng(tokens + hidden + experts + 1)
-    h = bf16_round(rng.standard_normal((tokens, hidden), dtype=np.float32))
-    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
-    gate_up, down = expert_weights(rng, experts, hidden, inter)
+    gpu = Gpu(cuda)
+    h, x, gate_up, down, weights, ids, ref_weights, ref_ids, block_m, index = routed_inputs(
+        gpu, ops, np.random.default_rng(tokens + hidden + experts + 1), tokens, experts, k, hidden, inter)
     gate_up_q, down_q = quantize_rows(gate_up.reshape(-1, hidden)), quantize_rows(down.reshape(-1, inter))
-    logits = router_logits(rng, tokens, experts, unchosen=1)
-    weights, ids = run_topk(gpu, ops, logits, k, True)
-    ref_weights, ref_ids = route(logits, k, True)
-    block_m = moe_block_m(tokens, k, experts)
-    index = run_align(gpu, ops, ref_ids, experts, block_m)
     rows_max, _ = max_padded_rows(tokens, k, experts)
     act, rows = gpu.poisoned((rows_max, inter), np.uint16), gpu.poisoned((tokens * k, hidden), np.float32)
     x_codes, x_scales = gpu.poisoned((tokens, hidden), np.uint16), gpu.poisoned((tokens,), np.float32)
