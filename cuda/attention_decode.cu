@@ -37,8 +37,8 @@
 // stages; the next group's copies go out once a group is done, so a warp waits on memory once per group, which other
 // warps cover at large batches. One warp per block (a warp's 4 stages of D 128 take 35 KB).
 //
-// Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128) and -DMIN_SPLIT_TILES from
-// backends/cuda/ops.py, which also launches the kernels.
+// Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128), -DMIN_SPLIT_TILES,
+// -DCOMBINE_ROW_THREADS and -DCOMBINE_ROW_GROUPS from backends/cuda/ops.py, which also launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -333,30 +333,41 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 }
 
 // Merge the parts of each (sequence, head) cut into more than one: weights w_z = l_z * 2^(m_z - max m),
-// out = sum w_z o_z / sum w_z. Launch: grid (num_heads, S), block D: one thread per output dim; window: the
-// layer's, as attention_decode was given (the parts are cut by it).
+// out = sum w_z o_z / sum w_z, rounded to bf16.
 // The parts come COMBINE_UNROLL at a time, their (m, l) and outputs loaded together and merged online: at batch 1
 // this kernel is on the critical path, where a pass for the max and a second for the sum cost two round trips.
 constexpr int COMBINE_UNROLL = 8;
-#if KEEPS(attention_combine)
-extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
-                                             const float2* __restrict__ partial_ml, const int* context_lens,
-                                             int num_splits, int window) {
-    pdl_begin();
-    const int used = splits_used(context_lens[blockIdx.y], window, num_splits);
-    if (used == 1) return;  // attention_decode wrote this output itself
-    const int num_heads = gridDim.x, D = blockDim.x;
-    const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits;
-    float m = -INFINITY, num = 0.f, den = 0.f;
+
+// N floats from p (N 1, or 8 from a 32-byte aligned address).
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float out[N]) {
+    if constexpr (N == 1) {
+        out[0] = *p;
+    } else {
+        static_assert(N == 8, "1 or 8 floats");
+        const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+    }
+}
+
+// The merged output of dims d0 .. d0 + N - 1 of the (sequence, head) whose parts start at row `base` of partial_o /
+// partial_ml: every dim gets the same operations in the same order whatever N, so attention_combine (N 1) and
+// attention_combine_quantize (N 8) give the same bits.
+template <int N>
+__device__ __forceinline__ void combine_dims(float res[N], const float* partial_o, const float2* partial_ml,
+                                             int64_t base, int used, int D, int d0) {
+    float m = -INFINITY, den = 0.f, num[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) num[j] = 0.f;
     for (int z0 = 0; z0 < used; z0 += COMBINE_UNROLL) {
         float2 ml[COMBINE_UNROLL];
-        float o[COMBINE_UNROLL];
+        float o[COMBINE_UNROLL][N];
 #pragma unroll
         for (int u = 0; u < COMBINE_UNROLL; ++u) {
             ml[u] = make_float2(-INFINITY, 0.f);  // past the last part: no weight
             if (z0 + u < used) {
                 ml[u] = partial_ml[base + z0 + u];
-                o[u] = partial_o[(base + z0 + u) * D + threadIdx.x];
+                load_floats<N>(partial_o + (base + z0 + u) * D + d0, o[u]);
             }
         }
         float m_new = m;
@@ -365,20 +376,99 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
             if (ml[u].y > 0.f) m_new = fmaxf(m_new, ml[u].x);
         if (m_new == -INFINITY) continue;  // no keys so far
         const float rescale = exp2f(m - m_new);
-        num *= rescale;
         den *= rescale;
+#pragma unroll
+        for (int j = 0; j < N; ++j) num[j] *= rescale;
 #pragma unroll
         for (int u = 0; u < COMBINE_UNROLL; ++u) {
             if (ml[u].y > 0.f) {
                 const float w = ml[u].y * exp2f(ml[u].x - m_new);
-                num += w * o[u];
+#pragma unroll
+                for (int j = 0; j < N; ++j) num[j] += w * o[u][j];
                 den += w;
             }
         }
         m = m_new;
     }
-    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] =
-        __float2bfloat16(den > 0.f ? num / den : 0.f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = __bfloat162float(__float2bfloat16(den > 0.f ? num[j] / den : 0.f));
+}
+
+// Launch: grid (num_heads, S), block D: one thread per output dim; window: the layer's, as attention_decode was
+// given (the parts are cut by it).
+#if KEEPS(attention_combine)
+extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
+                                             const float2* __restrict__ partial_ml, const int* context_lens,
+                                             int num_splits, int window) {
+    pdl_begin();
+    const int used = splits_used(context_lens[blockIdx.y], window, num_splits);
+    if (used == 1) return;  // attention_decode wrote this output itself
+    const int num_heads = gridDim.x, D = blockDim.x;
+    float res[1];
+    combine_dims<1>(res, partial_o, partial_ml, ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits, used, D,
+                    threadIdx.x);
+    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(res[0]);
+}
+#endif
+
+// attention_combine and then fp8.cu's quantize_row in one launch, for an FP8 O projection: a block per sequence
+// merges every head's parts 8 dims a thread (or, where attention_decode wrote the row itself, reads it), takes the
+// row's amax and writes its scale and codes, as e4m3 (VALUES false: cuBLASLt's input) or as their f16 values (the
+// FP8 GEMV's), not the bf16 row. The same bits as the two kernels. Launch: grid (S), block COMBINE_ROW_THREADS;
+// num_heads * D <= COMBINE_ROW_THREADS * 8 * COMBINE_ROW_GROUPS (both -D defines from ops.py).
+template <bool VALUES>
+__device__ void combine_quantize(void* codes, float* scales, const bf16* out, const float* partial_o,
+                                 const float2* partial_ml, const int* context_lens, int num_heads, int D,
+                                 int num_splits, int window) {
+    pdl_begin();
+    __shared__ float scratch[32];
+    const int s = blockIdx.x, width = num_heads * D;
+    const int used = splits_used(context_lens[s], window, num_splits);
+    float v[COMBINE_ROW_GROUPS][8], amax = 0.f;
+#pragma unroll
+    for (int g = 0; g < COMBINE_ROW_GROUPS; ++g) {
+        const int i = (g * COMBINE_ROW_THREADS + threadIdx.x) * 8;
+        if (i >= width) continue;
+        if (used == 1) {
+            load8(out + (int64_t)s * width + i, v[g]);
+        } else {
+            const int h = i / D;
+            combine_dims<8>(v[g], partial_o, partial_ml, ((int64_t)s * num_heads + h) * num_splits, used, D, i - h * D);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[g][j]));
+    }
+    const float scale = fp8_scale(block_reduce<Max>(amax, scratch)), inv = __frcp_rn(scale);
+    if (threadIdx.x == 0) scales[s] = scale;
+#pragma unroll
+    for (int g = 0; g < COMBINE_ROW_GROUPS; ++g) {
+        const int i = (g * COMBINE_ROW_THREADS + threadIdx.x) * 8;
+        if (i >= width) continue;
+        const uint2 c = f32x8_to_e4m3x8(v[g], inv);
+        if constexpr (VALUES) {
+            *reinterpret_cast<uint4*>(static_cast<__half*>(codes) + (int64_t)s * width + i) = e4m3x8_to_f16x8(c);
+        } else {
+            *reinterpret_cast<uint2*>(static_cast<e4m3*>(codes) + (int64_t)s * width + i) = c;
+        }
+    }
+}
+
+#if KEEPS(attention_combine_quantize)
+extern "C" __global__ void __launch_bounds__(COMBINE_ROW_THREADS)
+attention_combine_quantize(e4m3* __restrict__ codes, float* __restrict__ scales, const bf16* out,
+                           const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                           const int* context_lens, int num_heads, int head_dim, int num_splits, int window) {
+    combine_quantize<false>(codes, scales, out, partial_o, partial_ml, context_lens, num_heads, head_dim, num_splits,
+                            window);
+}
+#endif
+#if KEEPS(attention_combine_quantize_values)
+extern "C" __global__ void __launch_bounds__(COMBINE_ROW_THREADS)
+attention_combine_quantize_values(__half* __restrict__ codes, float* __restrict__ scales, const bf16* out,
+                                  const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                                  const int* context_lens, int num_heads, int head_dim, int num_splits, int window) {
+    combine_quantize<true>(codes, scales, out, partial_o, partial_ml, context_lens, num_heads, head_dim, num_splits,
+                           window);
 }
 #endif
 

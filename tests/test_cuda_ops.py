@@ -859,17 +859,23 @@ def test_forward_quantizes_the_layer_weights_to_fp8(forward_module):
     kept = {forward.embed.ptr, forward.lm_head.ptr}  # of the shape of qkv here
     assert not [t for t in device.live.values()
                 if t.dtype == BF16 and t.shape in weight_shapes and t.ptr not in kept]  # the bf16 ones freed
-    recorder.launches.clear()
     forward.allocate_kv_cache(8)
+    recorder.launches.clear()
+    recorder.args.clear()
     buffers = FakeBuffers()
     forward.decode(4, buffers, buffers, buffers)
+    # the parts' merge writes O's input quantized (no quantize_fp8_values of its own); the activation's is one
     per_layer = ["rms_norm", "gemv_fp8_bf16", "rope_and_cache_bf16", "attention_decode_d64_r8",
-                 "attention_combine", "quantize_fp8_values", "gemv_fp8_f32", "rms_norm", "gemv_swiglu_fp8",
-                 "quantize_fp8_values",
-                 "gemv_fp8_f32"]
+                 "attention_combine_quantize_values", "gemv_fp8_f32", "rms_norm", "gemv_swiglu_fp8",
+                 "quantize_fp8_values", "gemv_fp8_f32"]
     assert [name for name, _, _ in recorder.launches] == ["resolve_tokens", "embedding", *per_layer * 2, "rms_norm",
                                                           "gemv_f32", "apply_logits_processors", "sample_split",
                                                           "count_tokens"]
+    launches = list(zip([name for name, _, _ in recorder.launches], recorder.args))
+    for i, (name, args) in enumerate(launches):
+        if name == "attention_combine_quantize_values":  # O's GEMV reads its codes and scales
+            o_args = launches[i + 1][1]
+            assert launches[i + 1][0] == "gemv_fp8_f32" and (o_args[1], o_args[4]) == (args[0], args[1])
     recorder.launches.clear()
     forward.prefill(10, buffers, buffers, 3, 2)
     assert [name for name, _, _ in recorder.launches].count("scale_rows_cols_f32") == 2 * config.num_hidden_layers
@@ -1213,7 +1219,7 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     captured), and of the attention kernels' instances only its head dim's, KV cache dtype's and decode tile's."""
     import importlib
 
-    from tinyvllm.backends.cuda.kernels import needed_kernels
+    from tinyvllm.backends.cuda.kernels import COMBINE_QUANTIZE_KERNELS, needed_kernels
     from tinyvllm.backends.cuda.ops import SIGNATURES
     from tinyvllm.model.loader import load_model
 
@@ -1241,7 +1247,7 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
-        set() if quantization else fp8) | geglu | experts
+        set() if quantization else fp8 | COMBINE_QUANTIZE_KERNELS) | geglu | experts
 
 
 class FakePycuda:

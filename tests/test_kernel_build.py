@@ -70,14 +70,17 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # a GeGLU model's (Gemma's) only
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"}
-              - fp8_weights - geglu - experts)
+              - kernels.COMBINE_QUANTIZE_KERNELS - fp8_weights - geglu - experts)
     assert others <= set(needed)  # gemv's every form (ops.py picks among them by shape and SM count), ...
     assert not geglu & set(needed)
     gemma = kernels.needed_kernels(head_dim, heads, kv_heads, fp8, activation="gelu_pytorch_tanh")
     assert set(gemma) ^ set(needed) == (geglu | {name for name in SIGNATURES if name.startswith("gemv_swiglu_")}) - \
         fp8_weights  # the FP8 forms of both: only with FP8 weights
-    assert not fp8_weights & set(needed) and fp8_weights - geglu <= set(
-        kernels.needed_kernels(head_dim, heads, kv_heads, fp8, fp8_weights=True))
+    fp8_needed = set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8, fp8_weights=True))
+    assert not fp8_weights & set(needed) and fp8_weights - geglu <= fp8_needed
+    # the merge that quantizes O's input: with FP8 weights and an attention kernel to merge
+    assert not kernels.COMBINE_QUANTIZE_KERNELS & set(needed)
+    assert (kernels.COMBINE_QUANTIZE_KERNELS <= fp8_needed) == bool(attention)
     assert not experts & set(needed) and experts <= set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8,
                                                                                 experts=True))
     assert ("attention_combine" in needed) == (head_dim in HEAD_DIMS)

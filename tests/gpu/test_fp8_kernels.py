@@ -10,9 +10,10 @@ a product differs from its twin only by its summation order (and cuBLASLt's FP8 
 import numpy as np
 import pytest
 
-from test_kernels import Gpu
+from test_kernels import ATTN_SHAPES, Gpu, bf16_round, cache_setup
 from test_kv_fp8_cuda import random_codes
 from tinyvllm.backends.cuda.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tinyvllm.backends.cuda.ops import QuantizedOutput
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor
 from tinyvllm.backends.host_weight import HostWeight
 from tinyvllm.backends.host_weight import linear as host_linear
@@ -61,6 +62,43 @@ def test_quantize_fp8_values_is_bit_exact(cuda, ops, rows, cols):
     want = quantize_rows(x)
     np.testing.assert_array_equal(gpu.get(scales, (rows,), np.float32), want.scale)
     np.testing.assert_array_equal(gpu.get(values, (rows, cols), np.float16), e4m3_to_f32(want.codes).astype(np.float16))
+
+
+@pytest.mark.parametrize("values", [True, False])
+@pytest.mark.parametrize("shape", ["d64-gqa3", "d128-gqa4", "d256-gqa16", "d128-heads64"])
+@pytest.mark.parametrize("num_seqs,splits", [(1, 13), (37, 8)])
+def test_attention_combine_quantize_is_the_merge_then_quantize(cuda, ops, shape, num_seqs, splits, values):
+    """attention_decode's merge writing O's input quantized gives the bits of attention_combine then
+    quantize_fp8(_values), which are quantize_rows of the merged bf16 rows: one context of 3001 keys in up to 13
+    parts, or 37 of 1-999 keys (the shortest in one part, written by attention_decode and read by the merge)."""
+    head_dim, heads, kv_heads = ATTN_SHAPES.get(shape, (128, 64, 8))  # heads64: rows of 8,192, the most it takes
+    gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs + splits + head_dim + heads)
+    context_lens = (np.array([3001]) if num_seqs == 1 else rng.integers(1, 1000, num_seqs)).astype(np.int32)
+    k, v, tables = cache_setup(rng, context_lens, kv_heads, head_dim, 16)
+    width, cols = (heads + 2 * kv_heads) * head_dim, heads * head_dim
+    qkv = gpu.bf16(bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32) * 3))
+    args = (qkv, gpu.bf16(k), gpu.bf16(v), gpu.put(tables), gpu.put(np.array([tables.shape[1]], np.int32)),
+            gpu.put(context_lens), num_seqs, head_dim ** -0.5, heads, kv_heads, head_dim, 16, width, splits)
+
+    def decode(quantized=None):
+        out = gpu.poisoned((num_seqs, cols), np.uint16)
+        partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
+        partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
+        return out, ops.attention_decode(out, partial_o, partial_ml, *args, quantized=quantized)
+
+    out, merged = decode()
+    merged_rows = gpu.get_bf16(out, (num_seqs, cols))
+    codes_type = np.uint16 if values else np.uint8
+    want_codes, want_scales = gpu.poisoned((num_seqs, cols), codes_type), gpu.poisoned((num_seqs,), np.float32)
+    (ops.quantize_fp8_values if values else ops.quantize_fp8)(want_codes, want_scales, out, num_seqs, cols)
+    want = quantize_rows(merged_rows)
+    np.testing.assert_array_equal(gpu.get(want_scales, (num_seqs,), np.float32), want.scale)
+    codes, scales = gpu.poisoned((num_seqs, cols), codes_type), gpu.poisoned((num_seqs,), np.float32)
+    _, merged = decode(QuantizedOutput(codes, scales, values))
+    assert merged and not decode()[1]  # quantized where it merged; without a target it writes out
+    np.testing.assert_array_equal(gpu.get(scales, (num_seqs,), np.float32), want.scale)
+    np.testing.assert_array_equal(gpu.get(codes, (num_seqs, cols), codes_type),
+                                  gpu.get(want_codes, (num_seqs, cols), codes_type))
 
 
 def quantized(gpu, x):

@@ -41,7 +41,7 @@ from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, WORKSPACE_BYTES
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, MMA_K, VECTOR, QkNorm,
+from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, MMA_K, VECTOR, QkNorm, QuantizedOutput,
                                        decode_splits, rope_fuses_qk_norm)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor
 from tinyvllm.backends.cuda.weights import WeightUploader
@@ -274,8 +274,10 @@ class CudaForward:
 
     # ---- the launch sequence ---------------------------------------------------------------------------------------
 
-    def _layers(self, n: int, inp: Buffers, out: Buffers, attention: Callable[[int], None]) -> None:
-        """Embed n tokens and run every layer on them, the residual stream ending in buf.x."""
+    def _layers(self, n: int, inp: Buffers, out: Buffers,
+                attention: Callable[[int], DeviceTensor | None]) -> None:
+        """Embed n tokens and run every layer on them, the residual stream ending in buf.x. attention(i) writes
+        layer i's attention into buf.attn, or returns where it wrote it quantized for the O product."""
         cfg, b, ops, linear = self.config, self.buf, self.ops, self.linear
         hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset
         # tokens sampled by the previous step, which is queued before this one but not read back yet
@@ -292,8 +294,8 @@ class CudaForward:
             ops.rope_and_cache(b.qkv.ptr, self.k_cache[i], self.v_cache[i], inp.ptr("positions"),
                                inp.ptr("slot_mapping"), self.cos_sin[i], n, self.heads, self.kv_heads,
                                self.head_dim, self.qkv_width, self.kv_scales[i], cfg.rotary_dim, self.rope_norms[i])
-            attention(i)
-            self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm)
+            o_codes = attention(i)  # O's input quantized by attention's merge, or None
+            self._add_to_residual(n, b.attn, layer.o, layer.attn_out_norm, layer.post_norm, o_codes)
             if layer.router is not None:  # an expert layer (ModelConfig.moe_layer)
                 fused_moe(ops, linear, self.moe_buf, layer, b.x, b.h, n, cfg, self._moe_codes(n))
             else:
@@ -471,12 +473,16 @@ class CudaForward:
         b = self.buf
         splits = 1 if self.invariant else self.num_splits(n)  # batch-invariant: its _inv kernels, one part
 
-        def attention(i: int) -> None:
-            self.ops.attention_decode(b.attn.ptr, b.partial_o.ptr, b.partial_ml.ptr, b.qkv.ptr, self.k_cache[i],
-                                      self.v_cache[i], inp.ptr("block_tables"), inp.ptr("bt_stride"),
-                                      inp.ptr("context_lens"), n, self.scale, self.heads, self.kv_heads,
-                                      self.head_dim, self.engine_config.block_size, self.qkv_width, splits,
-                                      self.kv_scales[i], self.windows[i], self.softcap, self.invariant)
+        def attention(i: int) -> DeviceTensor | None:
+            codes = self.linear.quantized_input(self.layers[i].o, n)  # an FP8 O: the merge may quantize its input
+            quantized = None if codes is None else QuantizedOutput(codes.ptr, codes.scale.ptr, codes.dtype == F16)
+            merged = self.ops.attention_decode(b.attn.ptr, b.partial_o.ptr, b.partial_ml.ptr, b.qkv.ptr,
+                                               self.k_cache[i], self.v_cache[i], inp.ptr("block_tables"),
+                                               inp.ptr("bt_stride"), inp.ptr("context_lens"), n, self.scale,
+                                               self.heads, self.kv_heads, self.head_dim, self.engine_config.block_size,
+                                               self.qkv_width, splits, self.kv_scales[i], self.windows[i],
+                                               self.softcap, self.invariant, quantized)
+            return codes if merged else None
 
         self._layers(n, inp, out, attention)
         codes = self._h_codes(n) if self.lm_head.dtype == E4M3 else None
@@ -490,13 +496,14 @@ class CudaForward:
         """n tokens of a prefill chunk through every layer, attention over num_tiles tiles (ops.prefill_tiles)."""
         b = self.buf
 
-        def attention(i: int) -> None:
+        def attention(i: int) -> DeviceTensor | None:
             self.ops.attention_prefill(b.attn.ptr, b.qkv.ptr, self.k_cache[i], self.v_cache[i],
                                        inp.ptr("block_tables"), bt_width, inp.ptr("query_start_loc"),
                                        inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
                                        num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
                                        self.engine_config.block_size, self.qkv_width, self.kv_scales[i],
                                        self.windows[i], self.softcap)
+            return None
 
         self._layers(n, inp, out, attention)
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Files whose kernels a model uses only some of: a kernel of theirs is needed only as needed_kernels says.
 ATTENTION_FILES = ("attention_decode", "attention_prefill")
 FP8_WEIGHT_FILE = "fp8"  # the FP8 W8A8 kernels: needed only by a model with FP8 weights
+COMBINE_QUANTIZE_KERNELS = {"attention_combine_quantize", "attention_combine_quantize_values"}  # and these
 # The gate/up GEMVs of each MLP activation (ModelConfig.activation), by name prefix: a model needs its own only
 GATED_GEMVS = {"silu": "gemv_swiglu_", "gelu_pytorch_tanh": "gemv_geglu_"}
 MOE_FILE = "moe"  # the fused mixture-of-experts kernels: needed only by a model with experts
@@ -62,12 +63,14 @@ def needed_kernels(head_dim: int, num_heads: int, num_kv_heads: int, fp8_kv_cach
                    fp8_weights: bool = False, activation: str = "silu", experts: bool = False) -> list[str]:
     """The kernels a model of these attention shapes launches: every kernel but the attention kernels' instances
     for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules), the FP8
-    weight kernels only for FP8 weights, of the gate/up GEMVs only the MLP activation's, and the MoE kernels only
+    weight kernels (and the attention merges that quantize) only for FP8 weights, of the gate/up GEMVs only the MLP activation's, and the MoE kernels only
     for a model with experts."""
     fp8 = "fp8_" if fp8_kv_cache else ""
     rows = decode_rows(num_heads // num_kv_heads)
     attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}", f"attention_prefill_{fp8}d{head_dim}",
                  "attention_combine"} if head_dim in HEAD_DIMS else set()
+    if attention and fp8_weights:  # the merge that quantizes O's input
+        attention |= COMBINE_QUANTIZE_KERNELS
     return [name for name, signature in SIGNATURES.items()
             if (signature.file not in ATTENTION_FILES or name in attention)
             and (signature.file != FP8_WEIGHT_FILE or fp8_weights) and (signature.file != MOE_FILE or experts)

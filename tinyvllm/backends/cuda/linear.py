@@ -154,6 +154,20 @@ class Linear:
             return None
         return DeviceTensor(s.codes.ptr, E4M3, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
 
+    def quantized_input(self, w: DeviceTensor, m: int) -> DeviceTensor | None:
+        """Where the kernel that produces the m-row input of the product with w may write it quantized, for a
+        per-channel or per-tensor e4m3 w: the fp8 scratch's f16 values for the FP8 GEMV, its e4m3 codes for
+        cuBLASLt (with their scales), as `x_codes` of gemm(); None where the product quantizes its input itself
+        (bf16 or block-scaled w) or the scratch cannot hold it."""
+        s, k = self.fp8, w.shape[-1]
+        if w.dtype != E4M3 or s is None or scale_kind(w) == "block":
+            return None
+        if not self.uses_fp8_gemv(m, k):
+            return self.input_codes(m, k)
+        if s.values is None or s.values.rows < m or s.values.shape[-1] < k:
+            return None
+        return DeviceTensor(s.values.ptr, F16, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+
     def _gemm_codes(self, x: DeviceTensor, m: int, k: int, x_codes: DeviceTensor | None) -> DeviceTensor:
         """The FP8 GEMM's e4m3 input: x_codes, else x quantized per token into the scratch codes."""
         if x_codes is None:

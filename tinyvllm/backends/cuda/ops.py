@@ -28,6 +28,10 @@ DECODE_WIDE_WARPS = 1
 # parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
 # per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md)
 DECODE_MIN_SPLIT_TILES = 4
+# attention_combine_quantize: threads per block (a sequence per block) and 8-dim groups per thread, so rows of up to
+# 256 * 8 * 4 = 8192 (num_heads * head_dim) values
+COMBINE_ROW_THREADS = 256
+COMBINE_ROW_GROUPS = 4
 NORM_CHUNKS = 2  # rms_norm: most 8-entry chunks of a row per thread (held in registers)
 MAX_THREADS = 1024  # threads per block the GPU allows
 SAMPLING_THREADS = 1024  # sample, logprobs: threads per block
@@ -56,7 +60,8 @@ MOE_GEMM_WARPS = {32: 4, 64: 8}  # moe_gemm_*_<m>: warps per block (64: two per 
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
-                         "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES},
+                         "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES, "COMBINE_ROW_THREADS": COMBINE_ROW_THREADS,
+                         "COMBINE_ROW_GROUPS": COMBINE_ROW_GROUPS},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS, "ROW_SPLIT": SAMPLING_SPLIT},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
@@ -239,7 +244,25 @@ FP8_SCALES = ", const float* k_scales, const float* v_scales"  # the fp8 kernels
 FP8_GATED_ARGS = "bf16* out, const __half* x, const e4m3* w, const float* w_scale, const float* x_scale, int m, " \
                  "int n, int k, int split"  # gemv_swiglu_fp8, gemv_geglu_fp8
 FP8_GEMV_ARGS = FP8_GATED_ARGS.replace("bf16* out", "{out}* out", 1) + ", int accumulate"  # gemv_fp8_*
+COMBINE_QUANTIZE_ARGS = "{codes}* codes, float* scales, const bf16* out, const float* partial_o, " \
+                        "const float2* partial_ml, const int* context_lens, int num_heads, int head_dim, " \
+                        "int num_splits, int window"  # attention_combine_quantize(_values)
 ROPE_QK_NORM = ", const bf16* q_weight, const bf16* k_weight, float eps, float offset"  # rope_and_cache's qk norm
+
+
+class QuantizedOutput(NamedTuple):
+    """Where a kernel writes its rows quantized for an FP8 product (fp8.cu's quantize_fp8 scheme): device codes
+    [rows, width] (values: their f16 values, the FP8 GEMV's input; else e4m3, cuBLASLt's) and float32 scales
+    [rows]."""
+
+    codes: int
+    scales: int
+    values: bool
+
+
+def combine_quantizes(width: int) -> bool:
+    """Whether attention_combine_quantize takes rows of `width` values (its block's registers hold the row)."""
+    return width % VECTOR == 0 and width <= COMBINE_ROW_THREADS * VECTOR * COMBINE_ROW_GROUPS
 
 
 class QkNorm(NamedTuple):
@@ -490,13 +513,17 @@ class Ops:
                          block_tables: int, bt_stride: int, context_lens: int, num_seqs: int, scale: float,
                          num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, row_stride: int,
                          num_splits: int, kv_scales: tuple[int, int] | None = None, window: int = 0,
-                         softcap: float = 0.0, invariant: bool = False) -> None:
+                         softcap: float = 0.0, invariant: bool = False,
+                         quantized: QuantizedOutput | None = None) -> bool:
         """Decode attention of num_seqs sequences; with num_splits > 1 the keys a query sees are cut into up to
         num_splits parts of whole 16-key tiles, through partial_o [num_seqs * num_heads * num_splits, head_dim]
         float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V
         scales of this layer (device float32 [kv_heads] each); None: a bf16 cache. window: the layer's sliding
         window (0: none; the kernel reads no key before it); softcap: its attention-logit cap (0: none).
-        invariant: the batch-invariant form (attention_decode_*_inv: a row's bits are attention_prefill's; one part)."""
+        invariant: the batch-invariant form (attention_decode_*_inv: a row's bits are attention_prefill's; one part).
+        quantized: where the merge may write the rows quantized for an FP8 product instead of out
+        (attention_combine_quantize). Returns whether it did: only with parts to merge, so that the quantizing
+        costs no launch of its own."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
         _require(not invariant or num_splits == 1, "attention_decode: the batch-invariant form takes one part")
@@ -510,9 +537,15 @@ class Ops:
                     out, partial_o, partial_ml, q, k_cache, v_cache, block_tables, bt_stride,
                     context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits, window,
                     float(softcap), *(kv_scales or ()))
-        if num_splits > 1:
-            self.attention_combine(out, partial_o, partial_ml, context_lens, num_seqs, num_heads, head_dim,
-                                   num_splits, window)
+        if num_splits == 1:
+            return False
+        if quantized is not None and combine_quantizes(num_heads * head_dim):
+            self.attention_combine_quantize(quantized, out, partial_o, partial_ml, context_lens, num_seqs, num_heads,
+                                            head_dim, num_splits, window)
+            return True
+        self.attention_combine(out, partial_o, partial_ml, context_lens, num_seqs, num_heads, head_dim, num_splits,
+                               window)
+        return False
 
     @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, const int* context_lens, "
                                 "int num_splits, int window")
@@ -521,6 +554,21 @@ class Ops:
         """Merge attention_decode's parts (window: the one it was given, which its parts are cut by)."""
         self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, context_lens,
                     num_splits, window)
+
+    @kernel("attention_decode", COMBINE_QUANTIZE_ARGS.format(codes="e4m3"), "attention_combine_quantize")
+    @kernel("attention_decode", COMBINE_QUANTIZE_ARGS.format(codes="__half"), "attention_combine_quantize_values")
+    def attention_combine_quantize(self, quantized: QuantizedOutput, out: int, partial_o: int, partial_ml: int,
+                                   context_lens: int, num_seqs: int, num_heads: int, head_dim: int, num_splits: int,
+                                   window: int = 0) -> None:
+        """attention_combine, then each sequence's row [num_heads * head_dim] quantized as quantize_fp8 (or
+        quantize_fp8_values) does, into quantized's codes and scales, in one launch; out is read, not written (the
+        rows attention_decode wrote whole)."""
+        width = num_heads * head_dim
+        _require(combine_quantizes(width), f"attention_combine_quantize: rows of {width} values exceed "
+                                           f"{COMBINE_ROW_THREADS * VECTOR * COMBINE_ROW_GROUPS}")
+        name = "attention_combine_quantize" + "_values" * quantized.values
+        self.launch(name, (num_seqs,), COMBINE_ROW_THREADS, quantized.codes, quantized.scales, out, partial_o,
+                    partial_ml, context_lens, num_heads, head_dim, num_splits, window)
 
     @kernel("attention_prefill", "bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, "
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
