@@ -89,11 +89,17 @@ def test_attention_combine_quantize_is_the_merge_then_quantize(cuda, ops, shape,
     out, merged = decode()
     merged_rows = gpu.get_bf16(out, (num_seqs, cols))
     codes_type = np.uint16 if values else np.uint8
-    want_codes, want_scales = gpu.poisoned((num_seqs, cols), codes_type), gpu.poisoned((num_seqs,), np.float32)
+
+    def poisoned_codes():  # f16 NaN values, or e4m3 NaN codes
+        if values:
+            return gpu.poisoned((num_seqs, cols), np.uint16)
+        return gpu.put(np.full((num_seqs, cols), 0x7F, np.uint8))
+
+    want_codes, want_scales = poisoned_codes(), gpu.poisoned((num_seqs,), np.float32)
     (ops.quantize_fp8_values if values else ops.quantize_fp8)(want_codes, want_scales, out, num_seqs, cols)
     want = quantize_rows(merged_rows)
     np.testing.assert_array_equal(gpu.get(want_scales, (num_seqs,), np.float32), want.scale)
-    codes, scales = gpu.poisoned((num_seqs, cols), codes_type), gpu.poisoned((num_seqs,), np.float32)
+    codes, scales = poisoned_codes(), gpu.poisoned((num_seqs,), np.float32)
     _, merged = decode(QuantizedOutput(codes, scales, values))
     assert merged and not decode()[1]  # quantized where it merged; without a target it writes out
     np.testing.assert_array_equal(gpu.get(scales, (num_seqs,), np.float32), want.scale)
