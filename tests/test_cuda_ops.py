@@ -191,6 +191,31 @@ def test_attention_decode_geometry(recorder, heads, kv_heads, d, splits, kernel,
         assert recorder.args[-1] == (1, 2, 3, context_lens, splits, 0)
 
 
+@pytest.mark.parametrize("values", [True, False])
+def test_attention_decode_merge_quantizes_only_where_it_merges(recorder, values):
+    """With a QuantizedOutput the merge of the parts writes the rows' codes and scales (a block a sequence) and
+    attention_decode says so; in one part, or with rows wider than the merge's registers hold, it quantizes nothing
+    (the product's own quantize pass runs)."""
+    target = ops.QuantizedOutput(100, 200, values)
+    kernel = "attention_combine_quantize" + "_values" * values
+
+    def decode(heads, d, splits):
+        recorder.launches.clear()
+        recorder.args.clear()
+        return Ops(recorder, None).attention_decode(*range(1, 10), 5, 0.125, heads, 8, d, 16, 4096, splits,
+                                                    quantized=target)
+
+    assert decode(32, 64, 3)
+    assert recorder.launches[-1] == (kernel, (5,), (ops.COMBINE_ROW_THREADS, 1, 1))
+    assert recorder.args[-1] == (100, 200, 1, 2, 3, 9, 32, 64, 3, 0)  # codes, scales, out, parts, contexts, ...
+    assert not decode(32, 64, 1) and [name for name, _, _ in recorder.launches] == ["attention_decode_d64_r8"]
+    widest = ops.COMBINE_ROW_THREADS * ops.VECTOR * ops.COMBINE_ROW_GROUPS
+    assert ops.combine_quantizes(widest) and not ops.combine_quantizes(widest + ops.VECTOR)
+    assert not decode(widest // 128 + 8, 128, 3) and recorder.launches[-1][0] == "attention_combine"
+    with pytest.raises(ValueError, match="exceed"):
+        Ops(recorder, None).attention_combine_quantize(target, 1, 2, 3, 4, 5, widest // 128 + 8, 128, 3)
+
+
 def test_decode_splits():
     # 4 blocks (of 2 warps) per sequence here: small batches cut as far as ~2 blocks per SM need, at least 8 parts
     assert ops.decode_splits(1, 8, 4, num_sms=132) == ops.MAX_SPLITS
