@@ -63,8 +63,8 @@ def needed_kernels(head_dim: int, num_heads: int, num_kv_heads: int, fp8_kv_cach
                    fp8_weights: bool = False, activation: str = "silu", experts: bool = False) -> list[str]:
     """The kernels a model of these attention shapes launches: every kernel but the attention kernels' instances
     for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules), the FP8
-    weight kernels (and the attention merges that quantize) only for FP8 weights, of the gate/up GEMVs only the MLP activation's, and the MoE kernels only
-    for a model with experts."""
+    weight kernels (and the attention merges that quantize) only for FP8 weights, of the gate/up GEMVs only the MLP
+    activation's, and the MoE kernels only for a model with experts."""
     fp8 = "fp8_" if fp8_kv_cache else ""
     rows = decode_rows(num_heads // num_kv_heads)
     attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}", f"attention_prefill_{fp8}d{head_dim}",
