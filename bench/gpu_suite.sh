@@ -2,7 +2,8 @@
 # The GPU suite (tests/gpu) in a few minutes on one GPU: the kernels built once, then the test files in SHARDS pytest
 # processes side by side (files dealt largest first to the emptiest shard), then, alone, the files that size the KV
 # cache from the GPU's free memory or count every byte given back (they need the GPU to themselves).
-# Usage: bash bench/gpu_suite.sh OUT [SHARDS] [EXTRA PYTEST ARGS...]; logs in OUT/gpu-shard-*.txt, OUT/gpu-solo.txt.
+# Usage: bash bench/gpu_suite.sh OUT [SHARDS] [EXTRA PYTEST ARGS...]; logs in OUT/gpu-shard-*.txt, OUT/gpu-solo.txt,
+# each ending in its slowest tests (--durations), to deal the files by time.
 # GPU_SUITE_PART=1 or 2 runs half of the test files (dealt alternately, largest first; the solo part with the second),
 # so that the suite fits in two device calls: together the two parts run every file once.
 set -uo pipefail
@@ -34,10 +35,12 @@ done
 start=$SECONDS
 for ((s = 0; s < shards; s++)); do
   [[ -z ${lists[s]} ]] && continue  # more shards than files: pytest with no file would collect the CPU suite
-  python3 -m pytest -q -p no:cacheprovider -rfEs ${lists[s]} --deselect "$timed" "$@" >"$out/gpu-shard-$s.txt" 2>&1 &
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 ${lists[s]} --deselect "$timed" "$@" \
+    >"$out/gpu-shard-$s.txt" 2>&1 &
 done
 wait
-[[ -n $solo ]] && python3 -m pytest -q -p no:cacheprovider -rfEs $solo "$timed" "$@" >"$out/gpu-solo.txt" 2>&1
+[[ -n $solo ]] && python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 $solo "$timed" "$@" \
+  >"$out/gpu-solo.txt" 2>&1
 for log in "$out"/gpu-shard-*.txt ${solo:+"$out/gpu-solo.txt"}; do
   echo "$(basename "$log"): $(tail -n 1 "$log")"
   grep -E "^(FAILED|ERROR) " "$log"
