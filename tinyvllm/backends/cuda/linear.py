@@ -162,8 +162,11 @@ class Linear:
         s, k = self.fp8, w.shape[-1]
         if w.dtype != E4M3 or s is None or scale_kind(w) == "block":
             return None
-        if not self.uses_fp8_gemv(m, k):
-            return self.input_codes(m, k)
+        return self._scratch_values(m, k) if self.uses_fp8_gemv(m, k) else self.input_codes(m, k)
+
+    def _scratch_values(self, m: int, k: int) -> DeviceTensor | None:
+        """The fp8 scratch's f16 values and scales as an m-row FP8 GEMV input of width k, or None if it lacks room."""
+        s = self.fp8
         if s.values is None or s.values.rows < m or s.values.shape[-1] < k:
             return None
         return DeviceTensor(s.values.ptr, F16, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
@@ -182,11 +185,11 @@ class Linear:
     def _gemv_input(self, x: DeviceTensor, m: int, k: int, x_codes: DeviceTensor | None) -> DeviceTensor:
         """The FP8 GEMV's x: x_codes, else x quantized into the scratch values and scales."""
         if x_codes is None:
-            s = self.fp8
-            if s.values is None or s.values.rows < m or s.values.shape[-1] < k:
+            values = self._scratch_values(m, k)
+            if values is None:
                 raise ValueError(f"an FP8 GEMV of {m} rows of {k}: the fp8 scratch has no values buffer for it")
-            self.ops.quantize_fp8_values(s.values.ptr, s.scales.ptr, x.ptr, m, k)
-            return DeviceTensor(s.values.ptr, F16, (m, k), DeviceTensor(s.scales.ptr, F32, (m,)))
+            self.ops.quantize_fp8_values(values.ptr, values.scale.ptr, x.ptr, m, k)
+            return values
         if (x_codes.dtype != F16 or x_codes.rows < m or x_codes.shape[-1] != k or x_codes.scale is None
                 or x_codes.scale.numel < m):
             raise ValueError(f"x_codes of an FP8 GEMV of {m} rows of {k}: {x_codes.dtype} {x_codes.shape}")
