@@ -51,7 +51,6 @@ PHASES = {
     "    stage decode": ("backend", "_stage_decode"),
     "    fill sampling": ("backend", "_fill_sampling"),
     "    upload decode_in": ("backend.decode_in", "upload"),
-    "  upload processors": ("backend.proc.rows", "upload"),
     "  prefill (stage + launch)": ("backend", "_prefill"),
     "  download": ("backend.out", "download"),
     "result (wait + read)": None,  # each step's QueuedStep.result, wrapped at submit

@@ -46,7 +46,7 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
     assert not any(name.startswith(("attention_prefill", "attention_combine"))
                    or name.startswith("gemv") and "chain" not in name for name in names), names
     # sampling and logprobs a block a row, at 3 rows too (a row split over a cluster adds in another order)
-    forward.logprobs(3, buffers.ptr("ids"), 2, buffers)
+    forward.logprobs(3, buffers.ptr("ids"), 2, (buffers.ptr("lp"), 8, 12))
     sampling = [(name, grid) for name, grid, _ in recorder.launches if name.startswith(("sample", "logprobs"))]
     assert sampling == [("sample", (3,)), ("logprobs", (3,))]
     attention = [(name, grid, block, args) for (name, grid, block), args in zip(recorder.launches, recorder.args)

@@ -773,7 +773,7 @@ def test_forward_launches_every_kernel_with_arguments_of_its_c_types(forward_mod
     forward.norm_sample_rows(1, buffers.ptr("rows"), 2)
     forward.compute_logits(2, forward.buf.sample_hidden)
     forward.sample_prefill(2, buffers, buffers, buffers, masks=buffers)
-    forward.prompt_logprobs(3, buffers.ptr("rows"), buffers.ptr("targets"), 5, buffers)
+    forward.prompt_logprobs(3, buffers.ptr("rows"), buffers.ptr("targets"), 5, (buffers.ptr("lp"), 8, 12))
     forward.copy_blocks(buffers.ptr("pairs"), 2)
     forward.init_token_slots(1, 2, 3, 4, 5)
     fp8 = "fp8_" if kv_cache_dtype == "fp8" else ""
@@ -1227,6 +1227,104 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
     assert device.closed and device.live == {} and all(graph.closed for graph in FakeGraph.made)
     with pytest.raises(RuntimeError, match="closed"):
         backend.decode_in.wait()
+
+
+def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward_module, make_model_dir,
+                                                                          monkeypatch):
+    """On the stand-in device, decode steps whose rows ask penalties and logprobs (half of them: a logprob row
+    list): each step's inputs (tokens, sampling, the processors' rows, the logprob rows, block tables) go up in one
+    copy, its sampled ids and their logprobs come back in one, and the host waits twice a step (for the inputs'
+    buffer, for the outputs)."""
+    import collections
+    import importlib
+
+    from tinyvllm import SamplingParams
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    model = load_model(make_model_dir(head_dim=64))
+    engine_config = engine_config_for(model, "eager")
+    backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
+    engine = LLMEngine(model, backend, engine_config)
+    mixed = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, presence_penalty=0.5, repetition_penalty=1.1)
+    for i in range(4):
+        engine.add_request(str(i), [1 + i, 2, 3], mixed if i % 2 else SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(3):  # the prefill, then decode
+        engine.step()
+    calls = collections.Counter()
+
+    def counted(name, inner):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return inner(*args, **kwargs)
+        return call
+    for name in ("memcpy_htod_async", "memcpy_dtoh_async"):
+        monkeypatch.setattr(FakeDriver, name, staticmethod(counted(name, getattr(FakeDriver, name))))
+    monkeypatch.setattr(FakeDriver.Event, "synchronize", counted("synchronize", FakeDriver.Event.synchronize))
+    submitted = collections.Counter()
+    submit = backend.submit
+    monkeypatch.setattr(backend, "submit", lambda batch: (submitted.update([batch.max_query_len]), submit(batch))[1])
+    for _ in range(5):
+        engine.step()
+    assert submitted == {1: 5}  # five decode steps
+    assert calls == {"memcpy_htod_async": 5, "memcpy_dtoh_async": 5, "synchronize": 10}
+    backend.close()
+
+
+def test_processor_rows_go_back_to_padding_after_a_step_without_processors(forward_module):
+    """A step without logits processors after one with pads every row of that step's inputs (not only the rows it
+    runs): a later, larger step's padding rows count no sampled token into a sequence's slot."""
+    import importlib
+
+    from tinyvllm.backends.base import LogitsProcessing
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    device = FakeDevice(TypedRecorder())
+    inp = runner.Staging(device, runner.processor_row_fields(8))
+    buffers = runner.ProcessorBuffers(device, 16)
+    buffers.reset(inp)
+    n = 5
+    proc = LogitsProcessing(
+        penalty_slots=np.arange(n, dtype=np.int32), count_slots=np.arange(n, dtype=np.int32),
+        presence=np.full(n, 0.5, np.float32), frequency=np.zeros(n, np.float32), repetition=np.ones(n, np.float32),
+        allowed_ptr=np.zeros(n + 1, np.int32), allowed_ids=np.zeros(0, np.int32), bias_ptr=np.zeros(n + 1, np.int32),
+        bias_ids=np.zeros(0, np.int32), bias_values=np.zeros(0, np.float32), bias_cond=np.zeros(0, np.int32))
+    buffers.stage(FakeStream(), inp, proc, np.arange(n, dtype=np.int32), np.full(n, -1, np.int32), 8)
+    assert inp["count_slots"][:n].tolist() == list(range(n)) and (inp["count_slots"][n:] == -1).all()
+    buffers.clear(inp)  # a step of 2 rows without processors
+    assert (inp["count_slots"] == -1).all() and (inp["penalty_slots"] == -1).all()
+    assert (inp["repetition"] == 1).all() and (inp["last_src"] == -1).all()
+    inp["count_slots"][0] = 3  # cleared once: a later step without processors leaves the fields alone
+    buffers.clear(inp)
+    assert inp["count_slots"][0] == 3
+
+
+def test_packed_logprobs_lie_after_the_ids_and_read_back_as_written(forward_module):
+    """PackedLogprobs: n rows of logprobs (top k) right after the ids field, in the order the pointers give, read
+    back from a host copy as the kernel would have written them."""
+    import importlib
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    out = runner.Staging(FakeDevice(TypedRecorder()), {"ids": (8, np.int32), "logprobs": (8 * 9, np.int32)},
+                         host_copies=2)
+    n, k = 3, 4
+    packed = runner.PackedLogprobs(n, k)
+    token_lp, top_ids, top_lp = packed.ptrs(out)
+    assert token_lp == out.ptr("ids", 8) and top_ids == token_lp + 4 * n and top_lp == top_ids + 4 * n * k
+    assert packed.words == n * (1 + 2 * k)
+    host = out.hosts[1]
+    base = out.offsets["logprobs"]
+    rng = np.random.default_rng(0)
+    written = (rng.standard_normal(n).astype(np.float32), rng.integers(0, 100, (n, k)).astype(np.int32),
+               rng.standard_normal((n, k)).astype(np.float32))
+    for ptr, values in zip((token_lp, top_ids, top_lp), written):
+        start = base + (ptr - out.ptr("logprobs")) // 4
+        host[start: start + values.size] = values.ravel().view(np.int32)
+    read = packed.read(out, 1)
+    for got, want in zip((read.token_logprobs, read.top_ids, read.top_logprobs), written):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("shape,kv_cache_dtype,attention", [

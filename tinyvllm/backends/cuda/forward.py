@@ -519,16 +519,18 @@ class CudaForward:
         """Sample one token per sequence from the logits of its sample_hidden row (compute_logits first)."""
         self.sample_logits(num_seqs, inp, out, proc, proc.ptr("last_tokens"), masks)
 
-    def logprobs(self, n: int, token_ids: int, k: int, out: Buffers, rows: int = 0) -> None:
-        """Logprobs of token_ids (device int32, a row each) and the top k of n rows of logits, into out: rows
-        0..n-1, or (rows: device int32 [n]) those rows."""
-        self.ops.logprobs(out.ptr("token_lp"), out.ptr("top_ids"), out.ptr("top_lp"), self.buf.logits.ptr,
-                          token_ids, n, self.config.vocab_size, k, rows, row_split=not self.invariant)
+    def logprobs(self, n: int, token_ids: int, k: int, dest: tuple[int, int, int], rows: int = 0) -> None:
+        """Logprobs of token_ids (device int32, a row each) and the top k of n rows of logits: rows 0..n-1, or
+        (rows: device int32 [n]) those rows, each into its own row of dest (the token's logprob: float32 [rows],
+        the top ids: int32 [rows, k], their logprobs: float32 [rows, k])."""
+        self.ops.logprobs(*dest, self.buf.logits.ptr, token_ids, n, self.config.vocab_size, k, rows,
+                          row_split=not self.invariant)
 
-    def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, out: Buffers) -> None:
-        """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into out."""
+    def prompt_logprobs(self, m: int, rows: int, targets: int, k: int, dest: tuple[int, int, int]) -> None:
+        """Logprobs of targets (device int32 [m]) at m rows of the residual stream (rows: device int32), into
+        dest (as logprobs')."""
         cfg, buf = self.config, self.buf
         self.ops.rms_norm(buf.h.ptr, buf.x.ptr, self.final_norm.ptr, rows, m, cfg.hidden_size, cfg.rms_norm_eps,
                           self.norm_offset)
         self.compute_logits(m, buf.h)
-        self.logprobs(m, targets, k, out)
+        self.logprobs(m, targets, k, dest)

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pycuda.driver as cuda
@@ -85,7 +86,10 @@ class Staging:
         self.copied.record(stream)
 
     def download(self, stream: cuda.Stream, name: str, count: int, copy: int = 0) -> None:
-        cuda.memcpy_dtoh_async(self.copies[copy][name][:count], self.ptr(name), stream)
+        """Queue the copy of `count` words from field `name`'s start (on into the fields after it) into host copy
+        `copy`."""
+        start = self.offsets[name]
+        cuda.memcpy_dtoh_async(self.hosts[copy][start: start + count], self.ptr(name), stream)
 
     def size(self, name: str) -> int:
         return len(self.views[name])
@@ -98,61 +102,119 @@ class Staging:
                 self.device.free_pinned(host)
 
 
+def processor_row_fields(max_seqs: int) -> dict[str, tuple[int, type]]:
+    """A step's LogitsProcessing row by row, as Staging fields: they travel in the step's input Staging, uploaded
+    with its other inputs in one copy."""
+    s = max_seqs
+    return {"penalty_slots": (s, np.int32), "count_slots": (s, np.int32), "presence": (s, np.float32),
+            "frequency": (s, np.float32), "repetition": (s, np.float32), "last_tokens": (s, np.int32),
+            "last_src": (s, np.int32), "allowed_ptr": (s + 1, np.int32), "bias_ptr": (s + 1, np.int32)}
+
+
+@dataclass(frozen=True)
+class PackedLogprobs:
+    """Where n rows of logprobs (top k) go in a step's outputs (the backend's `out` Staging): packed at the start of
+    its "logprobs" field, n floats (the tokens' own), n * k ids, n * k floats, so that a step's sampled ids (the
+    "ids" field before it) and their logprobs come back in one copy."""
+
+    n: int
+    k: int
+
+    def ptrs(self, out: Staging) -> tuple[int, int, int]:
+        """The device pointers of the three arrays, as ops.logprobs takes them."""
+        token_lp = out.ptr("logprobs")
+        return token_lp, token_lp + 4 * self.n, token_lp + 4 * self.n * (1 + self.k)
+
+    @property
+    def words(self) -> int:
+        return self.n * (1 + 2 * self.k)
+
+    def read(self, out: Staging, copy: int) -> Logprobs:
+        """The rows from host copy `copy`, once they have arrived."""
+        n, k = self.n, self.k
+        words = out.copies[copy]["logprobs"][: self.words]
+        return Logprobs(words[:n].view(np.float32).copy(), words[n: n * (1 + k)].reshape(n, k).copy(),
+                        words[n * (1 + k):].view(np.float32).reshape(n, k).copy())
+
+
 class ProcessorBuffers:
-    """The device arrays of a step's LogitsProcessing: per-row fields in one Staging, the allowed-id and bias lists
-    in two more (re-made larger when a step needs it; the decode graphs are captured again then)."""
+    """A step's LogitsProcessing on the device: its per-row fields in the step's input Staging
+    (processor_row_fields), written by stage(); the allowed-id and bias lists in two Stagings of their own (re-made
+    larger when a step needs it; the decode graphs are captured again then)."""
 
-    def __init__(self, device: Device, max_seqs: int, list_rows: int) -> None:
-        s = max_seqs
-        self.rows = Staging(device, {"penalty_slots": (s, np.int32), "count_slots": (s, np.int32),
-                                     "presence": (s, np.float32), "frequency": (s, np.float32),
-                                     "repetition": (s, np.float32), "last_tokens": (s, np.int32),
-                                     "last_src": (s, np.int32), "allowed_ptr": (s + 1, np.int32),
-                                     "bias_ptr": (s + 1, np.int32)})
-        self.allowed = Staging(device, {"allowed_ids": (list_rows, np.int32)})
-        self.bias = Staging(device, {"bias": (3 * list_rows, np.int32)})  # triples: token id, float bits, condition
-        self.active = True  # the arrays may hold a step's processors: reset them before a step without
-
+    LISTS = ("allowed_ids", "bias")
     PADDING = (("penalty_slots", -1), ("count_slots", -1), ("presence", 0), ("frequency", 0), ("repetition", 1),
                ("last_src", -1), ("last_tokens", 0), ("allowed_ptr", 0), ("bias_ptr", 0))
 
-    def stage(self, stream: cuda.Stream, proc: LogitsProcessing | None, last_tokens: np.ndarray,
+    def __init__(self, device: Device, list_rows: int) -> None:
+        self.device = device
+        self.grow(list_rows)
+        self.holding: set[int] = set()  # the input Stagings (ids) whose row fields hold some step's processors
+
+    def grow(self, list_rows: int) -> None:
+        """(Re-)make the lists for list_rows entries each (after close(): nothing may read the old ones)."""
+        self.allowed = Staging(self.device, {"allowed_ids": (list_rows, np.int32)})
+        self.bias = Staging(self.device, {"bias": (3 * list_rows, np.int32)})  # triples: id, float bits, condition
+
+    def reset(self, inp: Staging) -> None:
+        """Pad every row of inp's processor fields (after inp.wait()): rows that do nothing."""
+        for name, pad in self.PADDING:
+            inp[name][:] = pad
+        self.holding.discard(id(inp))
+
+    def clear(self, inp: Staging) -> None:
+        """A step without processors: pad inp's rows if they hold an earlier step's (whatever its row count)."""
+        if id(inp) in self.holding:
+            self.reset(inp)
+
+    def stage(self, stream: cuda.Stream, inp: Staging, proc: LogitsProcessing, last_tokens: np.ndarray,
               last_src: np.ndarray, rows: int) -> None:
-        """Upload proc's arrays (None: no processor at all) for its rows, then rows of padding that do nothing up
-        to `rows`."""
-        inp = self.rows
-        inp.wait()
-        n = 0 if proc is None else len(proc.penalty_slots)
+        """Write proc's rows into inp's row fields (after inp.wait()), then rows of padding up to `rows`, and
+        upload its lists."""
+        n = len(proc.penalty_slots)
         for name, pad in self.PADDING:
             inp[name][n: rows + 1] = pad
-        if proc is not None:
-            for name in ("penalty_slots", "count_slots", "presence", "frequency", "repetition"):
-                inp[name][:n] = getattr(proc, name)
-            inp["last_tokens"][:n], inp["last_src"][:n] = last_tokens, last_src
-            inp["allowed_ptr"][: n + 1], inp["bias_ptr"][: n + 1] = proc.allowed_ptr, proc.bias_ptr
-            inp["allowed_ptr"][n + 1: rows + 1] = proc.allowed_ptr[-1]
-            inp["bias_ptr"][n + 1: rows + 1] = proc.bias_ptr[-1]
-            if len(proc.allowed_ids):
-                self.allowed.wait()
-                self.allowed["allowed_ids"][: len(proc.allowed_ids)] = proc.allowed_ids
-                self.allowed.upload(stream, "allowed_ids", len(proc.allowed_ids))
-            if len(proc.bias_ids):
-                self.bias.wait()
-                triples = self.bias["bias"][: 3 * len(proc.bias_ids)].reshape(-1, 3)
-                triples[:, 0], triples[:, 1], triples[:, 2] = proc.bias_ids, proc.bias_values.view(np.int32), \
-                    proc.bias_cond
-                self.bias.upload(stream, "bias", 3 * len(proc.bias_ids))
-        inp.upload(stream, "bias_ptr", rows + 1)
-        self.active = proc is not None
+        for name in ("penalty_slots", "count_slots", "presence", "frequency", "repetition"):
+            inp[name][:n] = getattr(proc, name)
+        inp["last_tokens"][:n], inp["last_src"][:n] = last_tokens, last_src
+        inp["allowed_ptr"][: n + 1], inp["bias_ptr"][: n + 1] = proc.allowed_ptr, proc.bias_ptr
+        inp["allowed_ptr"][n + 1: rows + 1] = proc.allowed_ptr[-1]
+        inp["bias_ptr"][n + 1: rows + 1] = proc.bias_ptr[-1]
+        self.holding.add(id(inp))
+        if len(proc.allowed_ids):
+            self.allowed.wait()
+            self.allowed["allowed_ids"][: len(proc.allowed_ids)] = proc.allowed_ids
+            self.allowed.upload(stream, "allowed_ids", len(proc.allowed_ids))
+        if len(proc.bias_ids):
+            self.bias.wait()
+            triples = self.bias["bias"][: 3 * len(proc.bias_ids)].reshape(-1, 3)
+            triples[:, 0], triples[:, 1], triples[:, 2] = proc.bias_ids, proc.bias_values.view(np.int32), \
+                proc.bias_cond
+            self.bias.upload(stream, "bias", 3 * len(proc.bias_ids))
+
+    def arrays(self, inp: Staging) -> ProcessorArrays:
+        """The Buffers the forward reads a step's processors from: inp's row fields and these lists."""
+        return ProcessorArrays(inp, self)
 
     def ptr(self, name: str, index: int = 0) -> int:
-        staging = self.allowed if name == "allowed_ids" else self.bias if name == "bias" else self.rows
-        return staging.ptr(name, index)
+        return (self.allowed if name == "allowed_ids" else self.bias).ptr(name, index)
 
     def close(self) -> None:
-        for staging in (self.rows, self.allowed, self.bias):
+        """Free the lists (grow() makes them anew)."""
+        for staging in (self.allowed, self.bias):
             staging.wait()
             staging.close()
+
+
+class ProcessorArrays:
+    """A step's processor arrays by name, as the forward reads them (Buffers): the lists from ProcessorBuffers, the
+    rest from the step's input Staging."""
+
+    def __init__(self, inp: Staging, lists: ProcessorBuffers) -> None:
+        self.inp, self.lists = inp, lists
+
+    def ptr(self, name: str, index: int = 0) -> int:
+        return (self.lists if name in ProcessorBuffers.LISTS else self.inp).ptr(name, index)
 
 
 class GraphCapturer:
@@ -196,7 +258,8 @@ class GraphCapturer:
                 if bucket is None:
                     break
                 be.graphs[bucket] = be.device.own(
-                    Graph(self.stream.handle, lambda: self.forward.decode(bucket, be.decode_in, be.out, be.proc)))
+                    Graph(self.stream.handle, lambda: self.forward.decode(bucket, be.decode_in, be.out,
+                                                                         be.proc.arrays(be.decode_in))))
                 del be
         except Exception as exc:  # noqa: BLE001 - the main thread captures what is left itself
             self.error = exc
@@ -266,21 +329,26 @@ class CudaBackend(Backend):
         log.info("cuda: kernels ready in %.2f s, weights uploaded in %.2f s", self.startup_times["kernels"],
                  self.startup_times["weights upload"])
         self._allocate_staging()
-        self.proc = ProcessorBuffers(self.device, self.max_seqs, PROCESSOR_LIST_ROWS)
-        self.proc.stage(self.stream, None, np.zeros(0, np.int32), np.zeros(0, np.int32), self.max_seqs)
+        self.proc = ProcessorBuffers(self.device, PROCESSOR_LIST_ROWS)
+        self.proc.reset(self.decode_in)
+        self.proc.reset(self.prefill_in)
         self.copies_in = Staging(self.device, {"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
         self.slots_in = Staging(self.device, {"slots": (self.max_seqs, np.int32),
                                               "token_slots": (self.max_tokens, np.int32),
                                               "tokens": (self.max_tokens, np.int32)})  # token-count slot inits
 
     def _allocate_staging(self) -> None:
+        """A step's inputs travel in one copy: the decode or prefill fields, the sampling parameters, the logits
+        processors' rows and the rows asking logprobs, then the block tables (copied only as far as used). Its
+        outputs come back in one copy too: the sampled ids, then (PackedLogprobs) their logprobs."""
         t, s = self.max_tokens, self.max_seqs
-        sampling = {"temperature": (s, np.float32), "top_p": (s, np.float32), "top_k": (s, np.int32),
-                    "min_p": (s, np.float32), "noise_keys": (s, np.uint32)}
+        per_step = {"temperature": (s, np.float32), "top_p": (s, np.float32), "top_k": (s, np.int32),
+                    "min_p": (s, np.float32), "noise_keys": (s, np.uint32), **processor_row_fields(s),
+                    "logprob_rows": (s, np.int32)}  # the rows asking logprobs, when not all do
         self.decode_in = Staging(self.device, {
             "token_ids": (s, np.int32), "token_src": (s, np.int32), "positions": (s, np.int32),
             "slot_mapping": (s, np.int32),
-            "context_lens": (s, np.int32), **sampling, "bt_stride": (1, np.int32),
+            "context_lens": (s, np.int32), **per_step, "bt_stride": (1, np.int32),
             "block_tables": (s * self.max_blocks, np.int32)})
         max_tiles = max_prefill_tiles(t, s, self.forward.group)
         self.prefill_in = Staging(self.device, {
@@ -288,11 +356,9 @@ class CudaBackend(Backend):
             "slot_mapping": (t, np.int32),
             "query_start_loc": (s + 1, np.int32), "context_lens": (s, np.int32), "tile_seq": (max_tiles, np.int32),
             "tile_row0": (max_tiles, np.int32), "sample_rows": (s, np.int32), "lp_rows": (t, np.int32),
-            "lp_targets": (t, np.int32), **sampling, "block_tables": (s * self.max_blocks, np.int32)})
-        self.out = Staging(self.device, {"ids": (s, np.int32), "token_lp": (t, np.float32),
-                                         "top_ids": (s * MAX_TOP_LOGPROBS, np.int32),
-                                         "top_lp": (s * MAX_TOP_LOGPROBS, np.float32)}, host_copies=2)
-        self.lp_rows = Staging(self.device, {"rows": (s, np.int32)})  # the rows asking logprobs, when not all do
+            "lp_targets": (t, np.int32), **per_step, "block_tables": (s * self.max_blocks, np.int32)})
+        self.out = Staging(self.device, {"ids": (s, np.int32), "logprobs": (s * (1 + 2 * MAX_TOP_LOGPROBS), np.int32)},
+                           host_copies=2)
         self.out_copy = 0  # the host copy of `out` the next step downloads into
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
@@ -379,8 +445,11 @@ class CudaBackend(Backend):
         if batch.block_copies is not None:
             self._copy_blocks(batch.block_copies)
         rows = n if prefill else self._bucket(n)
-        self._stage_processing(batch, rows)
-        lp_rows, lp_ptr = self._stage_logprob_rows(batch.sampling, n)
+        inp = self.prefill_in if prefill else self.decode_in
+        inp.wait()  # the last step's upload has left its host buffer
+        self._stage_processing(batch, inp, rows)
+        lp_rows, lp_ptr = self._stage_logprob_rows(inp, batch.sampling, n)
+        packed = PackedLogprobs(n, k)
         deferred = batch.bitmask_rows is not None
         if prefill:
             prompt_lps = self._prefill(batch, copy)
@@ -393,14 +462,13 @@ class CudaBackend(Backend):
 
         def sample(masks: Staging | None = None) -> None:
             if prefill:
-                self.forward.sample_prefill(n, self.prefill_in, out, self.proc, masks)
+                self.forward.sample_prefill(n, inp, out, self.proc.arrays(inp), masks)
             elif masks is not None:  # else the decode graph sampled
-                self.forward.sample_logits(rows, self.decode_in, out, self.proc, self.decode_in.ptr("token_ids"),
-                                           masks)
+                self.forward.sample_logits(rows, inp, out, self.proc.arrays(inp), inp.ptr("token_ids"), masks)
             if k >= 0:
-                self.forward.logprobs(lp_rows, out.ptr("ids"), k, out, lp_ptr)
-                self._download_logprobs(n, k, copy)
-            out.download(self.stream, "ids", n, copy)
+                self.forward.logprobs(lp_rows, out.ptr("ids"), k, packed.ptrs(out), lp_ptr)
+            # the ids, and their logprobs packed after them, in one copy
+            out.download(self.stream, "ids", n if k < 0 else out.size("ids") + packed.words, copy)
             ready.record(self.stream)
 
         def wait() -> SamplerOutput:
@@ -410,7 +478,7 @@ class CudaBackend(Backend):
                 raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
             result = SamplerOutput.one_each(out.copies[copy]["ids"][:n].copy(), prompt_logprobs=prompt_lps)
             if k >= 0:
-                result.logprobs = self._read_logprobs(n, k, copy)
+                result.logprobs = packed.read(out, copy)
             return result
 
         if not deferred:
@@ -449,28 +517,16 @@ class CudaBackend(Backend):
         if max(batch.sampling.num_logprobs, batch.num_prompt_logprobs) > MAX_TOP_LOGPROBS:
             raise ValueError(f"at most {MAX_TOP_LOGPROBS} logprobs per token on the cuda backend")
 
-    def _stage_logprob_rows(self, sampling: SamplingBatch, n: int) -> tuple[int, int]:
+    @staticmethod
+    def _stage_logprob_rows(inp: Staging, sampling: SamplingBatch, n: int) -> tuple[int, int]:
         """The rows whose logprobs the step computes: (n, 0) for rows 0..n-1, or, where only some ask
         (SamplingBatch.logprob_rows; the others' rows of the outputs are left as they were), their count and their
-        list uploaded. The upload goes before the step's forward, so that the next step finds the buffer free."""
+        list, written into the step's inputs inp (after inp.wait())."""
         rows = sampling.logprob_rows
         if sampling.num_logprobs < 0 or rows is None:
             return n, 0
-        self.lp_rows.wait()
-        self.lp_rows["rows"][: len(rows)] = rows
-        self.lp_rows.upload(self.stream, "rows", len(rows))
-        return len(rows), self.lp_rows.ptr("rows")
-
-    def _download_logprobs(self, n: int, k: int, copy: int) -> None:
-        """Queue the copy of n rows of logprobs (top k) into host copy `copy` of the outputs."""
-        for name, count in (("token_lp", n), ("top_ids", n * k), ("top_lp", n * k)):
-            self.out.download(self.stream, name, count, copy)
-
-    def _read_logprobs(self, n: int, k: int, copy: int) -> Logprobs:
-        """The n rows that _download_logprobs brought back, once they have arrived."""
-        views = self.out.copies[copy]
-        return Logprobs(views["token_lp"][:n].copy(), views["top_ids"][: n * k].reshape(n, k).copy(),
-                        views["top_lp"][: n * k].reshape(n, k).copy())
+        inp["logprob_rows"][: len(rows)] = rows
+        return len(rows), inp.ptr("logprob_rows")
 
     def _sync(self, what: str) -> None:
         try:
@@ -514,7 +570,7 @@ class CudaBackend(Backend):
         return self.device.own(Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample)))
 
     def _decode_forward(self, bucket: int, sample: bool = True) -> None:
-        self.forward.decode(bucket, self.decode_in, self.out, self.proc, sample)
+        self.forward.decode(bucket, self.decode_in, self.out, self.proc.arrays(self.decode_in), sample)
 
     def _copy_blocks(self, pairs: np.ndarray) -> None:
         """Forks' KV block copies, queued before the step that reads them."""
@@ -527,26 +583,26 @@ class CudaBackend(Backend):
         self.copies_in.upload(self.stream, "pairs", pairs.size)
         self.forward.copy_blocks(self.copies_in.ptr("pairs"), len(pairs))
 
-    def _stage_processing(self, batch: Batch, rows: int) -> None:
-        """Stage the step's LogitsProcessing for `rows` rows (the batch's, then padding that does nothing); a step
-        without after one with resets the arrays once."""
+    def _stage_processing(self, batch: Batch, inp: Staging, rows: int) -> None:
+        """Stage the step's LogitsProcessing for `rows` rows (the batch's, then padding that does nothing) in its
+        inputs inp (after inp.wait()); a step without after one with pads inp's rows once."""
         proc = batch.logits_processing
-        if proc is None and not self.proc.active:
+        if proc is None:
+            self.proc.clear(inp)
             return
-        if proc is not None:
-            if proc.slot_inits:
-                self._init_token_slots(proc)
-            needed = max(len(proc.allowed_ids), len(proc.bias_ids))
-            if needed > self.proc.allowed.size("allowed_ids"):
-                lazy = self.capturer is not None
-                self._close_graphs()  # they read the old arrays
-                self.proc.close()
-                self.proc = ProcessorBuffers(self.device, self.max_seqs, needed)
-                if lazy:
-                    self._start_lazy_capture()
+        if proc.slot_inits:
+            self._init_token_slots(proc)
+        needed = max(len(proc.allowed_ids), len(proc.bias_ids))
+        if needed > self.proc.allowed.size("allowed_ids"):
+            lazy = self.capturer is not None
+            self._close_graphs()  # they read the old lists
+            self.proc.close()
+            self.proc.grow(needed)
+            if lazy:
+                self._start_lazy_capture()
         last = batch.query_start_loc[1:] - 1
         sources = batch.token_sources[last] if batch.token_sources is not None else -1
-        self.proc.stage(self.stream, proc, batch.token_ids[last], sources, rows)
+        self.proc.stage(self.stream, inp, proc, batch.token_ids[last], sources, rows)
 
     def _init_token_slots(self, proc: LogitsProcessing) -> None:
         """Reset the token-count slots of sequences that just got one to their prompt and output tokens."""
@@ -581,11 +637,11 @@ class CudaBackend(Backend):
         log.info("cuda: captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     def _stage_decode(self, batch: Batch, bucket: int) -> None:
-        """Copy a decode batch's inputs to the device, padded to `bucket` rows."""
+        """Copy a decode batch's inputs to the device, padded to `bucket` rows (after decode_in.wait(), with the
+        rows' processors and logprob rows already written)."""
         n = batch.num_seqs
         inp = self.decode_in
         width = batch.block_tables.shape[1]
-        inp.wait()
         # Padded rows: token 0 at position 0 with a one-token context, writing nowhere (slot -1), greedy.
         sources = batch.token_sources if batch.token_sources is not None else -1
         for name, values, pad in (("token_ids", batch.token_ids, 0), ("token_src", sources, -1),
@@ -660,8 +716,9 @@ class CudaBackend(Backend):
             self.forward.norm_sample_rows(s0, inp.ptr("sample_rows"), len(done))
         k = batch.num_prompt_logprobs
         for g in range(0, len(lp_rows), self.max_seqs):
-            m = min(self.max_seqs, len(lp_rows) - g)
-            self.forward.prompt_logprobs(m, inp.ptr("lp_rows", g), inp.ptr("lp_targets", g), k, self.out)
-            self._download_logprobs(m, k, copy)
+            packed = PackedLogprobs(min(self.max_seqs, len(lp_rows) - g), k)
+            self.forward.prompt_logprobs(packed.n, inp.ptr("lp_rows", g), inp.ptr("lp_targets", g), k,
+                                         packed.ptrs(self.out))
+            self.out.download(self.stream, "logprobs", packed.words, copy)
             self._sync(f"prompt logprobs of prefill tokens {start}..{end - 1}")
-            prompt_lps.append(self._read_logprobs(m, k, copy))
+            prompt_lps.append(packed.read(self.out, copy))
