@@ -1273,12 +1273,23 @@ def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward
     backend.close()
 
 
+def processing(n: int, allowed_ids: list[int] = ()):
+    """A LogitsProcessing of n rows with penalties (slot i for row i, presence 0.5) and, on row 0, allowed_ids."""
+    from tinyvllm.backends.base import LogitsProcessing
+
+    allowed_ptr = np.full(n + 1, len(allowed_ids), np.int32)
+    allowed_ptr[0] = 0
+    return LogitsProcessing(
+        penalty_slots=np.arange(n, dtype=np.int32), count_slots=np.arange(n, dtype=np.int32),
+        presence=np.full(n, 0.5, np.float32), frequency=np.zeros(n, np.float32), repetition=np.ones(n, np.float32),
+        allowed_ptr=allowed_ptr, allowed_ids=np.array(allowed_ids, np.int32), bias_ptr=np.zeros(n + 1, np.int32),
+        bias_ids=np.zeros(0, np.int32), bias_values=np.zeros(0, np.float32), bias_cond=np.zeros(0, np.int32))
+
+
 def test_processor_rows_go_back_to_padding_after_a_step_without_processors(forward_module):
     """A step without logits processors after one with pads every row of that step's inputs (not only the rows it
     runs): a later, larger step's padding rows count no sampled token into a sequence's slot."""
     import importlib
-
-    from tinyvllm.backends.base import LogitsProcessing
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
     device = FakeDevice(TypedRecorder())
@@ -1286,11 +1297,7 @@ def test_processor_rows_go_back_to_padding_after_a_step_without_processors(forwa
     buffers = runner.ProcessorBuffers(device, 16)
     buffers.reset(inp)
     n = 5
-    proc = LogitsProcessing(
-        penalty_slots=np.arange(n, dtype=np.int32), count_slots=np.arange(n, dtype=np.int32),
-        presence=np.full(n, 0.5, np.float32), frequency=np.zeros(n, np.float32), repetition=np.ones(n, np.float32),
-        allowed_ptr=np.zeros(n + 1, np.int32), allowed_ids=np.zeros(0, np.int32), bias_ptr=np.zeros(n + 1, np.int32),
-        bias_ids=np.zeros(0, np.int32), bias_values=np.zeros(0, np.float32), bias_cond=np.zeros(0, np.int32))
+    proc = processing(n)
     buffers.stage(FakeStream(), inp, proc, np.arange(n, dtype=np.int32), np.full(n, -1, np.int32), 8)
     assert inp["count_slots"][:n].tolist() == list(range(n)) and (inp["count_slots"][n:] == -1).all()
     buffers.clear(inp)  # a step of 2 rows without processors
@@ -1299,6 +1306,35 @@ def test_processor_rows_go_back_to_padding_after_a_step_without_processors(forwa
     inp["count_slots"][0] = 3  # cleared once: a later step without processors leaves the fields alone
     buffers.clear(inp)
     assert inp["count_slots"][0] == 3
+
+
+def test_processors_staged_again_write_only_their_last_tokens(forward_module, monkeypatch):
+    """The engine hands an unchanged decode run's steps the same LogitsProcessing: staged again into the same
+    inputs for as many rows, only its rows' last tokens are written and its lists are not uploaded again; another
+    one (or another row count) is written whole."""
+    import importlib
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    device = FakeDevice(TypedRecorder())
+    inp = runner.Staging(device, runner.processor_row_fields(8))
+    buffers = runner.ProcessorBuffers(device, 16)
+    buffers.reset(inp)
+    uploads = []
+    monkeypatch.setattr(FakeDriver, "memcpy_htod_async", staticmethod(lambda address, array, stream:
+                                                                       uploads.append(array.copy())))
+    proc = processing(3, allowed_ids=[4, 9])
+    last_src = np.full(3, -1, np.int32)
+    buffers.stage(FakeStream(), inp, proc, np.array([5, 6, 7], np.int32), last_src, 4)
+    assert len(uploads) == 1 and uploads[0].tolist() == [4, 9]
+    inp["presence"][1] = 9.0  # a mark the next stage keeps only if it does not write the row fields
+    buffers.stage(FakeStream(), inp, proc, np.array([8, 9, 10], np.int32), last_src, 4)
+    assert inp["presence"][1] == 9.0 and inp["last_tokens"][:3].tolist() == [8, 9, 10] and len(uploads) == 1
+    buffers.stage(FakeStream(), inp, proc, np.array([8, 9, 10], np.int32), last_src, 8)  # another bucket
+    assert inp["presence"][1] == 0.5 and (inp["count_slots"][3:] == -1).all() and len(uploads) == 1
+    inp["presence"][1] = 9.0
+    other = processing(3, allowed_ids=[4, 9])
+    buffers.stage(FakeStream(), inp, other, np.array([1, 2, 3], np.int32), last_src, 8)
+    assert inp["presence"][1] == 0.5 and len(uploads) == 2
 
 
 def test_packed_logprobs_lie_after_the_ids_and_read_back_as_written(forward_module):

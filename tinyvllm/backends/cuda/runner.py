@@ -149,38 +149,53 @@ class ProcessorBuffers:
     def __init__(self, device: Device, list_rows: int) -> None:
         self.device = device
         self.grow(list_rows)
-        self.holding: set[int] = set()  # the input Stagings (ids) whose row fields hold some step's processors
+        # what each input Staging's row fields hold (by its id): a LogitsProcessing and the rows padded for; the
+        # engine hands the same one to the steps of an unchanged decode run, whose rows then change only in their
+        # last tokens
+        self.staged: dict[int, tuple[LogitsProcessing, int]] = {}
 
     def grow(self, list_rows: int) -> None:
         """(Re-)make the lists for list_rows entries each (after close(): nothing may read the old ones)."""
         self.allowed = Staging(self.device, {"allowed_ids": (list_rows, np.int32)})
         self.bias = Staging(self.device, {"bias": (3 * list_rows, np.int32)})  # triples: id, float bits, condition
+        self.listed: LogitsProcessing | None = None  # whose lists they hold
 
     def reset(self, inp: Staging) -> None:
         """Pad every row of inp's processor fields (after inp.wait()): rows that do nothing."""
         for name, pad in self.PADDING:
             inp[name][:] = pad
-        self.holding.discard(id(inp))
+        self.staged.pop(id(inp), None)
 
     def clear(self, inp: Staging) -> None:
         """A step without processors: pad inp's rows if they hold an earlier step's (whatever its row count)."""
-        if id(inp) in self.holding:
+        if id(inp) in self.staged:
             self.reset(inp)
 
     def stage(self, stream: cuda.Stream, inp: Staging, proc: LogitsProcessing, last_tokens: np.ndarray,
               last_src: np.ndarray, rows: int) -> None:
         """Write proc's rows into inp's row fields (after inp.wait()), then rows of padding up to `rows`, and
-        upload its lists."""
+        upload its lists; where inp and the lists hold proc already, only its rows' last tokens."""
+        n = len(proc.penalty_slots)
+        held = self.staged.get(id(inp))
+        if held is None or held[0] is not proc or held[1] != rows:
+            self._write_rows(inp, proc, rows)
+        inp["last_tokens"][:n], inp["last_src"][:n] = last_tokens, last_src
+        if proc is not self.listed:
+            self._upload_lists(stream, proc)
+
+    def _write_rows(self, inp: Staging, proc: LogitsProcessing, rows: int) -> None:
         n = len(proc.penalty_slots)
         for name, pad in self.PADDING:
             inp[name][n: rows + 1] = pad
         for name in ("penalty_slots", "count_slots", "presence", "frequency", "repetition"):
             inp[name][:n] = getattr(proc, name)
-        inp["last_tokens"][:n], inp["last_src"][:n] = last_tokens, last_src
         inp["allowed_ptr"][: n + 1], inp["bias_ptr"][: n + 1] = proc.allowed_ptr, proc.bias_ptr
         inp["allowed_ptr"][n + 1: rows + 1] = proc.allowed_ptr[-1]
         inp["bias_ptr"][n + 1: rows + 1] = proc.bias_ptr[-1]
-        self.holding.add(id(inp))
+        self.staged[id(inp)] = proc, rows
+
+    def _upload_lists(self, stream: cuda.Stream, proc: LogitsProcessing) -> None:
+        self.listed = proc
         if len(proc.allowed_ids):
             self.allowed.wait()
             self.allowed["allowed_ids"][: len(proc.allowed_ids)] = proc.allowed_ids
@@ -600,7 +615,7 @@ class CudaBackend(Backend):
             self.proc.grow(needed)
             if lazy:
                 self._start_lazy_capture()
-        last = batch.query_start_loc[1:] - 1
+        last = slice(None) if batch.max_query_len == 1 else batch.query_start_loc[1:] - 1  # each row's last token
         sources = batch.token_sources[last] if batch.token_sources is not None else -1
         self.proc.stage(self.stream, inp, proc, batch.token_ids[last], sources, rows)
 
