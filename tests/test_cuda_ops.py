@@ -1337,6 +1337,34 @@ def test_processors_staged_again_write_only_their_last_tokens(forward_module, mo
     assert inp["presence"][1] == 0.5 and len(uploads) == 2
 
 
+def test_sampling_parameters_handed_again_write_only_the_noise_keys(forward_module):
+    """An unchanged decode run's steps hand the same sampling arrays: staged again for as many rows, only the noise
+    keys are written; new arrays (or another row count) are written whole, with greedy padding."""
+    import importlib
+
+    from tinyvllm.backends.base import SamplingBatch
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    backend = types.SimpleNamespace(sampling_staged={}, SAMPLING_PADDING=runner.CudaBackend.SAMPLING_PADDING)
+    fill = runner.CudaBackend._fill_sampling
+    fields = {"temperature": (8, np.float32), "top_p": (8, np.float32), "top_k": (8, np.int32),
+              "min_p": (8, np.float32), "noise_keys": (8, np.uint32)}
+    inp = runner.Staging(FakeDevice(TypedRecorder()), fields)
+    params = dict(temperature=np.full(3, 0.7, np.float32), top_p=np.full(3, 0.9, np.float32),
+                  top_k=np.full(3, 5, np.int32), min_p=np.zeros(3, np.float32))
+    fill(backend, inp, SamplingBatch(**params, noise_keys=np.array([1, 2, 3], np.uint32)), 3, 4)
+    assert inp["temperature"][:4].tolist() == pytest.approx([0.7, 0.7, 0.7, 0]) and inp["top_p"][3] == 1
+    inp["top_k"][0] = 99  # kept only if the next fill does not write top_k
+    fill(backend, inp, SamplingBatch(**params, noise_keys=np.array([4, 5, 6], np.uint32)), 3, 4)
+    assert inp["top_k"][0] == 99 and inp["noise_keys"][:4].tolist() == [4, 5, 6, 0]
+    fill(backend, inp, SamplingBatch(**params, noise_keys=np.array([4, 5, 6], np.uint32)), 3, 8)  # another bucket
+    assert inp["top_k"][0] == 5 and inp["temperature"][7] == 0
+    inp["top_k"][0] = 99
+    fill(backend, inp, SamplingBatch(**{**params, "top_k": params["top_k"].copy()},
+                                     noise_keys=np.zeros(3, np.uint32)), 3, 8)
+    assert inp["top_k"][0] == 5
+
+
 def test_packed_logprobs_lie_after_the_ids_and_read_back_as_written(forward_module):
     """PackedLogprobs: n rows of logprobs (top k) right after the ids field, in the order the pointers give, read
     back from a host copy as the kernel would have written them."""

@@ -374,6 +374,7 @@ class CudaBackend(Backend):
             "lp_targets": (t, np.int32), **per_step, "block_tables": (s * self.max_blocks, np.int32)})
         self.out = Staging(self.device, {"ids": (s, np.int32), "logprobs": (s * (1 + 2 * MAX_TOP_LOGPROBS), np.int32)},
                            host_copies=2)
+        self.sampling_staged: dict[int, tuple] = {}  # what each input Staging holds (by id): _fill_sampling's
         self.out_copy = 0  # the host copy of `out` the next step downloads into
         self.out_ready = [cuda.Event(), cuda.Event()]  # recorded after each copy's downloads
 
@@ -549,12 +550,20 @@ class CudaBackend(Backend):
         except cuda.Error as exc:
             raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
 
-    @staticmethod
-    def _fill_sampling(inp: Staging, sampling: SamplingBatch, n: int, total: int) -> None:
-        """Sampling parameters of n sequences, then greedy padding up to total."""
-        for name, pad in (("temperature", 0), ("top_p", 1), ("top_k", 0), ("min_p", 0), ("noise_keys", 0)):
-            inp[name][:n] = getattr(sampling, name)
-            inp[name][n:total] = pad
+    SAMPLING_PADDING = (("temperature", 0), ("top_p", 1), ("top_k", 0), ("min_p", 0))  # greedy rows
+
+    def _fill_sampling(self, inp: Staging, sampling: SamplingBatch, n: int, total: int) -> None:
+        """Sampling parameters of n sequences, then greedy padding up to total. The steps of an unchanged decode
+        run hand the same arrays: those inp holds already are not written again (the noise keys change each step)."""
+        arrays = [getattr(sampling, name) for name, _ in self.SAMPLING_PADDING]
+        held = self.sampling_staged.get(id(inp))
+        if held is None or held[0] != (n, total) or any(a is not b for a, b in zip(held[1], arrays)):
+            for (name, pad), values in zip(self.SAMPLING_PADDING, arrays):
+                inp[name][:n] = values
+                inp[name][n:total] = pad
+            self.sampling_staged[id(inp)] = (n, total), arrays
+        inp["noise_keys"][:n] = sampling.noise_keys
+        inp["noise_keys"][n:total] = 0
 
     def _bucket(self, num_seqs: int) -> int:
         """The decode graph's batch size that holds num_seqs rows: the least bucket at least as large."""
