@@ -1273,6 +1273,42 @@ def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward
     backend.close()
 
 
+def test_a_decode_buckets_padding_rows_do_nothing(forward_module, make_model_dir, monkeypatch):
+    """Three sequences in the 4-row decode bucket (one with penalties): the padding row gets each field's declared
+    padding: token 0 at position 0, a one-token context, no cache slot, greedy, no processors, no last token."""
+    import importlib
+
+    from tinyvllm import SamplingParams
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    model = load_model(make_model_dir(head_dim=64))
+    engine_config = engine_config_for(model, "eager")
+    backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
+    engine = LLMEngine(model, backend, engine_config)
+    for i, params in enumerate([SamplingParams(max_tokens=2, ignore_eos=True),
+                                SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, top_p=0.5),
+                                SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5),
+                                SamplingParams(max_tokens=8, ignore_eos=True)]):
+        engine.add_request(str(i), [1 + i, 2, 3], params)
+    buckets = []
+    stage = backend._stage_decode
+    monkeypatch.setattr(backend, "_stage_decode", lambda batch, bucket: (buckets.append((batch.num_seqs, bucket)),
+                                                                         stage(batch, bucket))[1])
+    while (3, 4) not in buckets:
+        engine.step()
+    inp = backend.decode_in
+    row = {name: inp[name][3].item() for name in ("token_ids", "token_src", "positions", "slot_mapping",
+                                                  "context_lens", "temperature", "top_p", "top_k", "penalty_slots",
+                                                  "count_slots", "repetition", "last_src")}
+    assert row == dict(token_ids=0, token_src=-1, positions=0, slot_mapping=-1, context_lens=1, temperature=0,
+                       top_p=1, top_k=0, penalty_slots=-1, count_slots=-1, repetition=1, last_src=-1)
+    assert (inp["penalty_slots"][:3] >= 0).sum() == 1 and np.isclose(inp["temperature"][:3], 0.7).sum() == 1
+    backend.close()
+
+
 def processing(n: int, allowed_ids: list[int] = ()):
     """A LogitsProcessing of n rows with penalties (slot i for row i, presence 0.5) and, on row 0, allowed_ids."""
     from tinyvllm.backends.base import LogitsProcessing
@@ -1345,11 +1381,9 @@ def test_sampling_parameters_handed_again_write_only_the_noise_keys(forward_modu
     from tinyvllm.backends.base import SamplingBatch
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    backend = types.SimpleNamespace(sampling_staged={}, SAMPLING_PADDING=runner.CudaBackend.SAMPLING_PADDING)
+    backend = types.SimpleNamespace(sampling_staged={}, SAMPLING_PARAMS=runner.CudaBackend.SAMPLING_PARAMS)
     fill = runner.CudaBackend._fill_sampling
-    fields = {"temperature": (8, np.float32), "top_p": (8, np.float32), "top_k": (8, np.int32),
-              "min_p": (8, np.float32), "noise_keys": (8, np.uint32)}
-    inp = runner.Staging(FakeDevice(TypedRecorder()), fields)
+    inp = runner.Staging(FakeDevice(TypedRecorder()), runner.sampling_fields(8))
     params = dict(temperature=np.full(3, 0.7, np.float32), top_p=np.full(3, 0.9, np.float32),
                   top_k=np.full(3, 5, np.int32), min_p=np.zeros(3, np.float32))
     fill(backend, inp, SamplingBatch(**params, noise_keys=np.array([1, 2, 3], np.uint32)), 3, 4)

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pycuda.driver as cuda
@@ -48,29 +49,49 @@ def _seconds(work: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-class Staging:
-    """Named 4-byte arrays packed in one device buffer and pinned host buffers: a step's inputs travel in one
-    copy (the last field is copied only as far as it is used), its outputs come back from fixed places. Outputs
-    have two host copies used in turn: step N's stay readable while step N+1's are already queued. The memory is
-    the device's (freed by close(), or with the device)."""
+class Field(NamedTuple):
+    """A Staging field: `size` 4-byte values of `dtype`; `pad`, what its padding rows hold (rows that do nothing:
+    a decode bucket's rows past the batch's)."""
 
-    def __init__(self, device: Device, fields: dict[str, tuple[int, type]], host_copies: int = 1) -> None:
+    size: int
+    dtype: type = np.int32
+    pad: int | float = 0
+
+
+class Staging:
+    """Named 4-byte arrays (Fields, or (size, dtype) pairs) packed in one device buffer and pinned host buffers: a
+    step's inputs travel in one copy (the last field is copied only as far as it is used), its outputs come back
+    from fixed places. Outputs have two host copies used in turn: step N's stay readable while step N+1's are
+    already queued. The memory is the device's (freed by close(), or with the device)."""
+
+    def __init__(self, device: Device, fields: dict[str, Field | tuple], host_copies: int = 1) -> None:
         self.device = device
+        self.fields = {name: Field(*spec) for name, spec in fields.items()}
         self.offsets: dict[str, int] = {}
         total = 0
-        for name, (size, _) in fields.items():
+        for name, field in self.fields.items():
             self.offsets[name] = total
-            total += size
+            total += field.size
         self.hosts = [device.pinned(total, np.int32) for _ in range(host_copies)]
         self.host = self.hosts[0]
         self.dev = device.alloc(total * 4)
-        self.copies = [{name: host[self.offsets[name]: self.offsets[name] + size].view(dtype)
-                        for name, (size, dtype) in fields.items()} for host in self.hosts]
+        self.copies = [{name: host[self.offsets[name]: self.offsets[name] + f.size].view(f.dtype)
+                        for name, f in self.fields.items()} for host in self.hosts]
         self.views = self.copies[0]
         self.copied = cuda.Event()
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.views[name]
+
+    def put(self, name: str, values, n: int, total: int) -> None:
+        """values in rows 0..n-1 of field `name`, its padding in rows n..total-1."""
+        view = self.views[name]
+        view[:n] = values
+        view[n:total] = self.fields[name].pad
+
+    def pad(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """The field's padding in rows start..stop-1 (default: all)."""
+        self.views[name][start:stop] = self.fields[name].pad
 
     def ptr(self, name: str, index: int = 0) -> int:
         return self.dev + 4 * (self.offsets[name] + index)
@@ -102,13 +123,22 @@ class Staging:
                 self.device.free_pinned(host)
 
 
-def processor_row_fields(max_seqs: int) -> dict[str, tuple[int, type]]:
+def processor_row_fields(max_seqs: int) -> dict[str, Field]:
     """A step's LogitsProcessing row by row, as Staging fields: they travel in the step's input Staging, uploaded
-    with its other inputs in one copy."""
+    with its other inputs in one copy. A padding row has no penalty and counts nothing (slots -1), takes no last
+    token from the previous step (last_src -1) and empty allowed and bias ranges."""
     s = max_seqs
-    return {"penalty_slots": (s, np.int32), "count_slots": (s, np.int32), "presence": (s, np.float32),
-            "frequency": (s, np.float32), "repetition": (s, np.float32), "last_tokens": (s, np.int32),
-            "last_src": (s, np.int32), "allowed_ptr": (s + 1, np.int32), "bias_ptr": (s + 1, np.int32)}
+    return {"penalty_slots": Field(s, np.int32, -1), "count_slots": Field(s, np.int32, -1),
+            "presence": Field(s, np.float32), "frequency": Field(s, np.float32), "repetition": Field(s, np.float32, 1),
+            "last_tokens": Field(s), "last_src": Field(s, np.int32, -1), "allowed_ptr": Field(s + 1),
+            "bias_ptr": Field(s + 1)}
+
+
+def sampling_fields(max_seqs: int) -> dict[str, Field]:
+    """A step's sampling parameters as Staging fields; a padding row is greedy."""
+    s = max_seqs
+    return {"temperature": Field(s, np.float32), "top_p": Field(s, np.float32, 1), "top_k": Field(s),
+            "min_p": Field(s, np.float32), "noise_keys": Field(s, np.uint32)}
 
 
 @dataclass(frozen=True)
@@ -143,8 +173,7 @@ class ProcessorBuffers:
     larger when a step needs it; the decode graphs are captured again then)."""
 
     LISTS = ("allowed_ids", "bias")
-    PADDING = (("penalty_slots", -1), ("count_slots", -1), ("presence", 0), ("frequency", 0), ("repetition", 1),
-               ("last_src", -1), ("last_tokens", 0), ("allowed_ptr", 0), ("bias_ptr", 0))
+    ROWS = tuple(processor_row_fields(1))
 
     def __init__(self, device: Device, list_rows: int) -> None:
         self.device = device
@@ -162,8 +191,8 @@ class ProcessorBuffers:
 
     def reset(self, inp: Staging) -> None:
         """Pad every row of inp's processor fields (after inp.wait()): rows that do nothing."""
-        for name, pad in self.PADDING:
-            inp[name][:] = pad
+        for name in self.ROWS:
+            inp.pad(name)
         self.staged.pop(id(inp), None)
 
     def clear(self, inp: Staging) -> None:
@@ -185,13 +214,13 @@ class ProcessorBuffers:
 
     def _write_rows(self, inp: Staging, proc: LogitsProcessing, rows: int) -> None:
         n = len(proc.penalty_slots)
-        for name, pad in self.PADDING:
-            inp[name][n: rows + 1] = pad
         for name in ("penalty_slots", "count_slots", "presence", "frequency", "repetition"):
-            inp[name][:n] = getattr(proc, name)
-        inp["allowed_ptr"][: n + 1], inp["bias_ptr"][: n + 1] = proc.allowed_ptr, proc.bias_ptr
-        inp["allowed_ptr"][n + 1: rows + 1] = proc.allowed_ptr[-1]
-        inp["bias_ptr"][n + 1: rows + 1] = proc.bias_ptr[-1]
+            inp.put(name, getattr(proc, name), n, rows)
+        for name in ("last_tokens", "last_src"):
+            inp.pad(name, n, rows)
+        for name in ("allowed_ptr", "bias_ptr"):  # padding rows: empty ranges at the lists' end
+            inp[name][: n + 1] = getattr(proc, name)
+            inp[name][n + 1: rows + 1] = getattr(proc, name)[-1]
         self.staged[id(inp)] = proc, rows
 
     def _upload_lists(self, stream: cuda.Stream, proc: LogitsProcessing) -> None:
@@ -357,14 +386,13 @@ class CudaBackend(Backend):
         processors' rows and the rows asking logprobs, then the block tables (copied only as far as used). Its
         outputs come back in one copy too: the sampled ids, then (PackedLogprobs) their logprobs."""
         t, s = self.max_tokens, self.max_seqs
-        per_step = {"temperature": (s, np.float32), "top_p": (s, np.float32), "top_k": (s, np.int32),
-                    "min_p": (s, np.float32), "noise_keys": (s, np.uint32), **processor_row_fields(s),
-                    "logprob_rows": (s, np.int32)}  # the rows asking logprobs, when not all do
+        per_step = {**sampling_fields(s), **processor_row_fields(s),
+                    "logprob_rows": Field(s)}  # the rows asking logprobs, when not all do
+        # a decode bucket's padding row: token 0 at position 0 with a one-token context, writing nowhere (slot -1)
         self.decode_in = Staging(self.device, {
-            "token_ids": (s, np.int32), "token_src": (s, np.int32), "positions": (s, np.int32),
-            "slot_mapping": (s, np.int32),
-            "context_lens": (s, np.int32), **per_step, "bt_stride": (1, np.int32),
-            "block_tables": (s * self.max_blocks, np.int32)})
+            "token_ids": Field(s), "token_src": Field(s, np.int32, -1), "positions": Field(s),
+            "slot_mapping": Field(s, np.int32, -1), "context_lens": Field(s, np.int32, 1), **per_step,
+            "bt_stride": Field(1), "block_tables": Field(s * self.max_blocks)})
         max_tiles = max_prefill_tiles(t, s, self.forward.group)
         self.prefill_in = Staging(self.device, {
             "token_ids": (t, np.int32), "token_src": (t, np.int32), "positions": (t, np.int32),
@@ -550,20 +578,18 @@ class CudaBackend(Backend):
         except cuda.Error as exc:
             raise RuntimeError(f"CUDA error in {what}: {exc}") from exc
 
-    SAMPLING_PADDING = (("temperature", 0), ("top_p", 1), ("top_k", 0), ("min_p", 0))  # greedy rows
+    SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p")  # what stays while a decode run's rows do
 
     def _fill_sampling(self, inp: Staging, sampling: SamplingBatch, n: int, total: int) -> None:
         """Sampling parameters of n sequences, then greedy padding up to total. The steps of an unchanged decode
         run hand the same arrays: those inp holds already are not written again (the noise keys change each step)."""
-        arrays = [getattr(sampling, name) for name, _ in self.SAMPLING_PADDING]
+        arrays = [getattr(sampling, name) for name in self.SAMPLING_PARAMS]
         held = self.sampling_staged.get(id(inp))
         if held is None or held[0] != (n, total) or any(a is not b for a, b in zip(held[1], arrays)):
-            for (name, pad), values in zip(self.SAMPLING_PADDING, arrays):
-                inp[name][:n] = values
-                inp[name][n:total] = pad
+            for name, values in zip(self.SAMPLING_PARAMS, arrays):
+                inp.put(name, values, n, total)
             self.sampling_staged[id(inp)] = (n, total), arrays
-        inp["noise_keys"][:n] = sampling.noise_keys
-        inp["noise_keys"][n:total] = 0
+        inp.put("noise_keys", sampling.noise_keys, n, total)
 
     def _bucket(self, num_seqs: int) -> int:
         """The decode graph's batch size that holds num_seqs rows: the least bucket at least as large."""
@@ -666,13 +692,10 @@ class CudaBackend(Backend):
         n = batch.num_seqs
         inp = self.decode_in
         width = batch.block_tables.shape[1]
-        # Padded rows: token 0 at position 0 with a one-token context, writing nowhere (slot -1), greedy.
         sources = batch.token_sources if batch.token_sources is not None else -1
-        for name, values, pad in (("token_ids", batch.token_ids, 0), ("token_src", sources, -1),
-                                  ("positions", batch.positions, 0), ("slot_mapping", batch.slot_mapping, -1),
-                                  ("context_lens", batch.context_lens, 1)):
-            inp[name][:n] = values
-            inp[name][n:bucket] = pad
+        for name, values in (("token_ids", batch.token_ids), ("token_src", sources), ("positions", batch.positions),
+                             ("slot_mapping", batch.slot_mapping), ("context_lens", batch.context_lens)):
+            inp.put(name, values, n, bucket)  # rows n.. as the fields' padding
         self._fill_sampling(inp, batch.sampling, n, bucket)
         inp["bt_stride"][0] = width
         tables = inp["block_tables"][: bucket * width].reshape(bucket, width)
