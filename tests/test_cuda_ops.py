@@ -1229,16 +1229,11 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
         backend.decode_in.wait()
 
 
-def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward_module, make_model_dir,
-                                                                          monkeypatch):
-    """On the stand-in device, decode steps whose rows ask penalties and logprobs (half of them: a logprob row
-    list): each step's inputs (tokens, sampling, the processors' rows, the logprob rows, block tables) go up in one
-    copy, its sampled ids and their logprobs come back in one, and the host waits twice a step (for the inputs'
-    buffer, for the outputs)."""
-    import collections
+def stand_in_engine(make_model_dir, monkeypatch):
+    """A CudaBackend on FakeDevice (graphs captured at start-up, as FakeGraphs) under an LLMEngine, for a tiny
+    model: (backend, engine)."""
     import importlib
 
-    from tinyvllm import SamplingParams
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.model.loader import load_model
 
@@ -1247,7 +1242,19 @@ def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward
     model = load_model(make_model_dir(head_dim=64))
     engine_config = engine_config_for(model, "eager")
     backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
-    engine = LLMEngine(model, backend, engine_config)
+    return backend, LLMEngine(model, backend, engine_config)
+
+
+def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward_module, make_model_dir,
+                                                                          monkeypatch):
+    """On the stand-in device, decode steps whose rows ask penalties and logprobs (half of them: a logprob row
+    list): each step's inputs (tokens, sampling, the processors' rows, the logprob rows, block tables) go up in one
+    copy, its sampled ids and their logprobs come back in one, and the host waits twice a step (for the inputs'
+    buffer, for the outputs)."""
+    import collections
+    from tinyvllm import SamplingParams
+
+    backend, engine = stand_in_engine(make_model_dir, monkeypatch)
     mixed = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, presence_penalty=0.5, repetition_penalty=1.1)
     for i in range(4):
         engine.add_request(str(i), [1 + i, 2, 3], mixed if i % 2 else SamplingParams(max_tokens=12, ignore_eos=True))
@@ -1276,18 +1283,9 @@ def test_a_decode_step_moves_its_inputs_and_its_outputs_in_one_copy_each(forward
 def test_a_decode_buckets_padding_rows_do_nothing(forward_module, make_model_dir, monkeypatch):
     """Three sequences in the 4-row decode bucket (one with penalties): the padding row gets each field's declared
     padding: token 0 at position 0, a one-token context, no cache slot, greedy, no processors, no last token."""
-    import importlib
-
     from tinyvllm import SamplingParams
-    from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.model.loader import load_model
 
-    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
-    model = load_model(make_model_dir(head_dim=64))
-    engine_config = engine_config_for(model, "eager")
-    backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
-    engine = LLMEngine(model, backend, engine_config)
+    backend, engine = stand_in_engine(make_model_dir, monkeypatch)
     for i, params in enumerate([SamplingParams(max_tokens=2, ignore_eos=True),
                                 SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, top_p=0.5),
                                 SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5),
