@@ -261,7 +261,7 @@ def _install_gpu_marks(backend, phases: Phases, timeline: Timeline) -> None:
         if before is not None:
             timeline.steps[-1]["replay"] = (before, timeline._record())
     phases.wrap(Graph, "launch", GRAPH_LAUNCH, replay)
-    capture = backend._capture
+    capture = backend.graphs.capture
 
     def flagged_capture(*args, **kwargs):
         timeline.capturing = True
@@ -269,7 +269,7 @@ def _install_gpu_marks(backend, phases: Phases, timeline: Timeline) -> None:
             return capture(*args, **kwargs)
         finally:
             timeline.capturing = False
-    phases.wrap(backend, "_capture", "graph capture", flagged_capture)
+    phases.wrap(backend.graphs, "capture", "graph capture", flagged_capture)
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ def fill(llm: LLM, batch: int, prompt_len: int) -> None:
 
 def decode_graph(llm: LLM):
     """The captured graph of the decode bucket that the running sequences use."""
-    backend = llm.backend
-    return backend.graphs[next(b for b in backend.buckets if b >= len(llm.llm_engine.scheduler.running))]
+    graphs = llm.backend.graphs
+    return graphs.sampled[graphs.bucket(len(llm.llm_engine.scheduler.running))]
 
 
 def host_vs_gpu(llm: LLM, steps: int) -> dict:
@@ -124,12 +124,12 @@ def per_kernel(llm: LLM) -> dict[str, float]:
         finally:
             in_gemm.pop()
 
-    backend.use_graphs, graphs, backend.graphs = False, backend.graphs, {}
+    backend.graphs.enabled = False  # every step eager, its graphs kept
     engine.step()  # untimed: the first eager step finds this forward's GEMM algorithms (host time the GPU waits for)
     ops.launch, linear.gemm = timed_launch, timed_gemm
     engine.step()
     del ops.launch, linear.gemm  # back to the methods
-    backend.use_graphs, backend.graphs = True, graphs
+    backend.graphs.enabled = True
     totals: dict[str, float] = defaultdict(float)
     for name, a, b in events:
         b.synchronize()

@@ -730,7 +730,7 @@ def forward_module(monkeypatch):
     fake.driver = FakeDriver
     monkeypatch.setitem(sys.modules, "pycuda", fake)
     monkeypatch.setitem(sys.modules, "pycuda.driver", FakeDriver)
-    names = ("forward", "weights", "device", "runner")
+    names = ("forward", "weights", "device", "graphs", "runner")
     saved = {name: getattr(package, name) for name in names if hasattr(package, name)}
     for name in names:
         monkeypatch.delitem(sys.modules, f"tinyvllm.backends.cuda.{name}", raising=False)
@@ -1151,6 +1151,13 @@ def test_block_scales_of_a_partial_column_block_are_requantized(forward_module, 
     assert [name for name, _, _ in device.kernels.launches].count("quantize_fp8") == 4 * model.config.num_hidden_layers
 
 
+def graphs_module():
+    """backends/cuda/graphs.py as forward_module imported it (against FakeDriver): where Graph is looked up."""
+    import importlib
+
+    return importlib.import_module("tinyvllm.backends.cuda.graphs")
+
+
 class FakeGraph:
     """Stands in for driver.Graph: records by running `record` (its launches land in the Recorder)."""
 
@@ -1209,7 +1216,7 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     FakeGraph.made = []
     model = load_model(make_model_dir(head_dim=64))
     device = FakeDevice(TypedRecorder())
@@ -1221,7 +1228,7 @@ def test_the_backend_runs_steps_and_closes_on_a_stand_in_device(forward_module, 
     assert {"logprobs", "logprobs_split"} & set(names)
     assert set(names) <= set(device.prepared)  # start-up built every kernel the steps launched
     if graphs is not None:
-        assert sorted(backend.graphs) == backend.buckets and any(graph.launches for graph in FakeGraph.made)
+        assert sorted(backend.graphs.sampled) == backend.graphs.buckets and any(g.launches for g in FakeGraph.made)
     backend.close()
     backend.close()
     assert device.closed and device.live == {} and all(graph.closed for graph in FakeGraph.made)
@@ -1238,7 +1245,7 @@ def stand_in_engine(make_model_dir, monkeypatch):
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     model = load_model(make_model_dir(head_dim=64))
     engine_config = engine_config_for(model, "eager")
     backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
@@ -1443,7 +1450,7 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     model = load_model(make_model_dir(**shape))
     device = FakeDevice(TypedRecorder())
     engine_config = engine_config_for(model, "eager", kv_cache_dtype, quantization)

@@ -15,7 +15,7 @@ from tinyvllm.model.dummy import PRESETS
 from tinyvllm.model.layout import weight_shapes
 
 from test_cuda_ops import (FakeDevice, FakeGraph, Recorder, TypedRecorder, engine_config_for,  # noqa: F401
-                           forward_module, serve_every_feature)
+                           forward_module, graphs_module, serve_every_feature)
 
 
 @pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 128, 8, 8), (5, 8, 2, 64), (300, 16, 8, 64),
@@ -109,7 +109,7 @@ def test_moe_forward_launches_on_a_stand_in_device(forward_module, make_model_di
     grouped GEMM, decode the GEMV kernels), a dense layer the dense MLP, OLMoE its whole-projection q/k norms;
     the experts stacked [experts, rows, columns] on the device; every argument of its kernel's C type."""
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     FakeGraph.made = []
     model = load_moe(make_model_dir, architecture, extra)
     device = FakeDevice(TypedRecorder())
@@ -165,7 +165,7 @@ def test_fp8_weights_on_a_moe_model_run_its_experts_in_e4m3_on_a_stand_in_device
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     path = make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32)
     model = load_model(path)
@@ -217,7 +217,7 @@ def test_an_fp8_checkpoint_of_a_moe_model_runs_on_a_stand_in_device(forward_modu
 
     path, cfg, reference, *_ = write_fp8_checkpoint(tmp_path, scheme, **{**CONFIGS["qwen3_moe"], **extra})
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     sent = {}
     monkeypatch.setattr(forward_module.cuda, "memcpy_htod_async",
                         lambda address, array, stream: sent.setdefault(address, array.tobytes()))
@@ -284,7 +284,7 @@ def test_e4m3_experts_refuse_widths_their_loads_cannot_take(forward_module, make
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     model = load_model(make_model_dir(head_dim=64, architecture="OlmoeForCausalLM", num_experts=4,
                                       num_experts_per_tok=2, moe_intermediate_size=40))
     device = FakeDevice(TypedRecorder())
@@ -319,7 +319,7 @@ def test_an_fp8_checkpoint_with_unquantized_experts_runs_them_as_bf16_without_a_
     monkeypatch.setitem(test_fp8_checkpoints.SCHEMES, "dense", ({**quant, "ignore": ["lm_head", *experts]}, *rest))
     path, *_ = test_fp8_checkpoints.write_fp8_checkpoint(tmp_path, "dense", **{**cfg, "head_dim": 64})
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(runner, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
     model = load_model(path)
     with caplog.at_level(logging.WARNING, logger="tinyvllm"):
         backend, names = serve_every_feature(runner, model, engine_config_for(model, "eager"),

@@ -99,7 +99,7 @@ def test_with_llm_closes_it(cuda, models, baseline):
 
 def test_close_right_after_start_stops_the_capture_thread(cuda, models, baseline):
     llm = LLM(models["llama"], **SETTINGS, cuda_graph_capture="lazy")
-    capturer = llm.backend.capturer
+    capturer = llm.backend.graphs.capturer
     llm.close()
     assert capturer is not None and not capturer.thread.is_alive()
     assert abs(free_bytes(cuda) - baseline) < TOLERANCE

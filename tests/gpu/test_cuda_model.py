@@ -272,14 +272,14 @@ def test_graph_replay_matches_eager(model_dir):
         llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024,
                   enforce_eager=capture is None, cuda_graph_capture=capture or "lazy")
         if capture == "eager":
-            assert sorted(llm.backend.graphs) == llm.backend.buckets  # every bucket captured at start-up
+            assert sorted(llm.backend.graphs.sampled) == llm.backend.graphs.buckets  # every bucket captured at start-up
         runs.append(token_ids(llm.generate(prompts, params)))
         if capture == "lazy":  # the thread goes on to every bucket; finish_startup waits for it
-            capturer = llm.backend.capturer
+            capturer = llm.backend.graphs.capturer
             llm.backend.finish_startup()
             assert not capturer.thread.is_alive()
-            assert capturer.error is None and sorted(llm.backend.graphs) == llm.backend.buckets
-        assert bool(llm.backend.graphs) == (capture is not None)
+            assert capturer.error is None and sorted(llm.backend.graphs.sampled) == llm.backend.graphs.buckets
+        assert bool(llm.backend.graphs.sampled) == (capture is not None)
         llm.backend.close()
     assert runs[0] == runs[1] == runs[2]
 
@@ -289,7 +289,7 @@ def test_lazy_capture_runs_steps_eagerly_until_their_graph_is_there(model_dir):
     graph replay; once let go, the thread takes the buckets the steps asked for first, then the rest."""
     import threading
 
-    from tinyvllm.backends.cuda.runner import GraphCapturer
+    from tinyvllm.backends.cuda.graphs import GraphCapturer
 
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, 13, 49152, 3, 40)
@@ -312,19 +312,19 @@ def test_lazy_capture_runs_steps_eagerly_until_their_graph_is_there(model_dir):
     try:
         llm = LLM(model_dir, backend="cuda", max_num_seqs=16, num_kv_blocks=256, max_model_len=1024,
                   cuda_graph_capture="lazy")
-        assert list(llm.backend.graphs) == [1]  # batch 1's, at start-up
+        assert list(llm.backend.graphs.sampled) == [1]  # batch 1's, at start-up
         got = token_ids(llm.generate(prompts, params))
-        asked = list(llm.backend.capturer.wanted)
-        assert list(llm.backend.graphs) == [1]  # the steps ran eagerly
+        asked = list(llm.backend.graphs.capturer.wanted)
+        assert list(llm.backend.graphs.sampled) == [1]  # the steps ran eagerly
         release.set()
-        llm.backend.capturer.thread.join(timeout=120)
+        llm.backend.graphs.capturer.thread.join(timeout=120)
     finally:
         GraphCapturer._next = take
     assert got == want
     # the batch drains 13 -> 1 as requests finish: the steps asked for buckets 16, 8, 4 and 2
     assert sorted(set(asked)) == [2, 4, 8, 16]
     assert order[:len(set(asked))] == sorted(set(asked)) and order[-1] is None  # asked-for first, smallest last
-    assert sorted(llm.backend.graphs) == llm.backend.buckets
+    assert sorted(llm.backend.graphs.sampled) == llm.backend.graphs.buckets
     llm.backend.close()
 
 
@@ -497,7 +497,7 @@ def test_long_job_under_a_tight_kv_budget(model_dir):
     engine = llm.llm_engine
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"REPORT long job: {n} requests, {generated} tokens in {seconds:.1f} s, {engine.num_steps} steps, "
-          f"{engine.scheduler.num_preemptions} preemptions, graphs for buckets {sorted(llm.backend.graphs)}")
+          f"{engine.scheduler.num_preemptions} preemptions, graphs for buckets {sorted(llm.backend.graphs.sampled)}")
     assert all(o.error is None and o.finished for o in outputs)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert all(len(o.outputs[0].logprobs) == p.max_tokens for o, p in zip(outputs, params) if p.logprobs)

@@ -75,7 +75,7 @@ def test_constrained_requests_through_the_pipelined_engine(cuda, model_dir):
         outs[backend, eager] = llm.generate(prompts, params)
         if backend == "cuda":
             if not eager:
-                assert llm.backend.forward_graphs, "constrained decode steps ran the forward-only graphs"
+                assert llm.backend.graphs.forward_only, "constrained decode steps ran the forward-only graphs"
                 manager = llm.llm_engine.structured_outputs
             llm.backend.close()
     for i, (out, p) in enumerate(zip(outs["cuda", False], params)):

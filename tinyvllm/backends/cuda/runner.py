@@ -2,12 +2,9 @@
 memory.
 
 Prefill runs eagerly, in chunks of at most max(max_num_batched_tokens, max_num_seqs) tokens (a longer prompt is
-computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps are CUDA graphs, one per
-batch-size bucket, all captured at start-up (cuda_graph_capture="eager"), or after it ("lazy"): batch 1's at
-start-up, the others by a thread of their own while the engine runs (GraphCapturer), the buckets steps ask for
-first; a step whose graph is not there yet runs the same launches eagerly. A capture records and runs nothing, so
-it can happen while steps are queued. Each step copies its inputs into fixed device buffers with one host-to-device
-copy and replays the graph.
+computed chunk by chunk: its earlier chunks' K/V are already in the cache). Decode steps replay CUDA graphs, one
+per batch-size bucket (graphs.py: captured at start-up or by a thread while the engine runs). Each step copies its
+inputs into fixed device buffers with one host-to-device copy and its outputs back with one.
 
 submit() only queues a step: the engine prepares step N+1 while the GPU runs step N. A decode that continues a
 sequence whose last token step N is still sampling reads that token on the GPU (resolve_tokens), and step N's
@@ -16,9 +13,8 @@ outputs come back through one of two host copies, so they stay readable after st
 
 from __future__ import annotations
 
-import bisect
+import functools
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -31,14 +27,21 @@ import pycuda.driver as cuda
 from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, QueuedStep, SamplerOutput,
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda.device import Device
-from tinyvllm.backends.cuda.driver import Graph
-from tinyvllm.backends.cuda.forward import CudaForward, decode_buckets
+from tinyvllm.backends.cuda.forward import CudaForward
+from tinyvllm.backends.cuda.graphs import DecodeGraphs
 from tinyvllm.backends.cuda.kernels import needed_kernels
 from tinyvllm.backends.cuda.ops import MAX_TOP_LOGPROBS, max_prefill_tiles, prefill_tiles
 from tinyvllm.backends.cuda.weights import GIB, fp8_weights
 from tinyvllm.config import EngineConfig
 
 log = logging.getLogger(__name__)
+
+
+def _record_decode(decode_in: Staging, out: Staging, proc: ProcessorArrays, forward: CudaForward, bucket: int,
+                   sample: bool) -> None:
+    """One decode step of `bucket` rows from the step buffers (what DecodeGraphs captures): a function of them
+    alone, so that the graphs do not hold the backend."""
+    forward.decode(bucket, decode_in, out, proc, sample)
 
 PROCESSOR_LIST_ROWS = 1 << 16  # allowed ids, and bias entries, of one step's logits processors (grown if needed)
 
@@ -261,66 +264,6 @@ class ProcessorArrays:
         return (self.lists if name in ProcessorBuffers.LISTS else self.inp).ptr(name, index)
 
 
-class GraphCapturer:
-    """Lazy capture: a thread that captures the backend's missing decode graphs, the buckets steps asked for first
-    (want()), then the others from the largest down (the sizes a draining batch meets), on a stream and cuBLAS
-    handle of its own. Its host time (~4 ms a graph on the H200, mostly Python recording the launches; instantiation
-    runs without the GIL) overlaps the engine's: W1 with captures taken at each bucket's first step lost 14-17% to
-    them on the main thread. It holds the backend weakly (a dropped backend is collected, and stops it); the device
-    owns it, so that closing the device (at close(), collection or exit) stops it before the memory goes."""
-
-    def __init__(self, backend: CudaBackend) -> None:
-        self.backend = weakref.ref(backend)
-        self.device = backend.device
-        self.stream = self.device.stream(non_blocking=True)
-        self.forward = backend.forward.on_stream(self.stream)
-        self.todo = list(backend.buckets)  # ascending: pop() takes the largest
-        self.wanted: list[int] = []
-        self.stopping = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="tinyvllm-graph-capture", daemon=True)
-        self.device.own(self, worker=True)
-        self.thread.start()
-
-    def want(self, bucket: int) -> None:
-        """A step met `bucket` without its graph: capture it next."""
-        self.wanted.append(bucket)
-
-    def _next(self, graphs: dict[int, Graph]) -> int | None:
-        while self.wanted or self.todo:
-            bucket = self.wanted.pop() if self.wanted else self.todo.pop()
-            if bucket not in graphs:
-                return bucket
-        return None
-
-    def _run(self) -> None:
-        self.device.context.push()
-        try:
-            while not self.stopping:
-                be = self.backend()
-                bucket = None if be is None else self._next(be.graphs)
-                if bucket is None:
-                    break
-                be.graphs[bucket] = be.device.own(
-                    Graph(self.stream.handle, lambda: self.forward.decode(bucket, be.decode_in, be.out,
-                                                                         be.proc.arrays(be.decode_in))))
-                del be
-        except Exception as exc:  # noqa: BLE001 - the main thread captures what is left itself
-            self.error = exc
-            log.warning("cuda: capturing decode graphs in the background failed: %s", exc)
-        finally:
-            self.forward.close()
-            cuda.Context.pop()
-
-    def stop(self) -> None:
-        """Stop after the capture in progress."""
-        self.stopping = True
-        if threading.current_thread() is not self.thread:
-            self.thread.join()
-
-    close = stop
-
-
 class CudaBackend(Backend):
     """The step driver: stages each step's inputs, runs the forward's prefill chunks and decode graphs, and reads
     the outputs back."""
@@ -335,14 +278,10 @@ class CudaBackend(Backend):
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.engine_config = engine_config
-        self.use_graphs = use_graphs
         self.max_seqs = engine_config.max_num_seqs
         self.max_tokens = max(engine_config.max_num_batched_tokens, engine_config.max_num_seqs)  # per prefill chunk
         self.max_blocks = -(-engine_config.max_model_len // engine_config.block_size)  # block-table width
-        self.buckets = decode_buckets(self.max_seqs)
-        self.graphs: dict[int, Graph] = {}  # decode steps, per bucket
-        self.capturer: GraphCapturer | None = None  # lazy capture's thread, while it runs
-        self.forward_graphs: dict[int, Graph] = {}  # decode steps up to the logits (rows with bitmasks sample after)
+        self.use_graphs = use_graphs  # with graphs, or every decode step eagerly
         self.masks: Staging | None = None  # structured outputs' bitmasks, allocated at the first step with any
         self.num_blocks = 0
         cfg = model.config
@@ -376,6 +315,8 @@ class CudaBackend(Backend):
         self.proc = ProcessorBuffers(self.device, PROCESSOR_LIST_ROWS)
         self.proc.reset(self.decode_in)
         self.proc.reset(self.prefill_in)
+        record = functools.partial(_record_decode, self.decode_in, self.out, self.proc.arrays(self.decode_in))
+        self.graphs = DecodeGraphs(self.device, self.stream, self.forward, record, self.max_seqs, self.use_graphs)
         self.copies_in = Staging(self.device, {"pairs": (2 * self.max_seqs, np.int32)})  # forks' KV block copies
         self.slots_in = Staging(self.device, {"slots": (self.max_seqs, np.int32),
                                               "token_slots": (self.max_tokens, np.int32),
@@ -414,7 +355,7 @@ class CudaBackend(Backend):
         allocation."""
         ec = self.engine_config
         block_bytes = self.kv_bytes_per_block()
-        self._close_graphs()  # they point at the old cache, if there is one: it goes before the count of what is free
+        self.graphs.close()  # they point at the old cache, if there is one: it goes before the count of what is free
         self.forward.free_kv_cache()
         free, total = self.device.mem_get_info()
         if ec.num_kv_blocks is not None:
@@ -430,21 +371,14 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
-        self.startup_times["LM head tuning"] = _seconds(lambda: self.forward.tune_lm_head(self.buckets))
+        self.startup_times["LM head tuning"] = _seconds(lambda: self.forward.tune_lm_head(self.graphs.buckets))
         if self.use_graphs:
-            self.startup_times["graph capture"] = _seconds(
-                self.capture_graphs if ec.cuda_graph_capture == "eager" else self._start_lazy_capture)
+            self.startup_times["graph capture"] = _seconds(lambda: self.graphs.start(ec.cuda_graph_capture))
         return num_blocks
-
-    def _start_lazy_capture(self) -> None:
-        """Batch 1's graph now (a latency run's first decode step should not wait for it), the rest by a thread."""
-        self.graphs[self.buckets[0]] = self._capture(self.buckets[0])
-        self.capturer = GraphCapturer(self)
 
     def finish_startup(self) -> None:
         """Wait for lazy capture's thread to capture every bucket's decode graph."""
-        if self.capturer is not None:
-            self.capturer.thread.join()
+        self.graphs.wait()
 
     def describe(self) -> dict:
         return {"backend": self.name, "device": self.forward.device_name, "kv_blocks": self.num_blocks,
@@ -457,16 +391,8 @@ class CudaBackend(Backend):
         weights, buffers, pinned host memory, cuBLAS handles, kernels and streams (the device's, which this closes).
         Idempotent; a step after it raises DeviceClosedError."""
         if not self.device.closed:
-            self._close_graphs()
+            self.graphs.close()
         self._finalizer()
-
-    def _close_graphs(self) -> None:
-        capturer, self.capturer = self.capturer, None
-        if capturer is not None:
-            self.device.release(capturer)  # stops it
-        for graph in (*self.graphs.values(), *self.forward_graphs.values()):
-            self.device.release(graph)
-        self.graphs, self.forward_graphs = {}, {}
 
     # ---- steps -----------------------------------------------------------------------------------------------------
 
@@ -488,7 +414,7 @@ class CudaBackend(Backend):
         self.out_copy ^= 1
         if batch.block_copies is not None:
             self._copy_blocks(batch.block_copies)
-        rows = n if prefill else self._bucket(n)
+        rows = n if prefill else self.graphs.bucket(n)
         inp = self.prefill_in if prefill else self.decode_in
         inp.wait()  # the last step's upload has left its host buffer
         self._stage_processing(batch, inp, rows)
@@ -591,36 +517,12 @@ class CudaBackend(Backend):
             self.sampling_staged[id(inp)] = (n, total), arrays
         inp.put("noise_keys", sampling.noise_keys, n, total)
 
-    def _bucket(self, num_seqs: int) -> int:
-        """The decode graph's batch size that holds num_seqs rows: the least bucket at least as large."""
-        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
-
     def _decode(self, batch: Batch, sample: bool) -> None:
-        """Queue a decode step: through sampling, or (sample=False) up to the logits. A bucket's graph not captured
-        yet runs eagerly while the capture thread takes it, or (no thread) is captured now and replayed (the
-        forward-only graphs always so)."""
-        bucket = self._bucket(batch.num_seqs)  # eager pads too: graph and eager agree
+        """Queue a decode step: through sampling, or (sample=False) up to the logits, its rows padded to their
+        bucket (eagerly too: graph and eager agree)."""
+        bucket = self.graphs.bucket(batch.num_seqs)
         self._stage_decode(batch, bucket)
-        graphs = self.graphs if sample else self.forward_graphs
-        graph = graphs.get(bucket) if self.use_graphs else None
-        if graph is None and self.use_graphs:
-            if sample and self.capturer is not None and self.capturer.thread.is_alive():
-                self.capturer.want(bucket)
-            else:
-                graph = graphs[bucket] = self._capture(bucket, sample)
-        if graph is None:
-            self._decode_forward(bucket, sample)
-        else:
-            graph.launch(self.stream.handle)
-
-    def _capture(self, bucket: int, sample: bool = True) -> Graph:
-        """The decode graph of one bucket. Capturing records the launches without running them (cuBLAS has its
-        fixed workspace, and the driver loads a kernel not loaded yet during capture), so it can be taken while
-        earlier steps are queued."""
-        return self.device.own(Graph(self.stream.handle, lambda: self._decode_forward(bucket, sample)))
-
-    def _decode_forward(self, bucket: int, sample: bool = True) -> None:
-        self.forward.decode(bucket, self.decode_in, self.out, self.proc.arrays(self.decode_in), sample)
+        self.graphs.run(bucket, sample)
 
     def _copy_blocks(self, pairs: np.ndarray) -> None:
         """Forks' KV block copies, queued before the step that reads them."""
@@ -644,12 +546,12 @@ class CudaBackend(Backend):
             self._init_token_slots(proc)
         needed = max(len(proc.allowed_ids), len(proc.bias_ids))
         if needed > self.proc.allowed.size("allowed_ids"):
-            lazy = self.capturer is not None
-            self._close_graphs()  # they read the old lists
+            lazy = self.graphs.capturing
+            self.graphs.close()  # they read the old lists
             self.proc.close()
             self.proc.grow(needed)
             if lazy:
-                self._start_lazy_capture()
+                self.graphs.start("lazy")
         last = slice(None) if batch.max_query_len == 1 else batch.query_start_loc[1:] - 1  # each row's last token
         sources = batch.token_sources[last] if batch.token_sources is not None else -1
         self.proc.stage(self.stream, inp, proc, batch.token_ids[last], sources, rows)
@@ -675,16 +577,6 @@ class CudaBackend(Backend):
         buffers.upload(self.stream, "tokens", len(tokens))
         self.forward.init_token_slots(buffers.ptr("slots"), len(slots), buffers.ptr("tokens"),
                                       buffers.ptr("token_slots"), len(tokens))
-
-    def capture_graphs(self) -> None:
-        """Capture every bucket's decode graph now, as vLLM does at start-up, so that no step of a job pays for a
-        capture (a few ms each; a job whose batch shrinks as requests finish meets many buckets), at the price of a
-        slower start."""
-        start = time.perf_counter()
-        for bucket in self.buckets:
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
-        log.info("cuda: captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     def _stage_decode(self, batch: Batch, bucket: int) -> None:
         """Copy a decode batch's inputs to the device, padded to `bucket` rows (after decode_in.wait(), with the
