@@ -232,13 +232,35 @@ def test_merge_takes_each_row_once_from_its_first_piece_in_row_order(tmp_path, m
         return real_read(piece, columns)
 
     monkeypatch.setattr(writer_module, "_read_piece", counting_read)
-    tables = list(writer_module._merged(pieces, schema))
+    rows = [writer_module._read_piece(p, ["row"]).column("row").to_numpy() for p in pieces]
+    tables = list(writer_module._merged(pieces, schema, rows))
     merged = pa.concat_tables(tables)
     assert merged.column("row").to_pylist() == sorted(first_piece)
     assert merged.column("id").to_pylist() == [f"p{first_piece[r]}-r{r}" for r in sorted(first_piece)]
     assert all(t.num_rows <= 7 for t in tables) and merged.schema.equals(schema)
     assert sorted(read) == pieces  # each piece read whole once
-    assert list(writer_module._merged([], schema)) == []
+    assert list(writer_module._merged([], schema, [])) == []
+
+
+def test_finalize_reads_each_piece_twice(tmp_path, monkeypatch):
+    """finalize() reads a piece's small columns once (the every-row check, the summary and the merge's order share
+    them) and the piece whole once (the merge), whatever the pieces hold; the output is every row once, in order."""
+    import tinyvllm.io.writer as writer_module
+
+    out = tmp_path / "out.parquet"
+    writer = PartsWriter(out, output_schema(), run_started=time.time() - 5, num_rows=10, piece_rows=4)
+    for i in [3, 9, 0, 4, 8, 1, 2, 7, 6, 5, 2]:  # row 2 twice: a row in two pieces is kept once
+        writer.add(output_record(i, f"id{i}", f"p{i}", fake_output(str(i), f"t{i}")))
+    writer.flush()
+    pieces = writer.pieces()
+    assert len(pieces) == 3
+    reads = []
+    real_read = writer_module._read_piece
+    monkeypatch.setattr(writer_module, "_read_piece", lambda piece, columns=None: (
+        reads.append((piece.name, columns is None)), real_read(piece, columns))[1])
+    summary = writer.finalize({"model": "m"})
+    assert sorted(reads) == sorted([(p.name, False) for p in pieces] + [(p.name, True) for p in pieces])
+    assert pq.read_table(out).column("row").to_pylist() == list(range(10)) and summary["rows"] == 10
 
 
 def test_writer_empty_job(tmp_path):

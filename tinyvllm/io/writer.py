@@ -450,8 +450,10 @@ class PartsWriter:
         `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `summary_extra` into the summary."""
         self.flush()
         pieces = self.pieces()
-        self._check_every_row(pieces)
-        summary = {**_summarize_pieces(pieces, self.output), **self.summary_extra}
+        small = [_read_piece(piece, ["row", *SUMMARY_COLUMNS]) for piece in pieces]  # serves the check, the summary
+        rows = [table.column("row").to_numpy() for table in small]  # and the merge's order
+        self._check_every_row(pieces, rows)
+        summary = {**_summarize_pieces(small, self.output), **self.summary_extra}
         if engine_stats:
             summary["engine_stats"] = metadata["engine_stats"] = engine_stats
         metadata = {**metadata, "counts": {k: summary[k] for k in
@@ -462,13 +464,13 @@ class PartsWriter:
 
         def write_parquet(f: BinaryIO) -> None:
             with pq.ParquetWriter(f, schema) as w:
-                for table in _merged(pieces, self.schema):
+                for table in _merged(pieces, self.schema, rows):
                     w.write_table(table)
 
         def write_openai(f: BinaryIO) -> None:
             model, token = str(metadata.get("model", "")), openai_token(metadata)
             data = [name for name in self.schema.names if name not in output_schema(True).names]
-            for table in _merged(pieces, self.schema):
+            for table in _merged(pieces, self.schema, rows):
                 for rec in table.to_pylist():
                     f.write(json.dumps(openai_line(rec, model, token, data), ensure_ascii=False, default=str).encode()
                             + b"\n")
@@ -482,11 +484,11 @@ class PartsWriter:
         clear_parts(self.parts)
         return summary
 
-    def _check_every_row(self, pieces: list[Path]) -> None:
-        """Every input row is in some piece (one in several is kept once by the merge): else the job is not done."""
+    def _check_every_row(self, pieces: list[Path], piece_rows: list[np.ndarray]) -> None:
+        """Every input row is in some piece (one in several is kept once by the merge): else the job is not done.
+        piece_rows: each piece's row numbers."""
         seen = np.zeros(self.num_rows, bool)
-        for piece in pieces:
-            rows = _read_piece(piece, ["row"]).column("row").to_numpy()
+        for piece, rows in zip(pieces, piece_rows):
             if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
                 raise JobError(f"{piece} holds rows outside the input's 0..{self.num_rows - 1}, so it is not from "
                                "this job: remove it, or pass --overwrite to start over")
@@ -653,19 +655,18 @@ def _output_rows(output: Path) -> Iterator[np.ndarray]:
 
 def _read_piece(piece: Path, columns: list[str] | None = None) -> pa.Table:
     try:
-        with pq.ParquetFile(piece) as f:  # lighter than read_table's dataset machinery (finalize reads a piece 4x)
+        with pq.ParquetFile(piece) as f:  # lighter than read_table's dataset machinery (finalize reads a piece twice)
             return f.read(columns=columns)
     except FileNotFoundError:  # only another run removes pieces: one that lost its lock while it finished
         raise JobError(f"{piece} vanished while this run read it: another run is finishing this output; run the same "
                        "command again once it is done") from None
 
 
-def _merged(pieces: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
+def _merged(pieces: list[Path], schema: pa.Schema, rows: list[np.ndarray]) -> Iterator[pa.Table]:
     """All rows of the (each sorted) pieces in row order, each once (a row in several pieces: the first piece's), as
     tables of up to FINAL_BATCH_ROWS rows cut from the pieces (no row goes through Python). The order is worked out
-    from the pieces' row columns alone; a piece is read when its first row is taken and dropped after its last, so
-    only the pieces that overlap the current rows are held."""
-    rows = [_read_piece(p, ["row"]).column("row").to_numpy() for p in pieces]
+    from the pieces' row numbers alone (rows: each piece's); a piece is read when its first row is taken and dropped
+    after its last, so only the pieces that overlap the current rows are held."""
     if not rows:
         return
     piece_of = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
@@ -748,11 +749,11 @@ def summarize_output(output: Path) -> dict:
     return summary
 
 
-def _summarize_pieces(pieces: list[Path], output: Path) -> dict:
-    tables, run_ends = [], {}
-    for piece in pieces:
-        t = _read_piece(piece, ["row", *SUMMARY_COLUMNS])
-        tables.append(t)
+def _summarize_pieces(tables: list[pa.Table], output: Path) -> dict:
+    """summarize() of the pieces' "row" and SUMMARY_COLUMNS (tables: one a piece), a row in several once, over the
+    time its runs spent."""
+    run_ends = {}
+    for t in tables:
         started = json.loads(t.schema.metadata[b"tinyvllm.run_started"])
         end = pc.max(t.column("finished_at")).as_py()
         run_ends[started] = max(run_ends.get(started, end), end)
