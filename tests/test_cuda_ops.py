@@ -1314,6 +1314,68 @@ def test_a_decode_buckets_padding_rows_do_nothing(forward_module, make_model_dir
     backend.close()
 
 
+@pytest.mark.parametrize("capture", ["eager", "lazy"])
+def test_lists_outgrown_close_the_graphs_and_capture_them_again(forward_module, make_model_dir, monkeypatch,
+                                                                 capture):
+    """A step whose allowed ids outgrow the processor lists closes every decode graph (they read the old lists);
+    lazy capture starts again and takes every bucket, eager capture takes each bucket at its next step."""
+    import importlib
+
+    from tinyvllm import SamplingParams
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
+    monkeypatch.setattr(runner, "PROCESSOR_LIST_ROWS", 8)
+    FakeGraph.made = []
+    model = load_model(make_model_dir(head_dim=64))
+    engine_config = engine_config_for(model, capture)
+    backend = runner.CudaBackend(model, engine_config, device=FakeDevice(TypedRecorder()))
+    engine = LLMEngine(model, backend, engine_config)
+    backend.finish_startup()
+    before = list(FakeGraph.made)
+    assert sorted(backend.graphs.sampled) == backend.graphs.buckets and backend.proc.allowed.size("allowed_ids") == 8
+    engine.add_request("0", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True, allowed_token_ids=list(range(20))))
+    while engine.has_unfinished_requests():
+        engine.step()
+    backend.finish_startup()
+    assert backend.proc.allowed.size("allowed_ids") == 20 and all(graph.closed for graph in before)
+    assert sorted(backend.graphs.sampled) == (backend.graphs.buckets if capture == "lazy" else [1])  # batch 1 ran
+    assert (backend.graphs.capturer is not None) == (capture == "lazy")
+    backend.close()
+
+
+def test_a_dropped_backend_is_collected_at_once_with_its_capture_thread(forward_module, make_model_dir,
+                                                                         monkeypatch):
+    """The decode graphs and lazy capture's thread never hold the backend: one dropped is collected at once (no
+    cycle waits for the collector), which closes its device and so stops the thread."""
+    import gc
+    import importlib
+    import weakref
+
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(graphs_module(), "Graph", FakeGraph)
+    model = load_model(make_model_dir(head_dim=64))
+    device = FakeDevice(TypedRecorder())
+    backend = runner.CudaBackend(model, engine_config_for(model, "lazy"), device=device)
+    backend.init_kv_cache()
+    capturer = backend.graphs.capturer
+    assert capturer is not None
+    gc.collect()
+    gc.disable()
+    try:
+        ref = weakref.ref(backend)
+        del backend
+        assert ref() is None and device.closed
+    finally:
+        gc.enable()
+    capturer.thread.join(timeout=10)
+    assert not capturer.thread.is_alive()
+
+
 def processing(n: int, allowed_ids: list[int] = ()):
     """A LogitsProcessing of n rows with penalties (slot i for row i, presence 0.5) and, on row 0, allowed_ids."""
     from tinyvllm.backends.base import LogitsProcessing
