@@ -621,9 +621,10 @@ class CudaBackend(Backend):
 
     def _prefill_chunk(self, batch: Batch, start: int, end: int, lp_rows: np.ndarray, lp_targets: np.ndarray,
                        prompt_lps: list[Logprobs], copy: int) -> None:
-        """Tokens start..end-1 of the batch through every layer; final-norm the rows that sample into sample_hidden
-        and append the prompt logprobs of rows lp_rows (batch token indices in start..end-1; targets lp_targets),
-        read back through host copy `copy` of the outputs."""
+        """Tokens start..end-1 of the batch through every layer (after prefill_in.wait(), with the step's processor
+        and logprob rows already written); final-norm the rows that sample into sample_hidden and append the prompt
+        logprobs of rows lp_rows (batch token indices in start..end-1; targets lp_targets), read back through host
+        copy `copy` of the outputs."""
         qsl = batch.query_start_loc.astype(np.int64)
         s0 = int(np.searchsorted(qsl, start, side="right")) - 1
         s1 = int(np.searchsorted(qsl, end, side="left"))  # sequences s0..s1-1 have tokens in this chunk
@@ -634,7 +635,8 @@ class CudaBackend(Backend):
         width = batch.block_tables.shape[1]
 
         inp, n = self.prefill_in, end - start
-        inp.wait()
+        if start > 0:  # the chunk before's upload has left the host buffer (submit waited for the first chunk's)
+            inp.wait()
         for name in ("token_ids", "positions", "slot_mapping"):
             inp[name][:n] = getattr(batch, name)[start:end]
         inp["token_src"][:n] = batch.token_sources[start:end] if batch.token_sources is not None else -1
