@@ -29,16 +29,20 @@
 // for the registers the output accumulator needs).
 //
 // Batch-invariant (the attention_decode_*_inv kernels; EngineConfig.batch_invariant): a row must get the bits
-// attention_prefill gives it, whatever else runs, so the context is never cut into parts, and the online softmax
-// steps over the prefill's key tiles: block_n(D) keys from multiples of block_n(D), GROUP = block_n(D) / TILE of the
-// pipeline's tiles at a time, their scores, softmax and P V in the prefill's order of additions (mma_qk's per-key
-// chains over the head dims, one online_softmax per step, mma_pv per 16 keys in order; the rows of an mma are
-// independent, so the rows the tile holds beside a row do not matter). Its GROUP tiles fill the STAGES = GROUP
-// stages; the next group's copies go out once a group is done, so a warp waits on memory once per group, which other
-// warps cover at large batches. One warp per block (a warp's 4 stages of D 128 take 35 KB).
+// attention_prefill's _inv kernels give it, whatever else runs, so the context is cut where they cut it: into chunks
+// of INV_CHUNK keys from key 0, each softmaxed afresh and folded into the row's state in order (mma.cuh,
+// fold_chunk); a small batch's parts are whole chunks, whose states attention_combine_inv folds in the same order.
+// The online softmax steps over the prefill's key tiles: block_n(D) keys from multiples of block_n(D),
+// GROUP = block_n(D) / TILE of the pipeline's tiles at a time, their scores, softmax and P V in the prefill's order
+// of additions (mma_qk's per-key chains over the head dims, one online_softmax per step, mma_pv per 16 keys in
+// order; the rows of an mma are independent, so the rows the tile holds beside a row do not matter). Its GROUP
+// tiles fill the STAGES = GROUP stages; the next group's copies go out once a group is done, so a warp waits on
+// memory once per group, which other warps cover at large batches. One warp per block (a warp's 4 stages of D 128
+// take 35 KB).
 //
 // Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128), -DMIN_SPLIT_TILES,
-// -DCOMBINE_ROW_THREADS and -DCOMBINE_ROW_GROUPS from backends/cuda/ops.py, which also launches the kernels.
+// -DCOMBINE_ROW_THREADS, -DCOMBINE_ROW_GROUPS, -DINV_CHUNK and -DINV_PARTS from backends/cuda/ops.py, which also
+// launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -65,14 +69,28 @@ __device__ __forceinline__ int splits_used(int ctx, int window, int num_splits) 
     return min(num_splits, max(1, (keys + TILE * MIN_SPLIT_TILES - 1) / (TILE * MIN_SPLIT_TILES)));
 }
 
+// Batch-invariant: the chunks (mma.cuh: INV_CHUNK keys each, from key 0) that hold a context's keys from
+// window_start on, the first one's index and their count; the parts a context is cut into: whole chunks, at most
+// num_splits of them, each chunk's state written to a slot of its own for attention_combine_inv, or one part (which
+// folds its chunks as it goes) where the context has more chunks than a (sequence, head) has slots (INV_PARTS).
+__device__ __forceinline__ int first_chunk(int ctx, int window) { return window_start(ctx, window) / INV_CHUNK; }
+__device__ __forceinline__ int chunk_count(int ctx, int window) {
+    return (ctx + INV_CHUNK - 1) / INV_CHUNK - first_chunk(ctx, window);
+}
+__device__ __forceinline__ int invariant_parts(int ctx, int window, int num_splits) {
+    const int chunks = chunk_count(ctx, window);
+    return chunks > INV_PARTS ? 1 : min(num_splits, chunks);
+}
+
 // Launch: grid (ceil(num_kv_heads * head_chunks / W), S, num_splits), block W * 32 with W = decode_warps(D, INVARIANT),
-// num_splits 1 if INVARIANT, where
+// where
 // head_chunks = ceil(group / ROWS): warp w of block x serves item x * W + w (items past the last one return at once),
 // the item's chunk c of KV head kvh the query heads kvh * group + c * ROWS ... (at most ROWS of them).
 // ROWS is 8 or 16: with 8, the tile's upper 8 rows are known empty and their softmax is skipped.
 // q: rows of the fused qkv buffer (row_stride elements apart); caches [slots, kv_heads, D]; block_tables
 // [S, *bt_stride] (the stride is read from device memory so that a captured graph serves any table width);
-// out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l).
+// out [S, num_heads * D]; partial_o [S, num_heads, num_splits, D]; partial_ml [S, num_heads, num_splits] of (m, l)
+// (INVARIANT: INV_PARTS in place of num_splits, a chunk's unnormalized output and whole row sum in each slot).
 // fp8: k_scales, v_scales are this layer's [num_kv_heads] (unused for bf16). window: the layer's sliding window
 // (0: none); softcap: its attention-logit cap (0: none; scores become softcap * tanh(score / softcap)), both uniform
 // branches, so that a layer without them does no per-key work for them. context_lens, block_tables and
@@ -110,21 +128,27 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     const int group = num_heads / num_kv_heads, head_chunks = (group + ROWS - 1) / ROWS;
     const int item = blockIdx.x * W + warp;
     const int s = blockIdx.y, split = blockIdx.z;
-    const int ctx = context_lens[s], used = splits_used(ctx, window, num_splits);
+    const int ctx = context_lens[s];
+    const int used = INVARIANT ? invariant_parts(ctx, window, num_splits) : splits_used(ctx, window, num_splits);
+    // INVARIANT: this part's chunks c_lo .. c_hi - 1 of the context's from c0 (a split's last parts may get none)
+    const int c0 = first_chunk(ctx, window), chunks = chunk_count(ctx, window), per_part = (chunks + used - 1) / used;
+    const int c_lo = c0 + split * per_part, c_hi = min(c0 + chunks, c_lo + per_part);
     // No block barrier below: a warp may leave.
-    if (item >= num_kv_heads * head_chunks || split >= used) {
+    if (item >= num_kv_heads * head_chunks || split >= used || (INVARIANT && c_lo >= c_hi)) {
         allow_dependents_launch();
         return;
     }
     const int kvh = item / head_chunks, chunk = item % head_chunks;
     const int h0 = kvh * group + chunk * ROWS, num_g = min(ROWS, group - chunk * ROWS);
     // Parts start at multiples of TILE, so that with block_size % TILE == 0 a tile lies in one cache block; keys
-    // before `lo` (the window's first) are neither loaded nor seen. INVARIANT: the one part starts at a multiple of
-    // block_n(D), and its tiles come in whole groups (those past the context zero-filled and masked).
+    // before `lo` (the window's first) are neither loaded nor seen. INVARIANT: a part is whole chunks, from a
+    // multiple of block_n(D) (its first chunk's or the window's first key's), and its tiles come in whole groups
+    // (those past the context zero-filled and masked).
     const int lo = window_start(ctx, window);
     const int first = INVARIANT ? lo / block_n(D) * block_n(D) : first_tile(ctx, window);
     const int per_split = ((ctx - first + used - 1) / used + TILE - 1) / TILE * TILE;
-    const int start = min(ctx, first + split * per_split), end = min(ctx, start + per_split);
+    const int start = INVARIANT ? max(first, c_lo * INV_CHUNK) : min(ctx, first + split * per_split);
+    const int end = INVARIANT ? min(ctx, c_hi * INV_CHUNK) : min(ctx, start + per_split);
     const int num_tiles = (end - start + TILE * GROUP - 1) / (TILE * GROUP) * GROUP;
     const int* table = block_tables + (int64_t)s * bt_stride[0];
     const int64_t kv_stride = (int64_t)num_kv_heads * D;
@@ -252,11 +276,39 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
     const float v_scale = FP8 ? v_scales[kvh] : 1.f;
     float m[HALVES], l[HALVES], o[D / 8][4];
+    float M[HALVES], L[HALVES], O[D / 8][2 * HALVES];  // INVARIANT, one part: the chunks folded so far (fold_chunk)
     int key_begin[HALVES], key_end[HALVES];  // every row sees the keys lo .. end - 1
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) m[h] = -INFINITY, l[h] = 0.f, key_begin[h] = lo, key_end[h] = end;
+    for (int h = 0; h < HALVES; ++h) {
+        m[h] = M[h] = -INFINITY, l[h] = L[h] = 0.f, key_begin[h] = lo, key_end[h] = end;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) O[nd][2 * h] = O[nd][2 * h + 1] = 0.f;
+    }
 #pragma unroll
     for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+    // INVARIANT, parts: chunk `slot` (of the context's, from c0) of this thread's rows, its unnormalized output and
+    // (m, the row's whole sum) into the row's slot, then the state reset for the next chunk (m stays finite: every
+    // chunk of a part holds a key its rows see).
+    auto store_chunk = [&](float(&m)[HALVES], float(&l)[HALVES], float(&o)[D / 8][4], int slot) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            float sum = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int row = lane / 4 + 8 * h, col = (lane % 4) * 2;
+            if (row < num_g) {
+                const int64_t idx = ((int64_t)s * num_heads + h0 + row) * INV_PARTS + slot;
+#pragma unroll
+                for (int nd = 0; nd < D / 8; ++nd)
+                    *reinterpret_cast<float2*>(&partial_o[idx * D + nd * 8 + col]) =
+                        make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+                if (lane % 4 == 0) partial_ml[idx] = make_float2(m[h], sum);
+            }
+            m[h] = -INFINITY, l[h] = 0.f;
+        }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    };
 
     for (int t = 0; t < num_tiles; t += GROUP) {
         if constexpr (INVARIANT) {
@@ -293,6 +345,12 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
                                    pack_bf16(s_j[1][0], s_j[1][1]), HALVES == 2 ? pack_bf16(s_j[1][2], s_j[1][3]) : 0u};
             mma_pv<D, LD>(o, p, kv_s[warp][(t + j) % STAGES][1], lane);
         }
+        if constexpr (INVARIANT) {  // a chunk's last group: its state to its slot (parts) or folded (one part)
+            if ((start + (t + GROUP) * TILE) % INV_CHUNK == 0 || t + GROUP >= num_tiles) {
+                if (used > 1) store_chunk(m, l, o, (start + t * TILE) / INV_CHUNK - c0);
+                else fold_chunk<D, HALVES>(M, L, O, m, l, o);
+            }
+        }
         __syncwarp();  // every lane is done with the stages before they are refilled
         if constexpr (INVARIANT) {  // the next group
 #pragma unroll
@@ -307,6 +365,21 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
     }
 
     allow_dependents_launch();
+    if constexpr (INVARIANT) {  // one part: the folded chunks' output (parts: attention_combine_inv merges them)
+        if (used > 1) return;
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            const int row = lane / 4 + 8 * h, col = (lane % 4) * 2;
+            if (row >= num_g) continue;
+            const float inv = L[h] > 0.f ? v_scale / L[h] : 0.f;
+            bf16* dst = out + ((int64_t)s * num_heads + h0 + row) * D + col;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd)
+                *reinterpret_cast<__nv_bfloat162*>(dst + nd * 8) =
+                    __floats2bfloat162_rn(O[nd][2 * h] * inv, O[nd][2 * h + 1] * inv);
+        }
+        return;
+    }
     // A row's l is spread over the 4 lanes of its quad; each lane writes its 2 x D / 8 output entries of the row.
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
@@ -408,6 +481,33 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
     combine_dims<1>(res, partial_o, partial_ml, ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits, used, D,
                     threadIdx.x);
     out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(res[0]);
+}
+#endif
+
+// Batch-invariant: the chunk states attention_decode's parts wrote (INV_PARTS slots a (sequence, head)) folded in
+// the chunks' order by the functions its one-part form folds them with (mma.cuh), then normalized as it does: the
+// bits of the one-part form. Launch: grid (num_heads, S), block D (a thread per output dim); num_splits and window
+// as attention_decode was given them; v_scales: an fp8 cache's V scales of this layer [num_kv_heads] (null: a bf16
+// cache), group: query heads per KV head.
+#if KEEPS(attention_combine_inv)
+extern "C" __global__ void attention_combine_inv(bf16* __restrict__ out, const float* __restrict__ partial_o,
+                                                 const float2* __restrict__ partial_ml, const int* context_lens,
+                                                 int num_splits, int window, const float* __restrict__ v_scales,
+                                                 int group) {
+    pdl_begin();
+    const int ctx = context_lens[blockIdx.y];
+    if (invariant_parts(ctx, window, num_splits) == 1) return;  // attention_decode wrote this output itself
+    const int num_heads = gridDim.x, D = blockDim.x, chunks = chunk_count(ctx, window);
+    const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * INV_PARTS;
+    float M = -INFINITY, L = 0.f, O = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < chunks; ++c) {
+        const float2 ml = partial_ml[base + c];
+        const float o = partial_o[(base + c) * D + threadIdx.x];
+        if (ml.y > 0.f) O = fold_entry(O, o, chunk_weights(M, L, ml.x, ml.y));
+    }
+    const float inv = L > 0.f ? (v_scales ? v_scales[blockIdx.x / group] : 1.f) / L : 0.f;
+    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(O * inv);
 }
 #endif
 

@@ -13,8 +13,12 @@
 // An fp8 cache (Cache = e4m3, the _fp8 kernels) is widened to bf16 (exactly) as its tiles are staged; the KV head's
 // K scale folds into the softmax scale and its V scale into the output (powers of two: exact).
 //
-// Compiled with -DBLOCK_M (rows, i.e. (query, head) pairs, per block: 16 per warp) from backends/cuda/ops.py, which
-// also lists the tiles and launches the kernels.
+// Batch-invariant (the _inv kernels; EngineConfig.batch_invariant): a row's keys are softmaxed in chunks of
+// INV_CHUNK keys from key 0, folded in order (mma.cuh, fold_chunk), as attention_decode's _inv kernels do, so that a
+// token's attention output has the same bits whether it was prefilled, in any chunk, or decoded.
+//
+// Compiled with -DBLOCK_M (rows, i.e. (query, head) pairs, per block: 16 per warp) and -DINV_CHUNK from
+// backends/cuda/ops.py, which also lists the tiles and launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -28,7 +32,7 @@
 // uniform branches: a layer without them does no per-key work for them.
 // tile_seq and tile_row0 are not __restrict__: ptxas would move their non-coherent loads, the kernel's first,
 // above pdl_begin's wait (common.cuh).
-template <int D, class Cache>
+template <int D, class Cache, bool INVARIANT>
 __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict__ qkv,
                                   const Cache* __restrict__ k_cache, const Cache* __restrict__ v_cache,
                                   const int* __restrict__ block_tables, int bt_stride,
@@ -95,10 +99,17 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
+    // INVARIANT: the chunks before n0's folded (mma.cuh, fold_chunk): the state attention_decode's _inv kernels
+    // reach for the same row
+    float M[2] = {-INFINITY, -INFINITY}, L[2] = {0.f, 0.f}, O[D / 8][4];
 #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+        O[nd][0] = O[nd][1] = O[nd][2] = O[nd][3] = 0.f;
+    }
 
     for (int n0 = kv_begin; n0 < kv_end; n0 += BLOCK_N) {
+        if (INVARIANT && n0 > kv_begin && n0 % INV_CHUNK == 0) fold_chunk<D, 2>(M, L, O, m, l, o);
         // K and V of keys n0 .. n0 + BLOCK_N - 1 through the block table; keys outside kv_first .. kv_end - 1 are
         // zeros (never NaN garbage).
         for (int c = threadIdx.x; c < BLOCK_N * D / 8; c += blockDim.x) {
@@ -141,16 +152,28 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
         __syncthreads();  // the next tile overwrites k_s and v_s
     }
 
+    if constexpr (INVARIANT) fold_chunk<D, 2>(M, L, O, m, l, o);
     // Normalize and store this thread's two rows (rows past the sequence's end are dropped).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        if constexpr (!INVARIANT) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        }
         const int row = row0 + warp * 16 + lane / 4 + 8 * h;
         if (row >= num_rows) continue;
         const int i = row / group, head = kvh * group + row % group;
         bf16* dst = out + ((int64_t)(q_start + i) * num_heads + head) * D + (lane % 4) * 2;
-        const float inv_l = (FP8 ? v_scales[kvh] : 1.f) / l[h];
+        const float v_scale = FP8 ? v_scales[kvh] : 1.f;
+        if constexpr (INVARIANT) {  // as attention_decode's _inv kernels normalize
+            const float inv = L[h] > 0.f ? v_scale / L[h] : 0.f;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd)
+                *reinterpret_cast<__nv_bfloat162*>(dst + nd * 8) =
+                    __floats2bfloat162_rn(O[nd][2 * h] * inv, O[nd][2 * h + 1] * inv);
+            continue;
+        }
+        const float inv_l = v_scale / l[h];
 #pragma unroll
         for (int nd = 0; nd < D / 8; ++nd)
             *reinterpret_cast<__nv_bfloat162*>(dst + nd * 8) =
@@ -158,47 +181,74 @@ __device__ void attention_prefill(bf16* __restrict__ out, const bf16* __restrict
     }
 }
 
-#define PREFILL_KERNEL(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##D(                      \
+// SUFFIX: empty (INVARIANT false) or _inv (true)
+#define PREFILL_KERNEL(D, SUFFIX, INVARIANT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##D##SUFFIX(              \
         bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
         const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,         \
         int window, float softcap) {                                                                               \
-        attention_prefill<D, bf16>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
-                                   context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
-                                   row_stride, window, softcap, nullptr, nullptr);                                 \
+        attention_prefill<D, bf16, INVARIANT>(out, qkv, k_cache, v_cache, block_tables, bt_stride,               \
+                                              query_start_loc, context_lens, tile_seq, tile_row0, scale,           \
+                                              num_heads, num_kv_heads, block_size, row_stride, window, softcap,    \
+                                              nullptr, nullptr);                                                   \
     }
-#define PREFILL_KERNEL_FP8(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_fp8_d##D(                  \
+#define PREFILL_KERNEL_FP8(D, SUFFIX, INVARIANT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_fp8_d##D##SUFFIX(          \
         bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, const int* block_tables,             \
         int bt_stride, const int* query_start_loc, const int* context_lens, const int* tile_seq,                    \
         const int* tile_row0, float scale, int num_heads, int num_kv_heads, int block_size, int row_stride,         \
         int window, float softcap, const float* k_scales, const float* v_scales) {                                 \
-        attention_prefill<D, e4m3>(out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc,         \
-                                   context_lens, tile_seq, tile_row0, scale, num_heads, num_kv_heads, block_size,  \
-                                   row_stride, window, softcap, k_scales, v_scales);                               \
+        attention_prefill<D, e4m3, INVARIANT>(out, qkv, k_cache, v_cache, block_tables, bt_stride,               \
+                                              query_start_loc, context_lens, tile_seq, tile_row0, scale,           \
+                                              num_heads, num_kv_heads, block_size, row_stride, window, softcap,    \
+                                              k_scales, v_scales);                                                 \
     }
 #if KEEPS(attention_prefill_d64)
-PREFILL_KERNEL(64)
+PREFILL_KERNEL(64, , false)
 #endif
-#if KEEPS(attention_prefill_d128)
-PREFILL_KERNEL(128)
+#if KEEPS(attention_prefill_d64_inv)
+PREFILL_KERNEL(64, _inv, true)
 #endif
 #if KEEPS(attention_prefill_fp8_d64)
-PREFILL_KERNEL_FP8(64)
+PREFILL_KERNEL_FP8(64, , false)
+#endif
+#if KEEPS(attention_prefill_fp8_d64_inv)
+PREFILL_KERNEL_FP8(64, _inv, true)
+#endif
+#if KEEPS(attention_prefill_d128)
+PREFILL_KERNEL(128, , false)
+#endif
+#if KEEPS(attention_prefill_d128_inv)
+PREFILL_KERNEL(128, _inv, true)
 #endif
 #if KEEPS(attention_prefill_fp8_d128)
-PREFILL_KERNEL_FP8(128)
+PREFILL_KERNEL_FP8(128, , false)
+#endif
+#if KEEPS(attention_prefill_fp8_d128_inv)
+PREFILL_KERNEL_FP8(128, _inv, true)
 #endif
 #if KEEPS(attention_prefill_d96)
-PREFILL_KERNEL(96)
+PREFILL_KERNEL(96, , false)
 #endif
-#if KEEPS(attention_prefill_d256)
-PREFILL_KERNEL(256)
+#if KEEPS(attention_prefill_d96_inv)
+PREFILL_KERNEL(96, _inv, true)
 #endif
 #if KEEPS(attention_prefill_fp8_d96)
-PREFILL_KERNEL_FP8(96)
+PREFILL_KERNEL_FP8(96, , false)
+#endif
+#if KEEPS(attention_prefill_fp8_d96_inv)
+PREFILL_KERNEL_FP8(96, _inv, true)
+#endif
+#if KEEPS(attention_prefill_d256)
+PREFILL_KERNEL(256, , false)
+#endif
+#if KEEPS(attention_prefill_d256_inv)
+PREFILL_KERNEL(256, _inv, true)
 #endif
 #if KEEPS(attention_prefill_fp8_d256)
-PREFILL_KERNEL_FP8(256)
+PREFILL_KERNEL_FP8(256, , false)
+#endif
+#if KEEPS(attention_prefill_fp8_d256_inv)
+PREFILL_KERNEL_FP8(256, _inv, true)
 #endif

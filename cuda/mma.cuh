@@ -207,3 +207,48 @@ __device__ __forceinline__ void online_softmax(float (&s)[N / 8][4], float (&m)[
         }
     }
 }
+
+// Batch-invariant attention cuts a row's keys into chunks of INV_CHUNK keys from key 0 (a multiple of block_n(D)
+// for every D): each chunk's online softmax starts afresh, and the chunks' states fold into the row's running state
+// in the chunks' order by these functions alone, whether a warp folds them as it goes (attention_prefill's _inv
+// kernels, attention_decode's in one part) or attention_combine_inv folds the chunk states the parts wrote. The
+// explicitly rounded operations keep the compiler from contracting them differently in different kernels, so the
+// bits of a row depend on its own keys only. A chunk folded into an empty state (M -infinity, L 0, O 0) is copied
+// exactly (weights 0 and 1), so a row of one chunk gets the bits it would without the fold.
+
+// The weights of the running state (x) and of a chunk's (y) for a chunk of row max m and row sum l > 0 (the
+// quad's whole sum); updates the running max M and sum L.
+__device__ __forceinline__ float2 chunk_weights(float& M, float& L, float m, float l) {
+    const float m_new = fmaxf(M, m);
+    const float2 w = make_float2(exp2f(M - m_new), exp2f(m - m_new));
+    L = __fmaf_rn(l, w.y, __fmul_rn(L, w.x));
+    M = m_new;
+    return w;
+}
+
+// One output entry of the running state O folded with the chunk's unnormalized o.
+__device__ __forceinline__ float fold_entry(float O, float o, float2 w) { return __fmaf_rn(o, w.y, __fmul_rn(O, w.x)); }
+
+// A thread's rows of a warp's 16-row tile (as online_softmax holds them): the chunk's state (m, l: this lane's share,
+// o) folded into the running state (M, L: the row's whole sum, O), then reset to empty for the next chunk. A row
+// that saw no key of the chunk (l 0) leaves the running state as it was.
+template <int D, int HALVES>
+__device__ __forceinline__ void fold_chunk(float (&M)[HALVES], float (&L)[HALVES], float (&O)[D / 8][2 * HALVES],
+                                           float (&m)[HALVES], float (&l)[HALVES], float (&o)[D / 8][4]) {
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        float sum = l[h] + __shfl_xor_sync(0xffffffffu, l[h], 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (sum > 0.f) {
+            const float2 w = chunk_weights(M[h], L[h], m[h], sum);
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {
+                O[nd][2 * h] = fold_entry(O[nd][2 * h], o[nd][2 * h], w);
+                O[nd][2 * h + 1] = fold_entry(O[nd][2 * h + 1], o[nd][2 * h + 1], w);
+            }
+        }
+        m[h] = -INFINITY, l[h] = 0.f;
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+}

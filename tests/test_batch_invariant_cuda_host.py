@@ -1,13 +1,14 @@
 """batch_invariant=True on the cuda backend's host side, without a GPU: on a stand-in device every linear layer of a
 decode step goes to the (invariant) cuBLAS handle, or to gemv_chain for the shapes whose bits it was checked to give
-and where it was timed the faster, and none to the GEMV, whose order differs; a decode step's attention is
-attention_decode's batch-invariant form in one part (no attention_combine), the LM head is not tuned per batch size,
-and an expert model is refused in one line. The bits themselves: tests/gpu/test_batch_invariant_cuda.py."""
+and where it was timed the faster, and none to the GEMV, whose order differs; attention is the batch-invariant
+forms (attention_decode's, in parts of whole chunks at small batches merged by attention_combine_inv, never by the
+other merges; attention_prefill's), the LM head is not tuned per batch size, and an expert model is refused in one
+line. The bits themselves: tests/gpu/test_batch_invariant_cuda.py."""
 
 import pytest
 
 from tinyvllm.backends.cuda.linear import Linear
-from tinyvllm.backends.cuda.ops import Ops, decode_blocks
+from tinyvllm.backends.cuda.ops import INVARIANT_PARTS, Ops, decode_blocks
 
 from test_cuda_ops import FakeBuffers, FakeDevice, FakeStream, RecordingBlas, TypedRecorder, forward_module  # noqa: F401
 
@@ -43,8 +44,12 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
     buffers = FakeBuffers()
     forward.decode(3, buffers, buffers, buffers)
     names = [name for name, _, _ in recorder.launches]
-    assert not any(name.startswith(("attention_prefill", "attention_combine"))
-                   or name.startswith("gemv") and "chain" not in name for name in names), names
+    assert not any(name.startswith("attention_prefill") or name.startswith("attention_combine")
+                   and name != "attention_combine_inv" or name.startswith("gemv") and "chain" not in name
+                   for name in names), names
+    splits = forward.num_splits(3)
+    assert splits > 1 and names.count("attention_combine_inv") == forward.config.num_hidden_layers
+    assert forward.buf.partial_o.shape[0] >= 3 * forward.heads * INVARIANT_PARTS
     # sampling and logprobs a block a row, at 3 rows too (a row split over a cluster adds in another order)
     forward.logprobs(3, buffers.ptr("ids"), 2, (buffers.ptr("lp"), 8, 12))
     sampling = [(name, grid) for name, grid, _ in recorder.launches if name.startswith(("sample", "logprobs"))]
@@ -54,9 +59,9 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
     assert len(attention) == forward.config.num_hidden_layers
     for name, grid, block, args in attention:
         assert name == "attention_decode_d64_r8_inv"
-        # a warp per (sequence, KV head), one part whatever the batch
-        assert grid == (decode_blocks(forward.kv_heads, forward.group, 64, invariant=True), 3, 1) == (2, 3, 1)
-        assert block == (32, 1, 1) and args[14] == 1
+        # a warp per (sequence, KV head, part)
+        assert grid == (decode_blocks(forward.kv_heads, forward.group, 64, invariant=True), 3, splits) == (2, 3, splits)
+        assert block == (32, 1, 1) and args[14] == splits
     windows = {args[15] for *_, args in attention}
     assert windows == {sliding_window or 0}
     # every product of the step (QKV, O, gate/up, down per layer, the LM head) through cuBLAS at 3 rows where the
@@ -67,6 +72,19 @@ def test_decode_runs_invariant_attention_and_pinned_gemms(forward_module, slidin
     recorder.launches.clear()
     forward.prefill(10, buffers, buffers, 3, 2)
     assert not any(name.startswith("gemv") for name, _, _ in recorder.launches)
+    prefill = [name for name, _, _ in recorder.launches if name.startswith("attention")]
+    assert prefill == ["attention_prefill_d64_inv"] * forward.config.num_hidden_layers
+
+
+def test_a_full_batch_decodes_in_one_part(forward_module):
+    """Where the batch fills the GPU, the invariant form runs each context in one part, with no merge."""
+    recorder = TypedRecorder()
+    forward = invariant_forward(forward_module, recorder, num_sms=1)
+    forward.allocate_kv_cache(8)
+    assert forward.num_splits(4) == 1
+    forward.decode(4, FakeBuffers(), FakeBuffers(), FakeBuffers())
+    attention = [(name, grid) for name, grid, _ in recorder.launches if name.startswith("attention")]
+    assert attention == [("attention_decode_d64_r8_inv", (2, 4, 1))] * forward.config.num_hidden_layers
 
 
 def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypatch):
@@ -133,10 +151,20 @@ def test_the_chain_is_kept_where_it_times_faster(forward_module, monkeypatch):
     assert not forward._chain_faster(w) and forward.chain_timings[w.shape] == (6.0, 4.0)
 
 
-def test_invariant_decode_attention_takes_one_part():
-    ops = Ops(TypedRecorder(), None, num_sms=132)
-    with pytest.raises(ValueError, match="batch-invariant form takes one part"):
-        ops.attention_decode(1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 0.125, 8, 2, 64, 16, 768, 2, invariant=True)
+def test_invariant_decode_attention_parts_fit_the_slots():
+    """The invariant parts write a chunk's state each to INVARIANT_PARTS slots of a (sequence, head): more parts
+    than slots are refused; within them the merge is attention_combine_inv, given the fp8 cache's V scales."""
+    recorder = TypedRecorder()
+    ops = Ops(recorder, None, num_sms=132)
+    with pytest.raises(ValueError, match="exceed the invariant form's"):
+        ops.attention_decode(1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 0.125, 8, 2, 64, 16, 768, INVARIANT_PARTS + 1,
+                             invariant=True)
+    assert not ops.attention_decode(1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 0.125, 8, 2, 64, 16, 768, 8, (10, 11),
+                                    invariant=True, quantized=object())
+    (decode, grid, _), (merge, merge_grid, block) = recorder.launches
+    assert decode == "attention_decode_fp8_d64_r8_inv" and grid == (2, 4, 8)
+    assert merge == "attention_combine_inv" and merge_grid == (8, 4) and block == (64, 1, 1)
+    assert list(recorder.args[1]) == [1, 2, 3, 9, 8, 0, 11, 4]  # context_lens, parts, window, V scales, group
 
 
 def test_an_expert_model_is_refused(forward_module):

@@ -1535,7 +1535,7 @@ def test_start_up_builds_only_the_kernels_the_model_launches(forward_module, mak
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
     assert set(SIGNATURES) - set(device.prepared) == {
         name for name in SIGNATURES if name.startswith(("attention_decode_", "attention_prefill_"))} - attention | (
-        set() if quantization else fp8 | COMBINE_QUANTIZE_KERNELS) | geglu | experts
+        set() if quantization else fp8 | COMBINE_QUANTIZE_KERNELS) | geglu | experts | {"attention_combine_inv"}
 
 
 class FakePycuda:

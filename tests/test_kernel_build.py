@@ -69,7 +69,8 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     fp8_weights = {name for name, signature in SIGNATURES.items() if signature.file == "fp8"}
     geglu = {name for name in SIGNATURES if name.startswith("gemv_geglu_")}  # a GeGLU model's (Gemma's) only
     experts = {name for name, signature in SIGNATURES.items() if signature.file == "moe"}
-    others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)} - {"attention_combine"}
+    others = ({name for name in SIGNATURES if not ATTENTION_INSTANCE.match(name)}
+              - {"attention_combine", "attention_combine_inv"}
               - kernels.COMBINE_QUANTIZE_KERNELS - fp8_weights - geglu - experts)
     assert others <= set(needed)  # gemv's every form (ops.py picks among them by shape and SM count), ...
     assert not geglu & set(needed)
@@ -84,6 +85,11 @@ def test_needed_kernels_keep_one_instance_of_each_attention_kernel(head_dim, hea
     assert not experts & set(needed) and experts <= set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8,
                                                                                 experts=True))
     assert ("attention_combine" in needed) == (head_dim in HEAD_DIMS)
+    # batch-invariant: the _inv forms and their merge in place of the others, no merge that quantizes
+    invariant = set(kernels.needed_kernels(head_dim, heads, kv_heads, fp8, fp8_weights=True, invariant=True))
+    assert {name for name in invariant if ATTENTION_INSTANCE.match(name)} == {name + "_inv" for name in attention}
+    assert ("attention_combine_inv" in invariant) == bool(attention) and "attention_combine" not in invariant
+    assert not kernels.COMBINE_QUANTIZE_KERNELS & invariant
     jobs = compile_jobs(needed)  # and nothing else of the split files is compiled
     assert {kernel for job in jobs if job.file in SPLIT_FILES for kernel in job_kernels(job.name)} == \
         {name for name in needed if SIGNATURES[name].file in SPLIT_FILES}

@@ -1,17 +1,19 @@
-"""attention_decode's batch-invariant form (EngineConfig.batch_invariant) on fresh random inputs: against its numpy
-twin (paged_attention), and bit for bit against attention_prefill, which gives the same query the same bits as the
-last row of a prefill chunk: the property the engine's batch-invariant mode stands on (a token's attention output
-is the same whether it was decoded, prefilled, or recomputed after preemption). Every head dim and tile shape, bf16
-and fp8 caches, sliding windows and soft-capped logits, cache blocks of 5, 16 and 32 keys."""
+"""The batch-invariant forms of attention_decode and attention_prefill (EngineConfig.batch_invariant) on fresh random
+inputs: each against its numpy twin (paged_attention), and decode bit for bit against prefill, which gives the same
+query the same bits as the last row of a prefill chunk, decoded in one part or in parts of whole chunks (merged by
+attention_combine_inv): the property the engine's batch-invariant mode stands on (a token's attention output is the
+same whether it was decoded in any batch, prefilled, or recomputed after preemption). Every head dim and tile shape,
+bf16 and fp8 caches, sliding windows and soft-capped logits, cache blocks of 5, 16 and 32 keys, contexts of one
+chunk, of many, and of more chunks than the parts have slots (those run in one part)."""
 
 import math
 
 import numpy as np
 import pytest
-from test_kernels import ATTN_SHAPES, Gpu, bf16_caches, bf16_round, check_attention_decode
+from test_kernels import ATTN_SHAPES, Gpu, bf16_caches, bf16_round, check_attention_decode, check_attention_prefill
 from test_kv_fp8_cuda import fp8_cache_setup
 
-from tinyvllm.backends.cuda.ops import prefill_tiles
+from tinyvllm.backends.cuda.ops import INVARIANT_CHUNK, INVARIANT_PARTS, prefill_tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -22,17 +24,29 @@ LAYERS = [(0, 0.0), (37, 0.0), (100, 50.0)]
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
 @pytest.mark.parametrize("cache", list(CACHES))
-@pytest.mark.parametrize("num_seqs", [1, 257])
-def test_invariant_decode_against_its_twin(cuda, ops, shape, cache, num_seqs):
-    check_attention_decode(cuda, ops, shape, num_seqs, 1, caches=CACHES[cache], invariant=True)
+@pytest.mark.parametrize("num_seqs,splits,max_context", [(1, 1, 0), (1, 32, 0), (257, 1, 200), (257, 8, 200),
+                                                           (9, 32, 3000)])
+def test_invariant_decode_against_its_twin(cuda, ops, shape, cache, num_seqs, splits, max_context):
+    """One context of 4999 keys (more chunks than slots: one part), 257 short ones, 9 of up to 3000 keys in parts."""
+    check_attention_decode(cuda, ops, shape, num_seqs, splits, caches=CACHES[cache], invariant=True,
+                           max_context=max_context or 200)
+
+
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_invariant_prefill_against_its_twin(cuda, ops, shape, cache):
+    check_attention_prefill(cuda, ops, shape, "mixed", CACHES[cache], invariant=True)
 
 
 def check_decode_bits_are_prefills(cuda, ops, shape, cache, window, softcap, block_size):
-    """Contexts of 1, 63-65, 128, 129, 1000 keys and 33 random ones; each query decoded in one batch, and the same
-    query as the last row of a prefill chunk of 1-69 rows ending at the context's end: bitwise equal outputs."""
+    """Contexts of 1, 63-65, 128, 129, 1000, a whole slot count's chunks and one chunk more, and 33 random ones; each
+    query decoded in one batch, in one part and in 8 and 32 parts, and the same query as the last row of a prefill
+    chunk of 1-69 rows ending at the context's end: bitwise equal outputs."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(head_dim * 1000 + heads + window + block_size)
-    context_lens = np.concatenate([[1, 63, 64, 65, 128, 129, 1000], rng.integers(1, 300, 33)]).astype(np.int32)
+    longest = INVARIANT_CHUNK * INVARIANT_PARTS
+    context_lens = np.concatenate([[1, 63, 64, 65, 128, 129, 1000, longest, longest + 1],
+                                   rng.integers(1, 300, 33)]).astype(np.int32)
     num_seqs = len(context_lens)
     k, v, tables, kv_scales = CACHES[cache](rng, context_lens, kv_heads, head_dim, block_size)
     k_dev, v_dev = (gpu.put(c) if c.dtype == np.uint8 else gpu.bf16(c) for c in (k, v))
@@ -47,16 +61,20 @@ def check_decode_bits_are_prefills(cuda, ops, shape, cache, window, softcap, blo
     ops.attention_prefill(prefilled, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables), tables.shape[1], gpu.put(qsl),
                           gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
                           gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
-                          block_size, width, scales, window, softcap)
-    decoded = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
-    ops.attention_decode(decoded, 0, 0, gpu.bf16(qkv[last]), k_dev, v_dev, gpu.put(tables),
-                         gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale,
-                         heads, kv_heads, head_dim, block_size, width, 1, scales, window, softcap, invariant=True)
+                          block_size, width, scales, window, softcap, invariant=True)
     want = gpu.get(prefilled, (tokens, heads * head_dim), np.uint16)[last]
-    got = gpu.get(decoded, (num_seqs, heads * head_dim), np.uint16)
     assert (want != 0x7FC0).all()  # every row written
-    differ = np.flatnonzero((got != want).any(axis=1))
-    assert differ.size == 0, f"contexts {context_lens[differ][:8]} differ"
+    rows = num_seqs * heads * INVARIANT_PARTS
+    q, tables_dev, lens = gpu.bf16(qkv[last]), gpu.put(tables), gpu.put(context_lens)
+    for splits in (1, 8, 32):
+        partial_o, partial_ml = gpu.poisoned((rows, head_dim), np.float32), gpu.poisoned((rows, 2), np.float32)
+        decoded = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
+        ops.attention_decode(decoded, partial_o, partial_ml, q, k_dev, v_dev, tables_dev,
+                             gpu.put(np.array([tables.shape[1]], np.int32)), lens, num_seqs, scale, heads, kv_heads,
+                             head_dim, block_size, width, splits, scales, window, softcap, invariant=True)
+        got = gpu.get(decoded, (num_seqs, heads * head_dim), np.uint16)
+        differ = np.flatnonzero((got != want).any(axis=1))
+        assert differ.size == 0, f"{splits} parts: contexts {context_lens[differ][:8]} differ"
 
 
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))

@@ -11,7 +11,7 @@ import pytest
 
 from tinyvllm.backends import sampler
 from tinyvllm.backends.base import Batch, SamplingBatch
-from tinyvllm.backends.cuda.ops import QkNorm, prefill_tiles
+from tinyvllm.backends.cuda.ops import INVARIANT_PARTS, QkNorm, prefill_tiles
 from tinyvllm.backends.cuda.tensors import BF16, F32
 from tinyvllm.backends.cuda.tensors import DeviceTensor as T
 from tinyvllm.backends.numpy_backend import (AttentionSpec, apply_rope, interleave_gate_up, paged_attention, qk_norm,
@@ -265,7 +265,7 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
     """attention_decode (with attention_combine when splits > 1) against paged_attention on random caches made by
     `caches` (k, v, tables, kv_scales: bf16 values and None, or fp8 codes and their scales): one context of 4999
     keys, or num_seqs of 1 to max_context - 1; window and softcap: the layer's (0: none); invariant: its
-    batch-invariant form (splits 1)."""
+    batch-invariant form (with splits > 1: parts of whole chunks, INVARIANT_PARTS slots a (sequence, head))."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(num_seqs * 100 + splits + block_size)
     context_lens = (np.array([4999]) if num_seqs == 1 else rng.integers(1, max_context, num_seqs)).astype(np.int32)
@@ -274,8 +274,9 @@ def check_attention_decode(cuda, ops, shape, num_seqs, splits, block_size=16, ca
     qkv = bf16_round(rng.standard_normal((num_seqs, width), dtype=np.float32))
     scale = 1 / math.sqrt(head_dim)
     out = gpu.poisoned((num_seqs, heads * head_dim), np.uint16)
-    partial_o = gpu.poisoned((num_seqs * heads * splits, head_dim), np.float32)
-    partial_ml = gpu.poisoned((num_seqs * heads * splits, 2), np.float32)
+    slots = INVARIANT_PARTS if invariant and splits > 1 else splits
+    partial_o = gpu.poisoned((num_seqs * heads * slots, head_dim), np.float32)
+    partial_ml = gpu.poisoned((num_seqs * heads * slots, 2), np.float32)
     k_dev, v_dev = (gpu.put(c) if c.dtype == np.uint8 else gpu.bf16(c) for c in (k, v))
     ops.attention_decode(out, partial_o, partial_ml, gpu.bf16(qkv), k_dev, v_dev, gpu.put(tables),
                          gpu.put(np.array([tables.shape[1]], np.int32)), gpu.put(context_lens), num_seqs, scale, heads,
@@ -312,9 +313,10 @@ def test_attention_decode_parts_of_short_contexts(cuda, ops, shape):
     check_attention_decode(cuda, ops, shape, 9, 32, max_context=1000)
 
 
-def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches, window=0, softcap=0.0):
+def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches, window=0, softcap=0.0, invariant=False):
     """attention_prefill against paged_attention on random caches made by `caches` (as check_attention_decode's):
-    "mixed" sequences, or 257 short ones; window and softcap: the layer's (0: none)."""
+    "mixed" sequences, or 257 short ones; window and softcap: the layer's (0: none); invariant: its batch-invariant
+    form."""
     head_dim, heads, kv_heads = ATTN_SHAPES[shape]
     gpu, rng = Gpu(cuda), np.random.default_rng(len(case) + head_dim)
     block_size = 16
@@ -337,7 +339,7 @@ def check_attention_prefill(cuda, ops, shape, case, caches=bf16_caches, window=0
                           gpu.put(qsl), gpu.put(context_lens), gpu.put(tile_seq.astype(np.int32)),
                           gpu.put(tile_row0.astype(np.int32)), len(tile_seq), scale, heads, kv_heads, head_dim,
                           block_size, width, None if kv_scales is None else tuple(gpu.put(s) for s in kv_scales),
-                          window, softcap)
+                          window, softcap, invariant)
     got = gpu.get_bf16(out, (tokens, heads * head_dim))
     batch = Batch(int(np.diff(qsl).max()), np.zeros(tokens, np.int32), positions, np.zeros(tokens, np.int32), qsl, context_lens, tables,
                   None)

@@ -14,10 +14,10 @@ caps them) that never leave the GPU: the sampler kernel returns token ids (and l
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
 whatever the row count, or at up to 8 rows gemv_chain, which adds in that algorithm's order, on the shapes
-_chain_shapes checked and timed (linear.py, cublas.py); a decode step's attention is attention_decode's
-batch-invariant form: the context in one part, its online softmax over attention_prefill's key tiles (multiples of
-its BLOCK_N from key 0), the same additions in the same order as that position gets in a prefill, a prefill chunk or
-a recomputation after preemption; sampling and logprobs keep a block a row (not split over a cluster at small
+_chain_shapes checked and timed (linear.py, cublas.py); attention runs its batch-invariant forms (attention_decode's
+and attention_prefill's _inv kernels): a row's keys in chunks of INVARIANT_CHUNK from key 0, each softmaxed over the
+prefill's key tiles and folded in the chunks' order, the same additions in the same order whether the position is
+decoded (in one part or in parts, by the batch), prefilled, in a chunk or recomputed after preemption; sampling and logprobs keep a block a row (not split over a cluster at small
 batches: another order of adding). The other kernels already treat each row alone. The MoE kernels choose their
 path by the batch, so an expert model is refused.
 
@@ -41,8 +41,8 @@ from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, WORKSPACE_BYTES
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, MMA_K, VECTOR, QkNorm, QuantizedOutput,
-                                       decode_splits, rope_fuses_qk_norm)
+from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, INVARIANT_PARTS, MMA_K, VECTOR, QkNorm,
+                                       QuantizedOutput, decode_splits, rope_fuses_qk_norm)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor
 from tinyvllm.backends.cuda.weights import WeightUploader
 from tinyvllm.config import EngineConfig
@@ -186,10 +186,16 @@ class CudaForward:
     def num_splits(self, num_seqs: int) -> int:
         return decode_splits(num_seqs, self.kv_heads, self.group, self.num_sms, self.head_dim)
 
+    def partial_slots(self, num_seqs: int) -> int:
+        """attention_decode's partial_o rows per (sequence, head) at this batch: a part's each, or (batch-invariant)
+        a chunk's each, the form's INVARIANT_PARTS."""
+        splits = self.num_splits(num_seqs)
+        return INVARIANT_PARTS if self.invariant and splits > 1 else splits
+
     def _allocate_buffers(self) -> None:
         cfg, t, s = self.config, self.max_tokens, self.max_seqs
         hidden, inter, vocab, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.head_dim
-        partial_rows = max(n * self.num_splits(n) for n in range(1, s + 1)) * self.heads
+        partial_rows = max(n * self.partial_slots(n) for n in range(1, s + 1)) * self.heads
         empty = self.device.empty
         self.buf = Activations(
             x=empty(F32, (t, hidden)), h=empty(BF16, (t, hidden)), h_codes=self._empty_codes(hidden),
@@ -471,7 +477,7 @@ class CudaForward:
         """One decode step of n (bucket-padded) sequences, sampled ids into out (sample=False: up to the logits):
         what a graph captures."""
         b = self.buf
-        splits = 1 if self.invariant else self.num_splits(n)  # batch-invariant: its _inv kernels, one part
+        splits = self.num_splits(n)
 
         def attention(i: int) -> DeviceTensor | None:
             codes = self.linear.quantized_input(self.layers[i].o, n)  # an FP8 O: the merge may quantize its input
@@ -502,7 +508,7 @@ class CudaForward:
                                        inp.ptr("context_lens"), inp.ptr("tile_seq"), inp.ptr("tile_row0"),
                                        num_tiles, self.scale, self.heads, self.kv_heads, self.head_dim,
                                        self.engine_config.block_size, self.qkv_width, self.kv_scales[i],
-                                       self.windows[i], self.softcap)
+                                       self.windows[i], self.softcap, self.invariant)
             return None
 
         self._layers(n, inp, out, attention)

@@ -60,16 +60,18 @@ class Kernel:
 
 
 def needed_kernels(head_dim: int, num_heads: int, num_kv_heads: int, fp8_kv_cache: bool,
-                   fp8_weights: bool = False, activation: str = "silu", experts: bool = False) -> list[str]:
+                   fp8_weights: bool = False, activation: str = "silu", experts: bool = False,
+                   invariant: bool = False) -> list[str]:
     """The kernels a model of these attention shapes launches: every kernel but the attention kernels' instances
-    for other head dims, KV cache dtypes and decode tiles (ops.py picks among them by the same rules), the FP8
-    weight kernels (and the attention merges that quantize) only for FP8 weights, of the gate/up GEMVs only the MLP
-    activation's, and the MoE kernels only for a model with experts."""
-    fp8 = "fp8_" if fp8_kv_cache else ""
+    for other head dims, KV cache dtypes, decode tiles and modes (ops.py picks among them by the same rules; the
+    batch-invariant forms and their merge with `invariant`), the FP8 weight kernels (and the attention merges that
+    quantize) only for FP8 weights, of the gate/up GEMVs only the MLP activation's, and the MoE kernels only for a
+    model with experts."""
+    fp8, inv = "fp8_" if fp8_kv_cache else "", "_inv" if invariant else ""
     rows = decode_rows(num_heads // num_kv_heads)
-    attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}", f"attention_prefill_{fp8}d{head_dim}",
-                 "attention_combine"} if head_dim in HEAD_DIMS else set()
-    if attention and fp8_weights:  # the merge that quantizes O's input
+    attention = {f"attention_decode_{fp8}d{head_dim}_r{rows}{inv}", f"attention_prefill_{fp8}d{head_dim}{inv}",
+                 "attention_combine" + inv} if head_dim in HEAD_DIMS else set()
+    if attention and fp8_weights and not invariant:  # the merge that quantizes O's input
         attention |= COMBINE_QUANTIZE_KERNELS
     return [name for name, signature in SIGNATURES.items()
             if (signature.file not in ATTENTION_FILES or name in attention)

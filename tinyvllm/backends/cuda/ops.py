@@ -32,6 +32,11 @@ DECODE_MIN_SPLIT_TILES = 4
 # 256 * 8 * 4 = 8192 (num_heads * head_dim) values
 COMBINE_ROW_THREADS = 256
 COMBINE_ROW_GROUPS = 4
+# batch-invariant attention: keys per chunk (softmaxed afresh, folded in order: cuda/mma.cuh; a multiple of every
+# head dim's block_n), and the slots of a (sequence, head) for a small batch's chunk states (contexts of up to
+# INVARIANT_CHUNK * INVARIANT_PARTS keys run in parts; a longer one in one)
+INVARIANT_CHUNK = 64
+INVARIANT_PARTS = 64
 NORM_CHUNKS = 2  # rms_norm: most 8-entry chunks of a row per thread (held in registers)
 MAX_THREADS = 1024  # threads per block the GPU allows
 SAMPLING_THREADS = 1024  # sample, logprobs: threads per block
@@ -58,10 +63,11 @@ MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per pipeline stage (128 contiguous bytes 
 MOE_GEMM_STAGES = 3  # moe_gemm_*: cp.async pipeline depth (two k-steps in flight while one is multiplied)
 MOE_GEMM_WARPS = {32: 4, 64: 8}  # moe_gemm_*_<m>: warps per block (64: two per 16 rows, each 64 of the 128 columns)
 DEFINES: dict[str, dict[str, int]] = {
-    "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M},
+    "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M, "INV_CHUNK": INVARIANT_CHUNK},
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
                          "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES, "COMBINE_ROW_THREADS": COMBINE_ROW_THREADS,
-                         "COMBINE_ROW_GROUPS": COMBINE_ROW_GROUPS},
+                         "COMBINE_ROW_GROUPS": COMBINE_ROW_GROUPS, "INV_CHUNK": INVARIANT_CHUNK,
+                         "INV_PARTS": INVARIANT_PARTS},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS, "ROW_SPLIT": SAMPLING_SPLIT},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
@@ -520,13 +526,15 @@ class Ops:
         float32 and partial_ml [same rows] float2, merged by attention_combine. kv_scales: an fp8 cache's K and V
         scales of this layer (device float32 [kv_heads] each); None: a bf16 cache. window: the layer's sliding
         window (0: none; the kernel reads no key before it); softcap: its attention-logit cap (0: none).
-        invariant: the batch-invariant form (attention_decode_*_inv: a row's bits are attention_prefill's; one part).
-        quantized: where the merge may write the rows quantized for an FP8 product instead of out
-        (attention_combine_quantize). Returns whether it did: only with parts to merge, so that the quantizing
-        costs no launch of its own."""
+        invariant: the batch-invariant form (attention_decode_*_inv: a row's bits are attention_prefill's _inv
+        kernels'; its parts are whole chunks of INVARIANT_CHUNK keys, partial_o holding INVARIANT_PARTS rows per
+        (sequence, head) when num_splits > 1, merged by attention_combine_inv). quantized: where the merge may write
+        the rows quantized for an FP8 product instead of out (attention_combine_quantize; not the invariant form).
+        Returns whether it did: only with parts to merge, so that the quantizing costs no launch of its own."""
         _require_attention_shape("attention_decode", head_dim, num_heads, num_kv_heads)
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
-        _require(not invariant or num_splits == 1, "attention_decode: the batch-invariant form takes one part")
+        _require(num_splits <= INVARIANT_PARTS or not invariant,
+                 f"attention_decode: {num_splits} parts exceed the invariant form's {INVARIANT_PARTS} slots")
         _require_window_softcap("attention_decode", window, softcap)
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
@@ -538,6 +546,10 @@ class Ops:
                     context_lens, scale, num_heads, num_kv_heads, block_size, row_stride, num_splits, window,
                     float(softcap), *(kv_scales or ()))
         if num_splits == 1:
+            return False
+        if invariant:
+            self.attention_combine_inv(out, partial_o, partial_ml, context_lens, num_seqs, num_heads, num_kv_heads,
+                                       head_dim, num_splits, window, kv_scales[1] if kv_scales else 0)
             return False
         if quantized is not None and combine_quantizes(num_heads * head_dim):
             self.attention_combine_quantize(quantized, out, partial_o, partial_ml, context_lens, num_seqs, num_heads,
@@ -554,6 +566,16 @@ class Ops:
         """Merge attention_decode's parts (window: the one it was given, which its parts are cut by)."""
         self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, context_lens,
                     num_splits, window)
+
+    @kernel("attention_decode", "bf16* out, const float* partial_o, const float2* partial_ml, const int* context_lens, "
+                                "int num_splits, int window, const float* v_scales, int group")
+    def attention_combine_inv(self, out: int, partial_o: int, partial_ml: int, context_lens: int, num_seqs: int,
+                              num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int, window: int,
+                              v_scales: int) -> None:
+        """Fold the chunk states of attention_decode's invariant parts in the chunks' order (v_scales: an fp8
+        cache's V scales of the layer, 0: a bf16 cache)."""
+        self.launch("attention_combine_inv", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml,
+                    context_lens, num_splits, window, v_scales, num_heads // num_kv_heads)
 
     @kernel("attention_decode", COMBINE_QUANTIZE_ARGS.format(codes="e4m3"), "attention_combine_quantize")
     @kernel("attention_decode", COMBINE_QUANTIZE_ARGS.format(codes="__half"), "attention_combine_quantize_values")
@@ -574,24 +596,25 @@ class Ops:
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
                                  "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
                                  "int num_heads, int num_kv_heads, int block_size, int row_stride, int window, "
-                                 "float softcap", *(f"attention_prefill_d{d}" for d in HEAD_DIMS))
+                                 "float softcap", *(f"attention_prefill_d{d}{inv}" for inv in ("", "_inv")
+                                                    for d in HEAD_DIMS))
     @kernel("attention_prefill", "bf16* out, const bf16* qkv, const e4m3* k_cache, const e4m3* v_cache, "
                                  "const int* block_tables, int bt_stride, const int* query_start_loc, "
                                  "const int* context_lens, const int* tile_seq, const int* tile_row0, float scale, "
                                  "int num_heads, int num_kv_heads, int block_size, int row_stride, int window, "
                                  "float softcap" + FP8_SCALES,
-            *(f"attention_prefill_fp8_d{d}" for d in HEAD_DIMS))
+            *(f"attention_prefill_fp8_d{d}{inv}" for inv in ("", "_inv") for d in HEAD_DIMS))
     def attention_prefill(self, out: int, qkv: int, k_cache: int, v_cache: int, block_tables: int, bt_stride: int,
                           query_start_loc: int, context_lens: int, tile_seq: int, tile_row0: int, num_tiles: int,
                           scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                           row_stride: int, kv_scales: tuple[int, int] | None = None, window: int = 0,
-                          softcap: float = 0.0) -> None:
-        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles). kv_scales, window
-        and softcap: as attention_decode's."""
+                          softcap: float = 0.0, invariant: bool = False) -> None:
+        """Prefill attention over num_tiles tiles listed in tile_seq / tile_row0 (prefill_tiles). kv_scales, window,
+        softcap and invariant: as attention_decode's."""
         _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
         _require_window_softcap("attention_prefill", window, softcap)
-        fp8 = "" if kv_scales is None else "fp8_"
-        self.launch(f"attention_prefill_{fp8}d{head_dim}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out,
+        fp8, inv = "" if kv_scales is None else "fp8_", "_inv" if invariant else ""
+        self.launch(f"attention_prefill_{fp8}d{head_dim}{inv}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out,
                     qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
                     scale, num_heads, num_kv_heads, block_size, row_stride, window, float(softcap),
                     *(kv_scales or ()))

@@ -287,7 +287,7 @@ class CudaBackend(Backend):
         cfg = model.config
         needed = needed_kernels(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
                                 engine_config.fp8_kv_cache, fp8_weights(model, engine_config), cfg.activation,
-                                cfg.num_experts > 0)
+                                cfg.num_experts > 0, engine_config.batch_invariant)
         # seconds per start-up phase, for `tinyvllm bench --startup`
         start = time.perf_counter()
         # the kernels build on a thread from here on (before the context is made), while the weights upload
