@@ -26,7 +26,7 @@ DECODE_WARPS = 2  # attention_decode: warps per block (each serves one KV head o
 DECODE_WIDE_WARPS = 1
 # attention_decode: fewest 16-key tiles in each part of a context cut into parts (a shorter context gets fewer
 # parts): at batch 1 and 256-512 keys (W3), parts of 1-2 tiles cost more in their merge than they gain (1.07-1.08 ms
-# per token with 1, 1.05-1.06 with 2-4; docs/PERFORMANCE.md)
+# per token with 1, 1.05-1.06 with 2-4; bench/results/PERFORMANCE-history.md)
 DECODE_MIN_SPLIT_TILES = 4
 # attention_combine_quantize: threads per block (a sequence per block) and 8-dim groups per thread, so rows of up to
 # 256 * 8 * 4 = 8192 (num_heads * head_dim) values
@@ -212,7 +212,7 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
     """The kernel, the grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv
     kernels (fp8: e4m3 weights, 16 of them per 16-byte load). The kernel is kernel_name, or its `_pipelined` form
     where a warp has more than one iteration of k and the grid fits on the GPU at one block per SM (that form's
-    occupancy): Llama-3.2-1B's down projection, 2% faster alone and W3 1% (docs/PERFORMANCE.md); 8B's QKV and O
+    occupancy): Llama-3.2-1B's down projection, 2% faster alone and W3 1% (bench/results/PERFORMANCE-history.md); 8B's QKV and O
     (2 iterations, 2-3 blocks per SM) were 10-15% slower in it."""
     _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
     per_iteration = FP8_GEMV_K_PER_ITERATION if fp8 else GEMV_K_PER_ITERATION
