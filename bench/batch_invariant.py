@@ -4,8 +4,9 @@ pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' split-free tile f
 
     python bench/batch_invariant.py --presets smollm2-135m,llama-3.2-1b --rows 256,64 --json out.json
 
-Prints, per preset, out tok/s (W1) and ms/token (W3) off and on, and on's cost in percent (W1: throughput lost;
-W3: latency added)."""
+Prints, per preset, out tok/s (W1) and ms/token (W3: its wall over its tokens) off and on, and on's cost in percent
+(W1: throughput lost; W3: latency added), and W3's time to first token and time per output token (ms), which split
+its wall into the prefill with the first token and the decode steps."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tup
         results = run_benchmark(llm, WORKLOADS, 1.0, 0, limits=limits)["workloads"]
     finally:
         llm.close()
-    return {"W1": results["W1"]["output_tok_s"], "W3": results["W3"]["ms_per_token"]}, limits
+    w3 = results["W3"]
+    return {"W1": results["W1"]["output_tok_s"], "W3": w3["ms_per_token"], "W3 TTFT": w3["ttft_p50_ms"],
+            "W3 TPOT": w3["tpot_p50_ms"]}, limits
 
 
 def positive_ints(text: str) -> list[int]:
@@ -60,13 +63,15 @@ def main() -> None:
                 table[preset][mode] = measure(preset, True, rows, limits)[0]
             except RuntimeError as e:  # an algorithm cuBLASLt refuses at some m: reported, the others still run
                 print(f"{preset} {mode}: {e}")
-    print(f"{'preset':<15}{'mode':<28}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}")
+    print(f"{'preset':<15}{'mode':<28}{'W1 out tok/s':>14}{'W1 cost':>9}{'W3 ms/token':>13}{'W3 cost':>9}"
+          f"{'W3 TTFT':>9}{'W3 TPOT':>9}")
     for preset, modes in table.items():
         off = modes["off"]
         for mode, r in modes.items():
             w1_cost = 100 * (1 - r["W1"] / off["W1"])
             w3_cost = 100 * (r["W3"] / off["W3"] - 1)
-            print(f"{preset:<15}{mode:<28}{r['W1']:>14,.0f}{w1_cost:>8.1f}%{r['W3']:>13.3f}{w3_cost:>8.1f}%")
+            print(f"{preset:<15}{mode:<28}{r['W1']:>14,.0f}{w1_cost:>8.1f}%{r['W3']:>13.3f}{w3_cost:>8.1f}%"
+                  f"{r['W3 TTFT']:>9.2f}{r['W3 TPOT']:>9.3f}")
     if args.json:
         args.json.write_text(json.dumps({"results": table, "limits": limits}, indent=2, default=str))
 
