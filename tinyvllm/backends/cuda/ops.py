@@ -212,8 +212,8 @@ def _gemv_geometry(kernel_name: str, m: int, n: int, k: int, num_sms: int,
     """The kernel, the grid and `split` (warps sharing one 16-row tile, each taking a part of k) of the gemv
     kernels (fp8: e4m3 weights, 16 of them per 16-byte load). The kernel is kernel_name, or its `_pipelined` form
     where a warp has more than one iteration of k and the grid fits on the GPU at one block per SM (that form's
-    occupancy): Llama-3.2-1B's down projection, 2% faster alone and W3 1% (bench/results/PERFORMANCE-history.md); 8B's QKV and O
-    (2 iterations, 2-3 blocks per SM) were 10-15% slower in it."""
+    occupancy): Llama-3.2-1B's down projection, 2% faster alone and W3 1% (bench/results/PERFORMANCE-history.md);
+    8B's QKV and O (2 iterations, 2-3 blocks per SM) were 10-15% slower in it."""
     _require(1 <= m <= GEMV_MAX_ROWS, f"{kernel_name}: m = {m} rows not in 1..{GEMV_MAX_ROWS}")
     per_iteration = FP8_GEMV_K_PER_ITERATION if fp8 else GEMV_K_PER_ITERATION
     if fp8:
@@ -614,9 +614,9 @@ class Ops:
         _require_attention_shape("attention_prefill", head_dim, num_heads, num_kv_heads)
         _require_window_softcap("attention_prefill", window, softcap)
         fp8, inv = "" if kv_scales is None else "fp8_", "_inv" if invariant else ""
-        self.launch(f"attention_prefill_{fp8}d{head_dim}{inv}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32, out,
-                    qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq, tile_row0,
-                    scale, num_heads, num_kv_heads, block_size, row_stride, window, float(softcap),
+        self.launch(f"attention_prefill_{fp8}d{head_dim}{inv}", (num_tiles, num_kv_heads), PREFILL_BLOCK_M // 16 * 32,
+                    out, qkv, k_cache, v_cache, block_tables, bt_stride, query_start_loc, context_lens, tile_seq,
+                    tile_row0, scale, num_heads, num_kv_heads, block_size, row_stride, window, float(softcap),
                     *(kv_scales or ()))
 
     @kernel("sampling", "int* out, const float* logits, int vocab, const float* temperature, const float* top_p, "
