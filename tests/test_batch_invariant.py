@@ -73,6 +73,33 @@ def layouts(model_dir, seeded: bool, invariant: bool, n: int = 1, **engine) -> d
     return out
 
 
+LONG_PROBE = "Count with me: " + " ".join(str(i) for i in range(60))  # well over 128 tokens
+
+
+def long_layouts(model_dir, invariant: bool, **engine) -> dict[str, list[tuple]]:
+    """A probe whose context spans several of the cuda attention's 64-key chunks in each layout: alone (batch 1:
+    cuda decodes its chunks in the most parts), prefilled in 24-token steps that start mid-chunk among 199 short
+    others (decode steps of up to 200 rows: fewer parts, or one), and prefilled from the prefix cache."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    others = SamplingParams(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True)
+
+    def llm(**kw):
+        return llm_for(model_dir, batch_invariant=invariant, **{**engine, **kw})
+
+    out = {}
+    with llm(max_num_seqs=1) as solo:
+        out["alone"] = [signature(solo.generate(LONG_PROBE, params)[0])]
+        assert len(solo.generate(LONG_PROBE, params)[0].prompt_token_ids) > 128
+    with llm(max_num_seqs=200, max_num_batched_tokens=24) as mixed:
+        prompts = [f"short {i}" for i in range(100)] + [LONG_PROBE] + [f"short {i}" for i in range(100, 199)]
+        results = mixed.generate(prompts, [others] * 100 + [params] + [others] * 99)
+        out["among 199, chunked"] = [signature(results[100])]
+    with llm() as cached:
+        cached.generate(LONG_PROBE, params)
+        out["prefix-cache hit"] = [signature(cached.generate(LONG_PROBE, params)[0])]
+    return out
+
+
 def differing(sigs: dict[str, list[tuple]]) -> list[str]:
     base = sigs["alone"]
     return [f"{name}: probe {i}" for name, got in sigs.items() for i, (a, b) in enumerate(zip(base, got)) if a != b]
@@ -85,6 +112,10 @@ def test_probes_bitwise_equal_in_every_layout(tiny_model_dir, seeded):
 
 def test_probes_with_n_2_bitwise_equal(tiny_model_dir):
     assert differing(layouts(tiny_model_dir, seeded=True, invariant=True, n=2)) == []
+
+
+def test_a_long_context_bitwise_equal_in_every_layout(tiny_model_dir):
+    assert differing(long_layouts(tiny_model_dir, invariant=True)) == []
 
 
 def test_without_it_some_layout_differs(tiny_model_dir):

@@ -7,7 +7,7 @@ kernels: tests/gpu/test_attention_invariant.py)."""
 
 import numpy as np
 import pytest
-from test_batch_invariant import differing, layouts
+from test_batch_invariant import differing, layouts, long_layouts
 
 from tinyvllm.backends.cuda import cublas
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F32, DeviceTensor
@@ -43,6 +43,12 @@ def window_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_probes_bitwise_equal_in_every_layout(cuda, model_dir, seeded):
     assert differing(layouts(model_dir, seeded, invariant=True, **ENGINE)) == []
+
+
+def test_a_long_context_bitwise_equal_in_every_layout(cuda, model_dir):
+    """Its context crosses the invariant attention's 64-key chunks: folded in one part, in parts and by prefill
+    steps that start mid-chunk, the same bits."""
+    assert differing(long_layouts(model_dir, invariant=True, **ENGINE)) == []
 
 
 def test_the_chain_gemv_serves_the_shapes_it_was_timed_faster_on(cuda, model_dir):
