@@ -45,13 +45,17 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,llama-3.2-1b")
     parser.add_argument("--rows", type=positive_ints, default=[cublas.INVARIANT_ROWS],
                         help="comma-separated INVARIANT_ROWS values to run 'on' with")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     table, limits = {}, None
     default_rows = cublas.INVARIANT_ROWS
     for preset in args.presets.split(","):

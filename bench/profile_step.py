@@ -179,7 +179,7 @@ def chain(llm: LLM, steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
     return chain_times(kernels, "resolve_tokens")  # a decode step's first kernel (forward.py)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dummy-weights", default="llama-3.2-1b")
     parser.add_argument("--model", default=None, help="a model dir instead of dummy weights (an FP8 checkpoint)")
@@ -190,7 +190,11 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="the LLM's quantization")
     parser.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8: the LM head too")
     parser.add_argument("--batch-invariant", action="store_true", help="the LLM's batch_invariant")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     model = load_model(args.model) if args.model else dummy_model(args.dummy_weights)
     for batch in map(int, args.batch.split(",")):
         llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096, quantization=args.quantization,
