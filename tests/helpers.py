@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,18 @@ def require(module: str) -> ModuleType:
         if os.environ.get("CI"):
             pytest.fail(f"{module} is required when CI is set: {e}", pytrace=False)
         pytest.skip(f"{module} is not installed: {e}", allow_module_level=True)
+
+
+def run_device_script(script: Path, args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, list]:
+    """Run a bench/*_device.sh script with $PYTHON a stand-in that logs each call's arguments instead of running
+    it: (the finished process, each call's arguments as a list)."""
+    log, fake = tmp_path / "calls.txt", tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {shlex.quote(str(log))}\n')
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(script), *args], env={**os.environ, "PYTHON": str(fake)},
+                          cwd=script.parents[1], capture_output=True, text=True, timeout=60)
+    calls = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return done, calls
 
 
 def load_script(path: Path, name: str) -> ModuleType:
