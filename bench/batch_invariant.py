@@ -6,7 +6,8 @@ pinned GEMM algorithms (cublas.INVARIANT_ROWS: the heuristics' split-free tile f
 
 Prints, per preset, out tok/s (W1) and ms/token (W3: its wall over its tokens) off and on, and on's cost in percent
 (W1: throughput lost; W3: latency added), and W3's time to first token and time per output token (ms), which split
-its wall into the prefill with the first token and the decode steps."""
+its wall into the prefill with the first token and the decode steps; for each "on" LLM, which weight shapes run
+gemv_chain at up to 8 rows and which cuBLAS (each LLM times its own at start-up: benchmark.chain_choices)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tinyvllm.backends.cuda import cublas  # noqa: E402
-from tinyvllm.benchmark import bench_llm, measure_limits, run_benchmark  # noqa: E402
+from tinyvllm.benchmark import bench_llm, chain_choices, measure_limits, run_benchmark  # noqa: E402
 
 WORKLOADS = ["W1", "W3"]
 
@@ -30,6 +31,8 @@ def measure(preset: str, invariant: bool, rows: int, limits: dict | None) -> tup
     try:
         limits = limits or measure_limits(llm.backend)
         results = run_benchmark(llm, WORKLOADS, 1.0, 0, limits=limits)["workloads"]
+        if invariant:
+            print(f"{preset} on (rows {rows}): {chain_choices(llm)}")
     finally:
         llm.close()
     w3 = results["W3"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.benchmark import dummy_model
+from tinyvllm.benchmark import chain_choices, dummy_model
 from tinyvllm.model.loader import load_model
 
 
@@ -200,6 +200,8 @@ def main() -> None:
         llm = LLM(model, backend="cuda", max_num_seqs=batch, max_model_len=4096, quantization=args.quantization,
                   quantize_lm_head=args.quantize_lm_head, batch_invariant=args.batch_invariant)
         llm.backend.finish_startup()  # no graph capture on a thread beside the timed steps (or the profiler)
+        if args.batch_invariant:
+            print(f"batch-invariant products of up to 8 rows: {chain_choices(llm)}")
         fill(llm, batch, args.prompt_len)
         split = host_vs_gpu(llm, args.steps)
         if args.chain:

@@ -121,8 +121,8 @@ def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypat
 
 
 def test_the_chain_is_kept_where_it_times_faster(forward_module, monkeypatch):
-    """_chain_faster times gemv_chain and cuBLAS at 1 and 8 rows, CHAIN_TIMING_RUNS runs each after the L2 is
-    overwritten, and keeps the chain where the summed medians are the smaller."""
+    """_chain_faster runs gemv_chain and cuBLAS at 1 and 8 rows once untimed, then times them in turn, CHAIN_TIMING_RUNS
+    runs each after the L2 is overwritten, and keeps the chain where the summed medians are the smaller."""
     flushes, times = [], {"chain": [1.0, 9.0, 1.0, 1.0, 1.0], "blas": [2.0] * 5}
     recorder = TypedRecorder()
     forward = invariant_forward(forward_module, recorder)
@@ -143,9 +143,11 @@ def test_the_chain_is_kept_where_it_times_faster(forward_module, monkeypatch):
 
     monkeypatch.setattr(forward_module.CudaForward, "_elapsed", elapsed)
     w = forward.layers[0].o
+    launches_before = list(recorder.launches)
     assert forward._chain_faster(w)  # the chain's medians 1 + 1 against 2 + 2
     assert forward.chain_timings[w.shape] == (2.0, 4.0)
-    assert runs == ["chain"] * 10 + ["blas"] * 10
+    assert runs == ["chain", "blas"] * 10  # alternating, after one untimed run of each form at each row count
+    assert len(recorder.launches) == len(launches_before) + 2 + 10  # the chain's launches: 2 untimed, 10 timed
     assert flushes.count(2 * forward.device.l2_bytes) == 20
     times["chain"] = [3.0] * 5
     assert not forward._chain_faster(w) and forward.chain_timings[w.shape] == (6.0, 4.0)

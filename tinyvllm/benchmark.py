@@ -346,6 +346,18 @@ def bench_llm(model: str | Path | None, dummy_weights: str = "llama-3.2-1b", wor
     return LLM(loaded, **engine)
 
 
+def chain_choices(llm) -> str:
+    """A batch-invariant cuda LLM's choice per weight shape between gemv_chain and cuBLAS's pinned algorithm for up
+    to 8 rows, with the start-up timings it chose by (CudaForward._chain_faster): each LLM times its own, so two
+    runs may choose apart where the times are close, and their batch-1 steps differ by it."""
+    forward = getattr(llm.backend, "forward", None)
+    timings = getattr(forward, "chain_timings", None)
+    if not timings:
+        return "no gemv_chain timings (not batch-invariant cuda)"
+    return "; ".join(f"{n}x{k} {'chain' if chain < blas else 'cuBLAS'} ({chain * 1e3:.1f} vs {blas * 1e3:.1f} us)"
+                     for (n, k), (chain, blas) in sorted(timings.items()))
+
+
 @contextmanager
 def engine_settings(llm, **changes):
     """Run the block with these SWITCHABLE settings changed: the LLM's EngineConfig is replaced by one with them (so

@@ -383,23 +383,26 @@ class CudaForward:
 
     def _chain_faster(self, w: DeviceTensor) -> bool:
         """Whether gemv_chain multiplies 1 and 8 rows by w in less GPU time than cuBLAS's pinned algorithm, summed
-        over both row counts: each the median of CHAIN_TIMING_RUNS runs, each run after the L2 is overwritten.
-        The times are kept in chain_timings (shape -> (chain, cuBLAS) ms)."""
+        over both row counts: each the median of CHAIN_TIMING_RUNS runs, each run after the L2 is overwritten. Each
+        form runs once untimed, then the runs alternate between the two (chain, cuBLAS, chain, ...), so that a GPU
+        still raising its clocks at start-up slows both alike. The times are kept in chain_timings (shape -> (chain,
+        cuBLAS) ms)."""
         n, k = w.shape
         x, out = self.device.empty(BF16, (GEMV_MAX_ROWS, k)), self.device.empty(F32, (GEMV_MAX_ROWS, n))
         flush = self.device.empty(U8, (2 * self.device.l2_bytes,))
         cuda.memset_d8_async(x.ptr, 0, x.nbytes, self.stream)
-
-        def timed(run: Callable[[], None]) -> float:
-            times = []
-            for _ in range(CHAIN_TIMING_RUNS):
+        forms = {(form, m): run for m in (1, GEMV_MAX_ROWS) for form, run in (
+            ("chain", lambda m=m: self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, True, False)),
+            ("blas", lambda m=m: self.blas.gemm(out, x, w, m)))}
+        for run in forms.values():
+            run()
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in forms}
+        for _ in range(CHAIN_TIMING_RUNS):
+            for key, run in forms.items():
                 cuda.memset_d8_async(flush.ptr, 0, flush.nbytes, self.stream)  # also gives the host a head start
-                times.append(self._elapsed(run))
-            return sorted(times)[len(times) // 2]
-
-        rows = (1, GEMV_MAX_ROWS)
-        chain = sum(timed(lambda m=m: self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, True, False)) for m in rows)
-        blas = sum(timed(lambda m=m: self.blas.gemm(out, x, w, m)) for m in rows)
+                times[key].append(self._elapsed(run))
+        chain, blas = (sum(sorted(runs)[len(runs) // 2] for (f, _), runs in times.items() if f == form)
+                       for form in ("chain", "blas"))
         for tensor in (x, out, flush):
             self.device.free(tensor)
         self.chain_timings[(n, k)] = (chain, blas)
