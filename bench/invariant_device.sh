@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 43's batch-invariant mode on one GPU, run from the repository root: its GPU tests (the attention kernels bit
-# for bit, the engine's layouts), then bench/batch_invariant.py (W1 and W3 off and on, W3's TTFT and TPOT) and, for
-# each preset, where a batch-1 decode step goes off and on (bench/profile_step.py --chain). Logs in OUT; a summary
-# on stdout. About 6 minutes on an H100 (tests ~4, benchmarks ~2).
+# for bit, the engine's layouts), then bench/batch_invariant.py (W1 and W3 off and on, W3's TTFT and TPOT, each "on"
+# LLM's gemv_chain-or-cuBLAS choice), gemv_chain against cuBLAS's pinned algorithm on Llama-3.2-1B's shapes
+# (bench/gemv.py --invariant) and, for each preset, where a batch-1 decode step goes off and on
+# (bench/profile_step.py --chain). Logs in OUT; a summary on stdout. About 6.5 minutes on an H100 (tests ~4,
+# benchmarks ~2.5).
 #
 #   bash bench/invariant_device.sh OUT [PRESETS]     # PRESETS: default smollm2-135m,llama-3.2-1b
 #
@@ -25,11 +27,15 @@ for log in "$OUT"/tests-*.txt; do
 done
 $PYTHON bench/batch_invariant.py --presets "$PRESETS" --json "$OUT/batch_invariant.json" > "$OUT/batch_invariant.txt" 2>&1
 cat "$OUT/batch_invariant.txt"
+$PYTHON bench/gemv.py --invariant --runs 50 > "$OUT/gemv-invariant.txt" 2>&1
+grep -v "^ *bits" "$OUT/gemv-invariant.txt"  # the per-shape times and the step's sum; of the bit checks, failures
+grep "DIFFERS" "$OUT/gemv-invariant.txt"
 for preset in ${PRESETS//,/ }; do
   for mode in "" --batch-invariant; do
     log="$OUT/profile-$preset${mode:+-invariant}.txt"
     $PYTHON bench/profile_step.py --dummy-weights "$preset" --batch 1 --chain $mode > "$log" 2>&1
     echo "$preset ${mode:-(off)}: $(grep -m 1 "graph step" "$log")"
+    grep -m 1 "batch-invariant products" "$log"  # (on) which shapes ran gemv_chain
   done
 done
 echo "invariant_device: $(( SECONDS - start )) s"

@@ -1,7 +1,8 @@
 """The bench/*_device.sh scripts (one device call each) with a stand-in python that records each call: they build
 the kernels, then run what they run with arguments the scripts' own parsers take, results under the directory
 given. host_loop_device.sh: issue 38's profiles (profile_host, profile_job); invariant_device.sh: issue 43's GPU
-tests, bench/batch_invariant.py on the presets given and bench/profile_step.py at batch 1 off and on for each."""
+tests, bench/batch_invariant.py on the presets given, bench/gemv.py --invariant and bench/profile_step.py at batch 1
+off and on for each."""
 
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def test_the_invariant_script_runs_the_tests_and_benchmarks_with_arguments_they_
     assert calls[3][0] == "bench/batch_invariant.py"
     args = bench.parse_args(calls[3][1:])
     assert args.presets == "tiny,tiny-moe" and args.json.parent == results
+    # bench/gemv.py imports pycuda at the top (not loadable here): its flags as its parser declares them
+    assert calls[4] == ["bench/gemv.py", "--invariant", "--runs", "50"]
+    gemv = (ROOT / "bench" / "gemv.py").read_text()
+    assert all(f'add_argument("{flag}"' in gemv for flag in ("--invariant", "--runs"))
     profile = load_script(ROOT / "bench" / "profile_step.py", "profile_step")
-    assert [call[0] for call in calls[4:]] == ["bench/profile_step.py"] * 4
-    runs = [profile.parse_args(call[1:]) for call in calls[4:]]
+    assert [call[0] for call in calls[5:]] == ["bench/profile_step.py"] * 4
+    runs = [profile.parse_args(call[1:]) for call in calls[5:]]
     assert [(a.dummy_weights, a.batch_invariant) for a in runs] == [("tiny", False), ("tiny", True),
                                                                    ("tiny-moe", False), ("tiny-moe", True)]
     assert all(a.batch == "1" and a.chain for a in runs)
