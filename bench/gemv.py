@@ -1,6 +1,7 @@
-"""Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on Llama-3.2-1B's decode GEMMs, m = 1, 2, 4, 8.
+"""Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on a model's decode GEMMs (default Llama-3.2-1B's;
+--preset names another --dummy-weights preset, a dense one), m = 1, 2, 4, 8.
 
-    python bench/gemv.py [--runs 100] [--fp8 | --invariant]
+    python bench/gemv.py [--runs 100] [--preset llama-3.2-1b] [--fp8 | --invariant]
 
 --fp8: the FP8 GEMV (e4m3 weights with per-row scales, cuda/fp8.cu) against our bf16 GEMV on the same shapes
 (the "cuBLAS" columns then hold the bf16 GEMV; bandwidth is each one's own weight bytes).
@@ -30,14 +31,12 @@ from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.cublas import WORKSPACE_BYTES
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor
+from tinyvllm.benchmark import decode_gemm_shapes
 from tinyvllm.model.dtypes import e4m3_to_f32
+from tinyvllm.model.dummy import PRESETS
 
 WORKING_SET = 256 << 20  # weight bytes the launches of one shape rotate through: well beyond L2
 SPIN_S = 100e-6  # GPU time queued before each timed launch: longer than the host takes to enqueue it
-LAYERS = 16
-# name: (n, k, out_fp32, accumulate) as CudaBackend runs them; O and down add into the float32 residual stream
-SHAPES = {"qkv": (3072, 2048, False, False), "o": (2048, 2048, True, True), "gate_up": (16384, 2048, False, False),
-          "down": (2048, 8192, True, True), "lm_head": (128256, 2048, True, False)}
 SPIN_SOURCE = """
 extern "C" __global__ void spin(long long cycles) {
     const long long start = clock64();
@@ -167,20 +166,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--m", default="1,2,4,8")
+    parser.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS), help="whose decode GEMMs")
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
     kind.add_argument("--invariant", action="store_true", help="gemv_chain against the pinned cuBLAS algorithm")
     args = parser.parse_args()
     ms = [int(m) for m in args.m.split(",")]
+    config = PRESETS[args.preset]()
+    if config.num_experts:
+        parser.error(f"--preset {args.preset}: a mixture of experts (its experts run grouped, not as these GEMVs)")
+    shapes, layers = decode_gemm_shapes(config), config.num_hidden_layers
     device = Device(0)
     stream = device.stream()
     blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)), invariant=args.invariant)
     linear = Linear(blas, device.ops(stream), invariant=args.invariant)
     fp8 = None
     if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x as it loads it)
-        t, width = max(ms), max(k for _, k, _, _ in SHAPES.values())
+        t, width = max(ms), max(k for _, k, _, _ in shapes.values())
         fp8 = Linear(blas, device.ops(stream), fp8=Fp8Scratch(device.empty(E4M3, (t, width)), device.empty(F32, (t,)),
-                                                             device.empty(F32, (t, 128256))))
+                                                             device.empty(F32, (t, config.vocab_size))))
     timer = Timer(stream, args.runs)
     copy = copy_rate(timer)
     print(f"{cuda.Context.get_device().name()}: copy rate {copy / 1e9:.0f} GB/s (memcpy_dtod_async of 256 MiB, "
@@ -188,20 +192,21 @@ def main() -> None:
     print(f"{'shape':<9}{'n':>7}{'k':>6}{'m':>3}{'GEMV µs':>10}{'cuBLAS µs':>11}{'GEMV GB/s':>11}{'cuBLAS GB/s':>13}"
           f"{'GEMV/copy':>11}{'cuBLAS/copy':>13}{'speedup':>9}")
     times = {}
-    for name, (n, k, out_fp32, accumulate) in SHAPES.items():
+    for name, (n, k, out_fp32, accumulate) in shapes.items():
         times[name] = time_shape(timer, linear, blas, n, k, out_fp32, accumulate, ms, fp8)
         weight_bytes = (1 if fp8 else 2) * n * k
         for m, (ours, theirs) in times[name].items():
             ours_bw, theirs_bw = weight_bytes / ours * 1e6, weight_bytes / theirs * 1e6
             print(f"{name:<9}{n:>7}{k:>6}{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}"
                   f"{theirs_bw / 1e9:>13.0f}{ours_bw / copy:>11.0%}{theirs_bw / copy:>13.0%}{theirs / ours:>9.2f}")
-    step_bytes = sum((1 if fp8 else 2) * n * k * (1 if name == "lm_head" else LAYERS) for name, (n, k, _, _) in SHAPES.items())
-    print(f"\none Llama-3.2-1B decode step: {LAYERS} layers x (qkv + o + gate_up + down) + lm_head, "
+    step_bytes = sum((1 if fp8 else 2) * n * k * (1 if name == "lm_head" else layers)
+                     for name, (n, k, _, _) in shapes.items())
+    print(f"\none {args.preset} decode step: {layers} layers x (qkv + o + gate_up + down) + lm_head, "
           f"{step_bytes / 1e9:.2f} GB of weights")
     print(f"{'m':>3}{'GEMV µs':>10}{'cuBLAS µs':>11}{'GEMV GB/s':>11}{'cuBLAS GB/s':>13}{'GEMV/copy':>11}"
           f"{'cuBLAS/copy':>13}{'speedup':>9}")
     for m in ms:
-        ours, theirs = (sum(times[name][m][i] * (1 if name == "lm_head" else LAYERS) for name in SHAPES)
+        ours, theirs = (sum(times[name][m][i] * (1 if name == "lm_head" else layers) for name in shapes)
                         for i in (0, 1))
         ours_bw, theirs_bw = step_bytes / ours * 1e6, step_bytes / theirs * 1e6
         print(f"{m:>3}{ours:>10.1f}{theirs:>11.1f}{ours_bw / 1e9:>11.0f}{theirs_bw / 1e9:>13.0f}"

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Issue 43's batch-invariant mode on one GPU, run from the repository root: its GPU tests (the attention kernels bit
 # for bit, the engine's layouts), then bench/batch_invariant.py (W1 and W3 off and on, W3's TTFT and TPOT, each "on"
-# LLM's gemv_chain-or-cuBLAS choice), gemv_chain against cuBLAS's pinned algorithm on Llama-3.2-1B's shapes
-# (bench/gemv.py --invariant) and, for each preset, where a batch-1 decode step goes off and on
-# (bench/profile_step.py --chain). Logs in OUT; a summary on stdout. About 6.5 minutes on an H100 (tests ~4,
-# benchmarks ~2.5).
+# LLM's gemv_chain-or-cuBLAS choice), then for each preset gemv_chain against cuBLAS's pinned algorithm on its
+# shapes (bench/gemv.py --invariant) and where a batch-1 decode step goes off and on (bench/profile_step.py --chain).
+# Logs in OUT; a summary on stdout. About 7 minutes on an H100 (tests ~4, benchmarks ~3).
 #
 #   bash bench/invariant_device.sh OUT [PRESETS]     # PRESETS: default smollm2-135m,llama-3.2-1b
 #
@@ -27,10 +26,11 @@ for log in "$OUT"/tests-*.txt; do
 done
 $PYTHON bench/batch_invariant.py --presets "$PRESETS" --json "$OUT/batch_invariant.json" > "$OUT/batch_invariant.txt" 2>&1
 cat "$OUT/batch_invariant.txt"
-$PYTHON bench/gemv.py --invariant --runs 50 > "$OUT/gemv-invariant.txt" 2>&1
-grep -v "^ *bits" "$OUT/gemv-invariant.txt"  # the per-shape times and the step's sum; of the bit checks, failures
-grep "DIFFERS" "$OUT/gemv-invariant.txt"
 for preset in ${PRESETS//,/ }; do
+  log="$OUT/gemv-invariant-$preset.txt"
+  $PYTHON bench/gemv.py --invariant --runs 50 --preset "$preset" > "$log" 2>&1
+  grep -v "^ *bits" "$log"  # the per-shape times and the step's sum; of the bit checks, failures
+  grep "DIFFERS" "$log"
   for mode in "" --batch-invariant; do
     log="$OUT/profile-$preset${mode:+-invariant}.txt"
     $PYTHON bench/profile_step.py --dummy-weights "$preset" --batch 1 --chain $mode > "$log" 2>&1

@@ -30,7 +30,8 @@ def test_the_device_script_calls_the_profilers_with_arguments_they_take(tmp_path
 
 def test_the_invariant_script_runs_the_tests_and_benchmarks_with_arguments_they_take(tmp_path):
     results = tmp_path / "results"
-    done, calls = run_device_script(ROOT / "bench" / "invariant_device.sh", [str(results), "tiny,tiny-moe"], tmp_path)
+    done, calls = run_device_script(ROOT / "bench" / "invariant_device.sh", [str(results), "tiny,llama-3.2-1b"],
+                                     tmp_path)
     assert done.returncode == 0, done.stderr
     assert calls[0] == ["-m", "tinyvllm", "build-kernels"]
     tests = sorted(call[-1] for call in calls[1:3])  # the two pytest runs, side by side
@@ -40,15 +41,17 @@ def test_the_invariant_script_runs_the_tests_and_benchmarks_with_arguments_they_
     bench = load_script(ROOT / "bench" / "batch_invariant.py", "batch_invariant")
     assert calls[3][0] == "bench/batch_invariant.py"
     args = bench.parse_args(calls[3][1:])
-    assert args.presets == "tiny,tiny-moe" and args.json.parent == results
-    # bench/gemv.py imports pycuda at the top (not loadable here): its flags as its parser declares them
-    assert calls[4] == ["bench/gemv.py", "--invariant", "--runs", "50"]
+    assert args.presets == "tiny,llama-3.2-1b" and args.json.parent == results
+    # bench/gemv.py imports pycuda at the top (not loadable here): its flags as its parser declares them, and for
+    # each preset it runs before that preset's two profiles
     gemv = (ROOT / "bench" / "gemv.py").read_text()
-    assert all(f'add_argument("{flag}"' in gemv for flag in ("--invariant", "--runs"))
+    assert all(f'add_argument("{flag}"' in gemv for flag in ("--invariant", "--runs", "--preset"))
+    assert [call[0] for call in calls[4:]] == ["bench/gemv.py", *["bench/profile_step.py"] * 2] * 2
+    assert [calls[4], calls[7]] == [["bench/gemv.py", "--invariant", "--runs", "50", "--preset", p]
+                                    for p in ("tiny", "llama-3.2-1b")]
     profile = load_script(ROOT / "bench" / "profile_step.py", "profile_step")
-    assert [call[0] for call in calls[5:]] == ["bench/profile_step.py"] * 4
-    runs = [profile.parse_args(call[1:]) for call in calls[5:]]
+    runs = [profile.parse_args(call[1:]) for call in calls[5:7] + calls[8:]]
     assert [(a.dummy_weights, a.batch_invariant) for a in runs] == [("tiny", False), ("tiny", True),
-                                                                   ("tiny-moe", False), ("tiny-moe", True)]
+                                                                   ("llama-3.2-1b", False), ("llama-3.2-1b", True)]
     assert all(a.batch == "1" and a.chain for a in runs)
     assert "invariant_device:" in done.stdout

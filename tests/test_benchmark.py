@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM
-from tinyvllm.benchmark import (Storage, dummy_model, workload_floor, format_results, kv_bytes_per_token,
-                                make_workload, matmul_params, run_benchmark, run_j1, run_storage, weight_bytes)
+from tinyvllm.benchmark import (Storage, decode_gemm_shapes, dummy_model, workload_floor, format_results,
+                                kv_bytes_per_token, make_workload, matmul_params, run_benchmark, run_j1, run_storage, weight_bytes)
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
 from tinyvllm.model.loader import Bf16Bytes, as_bf16, load_model, weight_shapes
@@ -324,3 +324,23 @@ def test_chain_choices_name_each_shapes_form_and_its_timings():
     llm = SimpleNamespace(backend=SimpleNamespace(forward=forward))
     assert chain_choices(llm) == ("2048x8192 cuBLAS (44.0 vs 42.0 us); 3072x2048 chain (22.9 vs 24.5 us)")
     assert chain_choices(SimpleNamespace(backend=SimpleNamespace())).startswith("no gemv_chain timings")
+
+
+@pytest.mark.parametrize("preset", sorted(p for p, make in PRESETS.items() if not make().num_experts))
+def test_the_decode_gemm_shapes_are_the_checkpoint_matrices_the_layers_multiply_by(preset):
+    config = PRESETS[preset]()
+    layer = {name.split(".")[-2]: shape for name, shape in weight_shapes(config).items()
+             if name.startswith("model.layers.0.") and len(shape) == 2}
+    rows = {product: sum(layer[part][0] for part in parts) for product, parts in (
+        ("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")))
+        if all(part in layer for part in parts)}
+    rows.setdefault("qkv", layer.get("qkv_proj", (0,))[0])
+    rows.setdefault("gate_up", layer.get("gate_up_proj", (0,))[0])
+    shapes = {name: (n, k) for name, (n, k, _, _) in decode_gemm_shapes(config).items()}
+    assert shapes == {"qkv": (rows["qkv"], config.hidden_size), "o": layer["o_proj"],
+                      "gate_up": (rows["gate_up"], config.hidden_size), "down": layer["down_proj"],
+                      "lm_head": weight_shapes(config)["lm_head.weight"]}
+    # O and down add into the float32 residual stream; QKV and gate/up write bf16; the logits are float32
+    assert {name: flags for name, (_, _, *flags) in decode_gemm_shapes(config).items()} == {
+        "qkv": [False, False], "o": [True, True], "gate_up": [False, False], "down": [True, True],
+        "lm_head": [True, False]}

@@ -155,6 +155,18 @@ def matmul_params(config: ModelConfig) -> int:
         config.vocab_size * h
 
 
+def decode_gemm_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool, bool]]:
+    """A dense model's decode GEMMs as the cuda backend runs them, each (n, k, float32 output, added to the output):
+    QKV, O, gate/up (both in one product), down, the LM head; O and down add into the float32 residual stream
+    (bench/gemv.py times them)."""
+    h, d = config.hidden_size, config.head_dim
+    return {"qkv": ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h, False, False),
+            "o": (h, config.num_attention_heads * d, True, True),
+            "gate_up": (2 * config.intermediate_size, h, False, False),
+            "down": (h, config.intermediate_size, True, True),
+            "lm_head": (config.vocab_size, h, True, False)}
+
+
 def expert_params(config: ModelConfig) -> int:
     """One expert's parameters (gate, up and down of moe_intermediate_size); 0 for a dense model."""
     return 3 * config.hidden_size * config.moe_intermediate_size if config.num_experts else 0
