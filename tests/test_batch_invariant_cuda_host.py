@@ -10,7 +10,8 @@ import pytest
 from tinyvllm.backends.cuda.linear import Linear
 from tinyvllm.backends.cuda.ops import INVARIANT_PARTS, Ops, decode_blocks
 
-from test_cuda_ops import FakeBuffers, FakeDevice, FakeStream, RecordingBlas, TypedRecorder, forward_module  # noqa: F401
+from test_cuda_ops import (FakeBuffers, FakeDevice, FakeGraph, FakeStream, RecordingBlas, TypedRecorder,  # noqa: F401
+                           engine_config_for, forward_module, graphs_module)
 
 
 @pytest.fixture(autouse=True)
@@ -87,25 +88,43 @@ def test_a_full_batch_decodes_in_one_part(forward_module):
     assert attention == [("attention_decode_d64_r8_inv", (2, 4, 1))] * forward.config.num_hidden_layers
 
 
+def step_costs(forward_module, monkeypatch, costs):
+    """A step_with for CudaForward.choose_chain_shapes whose steps record their chain shapes, and an _elapsed that
+    gives each step 10 ms plus costs[shape] = (with the chain, without) for each shape of `costs`: returns the
+    step_with and the list of (chain shapes, timed) each run appends to."""
+    runs = []
+
+    def step_with(shapes):
+        return lambda: runs.append((shapes, False))
+
+    def elapsed(self, run):
+        run()
+        shapes, _ = runs[-1]
+        runs[-1] = (shapes, True)
+        return 10.0 + sum(with_chain if shape in shapes else without for shape, (with_chain, without) in costs.items())
+
+    monkeypatch.setattr(forward_module.CudaForward, "_elapsed", elapsed)
+    return step_with, runs
+
+
 def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypatch):
     """The shapes: QKV and the LM head [512, 64], gate/up [256, 64], O [64, 256], down [64, 128]. gate/up's chain is
-    made to differ from cuBLAS (so it is never timed), O's to be the slower: QKV, down and the LM head take it."""
-    checked, timed = [], []
+    made to differ from cuBLAS (so it is never a candidate), O's to make a step slower: QKV, down and the LM head
+    take it."""
+    checked = []
 
     def matches(self, w):
         checked.append(w.shape)
         return w.shape != (256, 64)
 
-    def faster(self, w):
-        timed.append(w.shape)
-        return w.shape != (64, 256)
-
     monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", matches)
-    monkeypatch.setattr(forward_module.CudaForward, "_chain_faster", faster)
     recorder = TypedRecorder()
     forward = invariant_forward(forward_module, recorder, num_sms=8, num_attention_heads=4, num_key_value_heads=2)
     assert sorted(checked) == [(64, 128), (64, 256), (256, 64), (512, 64)]
-    assert sorted(timed) == [(64, 128), (64, 256), (512, 64)]
+    assert forward.linear.chain_shapes == {(512, 64), (64, 128), (64, 256)}  # every candidate, until timed
+    step_with, _ = step_costs(forward_module, monkeypatch, {(64, 256): (2.0, 1.0), (512, 64): (1.0, 2.0),
+                                                            (64, 128): (1.0, 1.5)})
+    forward.choose_chain_shapes(step_with)
     assert forward.linear.chain_shapes == {(512, 64), (64, 128)}
     forward.allocate_kv_cache(8)
     buffers = FakeBuffers()
@@ -120,37 +139,93 @@ def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypat
     assert other.linear.chain_shapes == {(512, 64), (64, 128)}
 
 
-def test_the_chain_is_kept_where_it_times_faster(forward_module, monkeypatch):
-    """_chain_faster runs gemv_chain and cuBLAS at 1 and 8 rows once untimed, then times them in turn, CHAIN_TIMING_RUNS
-    runs each after the L2 is overwritten, and keeps the chain where the summed medians are the smaller."""
-    flushes, times = [], {"chain": [1.0, 9.0, 1.0, 1.0, 1.0], "blas": [2.0] * 5}
+def test_the_chain_is_kept_where_whole_steps_run_faster(forward_module, monkeypatch):
+    """choose_chain_shapes takes the candidates in order: for each, a step with its chain and one without (the
+    other shapes as chosen so far) run once untimed, then CHAIN_STEP_RUNS times each, alternating; the medians
+    decide, a tie for cuBLAS, and are kept in chain_timings."""
+    forward = invariant_forward(forward_module, TypedRecorder())
+    forward.linear.chain_shapes = {(1, 16), (2, 16), (3, 16)}
+    costs = {(1, 16): (1.0, 3.0), (2, 16): (5.0, 2.0), (3, 16): (4.0, 4.0)}
+    step_with, runs = step_costs(forward_module, monkeypatch, costs)
+    forward.choose_chain_shapes(step_with)
+    assert forward.linear.chain_shapes == {(1, 16)}
+    n = forward_module.CHAIN_STEP_RUNS
+    everything = frozenset(costs)
+    expected = []
+    for variants in ([everything, everything - {(1, 16)}], [everything, everything - {(2, 16)}],
+                     [everything - {(2, 16)}, {(1, 16)}]):
+        expected += [(variants[0], False), (variants[1], False)] + [(v, True) for v in variants] * n
+    assert runs == expected
+    assert forward.chain_timings == {(1, 16): (20.0, 22.0), (2, 16): (20.0, 17.0), (3, 16): (17.0, 17.0)}
+
+
+@pytest.mark.parametrize("graphs", [None, "eager"])
+def test_the_backend_chooses_its_chains_by_timing_batch_1_steps_before_its_graphs(forward_module, make_model_dir,
+                                                                                  monkeypatch, graphs):
+    """At start-up (the KV cache allocated, no decode graph captured yet) an invariant CudaBackend times batch-1
+    decode steps on a padding row, each a graph of its own (released after) or, without graphs, queued eagerly; the
+    shapes chosen are those the decode graphs then capture, and the time shows among the start-up phases."""
+    import dataclasses
+    import importlib
+
+    from tinyvllm.model.loader import load_model
+
+    runner = importlib.import_module("tinyvllm.backends.cuda.runner")
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w: True)
+    FakeGraph.made = []
     recorder = TypedRecorder()
-    forward = invariant_forward(forward_module, recorder)
-    memset = forward_module.cuda.memset_d8_async
+    timed, staged = [], []
 
-    def counted_memset(address, value, count, stream=None):
-        flushes.append(count)
-        memset(address, value, count, stream)
+    class NamingGraph(FakeGraph):  # what it captured
+        def __init__(self, stream_handle, record):
+            before = len(recorder.launches)
+            super().__init__(stream_handle, record)
+            self.names = [name for name, _, _ in recorder.launches[before:]]
 
-    monkeypatch.setattr(forward_module.cuda, "memset_d8_async", counted_memset)
-    runs = []
-
-    def elapsed(self, run):
-        before = len(recorder.launches)
+    def elapsed(self, run):  # a step whose QKV (the only bf16-out product) runs the chain takes 1 ms, any other 2
+        inp = backend_inputs[0]
+        staged.append((inp["context_lens"][0], inp["slot_mapping"][0], inp["bt_stride"][0], inp["block_tables"][0]))
+        before, replays = len(recorder.launches), [g.launches for g in FakeGraph.made]
         run()
-        runs.append("chain" if len(recorder.launches) > before else "blas")
-        return times[runs[-1]][(runs.count(runs[-1]) - 1) % 5]
+        names = [name for name, _, _ in recorder.launches[before:]]
+        timed.append(names)
+        replayed = [g for g, count in zip(FakeGraph.made, replays) if g.launches > count]
+        ran = replayed[0].names if replayed else names
+        return 1.0 if "gemv_chain_bf16" in ran else 2.0
 
+    backend_inputs = []
+    monkeypatch.setattr(graphs_module(), "Graph", NamingGraph)
     monkeypatch.setattr(forward_module.CudaForward, "_elapsed", elapsed)
-    w = forward.layers[0].o
-    launches_before = list(recorder.launches)
-    assert forward._chain_faster(w)  # the chain's medians 1 + 1 against 2 + 2
-    assert forward.chain_timings[w.shape] == (2.0, 4.0)
-    assert runs == ["chain", "blas"] * 10  # alternating, after one untimed run of each form at each row count
-    assert len(recorder.launches) == len(launches_before) + 2 + 10  # the chain's launches: 2 untimed, 10 timed
-    assert flushes.count(2 * forward.device.l2_bytes) == 20
-    times["chain"] = [3.0] * 5
-    assert not forward._chain_faster(w) and forward.chain_timings[w.shape] == (6.0, 4.0)
+    original = runner.CudaBackend._choose_chain_shapes
+
+    def choose(self):
+        backend_inputs.append(self.decode_in)
+        original(self)
+
+    monkeypatch.setattr(runner.CudaBackend, "_choose_chain_shapes", choose)
+    model = load_model(make_model_dir(head_dim=64))
+    config = dataclasses.replace(engine_config_for(model, graphs), batch_invariant=True)
+    backend = runner.CudaBackend(model, config, use_graphs=graphs is not None, device=FakeDevice(recorder))
+    backend.init_kv_cache()
+    forward = backend.forward
+    qkv = forward.layers[0].qkv.shape
+    assert forward.linear.chain_shapes == {qkv} and set(forward.chain_timings) == {
+        w.shape for w in (forward.layers[0].qkv, forward.layers[0].o, forward.layers[0].gate_up,
+                          forward.layers[0].down, forward.lm_head)}
+    assert staged and set(staged) == {(1, -1, 1, 0)}  # a one-token context, no KV slot written, block 0
+    assert "gemv_chain choice" in backend.startup_times
+    if graphs is None:
+        assert all(names for names in timed)  # eager steps
+    else:
+        assert all(not names for names in timed)  # graph replays
+        temporary = [g for g in FakeGraph.made if g.closed]
+        assert len(temporary) == 2 * len(forward.chain_timings) and all(g.launches for g in temporary)
+        assert sorted(backend.graphs.sampled) == backend.graphs.buckets  # captured after, with QKV's chain alone
+        chains = (["gemv_chain_bf16"] * forward.config.num_hidden_layers  # QKV's; the LM head's if it has QKV's shape
+                  + ["gemv_chain_f32"] * (forward.lm_head.shape == qkv))
+        assert all(not g.closed and [name for name in g.names if "chain" in name] == chains
+                   for g in backend.graphs.sampled.values())
+    backend.close()
 
 
 def test_invariant_decode_attention_parts_fit_the_slots():

@@ -315,14 +315,15 @@ def test_bench_command_records_what_ran(tmp_path, monkeypatch):
 
 def test_chain_choices_name_each_shapes_form_and_its_timings():
     """bench/batch_invariant.py and profile_step.py print which weight shapes a batch-invariant LLM runs as gemv_chain
-    (where its start-up timing was the smaller) and which on cuBLAS; a backend without the timings says so."""
+    (where a batch-1 step timed faster with it) and which on cuBLAS; a backend without the timings says so."""
     from types import SimpleNamespace
 
     from tinyvllm.benchmark import chain_choices
 
-    forward = SimpleNamespace(chain_timings={(3072, 2048): (0.0229, 0.0245), (2048, 8192): (0.0440, 0.0420)})
+    forward = SimpleNamespace(chain_timings={(3072, 2048): (1.2681, 1.3412), (2048, 8192): (1.4, 1.4)})
     llm = SimpleNamespace(backend=SimpleNamespace(forward=forward))
-    assert chain_choices(llm) == ("2048x8192 cuBLAS (44.0 vs 42.0 us); 3072x2048 chain (22.9 vs 24.5 us)")
+    assert chain_choices(llm) == ("2048x8192 cuBLAS (step 1400.0 us with the chain, 1400.0 without); "
+                                  "3072x2048 chain (step 1268.1 us with the chain, 1341.2 without)")
     assert chain_choices(SimpleNamespace(backend=SimpleNamespace())).startswith("no gemv_chain timings")
 
 

@@ -360,14 +360,15 @@ def bench_llm(model: str | Path | None, dummy_weights: str = "llama-3.2-1b", wor
 
 def chain_choices(llm) -> str:
     """A batch-invariant cuda LLM's choice per weight shape between gemv_chain and cuBLAS's pinned algorithm for up
-    to 8 rows, with the start-up timings it chose by (CudaForward._chain_faster): each LLM times its own, so two
-    runs may choose apart where the times are close, and their batch-1 steps differ by it."""
+    to 8 rows, with the start-up timings it chose by (CudaForward.choose_chain_shapes: a batch-1 decode step with
+    the shape's chain and without it): each LLM times its own, so two runs may choose apart where the times are
+    close."""
     forward = getattr(llm.backend, "forward", None)
     timings = getattr(forward, "chain_timings", None)
     if not timings:
         return "no gemv_chain timings (not batch-invariant cuda)"
-    return "; ".join(f"{n}x{k} {'chain' if chain < blas else 'cuBLAS'} ({chain * 1e3:.1f} vs {blas * 1e3:.1f} us)"
-                     for (n, k), (chain, blas) in sorted(timings.items()))
+    return "; ".join(f"{n}x{k} {'chain' if chain < blas else 'cuBLAS'} (step {chain * 1e3:.1f} us with the chain, "
+                     f"{blas * 1e3:.1f} without)" for (n, k), (chain, blas) in sorted(timings.items()))
 
 
 @contextmanager

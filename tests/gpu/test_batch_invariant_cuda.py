@@ -52,8 +52,8 @@ def test_a_long_context_bitwise_equal_in_every_layout(cuda, model_dir):
 
 
 def test_the_chain_gemv_serves_the_shapes_it_was_timed_faster_on(cuda, model_dir):
-    """The shapes whose chain gives cuBLAS's bits were timed (the wide ones do, on an H100 and an H200), and the chain
-    serves exactly those where it was the faster."""
+    """The shapes whose chain gives cuBLAS's bits were timed in batch-1 decode steps (the wide ones do give them, on
+    an H100 and an H200), and the chain serves exactly those where a step was the faster with it."""
     from tinyvllm import LLM
 
     llm = LLM(str(model_dir), batch_invariant=True, max_num_seqs=8, **ENGINE)
@@ -63,6 +63,7 @@ def test_the_chain_gemv_serves_the_shapes_it_was_timed_faster_on(cuda, model_dir
         shapes = {(512, 256), (256, 256), (3072, 256), (256, 1536), (4096, 256)}  # QKV, O, gate/up, down, LM head
         assert {(3072, 256), (4096, 256)} <= set(timings) <= shapes, timings
         assert all(chain > 0 and blas > 0 for chain, blas in timings.values())
+        assert "gemv_chain choice" in llm.backend.startup_times
         assert forward.linear.chain_shapes == {shape for shape, (chain, blas) in timings.items() if chain < blas}
     finally:
         llm.close()

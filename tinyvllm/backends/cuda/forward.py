@@ -14,7 +14,7 @@ caps them) that never leave the GPU: the sampler kernel returns token ids (and l
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
 whatever the row count, or at up to 8 rows gemv_chain, which adds in that algorithm's order, on the shapes
-_chain_shapes checked and timed (linear.py, cublas.py); attention runs its batch-invariant forms (attention_decode's
+_chain_shapes checked, and choose_chain_shapes keeps where whole steps time faster (linear.py, cublas.py); attention runs its batch-invariant forms (attention_decode's
 and attention_prefill's _inv kernels): a row's keys in chunks of INVARIANT_CHUNK from key 0, each softmaxed over the
 prefill's key tiles and folded in the chunks' order, the same additions in the same order whether the position is
 decoded (in one part or in parts, by the batch), prefilled, in a chunk or recomputed after preemption; sampling
@@ -58,9 +58,9 @@ log = logging.getLogger(__name__)
 # is bound by its FLOPs, and the heuristics' first guess took 390 us at 512 rows where the fastest of their top 8
 # took 306 (docs/PERFORMANCE.md); below, it reads its 0.5 GB of weights either way.
 LM_HEAD_TUNE_ROWS = 128
-# Batch-invariant: timed runs of gemv_chain and of cuBLAS's pinned algorithm per shape and row count (1 and 8), the
-# median kept, each run after the L2 is overwritten (a decode step finds a weight out of L2): _chain_faster
-CHAIN_TIMING_RUNS = 5
+# Batch-invariant: timed batch-1 decode steps with and without gemv_chain on a shape, alternating, the median of each
+# kept (choose_chain_shapes)
+CHAIN_STEP_RUNS = 7
 FP8_ACC_ROWS = 256  # rows of the FP8 fallback's float32 accumulator (linear.py Fp8Scratch)
 
 
@@ -175,7 +175,8 @@ class CudaForward:
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
         self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
         # our GEMV for a few rows, else cuBLAS
-        self.chain_timings: dict[tuple[int, int], tuple[float, float]] = {}  # batch-invariant: _chain_faster's
+        # batch-invariant: choose_chain_shapes' step times per shape, (with the chain, without) in ms
+        self.chain_timings: dict[tuple[int, int], tuple[float, float]] = {}
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant,
                              chain_shapes=self._chain_shapes() if self.invariant else None)
         self.kv: KVCache | None = None
@@ -371,44 +372,41 @@ class CudaForward:
                                         self.qkv_width, cfg.rms_norm_eps)
 
     def _chain_shapes(self) -> set[tuple[int, int]]:
-        """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows run as gemv_chain: where the chain
-        gives the bits of cuBLAS's pinned algorithm (_chain_matches) and runs faster than it (_chain_faster). A chain
-        is one warp's dependent mmas per 16-row tile: a wide shape's many tiles fill the GPU, a narrow one's few with
-        a short k still finish first, and with a long k cuBLAS's pinned tiles win (docs/PERFORMANCE.md)."""
+        """Batch-invariant: the bf16 weight shapes whose products of up to 8 rows may run as gemv_chain, where the
+        chain gives the bits of cuBLAS's pinned algorithm (_chain_matches). All of them do, until the backend times
+        whole decode steps with and without each (choose_chain_shapes): a chain is one warp's dependent mmas per
+        16-row tile, so a wide shape's many tiles fill the GPU, a narrow one's few with a short k may still finish
+        first, and with a long k cuBLAS's pinned tiles win (docs/PERFORMANCE.md)."""
         weights = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if w is not None}
         weights[self.lm_head.shape] = self.lm_head
         return {(n, k) for (n, k), w in weights.items()
-                if w.dtype == BF16 and k % MMA_K == 0 and self._chain_matches(w) and self._chain_faster(w)}
+                if w.dtype == BF16 and k % MMA_K == 0 and self._chain_matches(w)}
 
-    def _chain_faster(self, w: DeviceTensor) -> bool:
-        """Whether gemv_chain multiplies 1 and 8 rows by w in less GPU time than cuBLAS's pinned algorithm, summed
-        over both row counts: each the median of CHAIN_TIMING_RUNS runs, each run after the L2 is overwritten. Each
-        form runs once untimed, then the runs alternate between the two (chain, cuBLAS, chain, ...), so that a GPU
-        still raising its clocks at start-up slows both alike. The times are kept in chain_timings (shape -> (chain,
-        cuBLAS) ms)."""
-        n, k = w.shape
-        x, out = self.device.empty(BF16, (GEMV_MAX_ROWS, k)), self.device.empty(F32, (GEMV_MAX_ROWS, n))
-        flush = self.device.empty(U8, (2 * self.device.l2_bytes,))
-        cuda.memset_d8_async(x.ptr, 0, x.nbytes, self.stream)
-        forms = {(form, m): run for m in (1, GEMV_MAX_ROWS) for form, run in (
-            ("chain", lambda m=m: self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, True, False)),
-            ("blas", lambda m=m: self.blas.gemm(out, x, w, m)))}
-        for run in forms.values():
-            run()
-        times: dict[tuple[str, int], list[float]] = {key: [] for key in forms}
-        for _ in range(CHAIN_TIMING_RUNS):
-            for key, run in forms.items():
-                cuda.memset_d8_async(flush.ptr, 0, flush.nbytes, self.stream)  # also gives the host a head start
-                times[key].append(self._elapsed(run))
-        chain, blas = (sum(sorted(runs)[len(runs) // 2] for (f, _), runs in times.items() if f == form)
-                       for form in ("chain", "blas"))
-        for tensor in (x, out, flush):
-            self.device.free(tensor)
-        self.chain_timings[(n, k)] = (chain, blas)
-        log.info("batch-invariant: n %d, k %d at 1 and %d rows: gemv_chain %.1f us, cuBLAS %.1f us", n, k,
-                 GEMV_MAX_ROWS, chain * 1e3, blas * 1e3)
-        return chain < blas
+    def choose_chain_shapes(self, step_with: Callable[[frozenset], Callable[[], None]]) -> None:
+        """Keep gemv_chain on the shapes where it makes a batch-1 decode step faster: for each candidate shape in
+        turn, step_with(shapes) gives a function that queues one step whose products of the chain shapes `shapes`
+        run the chain; the step with the candidate on the chain and the step without it run once untimed, then
+        CHAIN_STEP_RUNS times each, alternating (a GPU still raising its clocks slows both alike), and the median
+        decides. Timed in the step, a product's time includes what it overlaps (the previous kernel's end, under
+        programmatic dependent launch) and what the next one waits for, as a decode step has them. The times are
+        kept in chain_timings (shape -> (with the chain, without) ms)."""
+        chosen = frozenset(self.linear.chain_shapes)
+        for shape in sorted(chosen):
+            steps = [step_with(chosen), step_with(chosen - {shape})]
+            for step in steps:
+                step()
+            times: list[list[float]] = [[], []]
+            for _ in range(CHAIN_STEP_RUNS):
+                for i, step in enumerate(steps):
+                    times[i].append(self._elapsed(step))
+            with_chain, without = (sorted(runs)[len(runs) // 2] for runs in times)
+            self.chain_timings[shape] = (with_chain, without)
+            log.info("batch-invariant: n %d, k %d: a batch-1 decode step with gemv_chain %.1f us, without %.1f us",
+                     *shape, with_chain * 1e3, without * 1e3)
+            if without <= with_chain:
+                chosen -= {shape}
+        self.linear.chain_shapes = set(chosen)
 
     def _elapsed(self, run: Callable[[], None]) -> float:
         """The GPU time in ms of what run() queues on the stream."""

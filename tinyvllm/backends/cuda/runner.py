@@ -27,6 +27,7 @@ import pycuda.driver as cuda
 from tinyvllm.backends.base import (Backend, Batch, LogitsProcessing, Logprobs, QueuedStep, SamplerOutput,
                                     SamplingBatch, bitmask_words)
 from tinyvllm.backends.cuda.device import Device
+from tinyvllm.backends.cuda.driver import Graph
 from tinyvllm.backends.cuda.forward import CudaForward
 from tinyvllm.backends.cuda.graphs import DecodeGraphs
 from tinyvllm.backends.cuda.kernels import needed_kernels
@@ -371,10 +372,43 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
+        if self.forward.invariant and self.forward.linear.chain_shapes and not self.forward.chain_timings:
+            self.startup_times["gemv_chain choice"] = _seconds(self._choose_chain_shapes)
         self.startup_times["LM head tuning"] = _seconds(lambda: self.forward.tune_lm_head(self.graphs.buckets))
         if self.use_graphs:
             self.startup_times["graph capture"] = _seconds(lambda: self.graphs.start(ec.cuda_graph_capture))
         return num_blocks
+
+    def _choose_chain_shapes(self) -> None:
+        """Batch-invariant: time batch-1 decode steps for CudaForward.choose_chain_shapes, each a graph captured with
+        its chain shapes (or, without graphs, the same launches queued eagerly), on a padding row: token 0 at
+        position 0 with a one-token context, writing no KV slot (the KV cache is allocated). Before any decode
+        graph is kept: those capture the shapes chosen."""
+        inp = self.decode_in
+        inp.wait()
+        for name in inp.fields:
+            inp.pad(name)
+        inp["bt_stride"][0] = 1
+        inp.upload(self.stream, "block_tables", 1)
+        made: list[Graph] = []
+
+        def step_with(shapes: frozenset) -> Callable[[], None]:
+            def eager() -> None:
+                self.forward.linear.chain_shapes = set(shapes)
+                self.graphs.record(self.forward, 1, True)
+
+            if not self.use_graphs:
+                return eager
+            self.forward.linear.chain_shapes = set(shapes)
+            made.append(self.graphs.capture(1))
+            return functools.partial(made[-1].launch, self.stream.handle)
+
+        try:
+            self.forward.choose_chain_shapes(step_with)
+        finally:
+            self.stream.synchronize()
+            for graph in made:
+                self.device.release(graph)
 
     def finish_startup(self) -> None:
         """Wait for lazy capture's thread to capture every bucket's decode graph."""
