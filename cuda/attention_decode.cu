@@ -486,28 +486,62 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
 
 // Batch-invariant: the chunk states attention_decode's parts wrote (INV_PARTS slots a (sequence, head)) folded in
 // the chunks' order by the functions its one-part form folds them with (mma.cuh), then normalized as it does: the
-// bits of the one-part form. Launch: grid (num_heads, S), block D (a thread per output dim); num_splits and window
-// as attention_decode was given them; v_scales: an fp8 cache's V scales of this layer [num_kv_heads] (null: a bf16
+// bits of the one-part form. The states come COMBINE_UNROLL at a time, loaded together before they are folded (as
+// combine_dims loads the parts), the first group while the context's length is still on its way: a load behind
+// each fold would make a round trip to L2 per chunk, at batch 1 on the critical path. Launch: grid (num_heads, S), block D (a thread per output dim); num_splits and window as
+// attention_decode was given them; v_scales: an fp8 cache's V scales of this layer [num_kv_heads] (null: a bf16
 // cache), group: query heads per KV head.
 #if KEEPS(attention_combine_inv)
+// partial_o and partial_ml come from attention_decode, the kernel before (PDL): plain loads, which ptxas keeps after
+// the wait (a non-coherent one it may move above it: gemv_tile.cuh), and volatile, so that none sinks into a branch
+// behind the context's length.
+__device__ __forceinline__ float load_after_wait(const float* p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float2 load_after_wait(const float2* p) {
+    float2 v;
+    asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
+
+static_assert(INV_PARTS % COMBINE_UNROLL == 0, "a (sequence, head)'s slots hold whole groups of chunk states");
 extern "C" __global__ void attention_combine_inv(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                                  const float2* __restrict__ partial_ml, const int* context_lens,
                                                  int num_splits, int window, const float* __restrict__ v_scales,
                                                  int group) {
     pdl_begin();
-    const int ctx = context_lens[blockIdx.y];
-    if (invariant_parts(ctx, window, num_splits) == 1) return;  // attention_decode wrote this output itself
-    const int num_heads = gridDim.x, D = blockDim.x, chunks = chunk_count(ctx, window);
+    const int num_heads = gridDim.x, D = blockDim.x;
     const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * INV_PARTS;
+    float2 ml[COMBINE_UNROLL];
+    float o[COMBINE_UNROLL];
+    // the group of chunks from c0 (the first before the context's length arrives: its slots exist whatever it is)
+    auto load = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            ml[u] = load_after_wait(partial_ml + base + c0 + u);
+            o[u] = load_after_wait(partial_o + (base + c0 + u) * D + threadIdx.x);
+        }
+    };
+    load(0);
+    const int ctx = context_lens[blockIdx.y];
+    // in one part attention_decode wrote this output itself (the fold then takes no chunk)
+    const bool in_parts = invariant_parts(ctx, window, num_splits) > 1;
+    const int chunks = in_parts ? chunk_count(ctx, window) : 0;
     float M = -INFINITY, L = 0.f, O = 0.f;
-#pragma unroll 4
-    for (int c = 0; c < chunks; ++c) {
-        const float2 ml = partial_ml[base + c];
-        const float o = partial_o[(base + c) * D + threadIdx.x];
-        if (ml.y > 0.f) O = fold_entry(O, o, chunk_weights(M, L, ml.x, ml.y));
+    auto fold = [&](int c0) {
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u)  // a slot past the last chunk holds another step's state: skipped
+            if (c0 + u < chunks && ml[u].y > 0.f) O = fold_entry(O, o[u], chunk_weights(M, L, ml[u].x, ml[u].y));
+    };
+    fold(0);
+    for (int c0 = COMBINE_UNROLL; c0 < chunks; c0 += COMBINE_UNROLL) {
+        load(c0);
+        fold(c0);
     }
     const float inv = L > 0.f ? (v_scales ? v_scales[blockIdx.x / group] : 1.f) / L : 0.f;
-    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(O * inv);
+    if (in_parts) out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(O * inv);
 }
 #endif
 

@@ -135,6 +135,19 @@ def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
         assert len(before) == (CHAIN_STAGES - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
 
 
+def test_the_invariant_merge_has_its_first_chunk_states_in_flight_before_it_folds(device, tmp_path):
+    """attention_combine_inv issues the loads of its first COMBINE_UNROLL chunk states (m and l, the output entry)
+    together after the wait, before the fold's first exponential: a load behind each fold (as the loop once
+    compiled) makes a round trip to L2 per chunk."""
+    source = (Path(__file__).resolve().parents[2] / "cuda" / "attention_decode.cu").read_text()
+    unroll = int(re.search(r"constexpr int COMBINE_UNROLL = (\d+);", source).group(1))
+    instructions = machine_code(device, tmp_path)["attention_decode"]["attention_combine_inv"]
+    waited = [opcode for opcode, _ in instructions].index("ACQBULK")
+    first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
+    loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
+    assert len(loads) >= 2 * unroll, instructions[waited:first_exp]
+
+
 def test_the_check_sees_a_hoisted_load():
     """The parser on a made-up listing: a load above ACQBULK is found, one below is not."""
     sass = """

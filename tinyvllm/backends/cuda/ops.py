@@ -573,7 +573,9 @@ class Ops:
                               num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int, window: int,
                               v_scales: int) -> None:
         """Fold the chunk states of attention_decode's invariant parts in the chunks' order (v_scales: an fp8
-        cache's V scales of the layer, 0: a bf16 cache)."""
+        cache's V scales of the layer, 0: a bf16 cache). partial_o and partial_ml hold INVARIANT_PARTS rows per
+        (sequence, head) of num_seqs, as attention_decode writes them with num_splits > 1: the kernel reads the
+        first group of each before it knows the context's chunks."""
         self.launch("attention_combine_inv", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml,
                     context_lens, num_splits, window, v_scales, num_heads // num_kv_heads)
 
