@@ -135,17 +135,22 @@ def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
         assert len(before) == (CHAIN_STAGES - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
 
 
-def test_the_invariant_merge_has_its_first_chunk_states_in_flight_before_it_folds(device, tmp_path):
-    """attention_combine_inv issues the loads of its first COMBINE_UNROLL chunk states (m and l, the output entry)
-    together after the wait, before the fold's first exponential: a load behind each fold (as the loop once
-    compiled) makes a round trip to L2 per chunk."""
+def test_the_merges_have_their_parts_in_flight_before_they_merge(device, tmp_path):
+    """attention_combine issues the loads of every part (m and l, the output entry; MAX_SPLITS of them at most)
+    together after the wait, and attention_combine_inv those of its first COMBINE_UNROLL chunk states, before the
+    first exponential of the merge: a load behind each merge step (as the loops once compiled) makes a round trip to
+    L2 per part or group, at batch 1 on the critical path."""
+    from tinyvllm.backends.cuda.ops import MAX_SPLITS
+
     source = (Path(__file__).resolve().parents[2] / "cuda" / "attention_decode.cu").read_text()
     unroll = int(re.search(r"constexpr int COMBINE_UNROLL = (\d+);", source).group(1))
-    instructions = machine_code(device, tmp_path)["attention_decode"]["attention_combine_inv"]
-    waited = [opcode for opcode, _ in instructions].index("ACQBULK")
-    first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
-    loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
-    assert len(loads) >= 2 * unroll, instructions[waited:first_exp]
+    code = machine_code(device, tmp_path)["attention_decode"]
+    for name, parts in (("attention_combine", MAX_SPLITS), ("attention_combine_inv", unroll)):
+        instructions = code[name]
+        waited = [opcode for opcode, _ in instructions].index("ACQBULK")
+        first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
+        loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
+        assert len(loads) >= 2 * parts, (name, instructions[waited:first_exp])
 
 
 def test_the_check_sees_a_hoisted_load():
