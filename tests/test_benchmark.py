@@ -8,7 +8,8 @@ import pytest
 
 from tinyvllm import LLM
 from tinyvllm.benchmark import (Storage, decode_gemm_shapes, dummy_model, workload_floor, format_results,
-                                kv_bytes_per_token, make_workload, matmul_params, run_benchmark, run_j1, run_storage, weight_bytes)
+                                kv_bytes_per_token, make_workload, matmul_params, run_benchmark, run_j1, run_storage,
+                                weight_bytes)
 from tinyvllm.model.dtypes import bf16_to_f32
 from tinyvllm.model.dummy import PRESETS, RandomBf16Weights, llama_3_2_1b_config, save_hf_model_dir, tiny_config
 from tinyvllm.model.loader import Bf16Bytes, as_bf16, load_model, weight_shapes

@@ -14,13 +14,13 @@ caps them) that never leave the GPU: the sampler kernel returns token ids (and l
 
 Batch-invariant (EngineConfig.batch_invariant): the linear layers run one split-free cuBLAS algorithm per shape
 whatever the row count, or at up to 8 rows gemv_chain, which adds in that algorithm's order, on the shapes
-_chain_shapes checked, and choose_chain_shapes keeps where whole steps time faster (linear.py, cublas.py); attention runs its batch-invariant forms (attention_decode's
-and attention_prefill's _inv kernels): a row's keys in chunks of INVARIANT_CHUNK from key 0, each softmaxed over the
-prefill's key tiles and folded in the chunks' order, the same additions in the same order whether the position is
-decoded (in one part or in parts, by the batch), prefilled, in a chunk or recomputed after preemption; sampling
-and logprobs keep a block a row (not split over a cluster at small batches: another order of adding). The other
-kernels already treat each row alone. The MoE kernels choose their path by the batch, so an expert model is
-refused.
+_chain_shapes checked and choose_chain_shapes kept where whole steps time faster (linear.py, cublas.py); attention
+runs its batch-invariant forms (attention_decode's and attention_prefill's _inv kernels): a row's keys in chunks of
+INVARIANT_CHUNK from key 0, each softmaxed over the prefill's key tiles and folded in the chunks' order, the same
+additions in the same order whether the position is decoded (in one part or in parts, by the batch), prefilled, in a
+chunk or recomputed after preemption; sampling and logprobs keep a block a row (not split over a cluster at small
+batches: another order of adding). The other kernels already treat each row alone. The MoE kernels choose their path
+by the batch, so an expert model is refused.
 
 Nothing here waits or touches the host: every method queues kernels on the stream, reading the step's inputs from
 device buffers that the step driver (runner.py) fills, so a decode step's launches are what a CUDA graph captures.
