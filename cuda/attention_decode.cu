@@ -534,10 +534,10 @@ extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float
 // Batch-invariant: the chunk states attention_decode's parts wrote (INV_PARTS slots a (sequence, head)) folded in
 // the chunks' order by the functions its one-part form folds them with (mma.cuh), then normalized as it does: the
 // bits of the one-part form. The states come COMBINE_UNROLL at a time, loaded together before they are folded (as
-// attention_combine loads its parts), the first group while the context's length is still on its way: a load behind each fold
-// would make a round trip to L2 per chunk, at batch 1 on the critical path. Launch: grid (num_heads, S), block D (a
-// thread per output dim); num_splits and window as attention_decode was given them; v_scales: an fp8 cache's V
-// scales of this layer [num_kv_heads] (null: a bf16 cache), group: query heads per KV head.
+// attention_combine loads its parts), the first group while the context's length is still on its way: a load behind
+// each fold would make a round trip to L2 per chunk, at batch 1 on the critical path. Launch: grid (num_heads, S),
+// block D (a thread per output dim); num_splits and window as attention_decode was given them; v_scales: an fp8
+// cache's V scales of this layer [num_kv_heads] (null: a bf16 cache), group: query heads per KV head.
 #if KEEPS(attention_combine_inv)
 static_assert(INV_PARTS % COMBINE_UNROLL == 0, "a (sequence, head)'s slots hold whole groups of chunk states");
 extern "C" __global__ void attention_combine_inv(bf16* __restrict__ out, const float* __restrict__ partial_o,
