@@ -41,8 +41,8 @@
 // take 35 KB).
 //
 // Compiled with -DNWARPS (warps per block for D <= 128), -DNWARPS_WIDE (for D > 128), -DMIN_SPLIT_TILES,
-// -DCOMBINE_ROW_THREADS, -DCOMBINE_ROW_GROUPS, -DINV_CHUNK, -DINV_PARTS and -DMAX_SPLITS from backends/cuda/ops.py,
-// which also launches the kernels.
+// -DCOMBINE_ROW_THREADS, -DCOMBINE_ROW_GROUPS, -DINV_CHUNK and -DINV_PARTS from backends/cuda/ops.py, which also
+// launches the kernels.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -407,8 +407,8 @@ __device__ void attention_decode(bf16* __restrict__ out, float* __restrict__ par
 
 // Merge the parts of each (sequence, head) cut into more than one: weights w_z = l_z * 2^(m_z - max m),
 // out = sum w_z o_z / sum w_z, rounded to bf16.
-// The parts are merged online COMBINE_UNROLL at a time (merge_parts), their (m, l) and outputs loaded together: at
-// batch 1 the merge is on the critical path, where a pass for the max and a second for the sum cost two round trips.
+// The parts come COMBINE_UNROLL at a time, their (m, l) and outputs loaded together and merged online: at batch 1
+// this kernel is on the critical path, where a pass for the max and a second for the sum cost two round trips.
 constexpr int COMBINE_UNROLL = 8;
 
 // N floats from p (N 1, or 8 from a 32-byte aligned address).
@@ -423,40 +423,9 @@ __device__ __forceinline__ void load_floats(const float* p, float out[N]) {
     }
 }
 
-// One group of COMBINE_UNROLL parts merged online into the running (m, den, num) of N dims: its first `count` parts
-// (the others are no part of this context, or hold no keys: l 0). combine_dims and attention_combine merge by it
-// alone, so that every dim gets the same operations in the same order whatever N and however the parts were loaded.
-template <int N>
-__device__ __forceinline__ void merge_parts(float& m, float& den, float (&num)[N], const float2 (&ml)[COMBINE_UNROLL],
-                                            const float (&o)[COMBINE_UNROLL][N], int count) {
-    float m_new = m;
-#pragma unroll
-    for (int u = 0; u < COMBINE_UNROLL; ++u)
-        if (u < count && ml[u].y > 0.f) m_new = fmaxf(m_new, ml[u].x);
-    if (m_new == -INFINITY) return;  // no keys so far
-    const float rescale = exp2f(m - m_new);
-    den *= rescale;
-#pragma unroll
-    for (int j = 0; j < N; ++j) num[j] *= rescale;
-#pragma unroll
-    for (int u = 0; u < COMBINE_UNROLL; ++u) {
-        if (u < count && ml[u].y > 0.f) {
-            const float w = ml[u].y * exp2f(ml[u].x - m_new);
-#pragma unroll
-            for (int j = 0; j < N; ++j) num[j] += w * o[u][j];
-            den += w;
-        }
-    }
-    m = m_new;
-}
-
-// The merged value of one dim, as bf16 (and back).
-__device__ __forceinline__ float merged(float num, float den) {
-    return __bfloat162float(__float2bfloat16(den > 0.f ? num / den : 0.f));
-}
-
 // The merged output of dims d0 .. d0 + N - 1 of the (sequence, head) whose parts start at row `base` of partial_o /
-// partial_ml, a group of parts at a time (attention_combine_quantize's; attention_combine loads every part first).
+// partial_ml: every dim gets the same operations in the same order whatever N, so attention_combine (N 1) and
+// attention_combine_quantize (N 8) give the same bits.
 template <int N>
 __device__ __forceinline__ void combine_dims(float res[N], const float* partial_o, const float2* partial_ml,
                                              int64_t base, int used, int D, int d0) {
@@ -474,12 +443,55 @@ __device__ __forceinline__ void combine_dims(float res[N], const float* partial_
                 load_floats<N>(partial_o + (base + z0 + u) * D + d0, o[u]);
             }
         }
-        merge_parts<N>(m, den, num, ml, o, used - z0);
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u)
+            if (ml[u].y > 0.f) m_new = fmaxf(m_new, ml[u].x);
+        if (m_new == -INFINITY) continue;  // no keys so far
+        const float rescale = exp2f(m - m_new);
+        den *= rescale;
+#pragma unroll
+        for (int j = 0; j < N; ++j) num[j] *= rescale;
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            if (ml[u].y > 0.f) {
+                const float w = ml[u].y * exp2f(ml[u].x - m_new);
+#pragma unroll
+                for (int j = 0; j < N; ++j) num[j] += w * o[u][j];
+                den += w;
+            }
+        }
+        m = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = merged(num[j], den);
+    for (int j = 0; j < N; ++j) res[j] = __bfloat162float(__float2bfloat16(den > 0.f ? num[j] / den : 0.f));
 }
 
+// Launch: grid (num_heads, S), block D: one thread per output dim; window: the layer's, as attention_decode was
+// given (the parts are cut by it).
+#if KEEPS(attention_combine)
+extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
+                                             const float2* __restrict__ partial_ml, const int* context_lens,
+                                             int num_splits, int window) {
+    pdl_begin();
+    const int used = splits_used(context_lens[blockIdx.y], window, num_splits);
+    if (used == 1) return;  // attention_decode wrote this output itself
+    const int num_heads = gridDim.x, D = blockDim.x;
+    float res[1];
+    combine_dims<1>(res, partial_o, partial_ml, ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits, used, D,
+                    threadIdx.x);
+    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(res[0]);
+}
+#endif
+
+// Batch-invariant: the chunk states attention_decode's parts wrote (INV_PARTS slots a (sequence, head)) folded in
+// the chunks' order by the functions its one-part form folds them with (mma.cuh), then normalized as it does: the
+// bits of the one-part form. The states come COMBINE_UNROLL at a time, loaded together before they are folded (as
+// combine_dims loads the parts), the first group while the context's length is still on its way: a load behind each
+// fold would make a round trip to L2 per chunk, at batch 1 on the critical path. Launch: grid (num_heads, S), block
+// D (a thread per output dim); num_splits and window as attention_decode was given them; v_scales: an fp8 cache's V
+// scales of this layer [num_kv_heads] (null: a bf16 cache), group: query heads per KV head.
+#if KEEPS(attention_combine_inv)
 // partial_o and partial_ml come from attention_decode, the kernel before (PDL): plain loads, which ptxas keeps after
 // the wait (a non-coherent one it may move above it: gemv_tile.cuh), and volatile, so that none sinks into a branch
 // behind the context's length.
@@ -494,51 +506,6 @@ __device__ __forceinline__ float2 load_after_wait(const float2* p) {
     return v;
 }
 
-// Every part of the (sequence, head) this (num_splits of them, up to MAX_SPLITS) is loaded at once after the wait,
-// with the context's length, which says how many of them hold its keys: at batch 1 this kernel is on the critical
-// path, where a round trip to L2 per group of parts shows. Launch: grid (num_heads, S), block D: one thread per
-// output dim; window: the layer's, as attention_decode was given (the parts are cut by it).
-#if KEEPS(attention_combine)
-static_assert(MAX_SPLITS % COMBINE_UNROLL == 0, "whole groups of parts");
-extern "C" __global__ void attention_combine(bf16* __restrict__ out, const float* __restrict__ partial_o,
-                                             const float2* __restrict__ partial_ml, const int* context_lens,
-                                             int num_splits, int window) {
-    pdl_begin();
-    constexpr int GROUPS = MAX_SPLITS / COMBINE_UNROLL;
-    const int num_heads = gridDim.x, D = blockDim.x;
-    const int64_t base = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * num_splits;
-    float2 ml[GROUPS][COMBINE_UNROLL];
-    float o[GROUPS][COMBINE_UNROLL][1];
-#pragma unroll
-    for (int g = 0; g < GROUPS; ++g) {
-#pragma unroll
-        for (int u = 0; u < COMBINE_UNROLL; ++u) {
-            const int z = g * COMBINE_UNROLL + u;
-            ml[g][u] = make_float2(-INFINITY, 0.f), o[g][u][0] = 0.f;
-            if (z < num_splits) {
-                ml[g][u] = load_after_wait(partial_ml + base + z);
-                o[g][u][0] = load_after_wait(partial_o + (base + z) * D + threadIdx.x);
-            }
-        }
-    }
-    const int used = splits_used(context_lens[blockIdx.y], window, num_splits);
-    if (used == 1) return;  // attention_decode wrote this output itself
-    float m = -INFINITY, den = 0.f, num[1] = {0.f};
-#pragma unroll
-    for (int g = 0; g < GROUPS; ++g)
-        if (g * COMBINE_UNROLL < used) merge_parts<1>(m, den, num, ml[g], o[g], used - g * COMBINE_UNROLL);
-    out[((int64_t)blockIdx.y * num_heads + blockIdx.x) * D + threadIdx.x] = __float2bfloat16(merged(num[0], den));
-}
-#endif
-
-// Batch-invariant: the chunk states attention_decode's parts wrote (INV_PARTS slots a (sequence, head)) folded in
-// the chunks' order by the functions its one-part form folds them with (mma.cuh), then normalized as it does: the
-// bits of the one-part form. The states come COMBINE_UNROLL at a time, loaded together before they are folded (as
-// attention_combine loads its parts), the first group while the context's length is still on its way: a load behind
-// each fold would make a round trip to L2 per chunk, at batch 1 on the critical path. Launch: grid (num_heads, S),
-// block D (a thread per output dim); num_splits and window as attention_decode was given them; v_scales: an fp8
-// cache's V scales of this layer [num_kv_heads] (null: a bf16 cache), group: query heads per KV head.
-#if KEEPS(attention_combine_inv)
 static_assert(INV_PARTS % COMBINE_UNROLL == 0, "a (sequence, head)'s slots hold whole groups of chunk states");
 extern "C" __global__ void attention_combine_inv(bf16* __restrict__ out, const float* __restrict__ partial_o,
                                                  const float2* __restrict__ partial_ml, const int* context_lens,

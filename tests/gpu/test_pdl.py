@@ -136,21 +136,19 @@ def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
 
 
 def test_the_merges_have_their_parts_in_flight_before_they_merge(device, tmp_path):
-    """attention_combine issues the loads of every part (m and l, the output entry; MAX_SPLITS of them at most)
-    together after the wait, and attention_combine_inv those of its first COMBINE_UNROLL chunk states, before the
-    first exponential of the merge: a load behind each merge step (as the loops once compiled) makes a round trip to
-    L2 per part or group, at batch 1 on the critical path."""
-    from tinyvllm.backends.cuda.ops import MAX_SPLITS
-
+    """attention_combine issues the loads of its first COMBINE_UNROLL parts (m and l, the output entry), and
+    attention_combine_inv those of its first COMBINE_UNROLL chunk states, together after the wait, before the first
+    exponential of the merge: a load behind each merge step (as the inv loop once compiled) makes a round trip to L2
+    per part, at batch 1 on the critical path."""
     source = (Path(__file__).resolve().parents[2] / "cuda" / "attention_decode.cu").read_text()
     unroll = int(re.search(r"constexpr int COMBINE_UNROLL = (\d+);", source).group(1))
     code = machine_code(device, tmp_path)["attention_decode"]
-    for name, parts in (("attention_combine", MAX_SPLITS), ("attention_combine_inv", unroll)):
+    for name in ("attention_combine", "attention_combine_inv"):
         instructions = code[name]
         waited = [opcode for opcode, _ in instructions].index("ACQBULK")
         first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
         loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
-        assert len(loads) >= 2 * parts, (name, instructions[waited:first_exp])
+        assert len(loads) >= 2 * unroll, (name, instructions[waited:first_exp])
 
 
 def test_the_check_sees_a_hoisted_load():

@@ -62,13 +62,12 @@ MOE_GEMM_BLOCK_MS = (32, 64)  # moe_gemm_*_<m>: padded rows (assignments of one 
 MOE_GEMM_BLOCK_K = 64  # moe_gemm_*: k per pipeline stage (128 contiguous bytes of each weight row)
 MOE_GEMM_STAGES = 3  # moe_gemm_*: cp.async pipeline depth (two k-steps in flight while one is multiplied)
 MOE_GEMM_WARPS = {32: 4, 64: 8}  # moe_gemm_*_<m>: warps per block (64: two per 16 rows, each 64 of the 128 columns)
-MAX_SPLITS = 32  # attention_decode: most parts of one context
 DEFINES: dict[str, dict[str, int]] = {
     "attention_prefill": {"BLOCK_M": PREFILL_BLOCK_M, "INV_CHUNK": INVARIANT_CHUNK},
     "attention_decode": {"NWARPS": DECODE_WARPS, "NWARPS_WIDE": DECODE_WIDE_WARPS,
                          "MIN_SPLIT_TILES": DECODE_MIN_SPLIT_TILES, "COMBINE_ROW_THREADS": COMBINE_ROW_THREADS,
                          "COMBINE_ROW_GROUPS": COMBINE_ROW_GROUPS, "INV_CHUNK": INVARIANT_CHUNK,
-                         "INV_PARTS": INVARIANT_PARTS, "MAX_SPLITS": MAX_SPLITS},
+                         "INV_PARTS": INVARIANT_PARTS},
     "norm": {"NORM_CHUNKS": NORM_CHUNKS},
     "sampling": {"NTHREADS": SAMPLING_THREADS, "MAX_TOP_LOGPROBS": MAX_TOP_LOGPROBS, "ROW_SPLIT": SAMPLING_SPLIT},
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
@@ -91,6 +90,7 @@ MMA_K = 16  # the mma's k: gemv_chain_*'s k is a multiple of it
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
 FP8_GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * 16  # the same for e4m3 weights (16 codes per 16-byte load)
 MOE_GEMV_K_PER_ITERATION = MOE_GEMV_UNROLL * 4 * VECTOR  # the same for moe_gemv_*
+MAX_SPLITS = 32  # attention_decode: most parts of one context
 SMALL_BATCH_SPLITS = 8  # attention_decode: fewest parts a context may be cut into when a batch is cut at all
 ELEMENTWISE_THREADS = 256  # embedding, resolve_tokens, the activations, soft_cap, logits processors: per block
 CLEAR_THREADS = 1024  # clear_token_slots: vocabulary entries per block
@@ -535,8 +535,6 @@ class Ops:
         _require(num_splits >= 1, f"attention_decode: num_splits {num_splits} < 1")
         _require(num_splits <= INVARIANT_PARTS or not invariant,
                  f"attention_decode: {num_splits} parts exceed the invariant form's {INVARIANT_PARTS} slots")
-        _require(num_splits <= MAX_SPLITS or invariant,
-                 f"attention_decode: {num_splits} parts exceed the {MAX_SPLITS} attention_combine merges")
         _require_window_softcap("attention_decode", window, softcap)
         group = num_heads // num_kv_heads
         rows = decode_rows(group)
@@ -565,9 +563,7 @@ class Ops:
                                 "int num_splits, int window")
     def attention_combine(self, out: int, partial_o: int, partial_ml: int, context_lens: int, num_seqs: int,
                           num_heads: int, head_dim: int, num_splits: int, window: int = 0) -> None:
-        """Merge attention_decode's parts (window: the one it was given, which its parts are cut by): num_splits
-        of them per (sequence, head), at most MAX_SPLITS (the kernel loads them all before the context's length)."""
-        _require(1 <= num_splits <= MAX_SPLITS, f"attention_combine: {num_splits} parts, not 1..{MAX_SPLITS}")
+        """Merge attention_decode's parts (window: the one it was given, which its parts are cut by)."""
         self.launch("attention_combine", (num_heads, num_seqs), head_dim, out, partial_o, partial_ml, context_lens,
                     num_splits, window)
 
