@@ -135,20 +135,17 @@ def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
         assert len(before) == (CHAIN_STAGES - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
 
 
-def test_the_merges_have_their_parts_in_flight_before_they_merge(device, tmp_path):
-    """attention_combine issues the loads of its first COMBINE_UNROLL parts (m and l, the output entry), and
-    attention_combine_inv those of its first COMBINE_UNROLL chunk states, together after the wait, before the first
-    exponential of the merge: a load behind each merge step (as the inv loop once compiled) makes a round trip to L2
-    per part, at batch 1 on the critical path."""
+def test_the_invariant_merge_has_its_first_chunk_states_in_flight_before_it_folds(device, tmp_path):
+    """attention_combine_inv issues the loads of its first COMBINE_UNROLL chunk states (m and l, the output entry)
+    together after the wait, before the fold's first exponential: a load behind each fold (as its loop once
+    compiled) makes a round trip to L2 per chunk, at batch 1 on the critical path."""
     source = (Path(__file__).resolve().parents[2] / "cuda" / "attention_decode.cu").read_text()
     unroll = int(re.search(r"constexpr int COMBINE_UNROLL = (\d+);", source).group(1))
-    code = machine_code(device, tmp_path)["attention_decode"]
-    for name in ("attention_combine", "attention_combine_inv"):
-        instructions = code[name]
-        waited = [opcode for opcode, _ in instructions].index("ACQBULK")
-        first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
-        loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
-        assert len(loads) >= 2 * unroll, (name, instructions[waited:first_exp])
+    instructions = machine_code(device, tmp_path)["attention_decode"]["attention_combine_inv"]
+    waited = [opcode for opcode, _ in instructions].index("ACQBULK")
+    first_exp = next(i for i, (opcode, _) in enumerate(instructions) if opcode == "MUFU" and i > waited)
+    loads = [op for op, _ in instructions[waited:first_exp] if op == "LDG"]
+    assert len(loads) >= 2 * unroll, instructions[waited:first_exp]
 
 
 def test_the_check_sees_a_hoisted_load():
