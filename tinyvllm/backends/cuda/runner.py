@@ -390,7 +390,8 @@ class CudaBackend(Backend):
             inp.pad(name)
         inp["bt_stride"][0] = 1
         inp.upload(self.stream, "block_tables", 1)
-        made: list[Graph] = []
+        made: dict[frozenset, Graph] = {}  # a graph per set of chain shapes: the set kept for one shape is the next
+                                           # shape's step with its chain
 
         def step_with(shapes: frozenset) -> Callable[[], None]:
             def eager() -> None:
@@ -399,15 +400,16 @@ class CudaBackend(Backend):
 
             if not self.use_graphs:
                 return eager
-            self.forward.linear.chain_shapes = set(shapes)
-            made.append(self.graphs.capture(1))
-            return functools.partial(made[-1].launch, self.stream.handle)
+            if shapes not in made:
+                self.forward.linear.chain_shapes = set(shapes)
+                made[shapes] = self.graphs.capture(1)
+            return functools.partial(made[shapes].launch, self.stream.handle)
 
         try:
             self.forward.choose_chain_shapes(step_with)
         finally:
             self.stream.synchronize()
-            for graph in made:
+            for graph in made.values():
                 self.device.release(graph)
 
     def finish_startup(self) -> None:
