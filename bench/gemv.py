@@ -1,13 +1,14 @@
 """Our GEMV kernel (cuda/gemv.cu, through Linear) against cuBLAS on a model's decode GEMMs (default Llama-3.2-1B's;
 --preset names another --dummy-weights preset, a dense one), m = 1, 2, 4, 8.
 
-    python bench/gemv.py [--runs 100] [--preset llama-3.2-1b] [--fp8 | --invariant]
+    python bench/gemv.py [--runs 100] [--preset llama-3.2-1b] [--fp8 | --invariant [--chain-tile 8]]
 
 --fp8: the FP8 GEMV (e4m3 weights with per-row scales, cuda/fp8.cu) against our bf16 GEMV on the same shapes
 (the "cuBLAS" columns then hold the bf16 GEMV; bandwidth is each one's own weight bytes).
 --invariant: the batch-invariant pair, gemv_chain (cuda/gemv_chain.cu, through Linear(invariant=True)) against
 cuBLAS with its pinned split-free algorithm, and whether each m's rows have the same bits from both, and from cuBLAS
-in a product of 256 rows that holds them.
+in a product of 256 rows that holds them; --chain-tile 8: gemv_chain in tiles of 8 weight rows (x the mma's A
+operand) in place of 16.
 
 Each time is the median over --runs single launches timed by CUDA events. Every launch is queued behind a spin
 kernel, so the GPU is still busy when the host enqueues it and the host's launch latency is not timed, and the
@@ -73,6 +74,17 @@ class Timer:
             self.end.synchronize()
             times.append(self.start.time_till(self.end) * 1e3)
         return float(np.median(times))
+
+
+class Chain8Linear(Linear):
+    """Linear(invariant=True) whose gemv_chain runs in tiles of 8 weight rows (--chain-tile 8)."""
+
+    def gemm(self, out: DeviceTensor, x: DeviceTensor, w: DeviceTensor, m: int, accumulate: bool = False) -> None:
+        n, k = self._check(out, x, w, m, accumulate)
+        if self.uses_chain_gemv(m, n, k):
+            self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate, tile_rows=8)
+        else:
+            super().gemm(out, x, w, m, accumulate)
 
 
 def copy_rate(timer: Timer) -> float:
@@ -170,7 +182,10 @@ def main() -> None:
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the bf16 one on as many bytes")
     kind.add_argument("--invariant", action="store_true", help="gemv_chain against the pinned cuBLAS algorithm")
+    parser.add_argument("--chain-tile", type=int, choices=(16, 8), default=16, help="--invariant: gemv_chain's rows")
     args = parser.parse_args()
+    if args.chain_tile != 16 and not args.invariant:
+        parser.error("--chain-tile goes with --invariant")
     ms = [int(m) for m in args.m.split(",")]
     config = PRESETS[args.preset]()
     if config.num_experts:
@@ -179,7 +194,7 @@ def main() -> None:
     device = Device(0)
     stream = device.stream()
     blas = device.cublas(stream, device.empty("u8", (WORKSPACE_BYTES,)), invariant=args.invariant)
-    linear = Linear(blas, device.ops(stream), invariant=args.invariant)
+    linear = (Chain8Linear if args.chain_tile == 8 else Linear)(blas, device.ops(stream), invariant=args.invariant)
     fp8 = None
     if args.fp8:  # the scratch buffers are unused at m <= 8 (the GEMV quantizes x as it loads it)
         t, width = max(ms), max(k for _, k, _, _ in shapes.values())

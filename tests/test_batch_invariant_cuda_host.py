@@ -17,7 +17,7 @@ from test_cuda_ops import (FakeBuffers, FakeDevice, FakeGraph, FakeStream, Recor
 @pytest.fixture(autouse=True)
 def no_chain_by_default(forward_module, monkeypatch):
     """The stand-in device computes nothing: gemv_chain's check against cuBLAS fails unless a test says otherwise."""
-    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w: False)
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w, tile_rows=16: False)
 
 
 def invariant_forward(forward_module, recorder, num_sms=132, **overrides):
@@ -89,19 +89,23 @@ def test_a_full_batch_decodes_in_one_part(forward_module):
 
 
 def step_costs(forward_module, monkeypatch, costs):
-    """A step_with for CudaForward.choose_chain_shapes whose steps record their chain shapes, and an _elapsed that
-    gives each step 10 ms plus costs[shape] = (with the chain, without) for each shape of `costs`: returns the
-    step_with and the list of (chain shapes, timed) each run appends to."""
+    """A step_with for CudaForward.choose_chain_shapes whose steps record their chain shapes (chain, chain8), and an
+    _elapsed that gives each step 10 ms plus, for each shape of `costs` ({form: ms}), the cost of the form it runs in
+    ("chain8", "chain" or "cuBLAS"): returns the step_with and the list of ((chain, chain8), timed) each run
+    appends to."""
     runs = []
 
-    def step_with(shapes):
-        return lambda: runs.append((shapes, False))
+    def step_with(chain, chain8):
+        return lambda: runs.append(((chain, chain8), False))
+
+    def form(shape, chain, chain8):
+        return "chain8" if shape in chain8 else "chain" if shape in chain else "cuBLAS"
 
     def elapsed(self, run):
         run()
-        shapes, _ = runs[-1]
-        runs[-1] = (shapes, True)
-        return 10.0 + sum(with_chain if shape in shapes else without for shape, (with_chain, without) in costs.items())
+        sets, _ = runs[-1]
+        runs[-1] = (sets, True)
+        return 10.0 + sum(forms[form(shape, *sets)] for shape, forms in costs.items())
 
     monkeypatch.setattr(forward_module.CudaForward, "_elapsed", elapsed)
     return step_with, runs
@@ -113,17 +117,21 @@ def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypat
     take it."""
     checked = []
 
-    def matches(self, w):
-        checked.append(w.shape)
-        return w.shape != (256, 64)
+    def matches(self, w, tile_rows=16):
+        checked.append((w.shape, tile_rows))
+        return w.shape != (256, 64) and tile_rows == 16
 
     monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", matches)
     recorder = TypedRecorder()
     forward = invariant_forward(forward_module, recorder, num_sms=8, num_attention_heads=4, num_key_value_heads=2)
-    assert sorted(checked) == [(64, 128), (64, 256), (256, 64), (512, 64)]
+    # gate/up [256, 64] is gated (16-row tiles only); the LM head shares QKV's shape
+    assert sorted(checked) == sorted([(s, 8) for s in [(512, 64), (64, 256), (64, 128)]]
+                                     + [(s, 16) for s in [(64, 128), (64, 256), (256, 64), (512, 64)]])
     assert forward.linear.chain_shapes == {(512, 64), (64, 128), (64, 256)}  # every candidate, until timed
-    step_with, _ = step_costs(forward_module, monkeypatch, {(64, 256): (2.0, 1.0), (512, 64): (1.0, 2.0),
-                                                            (64, 128): (1.0, 1.5)})
+    assert forward.chain8_candidates == set()
+    step_with, _ = step_costs(forward_module, monkeypatch, {(64, 256): {"chain": 2.0, "cuBLAS": 1.0},
+                                                            (512, 64): {"chain": 1.0, "cuBLAS": 2.0},
+                                                            (64, 128): {"chain": 1.0, "cuBLAS": 1.5}})
     forward.choose_chain_shapes(step_with)
     assert forward.linear.chain_shapes == {(512, 64), (64, 128)}
     forward.allocate_kv_cache(8)
@@ -140,23 +148,32 @@ def test_decode_runs_gemv_chain_for_the_checked_shapes(forward_module, monkeypat
 
 
 def test_the_chain_is_kept_where_whole_steps_run_faster(forward_module, monkeypatch):
-    """choose_chain_shapes takes the candidates in order: for each, a step with its chain and one without (the
-    other shapes as chosen so far) run once untimed, then CHAIN_STEP_RUNS times each, alternating; the medians
-    decide, a tie for cuBLAS, and are kept in chain_timings."""
+    """choose_chain_shapes takes the candidates in order: for each, a step without its chain and with it in each tile
+    it may run in (the other shapes as chosen so far) run once untimed, then CHAIN_STEP_RUNS times each, alternating;
+    the least median decides, a tie for cuBLAS, and the medians are kept in chain_timings."""
     forward = invariant_forward(forward_module, TypedRecorder())
     forward.linear.chain_shapes = {(1, 16), (2, 16), (3, 16)}
-    costs = {(1, 16): (1.0, 3.0), (2, 16): (5.0, 2.0), (3, 16): (4.0, 4.0)}
+    forward.chain8_candidates = {(2, 16), (4, 16)}
+    costs = {(1, 16): {"chain": 1.0, "cuBLAS": 3.0}, (2, 16): {"chain": 5.0, "chain8": 1.0, "cuBLAS": 2.0},
+             (3, 16): {"chain": 4.0, "cuBLAS": 4.0}, (4, 16): {"chain8": 3.0, "cuBLAS": 2.0}}
     step_with, runs = step_costs(forward_module, monkeypatch, costs)
     forward.choose_chain_shapes(step_with)
-    assert forward.linear.chain_shapes == {(1, 16)}
+    assert forward.linear.chain_shapes == {(1, 16), (2, 16)} and forward.linear.chain8_shapes == {(2, 16)}
     n = forward_module.CHAIN_STEP_RUNS
-    everything = frozenset(costs)
+    a, b, c, d = (1, 16), (2, 16), (3, 16), (4, 16)
     expected = []
-    for variants in ([everything, everything - {(1, 16)}], [everything, everything - {(2, 16)}],
-                     [everything - {(2, 16)}, {(1, 16)}]):
-        expected += [(variants[0], False), (variants[1], False)] + [(v, True) for v in variants] * n
+    for variants in ([({b, c}, set()), ({a, b, c}, set())],  # a: cuBLAS, chain
+                     [({a, c}, set()), ({a, b, c}, set()), ({a, b, c}, {b})],  # b: cuBLAS, chain, chain8
+                     [({a, b}, {b}), ({a, b, c}, {b})],  # c: a tie, cuBLAS
+                     [({a, b}, {b}), ({a, b, d}, {b, d})]):  # d: cuBLAS
+        variants = [(frozenset(chain), frozenset(chain8)) for chain, chain8 in variants]
+        expected += [(v, False) for v in variants] + [(v, True) for v in variants] * n
     assert runs == expected
-    assert forward.chain_timings == {(1, 16): (20.0, 22.0), (2, 16): (20.0, 17.0), (3, 16): (17.0, 17.0)}
+    assert forward.chain_timings == {a: {"cuBLAS": 10 + 3 + 5 + 4 + 2, "chain": 10 + 1 + 5 + 4 + 2},
+                                     b: {"cuBLAS": 10 + 1 + 2 + 4 + 2, "chain": 10 + 1 + 5 + 4 + 2,
+                                         "chain8": 10 + 1 + 1 + 4 + 2},
+                                     c: {"cuBLAS": 10 + 1 + 1 + 4 + 2, "chain": 10 + 1 + 1 + 4 + 2},
+                                     d: {"cuBLAS": 10 + 1 + 1 + 4 + 2, "chain8": 10 + 1 + 1 + 4 + 3}}
 
 
 @pytest.mark.parametrize("graphs", [None, "eager"])
@@ -171,7 +188,7 @@ def test_the_backend_chooses_its_chains_by_timing_batch_1_steps_before_its_graph
     from tinyvllm.model.loader import load_model
 
     runner = importlib.import_module("tinyvllm.backends.cuda.runner")
-    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w: True)
+    monkeypatch.setattr(forward_module.CudaForward, "_chain_matches", lambda self, w, tile_rows=16: tile_rows == 16)
     FakeGraph.made = []
     recorder = TypedRecorder()
     timed, staged = [], []

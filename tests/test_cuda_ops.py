@@ -1917,13 +1917,15 @@ def test_gemv_chain_declares_its_ring_as_dynamic_shared_memory():
     """gemv_chain's four kernels ask for CHAIN_WARPS rings of CHAIN_STAGES stages of 16 weight rows and 8 rows of x,
     each of CHAIN_K + 8 bf16 (cuda/gemv_chain.cu: a ring a warp), within an H100/H200 block's most; no other kernel
     outside moe.cu asks for any."""
-    from tinyvllm.backends.cuda.ops import CHAIN_K, CHAIN_STAGES, CHAIN_WARPS
+    from tinyvllm.backends.cuda.ops import CHAIN8_STAGES, CHAIN_K, CHAIN_STAGES, CHAIN_WARPS
 
     shared = {name: sig.shared_bytes for name, sig in SIGNATURES.items() if sig.shared_bytes and sig.file != "moe"}
-    ring = CHAIN_STAGES * (16 + 8) * (CHAIN_K + 8) * 2
-    assert shared == dict.fromkeys(["gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"],
-                                   CHAIN_WARPS * ring)
-    assert CHAIN_WARPS * ring <= 227 * 1024
+    # 8: gemv_chain8_*'s tiles, in a ring of CHAIN8_STAGES
+    ring, ring8 = (stages * (tile + 8) * (CHAIN_K + 8) * 2 for tile, stages in ((16, CHAIN_STAGES), (8, CHAIN8_STAGES)))
+    assert shared == {**dict.fromkeys(["gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"],
+                                      CHAIN_WARPS * ring),
+                      **dict.fromkeys(["gemv_chain8_bf16", "gemv_chain8_f32"], CHAIN_WARPS * ring8)}
+    assert CHAIN_WARPS * max(ring, ring8) <= 227 * 1024
 
 
 # a warp a 16-row tile: blocks of CHAIN_WARPS warps where the tiles fill every SM that many times, else fewer warps
@@ -1937,3 +1939,19 @@ def test_gemv_chain_spreads_its_tiles_over_the_sms(recorder, n, num_sms, warps):
     tiles = -(-n // 16)
     assert recorder.launches == [("gemv_chain_bf16", (-(-tiles // warps),), (32 * warps, 1, 1))]
     assert recorder.shared == [warps * CHAIN_STAGES * (16 + 8) * (CHAIN_K + 8) * 2]  # weight rows, x rows
+
+
+# tiles of 8 rows (x the mma's A operand): twice the tiles, spread the same way
+@pytest.mark.parametrize("n,num_sms,warps", [(2048, 132, 1), (16384, 132, 4), (128256, 132, 4), (40, 132, 1)])
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_gemv_chain_in_8_row_tiles(recorder, n, num_sms, warps, out_fp32):
+    from tinyvllm.backends.cuda.ops import CHAIN8_STAGES, CHAIN_K
+
+    Ops(recorder, None, num_sms=num_sms).gemv_chain(1, 2, 3, 1, n, 2048, out_fp32, True, tile_rows=8)
+    tiles = -(-n // 8)
+    name = "gemv_chain8_f32" if out_fp32 else "gemv_chain8_bf16"
+    assert recorder.launches == [(name, (-(-tiles // warps),), (32 * warps, 1, 1))]
+    assert recorder.shared == [warps * CHAIN8_STAGES * (8 + 8) * (CHAIN_K + 8) * 2]
+    assert recorder.args[-1][-1] == 1  # accumulate
+    with pytest.raises(ValueError, match="tiles of 4 rows"):
+        Ops(recorder, None, num_sms=num_sms).gemv_chain(1, 2, 3, 1, n, 2048, out_fp32, False, tile_rows=4)

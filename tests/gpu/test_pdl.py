@@ -125,14 +125,17 @@ def test_gemv_chain_copies_its_first_stages_before_it_waits(device, tmp_path):
     """gemv_chain's ring gets its first CHAIN_STAGES - 1 stages of weights by cp.async before the wait, so that they
     overlap the previous kernel (loads into registers there were moved below the wait by ptxas), and nothing else
     global goes first on that path."""
-    from tinyvllm.backends.cuda.ops import CHAIN_K, CHAIN_STAGES
+    from tinyvllm.backends.cuda.ops import CHAIN8_STAGES, CHAIN_K, CHAIN_STAGES
 
     kernels = machine_code(device, tmp_path)["gemv_chain"]
-    assert set(kernels) == {"gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain"}
-    pieces = 16 * CHAIN_K // 8 // 32  # a lane's 16-byte chunks of a stage of 16 rows
+    assert set(kernels) == {"gemv_chain_bf16", "gemv_chain_f32", "gemv_swiglu_chain", "gemv_geglu_chain",
+                            "gemv_chain8_bf16", "gemv_chain8_f32"}
     for name, instructions in kernels.items():
+        tile = 8 if name.startswith("gemv_chain8") else 16
+        pieces = tile * CHAIN_K // 8 // 32  # a lane's 16-byte chunks of a stage of the tile's rows
+        stages = CHAIN8_STAGES if tile == 8 else CHAIN_STAGES
         before = before_main_wait(instructions)
-        assert len(before) == (CHAIN_STAGES - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
+        assert len(before) == (stages - 1) * pieces and all(op.startswith("LDGSTS") for op in before), name
 
 
 def test_the_invariant_merge_has_its_first_chunk_states_in_flight_before_it_folds(device, tmp_path):

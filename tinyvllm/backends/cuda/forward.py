@@ -42,8 +42,8 @@ from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, WORKSPACE_BYTES
 from tinyvllm.backends.cuda.device import Device
 from tinyvllm.backends.cuda.linear import Fp8Scratch, Linear
 from tinyvllm.backends.cuda.moe import allocate_moe_buffers, check_moe_config, fused_moe
-from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, HEAD_DIMS, INVARIANT_PARTS, MMA_K, VECTOR, QkNorm,
-                                       QuantizedOutput, decode_splits, rope_fuses_qk_norm)
+from tinyvllm.backends.cuda.ops import (GEMV_MAX_ROWS, GEMV_TILE_ROWS, HEAD_DIMS, INVARIANT_PARTS, MMA_K, VECTOR,
+                                       QkNorm, QuantizedOutput, decode_splits, rope_fuses_qk_norm)
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, I32, U8, U64, DeviceLayer, DeviceTensor
 from tinyvllm.backends.cuda.weights import WeightUploader
 from tinyvllm.config import EngineConfig
@@ -122,6 +122,8 @@ class KVCache:
 class CudaForward:
     """The model on the GPU, for steps of up to max_tokens tokens (prefill chunks) and max_num_seqs sequences."""
 
+    chain8_candidates: frozenset[tuple[int, int]] = frozenset()  # batch-invariant: set by _chain_shapes
+
     def __init__(self, model, engine_config: EngineConfig, device: Device, stream: cuda.Stream,
                  max_tokens: int) -> None:
         cfg = self.config = model.config
@@ -174,9 +176,9 @@ class CudaForward:
         self.ops = device.ops(stream)
         # each layer's per-head q/k norms as rope_and_cache applies them (None: none, or _qk_norm runs before it)
         self.rope_norms = [self._rope_qk_norm(layer) for layer in self.layers]
-        # our GEMV for a few rows, else cuBLAS
-        # batch-invariant: choose_chain_shapes' step times per shape, (with the chain, without) in ms
-        self.chain_timings: dict[tuple[int, int], tuple[float, float]] = {}
+        # our GEMV for a few rows, else cuBLAS; batch-invariant: the step ms of each shape's forms
+        # (choose_chain_shapes), the shapes that may run in 8-row chains (_chain_shapes)
+        self.chain_timings: dict[tuple[int, int], dict[str, float]] = {}
         self.linear = Linear(self.blas, self.ops, fp8=self.fp8_scratch, invariant=self.invariant,
                              chain_shapes=self._chain_shapes() if self.invariant else None)
         self.kv: KVCache | None = None
@@ -272,7 +274,7 @@ class CudaForward:
                                         algos=self.blas.algos, invariant=self.invariant)
         other.ops = self.device.ops(stream)
         other.linear = Linear(other.blas, other.ops, fp8=self.fp8_scratch, invariant=self.invariant,
-                              chain_shapes=self.linear.chain_shapes)
+                              chain_shapes=self.linear.chain_shapes, chain8_shapes=self.linear.chain8_shapes)
         return other
 
     def close(self) -> None:
@@ -376,37 +378,51 @@ class CudaForward:
         chain gives the bits of cuBLAS's pinned algorithm (_chain_matches). All of them do, until the backend times
         whole decode steps with and without each (choose_chain_shapes): a chain is one warp's dependent mmas per
         16-row tile, so a wide shape's many tiles fill the GPU, a narrow one's few with a short k may still finish
-        first, and with a long k cuBLAS's pinned tiles win (docs/PERFORMANCE.md)."""
-        weights = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   if w is not None}
-        weights[self.lm_head.shape] = self.lm_head
-        return {(n, k) for (n, k), w in weights.items()
-                if w.dtype == BF16 and k % MMA_K == 0 and self._chain_matches(w)}
+        first, and with a long k cuBLAS's pinned tiles win (docs/PERFORMANCE.md). The ungated shapes (QKV, O, down,
+        the LM head) whose chain in 8-row tiles (twice the tiles) gives those bits too go in chain8_candidates."""
+        def usable(w: DeviceTensor | None) -> bool:
+            return w is not None and w.dtype == BF16 and w.shape[1] % MMA_K == 0
 
-    def choose_chain_shapes(self, step_with: Callable[[frozenset], Callable[[], None]]) -> None:
-        """Keep gemv_chain on the shapes where it makes a batch-1 decode step faster: for each candidate shape in
-        turn, step_with(shapes) gives a function that queues one step whose products of the chain shapes `shapes`
-        run the chain; the step with the candidate on the chain and the step without it run once untimed, then
-        CHAIN_STEP_RUNS times each, alternating (a GPU still raising its clocks slows both alike), and the median
-        decides. Timed in the step, a product's time includes what it overlaps (the previous kernel's end, under
-        programmatic dependent launch) and what the next one waits for, as a decode step has them. The times are
-        kept in chain_timings (shape -> (with the chain, without) ms)."""
-        chosen = frozenset(self.linear.chain_shapes)
-        for shape in sorted(chosen):
-            steps = [step_with(chosen), step_with(chosen - {shape})]
-            for step in steps:
-                step()
-            times: list[list[float]] = [[], []]
-            for _ in range(CHAIN_STEP_RUNS):
-                for i, step in enumerate(steps):
-                    times[i].append(self._elapsed(step))
-            with_chain, without = (sorted(runs)[len(runs) // 2] for runs in times)
-            self.chain_timings[shape] = (with_chain, without)
-            log.info("batch-invariant: n %d, k %d: a batch-1 decode step with gemv_chain %.1f us, without %.1f us",
-                     *shape, with_chain * 1e3, without * 1e3)
-            if without <= with_chain:
-                chosen -= {shape}
-        self.linear.chain_shapes = set(chosen)
+        ungated = {w.shape: w for layer in self.layers for w in (layer.qkv, layer.o, layer.down) if usable(w)}
+        if usable(self.lm_head):
+            ungated[self.lm_head.shape] = self.lm_head
+        gated = {layer.gate_up.shape: layer.gate_up for layer in self.layers if usable(layer.gate_up)}
+        self.chain8_candidates = frozenset(shape for shape, w in ungated.items() if self._chain_matches(w, tile_rows=8))
+        return {shape for shape, w in {**gated, **ungated}.items() if self._chain_matches(w)}
+
+    def choose_chain_shapes(self, step_with: Callable[[frozenset, frozenset], Callable[[], None]]) -> None:
+        """Keep gemv_chain on the shapes where it makes a batch-1 decode step faster, in the tiles that make it
+        fastest: for each candidate shape in turn, step_with(chain, chain8) gives a function that queues one step
+        whose products of the shapes `chain` run the chain, those of `chain8` in 8-row tiles; the step without the
+        candidate's chain and with it in each tile it may run in run once untimed, then CHAIN_STEP_RUNS times each,
+        alternating (a GPU still raising its clocks slows them alike), and the least median decides (a tie: cuBLAS).
+        Timed in the step, a product's time includes what it overlaps (the previous kernel's end, under programmatic
+        dependent launch) and what the next one waits for, as a decode step has them. The times are kept in
+        chain_timings (shape -> {form: ms})."""
+        chain, chain8 = frozenset(self.linear.chain_shapes), frozenset(self.linear.chain8_shapes)
+        candidates = set(chain)
+        for shape in sorted(candidates | self.chain8_candidates):
+            forms = {"cuBLAS": (chain - {shape}, chain8 - {shape})}
+            if shape in candidates:
+                forms["chain"] = (chain | {shape}, chain8 - {shape})
+            if shape in self.chain8_candidates:
+                forms["chain8"] = (chain | {shape}, chain8 | {shape})
+            medians = self._step_medians({form: step_with(*sets) for form, sets in forms.items()})
+            self.chain_timings[shape] = medians
+            log.info("batch-invariant: n %d, k %d: a batch-1 decode step %s", *shape,
+                     ", ".join(f"{form} {ms * 1e3:.1f} us" for form, ms in medians.items()))
+            chain, chain8 = forms[min(medians, key=lambda form: (medians[form], form != "cuBLAS"))]
+        self.linear.chain_shapes, self.linear.chain8_shapes = set(chain), set(chain8)
+
+    def _step_medians(self, steps: dict[str, Callable[[], None]]) -> dict[str, float]:
+        """Each step run once untimed, then CHAIN_STEP_RUNS times in turn: the median ms of each."""
+        for step in steps.values():
+            step()
+        times: dict[str, list[float]] = {form: [] for form in steps}
+        for _ in range(CHAIN_STEP_RUNS):
+            for form, step in steps.items():
+                times[form].append(self._elapsed(step))
+        return {form: sorted(runs)[len(runs) // 2] for form, runs in times.items()}
 
     def _elapsed(self, run: Callable[[], None]) -> float:
         """The GPU time in ms of what run() queues on the stream."""
@@ -417,23 +433,23 @@ class CudaForward:
         end.synchronize()
         return end.time_since(start)
 
-    def _chain_matches(self, w: DeviceTensor) -> bool:
-        """Whether gemv_chain gives 8 random rows times w the bits of cuBLAS's pinned algorithm, checked once per
-        shape: bench/gemm_order.py finds split-free algorithms adding as the chain does, but not every one, and a
-        shape whose algorithm does not stays on cuBLAS (the invariance holds either way)."""
+    def _chain_matches(self, w: DeviceTensor, tile_rows: int = GEMV_TILE_ROWS) -> bool:
+        """Whether gemv_chain (in tiles of tile_rows rows) gives 8 random rows times w the bits of cuBLAS's pinned
+        algorithm, checked once per shape: bench/gemm_order.py finds split-free algorithms adding as the chain does,
+        but not every one, and a shape whose algorithm does not stays on cuBLAS (the invariance holds either way)."""
         n, k = w.shape
         rng = np.random.default_rng(n + k)
         x = self.device.upload(f32_to_bf16(rng.standard_normal((GEMV_MAX_ROWS, k), dtype=np.float32)), BF16)
         outs = [self.device.empty(F32, (GEMV_MAX_ROWS, n)) for _ in range(2)]
-        self.ops.gemv_chain(outs[0].ptr, x.ptr, w.ptr, GEMV_MAX_ROWS, n, k, True, False)
+        self.ops.gemv_chain(outs[0].ptr, x.ptr, w.ptr, GEMV_MAX_ROWS, n, k, True, False, tile_rows=tile_rows)
         self.blas.gemm(outs[1], x, w, GEMV_MAX_ROWS)
         self.stream.synchronize()
         chain, blas = (cuda.from_device(out.ptr, out.shape, np.uint32) for out in outs)
         for tensor in (x, *outs):
             self.device.free(tensor)
         if not np.array_equal(chain, blas):
-            log.warning("batch-invariant: gemv_chain does not add as cuBLAS's algorithm for n %d, k %d; those "
-                        "products stay on cuBLAS", n, k)
+            log.warning("batch-invariant: gemv_chain in %d-row tiles does not add as cuBLAS's algorithm for n %d, "
+                        "k %d; those products do not run so", tile_rows, n, k)
             return False
         return True
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.backends.cuda.cublas import SCALE_BLOCK, Cublas, scale_kind
-from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, MMA_K, VECTOR, Ops, fp8_gemv_fits
+from tinyvllm.backends.cuda.ops import FP8_VECTOR, GEMV_MAX_ROWS, GEMV_TILE_ROWS, MMA_K, VECTOR, Ops, fp8_gemv_fits
 from tinyvllm.backends.cuda.tensors import BF16, E4M3, F16, F32, DeviceTensor, matmul_shape
 
 # Measured on the H200 (docs/PERFORMANCE.md). Alone (bench/gemv.py) the kernel beats cuBLAS by 15-25% on weights of
@@ -72,15 +72,17 @@ class Linear:
 
     def __init__(self, blas: Cublas, ops: Ops, max_gemv_weights: int = GEMV_MAX_WEIGHTS,
                  fp8: Fp8Scratch | None = None, invariant: bool = False,
-                 chain_shapes: set[tuple[int, int]] | None = None) -> None:
+                 chain_shapes: set[tuple[int, int]] | None = None,
+                 chain8_shapes: set[tuple[int, int]] | None = None) -> None:
         """invariant: batch-invariant (the module's docstring); blas then pins its algorithms too. chain_shapes:
         the (n, k) whose products of up to 8 rows run as gemv_chain when invariant (CudaForward checks each shape
-        first); None: every shape."""
+        first); None: every shape. chain8_shapes: those of them whose ungated products run it in 8-row tiles."""
         if invariant and not getattr(blas, "invariant", False):
             raise ValueError("a batch-invariant linear layer needs a batch-invariant cuBLAS handle")
         self.blas = blas
         self.invariant = invariant
         self.chain_shapes = chain_shapes
+        self.chain8_shapes = chain8_shapes or set()
         self.ops = ops
         self.max_gemv_weights = max_gemv_weights
         self.fp8 = fp8
@@ -117,7 +119,8 @@ class Linear:
         elif self.uses_gemv(m, n, k):
             self.ops.gemv(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
         elif self.uses_chain_gemv(m, n, k):
-            self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate)
+            self.ops.gemv_chain(out.ptr, x.ptr, w.ptr, m, n, k, out.dtype == F32, accumulate,
+                                tile_rows=8 if (n, k) in self.chain8_shapes else GEMV_TILE_ROWS)
         else:
             self.blas.gemm(out, x, w, m, accumulate=accumulate)
 

@@ -53,6 +53,7 @@ CHAIN_WARPS = 4  # gemv_chain_*: most warps per block, each the mma chain of one
 # (docs/PERFORMANCE.md, batch-invariant mode)
 CHAIN_K = 128
 CHAIN_STAGES = 4
+CHAIN8_STAGES = 8  # gemv_chain8_*'s ring: more bytes in flight a warp
 MOE_MAX_EXPERTS = 1024  # moe_topk_softmax, moe_align: most experts (their shared-memory rows)
 MOE_TOPK_THREADS = 128  # moe_topk_softmax: threads per block (one block per token, a thread per expert)
 MOE_ALIGN_THREADS = 256  # moe_align: threads per block (one block per expert)
@@ -73,7 +74,7 @@ DEFINES: dict[str, dict[str, int]] = {
     "gemv": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "fp8": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL},
     "gemv_chain": {"GEMV_WARPS": GEMV_WARPS, "GEMV_UNROLL": GEMV_UNROLL, "CHAIN_WARPS": CHAIN_WARPS, "CHAIN_K": CHAIN_K,
-                   "CHAIN_STAGES": CHAIN_STAGES},
+                   "CHAIN_STAGES": CHAIN_STAGES, "CHAIN8_STAGES": CHAIN8_STAGES},
     "moe": {"MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "MOE_TOPK_THREADS": MOE_TOPK_THREADS,
             "MOE_ALIGN_THREADS": MOE_ALIGN_THREADS, "MOE_GEMV_WARPS": MOE_GEMV_WARPS,
             "MOE_GEMV_UNROLL": MOE_GEMV_UNROLL, "MOE_GEMM_BLOCK_K": MOE_GEMM_BLOCK_K,
@@ -84,7 +85,17 @@ GEMV_MAX_ROWS = 8  # the width of gemv's mma tile (m16n8k16: x^T is its 16x8 B o
 GEMV_TILE_ROWS = 16  # output rows (weight rows) of one gemv mma tile
 # gemv_chain and its gated forms: a warp's ring of stages (16 weight rows, then x's 8) in shared memory, rows padded
 # by 16 bytes
-CHAIN_WARP_SHARED_BYTES = CHAIN_STAGES * (GEMV_TILE_ROWS + GEMV_MAX_ROWS) * (CHAIN_K + VECTOR) * 2
+CHAIN_TILES = (16, 8)  # gemv_chain_*'s weight rows a warp: 16 (w the mma's A operand), or 8 (x the A operand)
+
+
+def chain_warp_shared_bytes(tile_rows: int) -> int:
+    """gemv_chain_*: a warp's ring, CHAIN_STAGES stages (CHAIN8_STAGES in 8-row tiles) of its tile's rows and x's 8,
+    each CHAIN_K + VECTOR bf16."""
+    stages = CHAIN_STAGES if tile_rows == GEMV_TILE_ROWS else CHAIN8_STAGES
+    return stages * (tile_rows + GEMV_MAX_ROWS) * (CHAIN_K + VECTOR) * 2
+
+
+CHAIN_WARP_SHARED_BYTES = chain_warp_shared_bytes(GEMV_TILE_ROWS)
 CHAIN_SHARED_BYTES = CHAIN_WARPS * CHAIN_WARP_SHARED_BYTES
 MMA_K = 16  # the mma's k: gemv_chain_*'s k is a multiple of it
 GEMV_K_PER_ITERATION = GEMV_UNROLL * 4 * VECTOR  # k one gemv warp loads per iteration: 4 lanes per row
@@ -653,10 +664,17 @@ class Ops:
             "gemv_chain_bf16", shared=lambda name: CHAIN_SHARED_BYTES)
     @kernel("gemv_chain", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
             "gemv_chain_f32", shared=lambda name: CHAIN_SHARED_BYTES)
-    def gemv_chain(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool) -> None:
+    @kernel("gemv_chain", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
+            "gemv_chain8_bf16", shared=lambda name: CHAIN_WARPS * chain_warp_shared_bytes(8))
+    @kernel("gemv_chain", "float* out, const bf16* x, const bf16* w, int m, int n, int k, int accumulate",
+            "gemv_chain8_f32", shared=lambda name: CHAIN_WARPS * chain_warp_shared_bytes(8))
+    def gemv_chain(self, out: int, x: int, w: int, m: int, n: int, k: int, out_fp32: bool, accumulate: bool,
+                   tile_rows: int = GEMV_TILE_ROWS) -> None:
         """gemv's product in the order of cuBLASLt's split-free algorithms (cuda/gemv_chain.cu): the batch-invariant
-        GEMV, for m <= 8."""
-        self._gemv_chain("gemv_chain_f32" if out_fp32 else "gemv_chain_bf16", out, x, w, m, n, k, int(accumulate))
+        GEMV, for m <= 8; tile_rows: a warp's weight rows, 16 or 8 (the same bits; twice the tiles)."""
+        _require(tile_rows in CHAIN_TILES, f"gemv_chain: tiles of {tile_rows} rows (one of {CHAIN_TILES})")
+        name = f"gemv_chain{'' if tile_rows == GEMV_TILE_ROWS else tile_rows}_{'f32' if out_fp32 else 'bf16'}"
+        self._gemv_chain(name, out, x, w, m, n, k, int(accumulate), tile_rows=tile_rows)
 
     @kernel("gemv_chain", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k", "gemv_swiglu_chain",
             "gemv_geglu_chain", shared=lambda name: CHAIN_SHARED_BYTES)
@@ -666,14 +684,16 @@ class Ops:
                                           "8 up rows")
         self._gemv_chain(f"gemv_{activation}_chain", out, x, w, m, n, k)
 
-    def _gemv_chain(self, name: str, out: int, x: int, w: int, m: int, n: int, k: int, *accumulate: int) -> None:
-        """A warp a 16-row tile; blocks of CHAIN_WARPS warps, or fewer when the tiles would not fill the SMs."""
+    def _gemv_chain(self, name: str, out: int, x: int, w: int, m: int, n: int, k: int, *accumulate: int,
+                    tile_rows: int = GEMV_TILE_ROWS) -> None:
+        """A warp a tile of tile_rows rows; blocks of CHAIN_WARPS warps, or fewer when the tiles would not fill the
+        SMs."""
         _require(0 < m <= GEMV_MAX_ROWS, f"{name}: m = {m} rows (1 to {GEMV_MAX_ROWS})")
         _require(k % MMA_K == 0 and k >= MMA_K, f"{name}: k {k} is not a multiple of {MMA_K} (the mma's k)")
-        tiles = -(-n // GEMV_TILE_ROWS)
+        tiles = -(-n // tile_rows)
         warps = max(1, min(CHAIN_WARPS, tiles // self.num_sms)) if self.num_sms else CHAIN_WARPS
         self.launch(name, (-(-tiles // warps),), warps * 32, out, x, w, m, n, k, *accumulate,
-                    shared_bytes=warps * CHAIN_WARP_SHARED_BYTES)
+                    shared_bytes=warps * chain_warp_shared_bytes(tile_rows))
 
     @kernel("gemv", "bf16* out, const bf16* x, const bf16* w, int m, int n, int k, int split", "gemv_swiglu_bf16",
             "gemv_swiglu_bf16_pipelined")

@@ -372,7 +372,9 @@ class CudaBackend(Backend):
         self.num_blocks = num_blocks
         log.info("cuda KV cache: %d blocks x %d = %d tokens, %.2f GiB", num_blocks, ec.block_size,
                  num_blocks * ec.block_size, num_blocks * block_bytes / GIB)
-        if self.forward.invariant and self.forward.linear.chain_shapes and not self.forward.chain_timings:
+        forward = self.forward
+        candidates = forward.linear.chain_shapes or forward.chain8_candidates
+        if forward.invariant and candidates and not forward.chain_timings:
             self.startup_times["gemv_chain choice"] = _seconds(self._choose_chain_shapes)
         self.startup_times["LM head tuning"] = _seconds(lambda: self.forward.tune_lm_head(self.graphs.buckets))
         if self.use_graphs:
@@ -390,20 +392,20 @@ class CudaBackend(Backend):
             inp.pad(name)
         inp["bt_stride"][0] = 1
         inp.upload(self.stream, "block_tables", 1)
-        made: dict[frozenset, Graph] = {}  # a graph per set of chain shapes: the set kept for one shape is the next
-                                           # shape's step with its chain
+        made: dict[tuple[frozenset, frozenset], Graph] = {}  # a graph per (chain, chain8): the pair kept for one
+                                                           # shape is the next shape's step with its chain
 
-        def step_with(shapes: frozenset) -> Callable[[], None]:
+        def step_with(chain: frozenset, chain8: frozenset) -> Callable[[], None]:
             def eager() -> None:
-                self.forward.linear.chain_shapes = set(shapes)
+                self.forward.linear.chain_shapes, self.forward.linear.chain8_shapes = set(chain), set(chain8)
                 self.graphs.record(self.forward, 1, True)
 
             if not self.use_graphs:
                 return eager
-            if shapes not in made:
-                self.forward.linear.chain_shapes = set(shapes)
-                made[shapes] = self.graphs.capture(1)
-            return functools.partial(made[shapes].launch, self.stream.handle)
+            if (chain, chain8) not in made:
+                self.forward.linear.chain_shapes, self.forward.linear.chain8_shapes = set(chain), set(chain8)
+                made[chain, chain8] = self.graphs.capture(1)
+            return functools.partial(made[chain, chain8].launch, self.stream.handle)
 
         try:
             self.forward.choose_chain_shapes(step_with)
