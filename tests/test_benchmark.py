@@ -316,15 +316,17 @@ def test_bench_command_records_what_ran(tmp_path, monkeypatch):
 
 def test_chain_choices_name_each_shapes_form_and_its_timings():
     """bench/batch_invariant.py and profile_step.py print which form each weight shape of a batch-invariant LLM runs
-    in (gemv_chain, in 8-row tiles, or cuBLAS: the least step time, a tie for cuBLAS) with the step times it was
-    chosen by; a backend without the timings says so."""
+    in (gemv_chain, in 8-row tiles, or cuBLAS: as its Linear holds them) with the step times it was chosen by; a
+    backend without the timings says so."""
     from types import SimpleNamespace
 
     from tinyvllm.benchmark import chain_choices
 
+    linear = SimpleNamespace(chain_shapes={(3072, 2048), (2048, 2048)}, chain8_shapes={(2048, 2048)})
     forward = SimpleNamespace(chain_timings={(3072, 2048): {"cuBLAS": 1.3412, "chain": 1.2681, "chain8": 1.2701},
                                              (2048, 8192): {"cuBLAS": 1.4, "chain": 1.4},
-                                             (2048, 2048): {"cuBLAS": 1.5, "chain": 1.6, "chain8": 1.45}})
+                                             (2048, 2048): {"cuBLAS": 1.5, "chain": 1.6, "chain8": 1.45}},
+                              linear=linear)
     llm = SimpleNamespace(backend=SimpleNamespace(forward=forward))
     assert chain_choices(llm) == ("2048x2048 chain8 (step us: cuBLAS 1500.0, chain 1600.0, chain8 1450.0); "
                                   "2048x8192 cuBLAS (step us: cuBLAS 1400.0, chain 1400.0); "

@@ -359,19 +359,20 @@ def bench_llm(model: str | Path | None, dummy_weights: str = "llama-3.2-1b", wor
 
 
 def chain_choices(llm) -> str:
-    """A batch-invariant cuda LLM's choice per weight shape among gemv_chain (16-row tiles), gemv_chain8 (8-row
-    tiles) and cuBLAS's pinned algorithm for up to 8 rows, with the start-up timings it chose by
-    (CudaForward.choose_chain_shapes: a batch-1 decode step in each form): each LLM times its own, so two runs may
-    choose apart where the times are close."""
+    """A batch-invariant cuda LLM's form per weight shape for up to 8 rows, as its Linear runs it: gemv_chain
+    ("chain", 16-row tiles), in 8-row tiles ("chain8") or cuBLAS's pinned algorithm, with the start-up timings it
+    chose by (CudaForward.choose_chain_shapes: a batch-1 decode step in each form): each LLM times its own, so two
+    runs may choose apart where the times are close."""
     forward = getattr(llm.backend, "forward", None)
     timings = getattr(forward, "chain_timings", None)
     if not timings:
         return "no gemv_chain timings (not batch-invariant cuda)"
+    linear = forward.linear
 
     def choice(shape: tuple[int, int], medians: dict[str, float]) -> str:
-        best = min(medians, key=lambda form: (medians[form], form != "cuBLAS"))
-        steps = ", ".join(f"{form} {ms * 1e3:.1f}" for form, ms in medians.items())
-        return f"{shape[0]}x{shape[1]} {best} (step us: {steps})"
+        form = "chain8" if shape in linear.chain8_shapes else "chain" if shape in linear.chain_shapes else "cuBLAS"
+        steps = ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in medians.items())
+        return f"{shape[0]}x{shape[1]} {form} (step us: {steps})"
 
     return "; ".join(choice(shape, medians) for shape, medians in sorted(timings.items()))
 
