@@ -131,6 +131,23 @@ def test_batch_invariant_ray_job_equals_single_process_bitwise(ray_local, tiny_m
     assert got == want and all(r["logprobs"] for r in got)
 
 
+@needs_ray
+def test_ray_openai_output_names_logprob_tokens_by_text(ray_local, tiny_model_dir, tmp_path):
+    """The driver, which holds no LLM, reads the tokenizer to name the OpenAI output's logprobs tokens."""
+    from tinyvllm.model.loader import load_tokenizer
+    from tinyvllm.tokenizer import TokenNames
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Row {i} says", "logprobs": 1}) + "\n"
+                           for i in range(4)))
+    out = tmp_path / "ray.jsonl"
+    run_ray_job(config(tiny_model_dir, src, out), RayConfig(num_replicas=2, batch_size=2))
+    names = TokenNames(load_tokenizer(tiny_model_dir))
+    for line in map(json.loads, out.read_text().splitlines()):
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["logprobs"]["tokens"] == [names(t)[0] for t in choice["token_ids"]] != []
+
+
 def use_replica(monkeypatch, replica: type) -> None:
     """Jobs map their batches through `replica` (a _JobReplica subclass defined in a test: Ray ships it by value)."""
     real_map = ray_executor.map_replicas

@@ -348,18 +348,66 @@ def detok_table(tokenizer, skip_special_tokens: bool) -> DetokTable | None:
 def _build_detok_table(backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> DetokTable | None:
     """The table, checked against the tokenizer: every id's decode alone (and, for SentencePiece, after a plain
     token), and for byte-level BPE random runs of ids (the decode joins the bytes)."""
-    kind = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    kind = _decoder_kind(backend)
     special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
     tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size(with_added_tokens=True))]
-    if kind.get("type") == "ByteLevel":
+    if kind == "byte-level":
         return _byte_level_table(backend, tokens, special if skip_special_tokens else set())
-    if kind.get("type") == "Sequence" and [d.get("type") for d in kind["decoders"]][:3] == SPM_DECODERS \
-            and kind["decoders"][0] == {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}:
+    if kind == "sentencepiece":
         return _sentencepiece_table(backend, tokens, set(backend.get_added_tokens_decoder()))
     return None
 
 
 SPM_DECODERS = ["Replace", "ByteFallback", "Fuse"]  # then, optionally, Strip of the decode's leading space
+SPM_BYTE = re.compile(r"<0x([0-9A-F]{2})>")  # a SentencePiece byte-fallback token
+
+
+def _decoder_kind(backend: tokenizers.Tokenizer) -> str | None:
+    """'byte-level' (GPT-2's bytes as characters), 'sentencepiece' (U+2581 for spaces, byte fallback) or None."""
+    kind = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    if kind.get("type") == "ByteLevel":
+        return "byte-level"
+    if kind.get("type") == "Sequence" and [d.get("type") for d in kind["decoders"]][:3] == SPM_DECODERS \
+            and kind["decoders"][0] == {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}:
+        return "sentencepiece"
+    return None
+
+
+class TokenNames:
+    """Each token as OpenAI's logprobs name it: (its text, its bytes), what the token adds to the output wherever it
+    stands (a SentencePiece token's leading space kept, which a decode of the token alone strips). A token that is
+    part of a character (a byte-level BPE piece, a byte-fallback token) has its exact bytes, and as text those
+    bytes decoded with U+FFFD for the incomplete character, as OpenAI's API gives it. Special tokens by their
+    text (<|im_end|>). Names are made on first use."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._kind = _decoder_kind(tokenizer.backend)
+        table = detok_table(tokenizer, False) if self._kind == "byte-level" else None
+        self._pieces = table.pieces if table is not None else None
+        self._added = set(tokenizer.backend.get_added_tokens_decoder())
+        self._names: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        name = self._names.get(token_id)
+        if name is None:
+            data = self._bytes(token_id)
+            name = self._names[token_id] = (data.decode("utf-8", "replace"), list(data))
+        return name
+
+    def _bytes(self, token_id: int) -> bytes:
+        if self._pieces is not None:  # the table checked the pieces against the tokenizer's decode
+            return self._pieces[token_id] if 0 <= token_id < len(self._pieces) else b""
+        token = self.tokenizer.backend.id_to_token(token_id)
+        if token is None:
+            return b""  # no such token
+        if self._kind == "sentencepiece":
+            byte = SPM_BYTE.fullmatch(token)  # a byte-fallback token (an added token in some vocabularies)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if token_id not in self._added:
+                return token.replace("\u2581", " ").encode()
+        return self.tokenizer.decode(token_id).encode()
 
 
 def _byte_level_table(backend: tokenizers.Tokenizer, tokens: list[str | None], skipped: set[int]) -> DetokTable | None:

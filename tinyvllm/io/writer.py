@@ -443,11 +443,13 @@ class PartsWriter:
             piece.unlink()
         return self.committed
 
-    def finalize(self, metadata: dict, engine_stats: dict | None = None) -> dict:
+    def finalize(self, metadata: dict, engine_stats: dict | None = None,
+                 token_names: Callable[[], Callable[[int], TokenName]] = lambda: id_name) -> dict:
         """Merge the pieces into the output (input order), write the summary, drop the pieces; return the summary.
 
         `metadata` becomes the file's `tinyvllm.*` key-value metadata (values JSON-encoded), counts added;
-        `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `summary_extra` into the summary."""
+        `engine_stats` (prefix-cache hit rate, preemptions) goes into both; `summary_extra` into the summary.
+        `token_names()`: how the OpenAI output names logprobs' tokens, made once a row has logprobs."""
         self.flush()
         pieces = self.pieces()
         small = [_read_piece(piece, ["row", *SUMMARY_COLUMNS]) for piece in pieces]  # serves the check, the summary
@@ -470,10 +472,13 @@ class PartsWriter:
         def write_openai(f: BinaryIO) -> None:
             model, token = str(metadata.get("model", "")), openai_token(metadata)
             data = [name for name in self.schema.names if name not in output_schema(True).names]
+            names = None
             for table in _merged(pieces, self.schema, rows):
                 for rec in table.to_pylist():
-                    f.write(json.dumps(openai_line(rec, model, token, data), ensure_ascii=False, default=str).encode()
-                            + b"\n")
+                    if names is None and rec["logprobs"] is not None:
+                        names = token_names()
+                    line = openai_line(rec, model, token, data, names or id_name)
+                    f.write(json.dumps(line, ensure_ascii=False, default=str).encode() + b"\n")
 
         if output_format(self.output) == "openai":  # no key-value metadata in JSONL: the summary holds it
             summary["metadata"] = json.loads(json.dumps(metadata, default=str))
@@ -592,27 +597,37 @@ def openai_token(metadata: dict) -> str:
     return hashlib.sha256(json.dumps(metadata.get("job"), sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def openai_line(rec: dict, model: str, token: str, data_columns: list[str]) -> dict:
+TokenName = tuple[str, "list[int] | None"]  # a logprobs token's text and bytes in the OpenAI output
+
+
+def id_name(token_id: int) -> TokenName:
+    """A token named by its id, without bytes (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}", None
+
+
+def openai_line(rec: dict, model: str, token: str, data_columns: list[str],
+                names: Callable[[int], TokenName] = id_name) -> dict:
     """One line of the OpenAI Batch API's output file for an output record: `response` with a chat.completion or
-    text_completion body, or `error`; the carried input columns beside them. The id ends in the row number."""
+    text_completion body, or `error`; the carried input columns beside them. The id ends in the row number.
+    `names`: each logprobs token's (text, bytes)."""
     line: dict = {"id": f"batch_req_{token}_{rec['row']}", "custom_id": rec["id"]}
     if rec["error"] is not None:
         line.update(response=None, error={"code": "invalid_request", "message": rec["error"]})
     else:
         line.update(response={"status_code": 200, "request_id": f"req_{token}_{rec['row']}",
-                              "body": _openai_body(rec, model, f"{token}-{rec['row']}")}, error=None)
+                              "body": _openai_body(rec, model, f"{token}-{rec['row']}", names)}, error=None)
     line.update((name, rec[name]) for name in data_columns)
     return line
 
 
-def _openai_body(rec: dict, model: str, suffix: str) -> dict:
+def _openai_body(rec: dict, model: str, suffix: str, names: Callable[[int], TokenName]) -> dict:
     chat = bool(rec["chat"])
     texts = rec["completions"] or [rec["completion"]]
     reasons = rec["completions_finish_reasons"] or [rec["finish_reason"]]
     choices = []
     for i, (text, reason) in enumerate(zip(texts, reasons)):
         choice = {"index": i, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
-        choice["logprobs"] = _openai_logprobs(rec, chat) if i == 0 and rec["logprobs"] is not None else None
+        choice["logprobs"] = _openai_logprobs(rec, chat, names) if i == 0 and rec["logprobs"] is not None else None
         choice["finish_reason"] = reason
         if i == 0:
             choice["token_ids"] = rec["completion_token_ids"]  # vLLM's return_token_ids
@@ -629,17 +644,19 @@ def _openai_body(rec: dict, model: str, suffix: str) -> dict:
     return body
 
 
-def _openai_logprobs(rec: dict, chat: bool) -> dict:
-    """The first choice's logprobs in OpenAI's shape; tokens are named "token_id:N" (vLLM's
-    return_tokens_as_token_ids), since the pieces keep ids, not token strings."""
+def _openai_logprobs(rec: dict, chat: bool, names: Callable[[int], TokenName]) -> dict:
+    """The first choice's logprobs in OpenAI's shape, each token named by `names`: its text and bytes (TokenNames),
+    or "token_id:N" and no bytes (vLLM's return_tokens_as_token_ids: id_name)."""
     ids, own, tops = rec["completion_token_ids"], rec["logprobs"], rec["top_logprobs"]
     if chat:
-        return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
-                             "top_logprobs": [{"token": f"token_id:{e['token_id']}", "logprob": e["logprob"],
-                                               "bytes": None} for e in top]}
+        def entry(token_id: int, logprob: float) -> dict:
+            text, data = names(token_id)
+            return {"token": text, "logprob": logprob, "bytes": data}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(e["token_id"], e["logprob"]) for e in top]}
                             for t, lp, top in zip(ids, own, tops)]}
-    return {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": own,
-            "top_logprobs": [{f"token_id:{e['token_id']}": e["logprob"] for e in top} for top in tops],
+    return {"tokens": [names(t)[0] for t in ids], "token_logprobs": own,
+            "top_logprobs": [{names(e["token_id"])[0]: e["logprob"] for e in top} for top in tops],
             "text_offset": None}
 
 

@@ -53,6 +53,8 @@ class JobConfig:
     limit: int | None = setting(None, "run only the first N rows of the input, for a quick look (a different job "
                                 "from the whole input's: its output is not the whole job's)", low=1, high=1 << 62)
     output_token_ids: bool = setting(False, "add a completion_token_ids column")
+    return_tokens_as_token_ids: bool = setting(False, "OpenAI batch output: name logprobs' tokens token_id:N "
+                                               "(vLLM's flag), not by their text and bytes")
     logprobs: int | None = setting(None, "rows' default logprobs: fill the logprob columns with the top N per token",
                                    low=0, high=1 << 20)
     max_in_flight: int | None = setting(None, "requests in the engine at once [default: 4 x max_num_seqs]",

@@ -32,7 +32,7 @@ from tinyvllm.errors import JobError
 from tinyvllm.io import Row, output_record
 from tinyvllm.io.writer import output_schema
 from tinyvllm.jobs.config import JobConfig, RayConfig
-from tinyvllm.jobs.run import complete_rows, load_llm, record_extras
+from tinyvllm.jobs.run import complete_rows, load_job_tokenizer, load_llm, record_extras
 from tinyvllm.sampling_params import SamplingParams
 
 __all__ = ["RayExecutor"]
@@ -63,6 +63,10 @@ class RayExecutor:
 
     def start(self, cfg: JobConfig) -> None:
         """Nothing to load here: each replica loads the model when it starts."""
+
+    def tokenizer(self, cfg: JobConfig):
+        """The job's tokenizer, read here (the OpenAI output's logprobs name tokens by their text)."""
+        return load_job_tokenizer(cfg)
 
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterable[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],

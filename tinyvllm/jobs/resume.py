@@ -42,6 +42,8 @@ def job_identity(cfg: JobConfig, defaults: SamplingParams) -> dict:
             "max_model_len": cfg.engine.max_model_len, "seed": cfg.engine.seed,
             "sampling": asdict(defaults), "chat": cfg.chat, "output_token_ids": cfg.output_token_ids,
             "logprobs": cfg.logprobs,
+            # how the OpenAI output names tokens (the identity of a job without it stays as it was)
+            **({"return_tokens_as_token_ids": True} if cfg.return_tokens_as_token_ids else {}),
             "chat_template_sha256": (hashlib.sha256(cfg.chat_template_source.encode()).hexdigest()
                                      if cfg.chat_template_source is not None else None),
             "chat_template_kwargs": cfg.template_kwargs, "allow_unknown_fields": cfg.allow_unknown_fields,

@@ -40,8 +40,8 @@ from tinyvllm.engine.structured_outputs import check_constraint
 from tinyvllm.errors import JobError, JobUsageError
 from tinyvllm.io import PartsWriter, Row, count_rows, input_columns, output_record, read_rows
 from tinyvllm.io.stdin import STDIN, is_stdin, spooled_stdin
-from tinyvllm.io.writer import (OPENAI_LINE_KEYS, lock_path, output_format, output_schema, parts_dir, sampling_record,
-                                summary_path)
+from tinyvllm.io.writer import (OPENAI_LINE_KEYS, id_name, lock_path, output_format, output_schema, parts_dir,
+                                sampling_record, summary_path)
 from tinyvllm.jobs import resume
 from tinyvllm.jobs.config import JobConfig
 from tinyvllm.jobs.dummy import DUMMY_PREFIX, is_dummy, load_dummy
@@ -91,6 +91,10 @@ class LocalExecutor:
         """Load the job's model, before the job writes anything: a model that cannot load leaves nothing behind."""
         if self.llm is None:
             self.llm = load_llm(cfg)
+
+    def tokenizer(self, cfg: JobConfig):
+        """The job's tokenizer: its LLM's, or read alone where no rows were left to run."""
+        return self.llm.tokenizer if self.llm is not None else load_job_tokenizer(cfg)
 
     def run(self, cfg: JobConfig, defaults: SamplingParams, rows: Iterator[Row], num_rows: int,
             emit: Callable[[dict], None], commit: Callable[..., None],
@@ -369,7 +373,7 @@ def run_job(cfg: JobConfig, executor: LocalExecutor | None = None) -> dict:
                           worker_process=ahead)
         info, stats = job_run.execute(executor, defaults, rows)
         job_run.check_complete(manifest)
-        return job_run.finish(_metadata(cfg, defaults, manifest, info), stats)
+        return job_run.finish(_metadata(cfg, defaults, manifest, info), stats, _token_names(cfg, executor))
 
 
 def _worker_ahead(cfg: JobConfig, executor, total: int) -> WorkerProcess | None:
@@ -466,12 +470,12 @@ class _JobRun:
             tqdm.write(f"warning: ignoring the unsupported field {name!r} (--allow-unknown-fields); the summary "
                        "counts the rows that had it", file=sys.stderr)
 
-    def finish(self, metadata: dict, stats: dict) -> dict:
+    def finish(self, metadata: dict, stats: dict, token_names: Callable[[], Callable] = lambda: id_name) -> dict:
         """Write the output; return its summary with what the final line says beyond the file's: `run_wall_time_s`
         (this run's; `wall_time_s` sums every run that committed rows), `runs` (those runs) and `error_messages`
         (the most common, with their counts). Only a resume reads the pieces for them: earlier runs' rows are there."""
         runs, errors = _runs_and_errors(self.writer.pieces()) if len(self.done) else (1, _messages(self.errors))
-        summary = self.writer.finalize(metadata, stats)
+        summary = self.writer.finalize(metadata, stats, token_names)
         return {**summary, "run_wall_time_s": round(time.time() - self.started, 3), "runs": runs,
                 "error_messages": errors.most_common(ERROR_MESSAGES)}
 
@@ -657,6 +661,26 @@ def _default_model() -> Path:
         raise JobError("no model given and the default model is not fetched: "
                        "run `tinyvllm fetch-default-model` (or `make run`) first")
     return path
+
+
+def _token_names(cfg: JobConfig, executor) -> Callable[[], Callable]:
+    """How the OpenAI output names logprobs' tokens (made when a row has logprobs): by their text and bytes, or
+    "token_id:N" with return_tokens_as_token_ids."""
+    if cfg.return_tokens_as_token_ids or output_format(cfg.output) != "openai":
+        return lambda: id_name
+    from tinyvllm.tokenizer import TokenNames
+
+    return lambda: TokenNames(executor.tokenizer(cfg))
+
+
+def load_job_tokenizer(cfg: JobConfig):
+    """The job's model's tokenizer alone (a process without the job's LLM); JobError (one line) if unreadable."""
+    from tinyvllm.model.loader import load_tokenizer
+
+    try:
+        return load_dummy(str(cfg.model)).tokenizer if is_dummy(cfg.model) else load_tokenizer(cfg.model)
+    except (ValueError, OSError, ImportError) as e:
+        raise JobError(f"cannot read the tokenizer of {cfg.model}: {e}".splitlines()[0]) from None
 
 
 def load_llm(cfg: JobConfig):

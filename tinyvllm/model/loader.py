@@ -197,6 +197,11 @@ def load_model(path: str | os.PathLike, tokenizer: str | os.PathLike | None = No
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), kv_cache_scales=kv_scales)
 
 
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of an HF model dir (or a tokenizer dir) or a .gguf file, without the weights."""
+    return _separate_tokenizer(Path(path))
+
+
 def _separate_tokenizer(path: Path) -> Tokenizer:
     if path.is_file() and path.suffix == ".gguf":  # vLLM takes a GGUF file as the tokenizer too
         from tinyvllm.model.gguf import load_gguf
