@@ -72,6 +72,8 @@ def test_openai_output_names_tokens_by_text_or_id(tiny_model_dir, tmp_path):
 
     rows = [openai("/v1/chat/completions", "chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                    logprobs=True, top_logprobs=2, temperature=0, ignore_eos=True),
+            openai("/v1/chat/completions", "plain", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                   logprobs=True),
             openai("/v1/completions", "text", prompt="one two", max_tokens=4, logprobs=2, temperature=0,
                    ignore_eos=True)]
     src, out = write_jsonl(tmp_path / "batch.jsonl", rows), tmp_path / "results.jsonl"
@@ -82,6 +84,11 @@ def test_openai_output_names_tokens_by_text_or_id(tiny_model_dir, tmp_path):
     assert len(content) == 4 and all(isinstance(c["bytes"], list) for c in content)
     assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8", "replace") == chat["message"]["content"]
     assert all(e["token"] == bytes(e["bytes"]).decode("utf-8", "replace") for c in content for e in c["top_logprobs"])
+    # OpenAI's top_logprobs: exactly the top 2, in rank order (greedy: the sampled token first)
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+               and c["top_logprobs"][0]["token"] == c["token"] for c in content)
+    plain = by_id["plain"]["choices"][0]["logprobs"]["content"]
+    assert plain and all(c["top_logprobs"] == [] for c in plain)  # logprobs: true without top_logprobs
     text = by_id["text"]["choices"][0]
     assert "".join(text["logprobs"]["tokens"]) == text["text"]
     assert all(set(top) for top in text["logprobs"]["top_logprobs"])

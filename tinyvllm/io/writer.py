@@ -646,14 +646,19 @@ def _openai_body(rec: dict, model: str, suffix: str, names: Callable[[int], Toke
 
 def _openai_logprobs(rec: dict, chat: bool, names: Callable[[int], TokenName]) -> dict:
     """The first choice's logprobs in OpenAI's shape, each token named by `names`: its text and bytes (TokenNames),
-    or "token_id:N" and no bytes (vLLM's return_tokens_as_token_ids: id_name)."""
+    or "token_id:N" and no bytes (vLLM's return_tokens_as_token_ids: id_name). A position's top tokens come in rank
+    order, the sampled one after them where it is not among them: a chat's `top_logprobs` holds the first N (the
+    row's `top_logprobs`), a completion's all (OpenAI's legacy API: "up to logprobs + 1")."""
     ids, own, tops = rec["completion_token_ids"], rec["logprobs"], rec["top_logprobs"]
     if chat:
+        num_top = rec["sampling"]["logprobs"] or 0
+
         def entry(token_id: int, logprob: float) -> dict:
             text, data = names(token_id)
             return {"token": text, "logprob": logprob, "bytes": data}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(e["token_id"], e["logprob"]) for e in top]}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(e["token_id"], e["logprob"])
+                                                              for e in top[:num_top]]}
                             for t, lp, top in zip(ids, own, tops)]}
     return {"tokens": [names(t)[0] for t in ids], "token_logprobs": own,
             "top_logprobs": [{names(e["token_id"])[0]: e["logprob"] for e in top} for top in tops],
