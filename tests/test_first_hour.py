@@ -88,6 +88,16 @@ def test_roles_a_template_names_are_known(tiny_model_dir):
                                                    {"role": "asistant", "content": "b"}], SamplingParams(max_tokens=1))
 
 
+def test_openai_developer_messages_are_system_ones_where_the_template_has_none(tiny_model_dir):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    template = "{% for m in messages %}[{{ m.role }}]{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, chat_template=template) == "[system]be brief[user]hi"
+    assert messages[0]["role"] == "developer"  # the caller's messages are left as they were
+    known = "{% for m in messages %}{% if m.role == 'developer' %}<dev>{% endif %}{{ m['content'] }}{% endfor %}"
+    assert tok.apply_chat_template(messages, chat_template=known) == "<dev>be briefhi"
+
+
 # ---- a model that fails to load; the final line --------------------------------------------------------------------
 
 def test_a_model_load_error_prints_no_progress_bar(tiny_model_dir, tmp_path):

@@ -83,6 +83,7 @@ BAD_LINES = [
     (b'{"prompt": 42}', "prompt must be a string or a list of token ids, got int"),
     (b'{"prompt": [1, -2]}', "token ids must be >= 0"),
     (b'{"prompt": [1, 2.5]}', "prompt token ids must be integers, got 2.5"),
+    (b'{"prompt": ["a", "b"]}', "prompt is a list of texts (several prompts in one request"),
     (b'{"prompt": [1, "2"]}', 'prompt token ids must be integers, got "2"'),
     (b'{"prompt": [true, 2]}', "prompt token ids must be integers, got true"),
     (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "both prompt and messages"),

@@ -200,7 +200,7 @@ class Tokenizer:
             raise ValueError(f"chat_template_kwargs cannot set {reserved[0]!r}")
         try:
             compiled = _compile(template)
-            _check_roles(messages, template)
+            messages = _check_roles(messages, template)
             text = _render(compiled, **{
                 **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
@@ -543,16 +543,21 @@ def _check_messages(messages: list[dict]) -> None:
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _check_roles(messages: list[dict], template: str) -> None:
-    """ValueError for a message whose role is neither a standard one nor one the template compares a role with
-    (a misspelt 'usr' would otherwise be rendered as a role of its own)."""
+def _check_roles(messages: list[dict], template: str) -> list[dict]:
+    """The messages to render: ValueError for a message whose role is neither a standard one nor one the template
+    compares a role with (a misspelt 'usr' would otherwise be rendered as a role of its own). OpenAI's 'developer'
+    messages (its name for system instructions since o1) are rendered as 'system' where the template has no
+    'developer' of its own."""
     known = None
     for i, message in enumerate(messages):
         if message["role"] not in STANDARD_ROLES:
             known = _template_roles(template) if known is None else known
-            if message["role"] not in known:
+            if message["role"] == "developer" and "developer" not in known:
+                messages = [*messages[:i], {**message, "role": "system"}, *messages[i + 1:]]
+            elif message["role"] not in known:
                 raise ValueError(f"message {i} has role {message['role']!r}: the chat template knows "
                                  f"{', '.join(sorted(known))}")
+    return messages
 
 
 @functools.lru_cache(maxsize=64)

@@ -593,6 +593,9 @@ def _prompt_or_messages(prompt: object, messages: object,
         return prompt, None
     if isinstance(prompt, list) and not prompt:
         raise BadRow("prompt is empty")
+    if isinstance(prompt, list) and all(isinstance(t, str) for t in prompt):
+        raise BadRow("prompt is a list of texts (several prompts in one request, as OpenAI's /v1/completions "
+                     "allows): give each prompt a row of its own")
     if isinstance(prompt, list):
         bad = next(t for t in prompt if not _is_token_id(t))
         raise BadRow(f"prompt token ids must be integers, got {json.dumps(bad, default=repr)[:40]}")
