@@ -445,3 +445,18 @@ def test_ray_job_carries_columns_and_request_fields(tiny_model_dir, tmp_path):
     assert remote.select(columns).to_pylist() == local.select(columns).to_pylist()
     assert local.column("prompt")[1].as_py() == "<user>hi</user><assistant>[no think]"
     assert len(local.column("completions")[2].as_py()) == 3
+
+
+def test_a_row_truncates_its_prompt(tiny_model_dir, tmp_path):
+    """truncate_prompt_tokens, a row's field or the job's default: the output counts the prompt tokens kept."""
+    long = "one two three four five six seven eight nine ten " * 40
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "cut", "prompt": long, "truncate_prompt_tokens": 6},
+                                              {"id": "fit", "prompt": long * 20, "truncate_prompt_tokens": -1},
+                                              {"id": "whole", "prompt": long},
+                                              {"id": "bad", "prompt": long, "truncate_prompt_tokens": 0}])
+    ok_run(tiny_model_dir, src, tmp_path / "o.parquet", "--max-tokens", "3", "--max-model-len", "256")
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "o.parquet").to_pylist()}
+    assert rows["cut"]["prompt_tokens"] == 6 and rows["cut"]["error"] is None
+    assert rows["fit"]["prompt_tokens"] == 256 - 3 and rows["fit"]["completion_tokens"] == 3
+    assert rows["whole"]["prompt_tokens"] > 6 and rows["whole"]["prompt"] == rows["cut"]["prompt"] == long
+    assert "truncate_prompt_tokens=0" in rows["bad"]["error"]

@@ -208,3 +208,24 @@ def test_n_beyond_max_num_seqs_still_prefills_each_prompt_once(tiny_model_dir):
     counts = np.bincount(computed, minlength=max(lengths))
     short = min(lengths)
     assert all(counts[:short - 1] == 2) and counts[short - 1] == 8 + (lengths[0] != lengths[1])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_model_dir):
+    """The prompt's last N tokens run as if they were the prompt (greedy: the same tokens and logprobs); -1 keeps as
+    many as leave max_tokens room under the length limit; a prompt over the limit runs once truncated."""
+    llm = llm_for(tiny_model_dir)
+    ids = llm.get_tokenizer().encode(PROMPT * 4)
+    greedy = dict(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)
+    cut = llm.generate(PROMPT * 4, SamplingParams(truncate_prompt_tokens=7, **greedy))[0]
+    alone = llm.generate({"prompt_token_ids": ids[-7:]}, SamplingParams(**greedy))[0]
+    assert cut.prompt_token_ids == ids[-7:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert cut.outputs[0].logprobs == alone.outputs[0].logprobs
+    limit = llm.llm_engine.model_config.max_model_len
+    long = {"prompt_token_ids": (ids * (limit // len(ids) + 2))[:limit + 9]}
+    with pytest.raises(ValueError, match="the limit is"):
+        llm.generate(long, SamplingParams(**greedy))
+    out = llm.generate(long, SamplingParams(truncate_prompt_tokens=-1, **greedy))[0]
+    assert len(out.prompt_token_ids) == limit - 5 and len(out.outputs[0].token_ids) == 5
+    assert out.prompt_token_ids == long["prompt_token_ids"][-(limit - 5):]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=0"):
+        SamplingParams(truncate_prompt_tokens=0)

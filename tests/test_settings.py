@@ -27,7 +27,7 @@ def test_every_sampling_field_is_declared_and_reaches_rows_flags_and_job_files()
         assert s.name not in SAMPLING_FLAGS or s.name in params, s.name
         assert f"sampling.{s.name}" in JOB_FILE_KEYS, s.name
     assert readers.INT_FIELDS == ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs",
-                                  "prompt_logprobs_start")
+                                  "prompt_logprobs_start", "truncate_prompt_tokens")
 
 
 @pytest.mark.parametrize("fields,message", [

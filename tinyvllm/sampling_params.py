@@ -152,6 +152,10 @@ class SamplingParams:
     # choices).
     prompt_logprobs_start: int = setting(0, "prompt logprobs only from this prompt token on (the earlier entries "
                                          "None)", low=0, high=INT32_MAX, per_row=True)
+    truncate_prompt_tokens: int | None = setting(None, "keep only the prompt's last N tokens (after its chat "
+                                                 "template); -1: as many as fit with max_tokens (with max_tokens "
+                                                 "unset: one token to generate)", low=-1, high=INT32_MAX,
+                                                 per_row=True)
     detokenize: bool = setting(True, "false: token ids only, the text stays empty (no stop strings then)",
                                flag="--detokenize/--no-detokenize", per_row=True)
     skip_special_tokens: bool = setting(True, "leave special tokens (e.g. <|im_end|>) out of the text",
@@ -188,6 +192,8 @@ class SamplingParams:
         check_settings(self)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"invalid min_tokens={self.min_tokens}: must be <= max_tokens ({self.max_tokens})")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("invalid truncate_prompt_tokens=0: must be >= 1, or -1 (the length limit)")
         if self.stop and not self.detokenize:
             raise ValueError("invalid detokenize=False: stop strings need the text: pass detokenize=True or "
                              "stop_token_ids")

@@ -75,6 +75,9 @@ class RequestAdmission:
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = self._prompt_token_ids(prompt, templated)
+            if params.truncate_prompt_tokens is not None:  # the last tokens; -1: as many as leave max_tokens room
+                keep = params.truncate_prompt_tokens
+                token_ids = token_ids[-(max(1, self.max_seq_len - (params.max_tokens or 1)) if keep == -1 else keep):]
         except ValueError as exc:
             return _rejected(request_id, text, [], metrics, str(exc) or type(exc).__name__)
         try:

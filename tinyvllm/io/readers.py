@@ -73,7 +73,6 @@ UNSUPPORTED_FIELDS = {
     "suffix": "no fill-in-the-middle",
     "chat_template": "one template per job: --chat-template",
     "logits_processors": "custom logits processors are not supported",
-    "truncate_prompt_tokens": "prompts are never truncated",
     "modalities": "text only",
     "audio": "text only",
     "prediction": "no predicted outputs",
