@@ -102,6 +102,9 @@ def test_generate_raises_for_a_request_it_cannot_serve_and_leaves_the_engine_emp
     assert llm.generate("ok", GREEDY)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="lora_request"):
         llm.generate("ok", GREEDY, lora_request=object())
+    assert llm.generate("ok", GREEDY, priority=None)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="^priority: tinyvllm schedules first come, first served"):
+        llm.generate("ok", GREEDY, priority=[1])
 
 
 def test_prompt_types(tiny_model_dir):

@@ -116,11 +116,15 @@ class LLM:
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = False, lora_request: object = None, *,
-                 error_outputs: bool = False) -> list[RequestOutput]:
+                 error_outputs: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt (text, a list of token ids, a TextPrompt or a TokensPrompt); outputs in input order.
 
         A request that cannot be served (a prompt too long, empty, or outside the vocabulary) raises ValueError
-        before anything runs; with error_outputs=True it comes back as an output with `error` set instead."""
+        before anything runs; with error_outputs=True it comes back as an output with `error` set instead.
+        `priority` (vLLM's, for its priority scheduling) must stay None: requests run first come, first served."""
+        if priority is not None:
+            raise ValueError("priority: tinyvllm schedules first come, first served (vLLM too, unless its "
+                             "scheduling_policy is 'priority')")
         return self._run(_as_prompt_list(prompts), sampling_params, False, use_tqdm, lora_request, error_outputs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
