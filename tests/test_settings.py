@@ -47,6 +47,9 @@ def test_every_sampling_field_is_declared_and_reaches_rows_flags_and_job_files()
     ({"spaces_between_special_tokens": "no"}, "invalid spaces_between_special_tokens='no': must be true or false"),
     ({"temperature": 10**400}, "must be a number"),
     ({"min_tokens": 5, "max_tokens": 4}, "invalid min_tokens=5: must be <= max_tokens (4)"),
+    ({"truncate_prompt_tokens": -2}, "invalid truncate_prompt_tokens=-2: must be >= -1"),
+    ({"truncate_prompt_tokens": 0}, "invalid truncate_prompt_tokens=0: must be >= 1, or -1"),
+    ({"truncate_prompt_tokens": "5"}, "invalid truncate_prompt_tokens='5'"),
 ])
 def test_sampling_checks_come_from_the_declarations(fields, message):
     with pytest.raises(ValueError) as e:

@@ -101,3 +101,13 @@ def test_openai_output_names_tokens_by_text_or_id(tiny_model_dir, tmp_path):
     assert all(c["bytes"] is None for c in chat["logprobs"]["content"])
     assert by_id["text"]["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}"
                                                                   for t in by_id["text"]["choices"][0]["token_ids"]]
+
+
+def test_return_tokens_as_token_ids_is_a_bool(tmp_path):
+    from tinyvllm.errors import JobUsageError
+    from tinyvllm.jobs.file import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text('input = "in.jsonl"\noutput = "out.jsonl"\nreturn_tokens_as_token_ids = "yes"\n')
+    with pytest.raises(JobUsageError, match="return_tokens_as_token_ids = 'yes' has the wrong type"):
+        load_job_file(job, {}, {})
